@@ -1,0 +1,23 @@
+"""Merak: automatic 3D parallelism (data x tensor x pipeline) for PyTorch and HF models."""
+
+from merak.distributed.parallel_context import ParallelContext, get_context, init
+from merak.pipeline.actions import Action, ActionKind, Schedule
+from merak.pipeline.hooks import InstructionHook
+from merak.pipeline.interpreter import PipelineInterpreter
+from merak.pipeline.p2p import P2PTimeoutError
+from merak.pipeline.schedules import SCHEDULES, make_schedule
+from merak.pipeline.simulator import CostModel, ScheduleError, SimulationResult, simulate
+from merak.pipeline.split import Piece, PipelineSplit, TiedWeight, manual_split
+from merak.pipeline.stage import PipelineStage
+from merak.pipeline.timeline import TimelineRecorder
+from merak.pipeline.validate import validate_schedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action", "ActionKind", "CostModel", "InstructionHook", "P2PTimeoutError",
+    "ParallelContext", "Piece", "PipelineInterpreter", "PipelineSplit", "PipelineStage",
+    "SCHEDULES", "Schedule", "ScheduleError", "SimulationResult", "TiedWeight",
+    "TimelineRecorder", "get_context", "init", "make_schedule", "manual_split", "simulate",
+    "validate_schedule",
+]

@@ -1,0 +1,1 @@
+"""Data parallelism: gradient averaging over the dp axis."""

@@ -1,0 +1,236 @@
+"""The one pipeline interpreter: runs a stage's action list on its stage module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from merak.data_parallel.grad_sync import (GradientAverager, finish_all_reduce,
+                                            launch_all_reduce)
+from merak.distributed.parallel_context import ParallelContext
+from merak.pipeline.actions import COMPUTE_KINDS, RECV_KINDS, Action, ActionKind, Schedule
+from merak.pipeline.hooks import InstructionHook
+from merak.pipeline.p2p import Pending, StageComm
+from merak.pipeline.schedules import make_schedule
+from merak.pipeline.split import ValueKey
+from merak.pipeline.stage import PipelineStage
+from merak.pipeline.validate import validate_schedule
+
+K = ActionKind
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int,
+                       keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """Cut each of `keys` of `batch` along dim 0 into `num_microbatches` equal parts."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(f"the batch lacks {missing}, which this stage reads; it has "
+                         f"{sorted(batch)}")
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_microbatches)]
+    for key in keys:
+        tensor = batch[key]
+        if tensor.shape[0] % num_microbatches:
+            raise ValueError(f"batch[{key!r}] has {tensor.shape[0]} rows, which do not split "
+                             f"into {num_microbatches} equal micro-batches; make the per-rank "
+                             f"batch size a multiple of the number of micro-batches")
+        for mb, chunk in enumerate(tensor.chunk(num_microbatches)):
+            parts[mb][key] = chunk
+    return parts
+
+
+@dataclass
+class _MicroBatchState:
+    inputs: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+
+
+class PipelineInterpreter:
+    """Executes one stage's schedule, one training step per `train_step()` call.
+
+    Args:
+        stage: this rank's stage module (`PipelineStage`).
+        ctx: the parallel context; ``ctx.stage_id`` must equal ``stage.stage_id``.
+        optimizer: built over ``stage.parameters()``.
+        num_microbatches: micro-batches per step (gradient accumulation steps).
+        schedule: a name in `merak.pipeline.schedules.SCHEDULES` or explicit action lists.
+        hooks: `InstructionHook`s called around every action.
+        p2p_timeout_s: longest wait on one point-to-point transfer before failing.
+        bucket_bytes: dp all-reduce bucket size.
+    """
+
+    def __init__(self, stage: PipelineStage, ctx: ParallelContext,
+                 optimizer: torch.optim.Optimizer, num_microbatches: int,
+                 schedule: str | Schedule = "1f1b", hooks: Sequence[InstructionHook] = (),
+                 p2p_timeout_s: float = 300.0, bucket_bytes: int = 25 * 2**20):
+        split = stage.split
+        if split.num_stages != ctx.pp:
+            raise ValueError(f"the split has {split.num_stages} stages but pp={ctx.pp}")
+        if stage.stage_id != ctx.stage_id:
+            raise ValueError(f"stage {stage.stage_id} given to rank {ctx.rank}, which runs "
+                             f"stage {ctx.stage_id}")
+        if isinstance(schedule, str):
+            schedule = make_schedule(schedule, split.num_stages, num_microbatches)
+        validate_schedule(schedule, num_microbatches, edges=split.edges or None)
+        self.stage, self.ctx, self.optimizer = stage, ctx, optimizer
+        self.split = split
+        self.num_microbatches = num_microbatches
+        self.actions: list[Action] = schedule[ctx.stage_id]
+        self.hooks = list(hooks)
+        self.comm = StageComm(ctx, split, ctx.stage_id, p2p_timeout_s)
+        self.batch_keys = split.batch_inputs(ctx.stage_id)
+        self.grad_averager = GradientAverager(stage.parameters(), ctx.dp_group, bucket_bytes)
+        self._tied = self._build_tied_groups()
+        self.global_step = 0
+        self._handlers: dict[ActionKind, Callable[[int | None], None]] = {
+            K.LOAD: self._load, K.FORWARD: self._forward, K.BACKWARD: self._backward,
+            K.SEND_ACT: self._send_act, K.RECV_ACT: self._recv_act,
+            K.SEND_GRAD: self._send_grad, K.RECV_GRAD: self._recv_grad,
+            K.REDUCE_TIED_GRADS: self._reduce_tied_grads, K.REDUCE_GRADS: self._reduce_grads,
+            K.OPTIMIZER_STEP: self._optimizer_step,
+        }
+
+    def _build_tied_groups(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
+        """One process group per set of stages sharing weights, per (dp, tp) coordinate.
+
+        Every rank creates every group in the same order (torch.distributed requires it)."""
+        ctx = self.ctx
+        params = dict(self.stage.named_parameters())
+        by_stages: dict[tuple[int, ...], list[str]] = {}
+        for tied in self.split.tied_weights:
+            names = by_stages.setdefault(tied.stages, [])
+            names += [n for s, n in tied.names if s == ctx.stage_id]
+        groups = []
+        for stages, names in by_stages.items():
+            for dp_rank in range(ctx.dp):
+                for tp_rank in range(ctx.tp):
+                    ranks = [ctx.rank_of(pp_rank=s, dp_rank=dp_rank, tp_rank=tp_rank)
+                             for s in stages]
+                    group = dist.new_group(ranks)
+                    if ctx.rank in ranks:
+                        groups.append((group, [params[n] for n in names]))
+        return groups
+
+    # -- the step -----------------------------------------------------------------------------
+    def train_step(self, batch: dict[str, torch.Tensor] | None) -> float:
+        """Run one optimizer step over `batch` (this dp rank's share of the global batch).
+
+        Stages that read no batch input may pass None. Returns the step's loss (mean over
+        micro-batches and dp ranks), on every rank.
+        """
+        if self.batch_keys and batch is None:
+            raise ValueError(f"stage {self.ctx.stage_id} reads {self.batch_keys} from the "
+                             f"batch but got batch=None")
+        self._microbatches = split_microbatches(batch or {}, self.num_microbatches,
+                                                self.batch_keys)
+        self._state = [_MicroBatchState() for _ in range(self.num_microbatches)]
+        self._pending: dict[Action, Pending] = {}
+        self._losses: list[torch.Tensor] = []
+        self.comm.start_step()
+        for hook in self.hooks:
+            hook.on_step_begin(self.global_step)
+        for index, action in enumerate(self.actions):
+            if action.kind in COMPUTE_KINDS:
+                self._prefetch_receives(index)
+            for hook in self.hooks:
+                hook.on_instruction_begin(action.name, action)
+            self._handlers[action.kind](action.microbatch_id)
+            for hook in self.hooks:
+                hook.on_instruction_end(action.name, action)
+        self.comm.finish_step()
+        loss = self._step_loss()
+        for hook in self.hooks:
+            hook.on_step_end(self.global_step)
+        self.global_step += 1
+        self._state = []
+        return loss
+
+    def _prefetch_receives(self, index: int) -> None:
+        """Post the receives between this compute action and the next, so their data arrives
+        while this one computes. Receives whose shapes are not known yet wait until reached."""
+        for action in self.actions[index + 1:]:
+            if action.kind in COMPUTE_KINDS:
+                return
+            if action.kind in RECV_KINDS and action not in self._pending:
+                if not self.comm.shapes_known(action.kind):
+                    return
+                self._pending[action] = self._post_receive(action)
+
+    def _post_receive(self, action: Action) -> Pending:
+        if action.kind is K.RECV_ACT:
+            return self.comm.post_recv_activations(action.microbatch_id)
+        return self.comm.post_recv_gradients(action.microbatch_id)
+
+    def _step_loss(self) -> float:
+        ctx = self.ctx
+        local = torch.zeros(1, dtype=torch.float64)
+        if self._losses and ctx.tp_rank == 0:
+            local += torch.stack(self._losses).double().mean().cpu()
+        if ctx.world_size > 1:
+            dist.all_reduce(local)
+        return local.item() / ctx.dp
+
+    # -- handlers -----------------------------------------------------------------------------
+    def _load(self, mb: int) -> None:
+        self._state[mb].inputs.update(
+            {(name, -1): tensor for name, tensor in self._microbatches[mb].items()})
+
+    def _recv_act(self, mb: int) -> None:
+        action = Action(K.RECV_ACT, mb)
+        pending = self._pending.pop(action, None) or self._post_receive(action)
+        self._state[mb].inputs.update(self.comm.unpack_activations(pending.wait(self.comm)))
+
+    def _forward(self, mb: int) -> None:
+        state = self._state[mb]
+        values = self.stage(state.inputs)
+        if self.ctx.is_last_stage:
+            state.loss = values[self.split.output_key]
+            if state.loss.numel() != 1:
+                raise ValueError(f"the split's output {self.split.output!r} must be a scalar "
+                                 f"loss, got shape {tuple(state.loss.shape)}")
+            self._losses.append(state.loss.detach())
+        keys = {k for keys in self.comm.send_plan.values() for k in keys}
+        state.outputs = {k: values[k] for k in keys}
+
+    def _send_act(self, mb: int) -> None:
+        self.comm.send_activations(mb, self._state[mb].outputs)
+
+    def _recv_grad(self, mb: int) -> None:
+        action = Action(K.RECV_GRAD, mb)
+        pending = self._pending.pop(action, None) or self._post_receive(action)
+        self._state[mb].output_grads = self.comm.unpack_gradients(pending.wait(self.comm))
+
+    def _backward(self, mb: int) -> None:
+        state = self._state[mb]
+        if state.loss is not None:
+            roots, grads = [state.loss / self.num_microbatches], [None]
+        else:
+            keys = list(state.output_grads)
+            roots = [state.outputs[k] for k in keys]
+            grads = [state.output_grads[k] for k in keys]
+        if roots:
+            torch.autograd.backward(roots, grads)
+        state.input_grads = {
+            key: (value.grad if value.grad is not None else torch.zeros_like(value))
+            for key, value in state.inputs.items() if key[1] >= 0 and value.requires_grad}
+        state.inputs, state.outputs, state.output_grads, state.loss = {}, {}, {}, None
+
+    def _send_grad(self, mb: int) -> None:
+        self.comm.send_gradients(mb, self._state[mb].input_grads)
+        self._state[mb].input_grads = {}
+
+    def _reduce_tied_grads(self, _: None) -> None:
+        for group, params in self._tied:
+            finish_all_reduce(params, *launch_all_reduce(params, group))
+
+    def _reduce_grads(self, _: None) -> None:
+        self.grad_averager.average()
+
+    def _optimizer_step(self, _: None) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
