@@ -88,6 +88,12 @@ class GPT(nn.Module):
             self.head.lm_head.weight = self.embed.wte.weight
         self.apply(_init_weights)
 
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden, labels)
+
 
 def _init_weights(module: nn.Module) -> None:
     """GPT-2's initialization: N(0, 0.02) weights, zero biases."""
@@ -95,12 +101,6 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(input_ids)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return self.head(hidden, labels)
 
 
 def gpt_pieces(model: GPT) -> list[Piece]:

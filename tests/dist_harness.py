@@ -1,0 +1,51 @@
+"""Run a worker script under torchrun once per test module and collect per-scenario results.
+
+Each rank of the worker writes ``rank{r}.json``: ``{scenario: error text or null}``. A scenario
+passes when it passed on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(worker: str, nproc: int, out_dir: Path, timeout_s: int = 900,
+           args: list[str] = ()) -> tuple[dict[str, list[str]], str]:
+    """Run ``workers/<worker>`` on `nproc` ranks. Returns (scenario -> errors, launcher output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", str(WORKERS / worker), "--out", str(out_dir), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    output = proc.stdout + proc.stderr
+    results: dict[str, list[str]] = {}
+    for rank in range(nproc):
+        path = out_dir / f"rank{rank}.json"
+        if not path.exists():
+            continue
+        for scenario, error in json.loads(path.read_text()).items():
+            results.setdefault(scenario, [])
+            if error is not None:
+                results[scenario].append(f"rank {rank}: {error}")
+    return results, output
+
+
+def check(results: dict[str, list[str]], output: str, scenario: str) -> None:
+    """Fail the calling test with every rank's error for `scenario`."""
+    if scenario not in results:
+        raise AssertionError(f"scenario {scenario!r} did not report (the launch crashed?)\n"
+                             f"{output[-6000:]}")
+    if results[scenario]:
+        raise AssertionError("\n".join(results[scenario]))

@@ -1,0 +1,36 @@
+"""Pipeline x data parallel training equals a single-process reference (CPU, gloo).
+
+One torchrun launch per world size (2, 4, 8 ranks) runs every scenario of that size; see
+workers/pipeline_parity.py. Covered: pp in {2, 4} x dp in {1, 2} x {ds_default, 1f1b}, on a GPT
+whose tied embedding/head sit on the first and last stage and on a model sending two tensors
+between stages plus a skip connection (stage 0 -> 2); 3 SGD steps, losses, every gradient and
+the final parameters compared. Plus the p2p timeout error and `init`'s positional order.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dist_harness import check, launch
+from pipeline_parity import scenario_names
+
+WORLD_SIZES = (2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    cache = {}
+
+    def get(world_size: int):
+        if world_size not in cache:
+            cache[world_size] = launch("pipeline_parity.py", world_size,
+                                       tmp_path_factory.mktemp(f"world{world_size}"))
+        return cache[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("world_size,scenario",
+                         [(w, s) for w in WORLD_SIZES for s in scenario_names(w)])
+def test_scenario(launches, world_size, scenario):
+    results, output = launches(world_size)
+    check(results, output, scenario)

@@ -1,0 +1,47 @@
+"""Shared by the distributed test workers: scenario registry, result files, references."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import merak
+
+Scenario = Callable[[], None]
+
+
+def run_scenarios(scenarios: dict[str, Scenario]) -> None:
+    """Run every scenario on this rank, recording failures; ranks meet at a barrier between."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default=None, help="comma-separated scenario names")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    merak.init(dp=1, tp=1, pp=dist.get_world_size() if dist.is_initialized() else
+               int(__import__("os").environ["WORLD_SIZE"]), timeout=180)
+    rank = dist.get_rank()
+    only = set(args.only.split(",")) if args.only else None
+    results: dict[str, str | None] = {}
+    path = Path(args.out) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for name, scenario in scenarios.items():
+        if only and name not in only:
+            continue
+        try:
+            scenario()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - every failure is reported to pytest
+            results[name] = traceback.format_exc(limit=6)
+        path.write_text(json.dumps(results, indent=1))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")

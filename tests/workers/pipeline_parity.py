@@ -1,0 +1,145 @@
+"""Pipeline x data parallel runs against a single-process reference (see test_pipeline_parity)."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+from common import assert_close, run_scenarios
+from models import SKIP_LAYOUT, build, global_batch
+
+import merak
+
+NUM_STEPS = 3
+NUM_MICROBATCHES = 4
+MICRO_BATCH_SIZE = 2
+LR = 0.1
+
+
+def layouts(world_size: int) -> list[tuple[int, int]]:
+    """(pp, dp) pairs tested on a world of this size."""
+    return {2: [(2, 1)], 4: [(2, 2), (4, 1)], 8: [(4, 2)]}[world_size]
+
+
+def scenario_names(world_size: int) -> list[str]:
+    names = [f"parity-{kind}-pp{pp}-dp{dp}-{schedule}"
+             for pp, dp in layouts(world_size) for kind in ("gpt", "skip")
+             for schedule in ("ds_default", "1f1b")]
+    extra = {2: ["p2p-timeout"], 4: ["context-positional-order"], 8: []}[world_size]
+    return names + extra
+
+
+class GradSnapshot(merak.InstructionHook):
+    def __init__(self, stage):
+        self.stage, self.grads = stage, []
+
+    def on_instruction_begin(self, name, action):
+        if name == "optimizer_step":
+            self.grads.append({n: p.grad.clone() for n, p in self.stage.named_parameters()})
+
+
+def reference(kind: str, global_size: int):
+    """Losses, grads (by every name, tied ones included) and final params of one process."""
+    model, _ = build(kind)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], []
+    for step in range(NUM_STEPS):
+        loss = model(**global_batch(kind, step, global_size))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in params.items()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in params.items()}
+
+
+def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
+    ctx = merak.init(dp=dp, tp=1, pp=pp)
+    model, pieces = build(kind)
+    layout = {"pieces_per_stage": SKIP_LAYOUT[pp]} if kind == "skip" else {"num_stages": pp}
+    split = merak.manual_split(model, pieces, **layout)
+    if kind == "skip" and pp == 4:
+        assert (0, 2) in split.edges and len(split.transfers[(1, 2)]) == 2, split.describe()
+    if kind == "gpt":
+        assert split.tied_weights, "the GPT's tied embedding/head was not detected"
+    stage = merak.PipelineStage(model, split, ctx.stage_id)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    snapshot = GradSnapshot(stage)
+    engine = merak.PipelineInterpreter(stage, ctx, optimizer, NUM_MICROBATCHES,
+                                       schedule=schedule, hooks=[snapshot], p2p_timeout_s=60)
+    rows = NUM_MICROBATCHES * MICRO_BATCH_SIZE
+    losses = []
+    for step in range(NUM_STEPS):
+        full = global_batch(kind, step, rows * dp)
+        batch = {k: v[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows] for k, v in full.items()}
+        losses.append(engine.train_step(batch if engine.batch_keys else None))
+    ref_losses, ref_grads, ref_params = reference(kind, rows * dp)
+    assert_close(torch.tensor(losses), torch.tensor(ref_losses), "losses")
+    assert len(snapshot.grads) == NUM_STEPS
+    for step, grads in enumerate(snapshot.grads):
+        assert grads, f"stage {ctx.stage_id} has no parameters"
+        for name, grad in grads.items():
+            assert_close(grad, ref_grads[step][name], f"step {step} grad of {name}")
+    for name, param in stage.named_parameters():
+        assert_close(param.detach(), ref_params[name], f"parameter {name} after {NUM_STEPS} steps")
+
+
+def p2p_timeout() -> None:
+    """Stage 1 waits for activations stage 0 never sends: it must fail within its timeout."""
+    ctx = merak.init(dp=1, tp=1, pp=2)
+    model, pieces = build("gpt")
+    split = merak.manual_split(model, pieces, num_stages=2)
+    stage = merak.PipelineStage(model, split, ctx.stage_id)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
+                                       2, schedule="1f1b", p2p_timeout_s=2.0)
+    if ctx.stage_id == 0:
+        time.sleep(8.0)  # alive but silent
+        return
+    start = time.perf_counter()
+    try:
+        engine.train_step(global_batch("gpt", 0, 4))
+    except merak.P2PTimeoutError as error:
+        elapsed = time.perf_counter() - start
+        message = str(error)
+        for part in ("rank 1", "stage 1", "rank 0", "stage 0", "recv_act", "micro-batch 0"):
+            assert part in message, f"{part!r} missing from the timeout message: {message}"
+        assert elapsed < 6.0, f"the timeout of 2 s took {elapsed:.1f} s to fire"
+        return
+    raise AssertionError("stage 1 did not time out although stage 0 never sent")
+
+
+def context_positional_order() -> None:
+    ctx = merak.init(2, 1, 2)  # Merak's README order: init(dp, tp, pp)
+    assert (ctx.dp, ctx.tp, ctx.pp) == (2, 1, 2)
+    assert ctx.rank == dist.get_rank()
+    assert ctx.rank == (ctx.pp_rank * 2 + ctx.dp_rank)
+    assert ctx.is_first_stage == (ctx.pp_rank == 0) and ctx.is_last_stage == (ctx.pp_rank == 1)
+    assert dist.get_world_size(ctx.dp_group) == 2 and dist.get_world_size(ctx.pp_group) == 2
+    assert ctx.stage_rank(1 - ctx.stage_id) == ctx.rank_of(pp_rank=1 - ctx.pp_rank)
+    for bad in ({"dp": 3, "tp": 1, "pp": 1}, {"dp": 0, "tp": 4, "pp": 1}):
+        try:
+            merak.init(**bad)
+        except ValueError as error:
+            assert "dp" in str(error), error
+        else:
+            raise AssertionError(f"merak.init(**{bad}) did not raise")
+
+
+def scenarios(world_size: int) -> dict:
+    table = {}
+    for name in scenario_names(world_size):
+        if name.startswith("parity-"):
+            _, kind, pp, dp, schedule = name.split("-")
+            table[name] = functools.partial(parity, kind, int(pp[2:]), int(dp[2:]), schedule)
+    table["p2p-timeout"] = p2p_timeout
+    table["context-positional-order"] = context_positional_order
+    return {n: table[n] for n in scenario_names(world_size)}
+
+
+if __name__ == "__main__":
+    import os
+
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))
