@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps-per-round", type=int, default=3)
     return parser.parse_args()
 
@@ -81,14 +81,16 @@ def main() -> None:
     ids = torch.randint(0, 256, (batch_size, args.seq_len + 1), generator=generator)
     batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
-    ours_model = build_model(args)
-    pieces_per_stage = [1 + cut, args.layers - cut + 1]  # embed + first half | rest + head
-    split = merak.manual_split(ours_model, gpt_pieces(ours_model),
-                               pieces_per_stage=pieces_per_stage)
-    ours_stage = merak.PipelineStage(ours_model, split, ctx.stage_id)
-    ours = merak.PipelineInterpreter(ours_stage, ctx,
-                                     torch.optim.AdamW(ours_stage.parameters(), lr=1e-4),
-                                     args.microbatches, schedule="1f1b")
+    def build_ours(lend_idle_cores: bool) -> merak.PipelineInterpreter:
+        model = build_model(args)
+        pieces_per_stage = [1 + cut, args.layers - cut + 1]  # embed + first half | rest + head
+        split = merak.manual_split(model, gpt_pieces(model), pieces_per_stage=pieces_per_stage)
+        stage = merak.PipelineStage(model, split, ctx.stage_id)
+        return merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters(), lr=1e-4),
+                                         args.microbatches, schedule="1f1b",
+                                         lend_idle_cores=lend_idle_cores)
+
+    ours, ours_plain = build_ours(True), build_ours(False)
     ours_batch = {k: batch[k] for k in ours.batch_keys}
 
     torch_model = build_model(args)
@@ -100,6 +102,9 @@ def main() -> None:
     def step_ours():
         ours.train_step(ours_batch)
 
+    def step_ours_plain():
+        ours_plain.train_step(ours_batch)
+
     def step_torch():
         if ctx.stage_id == 0:
             torch_schedule.step(batch["input_ids"])
@@ -109,12 +114,13 @@ def main() -> None:
         torch_optimizer.zero_grad(set_to_none=True)
 
     tokens = batch_size * args.seq_len
-    rates: dict[str, list[float]] = {"ours": [], "torch": []}
-    for step in (step_ours, step_torch):  # warm-up (torch infers shapes on its first step)
+    variants = (("ours", step_ours), ("ours_plain", step_ours_plain), ("torch", step_torch))
+    rates: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for _, step in variants:  # warm-up (torch infers shapes on its first step)
         step()
         step()
     for _ in range(args.rounds):
-        for name, step in (("ours", step_ours), ("torch", step_torch)):
+        for name, step in variants:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps_per_round):
@@ -122,10 +128,13 @@ def main() -> None:
             dist.barrier()
             rates[name].append(tokens * args.steps_per_round / (time.perf_counter() - start))
     if ctx.rank == 0:
-        ours_rate, torch_rate = (statistics.median(rates[k]) for k in ("ours", "torch"))
+        ours_rate, plain_rate, torch_rate = (statistics.median(rates[name])
+                                             for name, _ in variants)
         print(f"GPT-2-style: hidden {args.hidden}, {args.layers} layers, seq {args.seq_len}, "
               f"2 stages, {args.microbatches} micro-batches of {args.micro_batch_size}")
         print(f"merak 1f1b            {ours_rate:10.0f} tokens/s")
+        print(f"merak 1f1b, no core lending {plain_rate:10.0f} tokens/s "
+              f"(ratio to torch {plain_rate / torch_rate:.3f})")
         print(f"torch Schedule1F1B    {torch_rate:10.0f} tokens/s")
         print(f"ratio merak / torch   {ours_rate / torch_rate:10.3f}   (target >= 1.05)")
     dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from merak.data_parallel.grad_sync import (GradientAverager, finish_all_reduce,
                                             launch_all_reduce)
 from merak.distributed.parallel_context import ParallelContext
 from merak.pipeline.actions import COMPUTE_KINDS, RECV_KINDS, Action, ActionKind, Schedule
+from merak.pipeline.cpu_threads import IdleCoreLending
 from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.p2p import Pending, StageComm
 from merak.pipeline.schedules import make_schedule
@@ -62,12 +64,15 @@ class PipelineInterpreter:
         hooks: `InstructionHook`s called around every action.
         p2p_timeout_s: longest wait on one point-to-point transfer before failing.
         bucket_bytes: dp all-reduce bucket size.
+        lend_idle_cores: on CPU with every rank on one host, give compute actions that the
+            schedule runs alone the cores of the stages idling meanwhile (`IdleCoreLending`).
     """
 
     def __init__(self, stage: PipelineStage, ctx: ParallelContext,
                  optimizer: torch.optim.Optimizer, num_microbatches: int,
                  schedule: str | Schedule = "1f1b", hooks: Sequence[InstructionHook] = (),
-                 p2p_timeout_s: float = 300.0, bucket_bytes: int = 25 * 2**20):
+                 p2p_timeout_s: float = 300.0, bucket_bytes: int = 25 * 2**20,
+                 lend_idle_cores: bool = True):
         split = stage.split
         if split.num_stages != ctx.pp:
             raise ValueError(f"the split has {split.num_stages} stages but pp={ctx.pp}")
@@ -82,6 +87,10 @@ class PipelineInterpreter:
         self.num_microbatches = num_microbatches
         self.actions: list[Action] = schedule[ctx.stage_id]
         self.hooks = list(hooks)
+        single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == str(ctx.world_size)
+        if lend_idle_cores and ctx.device.type == "cpu" and single_host and ctx.pp > 1:
+            self.hooks.insert(0, IdleCoreLending(schedule, ctx.stage_id, ctx.dp * ctx.tp,
+                                                 split.edges))
         self.comm = StageComm(ctx, split, ctx.stage_id, p2p_timeout_s)
         self.batch_keys = split.batch_inputs(ctx.stage_id)
         self.grad_averager = GradientAverager(stage.parameters(), ctx.dp_group, bucket_bytes)

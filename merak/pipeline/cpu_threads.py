@@ -1,0 +1,63 @@
+"""Lend idle cores to the stage that computes alone (CPU training on one host).
+
+Ranks on one machine share its cores, so each gets ``cores // local_ranks`` intra-op threads.
+In a pipeline's warm-up and drain, and while one stage waits for another's backward, only some
+stages compute: their neighbours' cores sit idle. The schedule is data, so the simulator says
+ahead of time which compute actions run alone; this hook gives those actions the idle cores too
+and restores the share afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from merak.pipeline.actions import COMPUTE_KINDS, Action, Schedule
+from merak.pipeline.hooks import InstructionHook
+from merak.pipeline.simulator import CostModel, Edge, simulate
+
+
+def concurrent_stages(schedule: Schedule, edges: frozenset[Edge] | None,
+                      costs: CostModel | None = None) -> dict[tuple[int, Action], int]:
+    """For each compute action, how many stages compute while it runs (itself included)."""
+    events = [e for e in simulate(schedule, costs, edges).events if e.action.kind in COMPUTE_KINDS]
+    counts = {}
+    for e in events:
+        others = {o.stage_id for o in events
+                  if o.stage_id != e.stage_id and o.start < e.end - 1e-9 and e.start < o.end - 1e-9}
+        counts[(e.stage_id, e.action)] = 1 + len(others)
+    return counts
+
+
+class IdleCoreLending(InstructionHook):
+    """Sets intra-op threads per compute action from the simulated concurrency of `schedule`.
+
+    Args:
+        schedule: the action lists every stage runs.
+        stage_id: this rank's stage.
+        ranks_per_stage: ranks running each stage at once (dp * tp).
+        cores: cores of this host; default `os.cpu_count()`.
+        local_ranks: ranks on this host; default LOCAL_WORLD_SIZE.
+    """
+
+    def __init__(self, schedule: Schedule, stage_id: int, ranks_per_stage: int,
+                 edges: frozenset[Edge] | None = None, cores: int | None = None,
+                 local_ranks: int | None = None):
+        cores = cores or os.cpu_count() or 1
+        local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.base_threads = max(1, cores // local_ranks)
+        self.threads: dict[Action, int] = {}
+        for (stage, action), count in concurrent_stages(schedule, edges).items():
+            threads = max(1, cores // (count * ranks_per_stage))
+            if stage == stage_id and threads > self.base_threads:
+                self.threads[action] = threads
+        torch.set_num_threads(self.base_threads)
+
+    def on_instruction_begin(self, name: str, action: Action) -> None:
+        if action in self.threads:
+            torch.set_num_threads(self.threads[action])
+
+    def on_instruction_end(self, name: str, action: Action) -> None:
+        if action in self.threads:
+            torch.set_num_threads(self.base_threads)
