@@ -106,3 +106,15 @@ def test_cli_prints_the_closed_form_bubble(tmp_path):
     assert "bubble (mean)       0.2727" in out
     assert (tmp_path / "t.png").stat().st_size > 1000
     assert '"traceEvents"' in (tmp_path / "t.json").read_text()
+
+
+def test_idle_core_plan_finds_the_solo_actions():
+    from merak.pipeline.cpu_threads import IdleCoreLending, concurrent_stages
+
+    counts = concurrent_stages(make_schedule("1f1b", 2, 8), None)
+    solo = sorted((stage, str(action)) for (stage, action), n in counts.items() if n == 1)
+    # warm-up forward on stage 0, first backward on stage 1 (stage 0 waits), drain on stage 0
+    assert solo == [(0, "backward[7]"), (0, "forward[0]"), (1, "backward[0]")]
+    hook = IdleCoreLending(make_schedule("1f1b", 2, 8), 1, ranks_per_stage=1, cores=2,
+                           local_ranks=2)
+    assert hook.base_threads == 1 and hook.threads == {Action(K.BACKWARD, 0): 2}

@@ -147,6 +147,10 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None, *,
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     if dist.is_initialized():
+        if backend is not None and backend != dist.get_backend():
+            raise ValueError(f"merak.init: backend={backend!r} was asked for, but torch.distributed "
+                             f"is already initialized with {dist.get_backend()!r}; drop the "
+                             f"backend argument or initialize with {backend!r}")
         backend = dist.get_backend()
     else:
         if backend is None:

@@ -39,6 +39,8 @@ class IdleCoreLending(InstructionHook):
         ranks_per_stage: ranks running each stage at once (dp * tp).
         cores: cores of this host; default `os.cpu_count()`.
         local_ranks: ranks on this host; default LOCAL_WORLD_SIZE.
+
+    Construction sets this process's intra-op threads to its share, ``cores // local_ranks``.
     """
 
     def __init__(self, schedule: Schedule, stage_id: int, ranks_per_stage: int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +24,7 @@ def run_scenarios(scenarios: dict[str, Scenario]) -> None:
     parser.add_argument("--only", default=None, help="comma-separated scenario names")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    merak.init(dp=1, tp=1, pp=dist.get_world_size() if dist.is_initialized() else
-               int(__import__("os").environ["WORLD_SIZE"]), timeout=180)
+    merak.init(dp=1, tp=1, pp=int(os.environ["WORLD_SIZE"]), timeout=180)
     rank = dist.get_rank()
     only = set(args.only.split(",")) if args.only else None
     results: dict[str, str | None] = {}

@@ -69,7 +69,8 @@ def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     snapshot = GradSnapshot(stage)
     engine = merak.PipelineInterpreter(stage, ctx, optimizer, NUM_MICROBATCHES,
-                                       schedule=schedule, hooks=[snapshot], p2p_timeout_s=60)
+                                       schedule=schedule, hooks=[snapshot], p2p_timeout_s=60,
+                                       bucket_bytes=16 * 1024)  # several dp buckets
     rows = NUM_MICROBATCHES * MICRO_BATCH_SIZE
     losses = []
     for step in range(NUM_STEPS):
@@ -119,6 +120,12 @@ def context_positional_order() -> None:
     assert ctx.is_first_stage == (ctx.pp_rank == 0) and ctx.is_last_stage == (ctx.pp_rank == 1)
     assert dist.get_world_size(ctx.dp_group) == 2 and dist.get_world_size(ctx.pp_group) == 2
     assert ctx.stage_rank(1 - ctx.stage_id) == ctx.rank_of(pp_rank=1 - ctx.pp_rank)
+    try:
+        merak.init(2, 1, 2, backend="nccl")
+    except ValueError as error:
+        assert "already initialized with 'gloo'" in str(error), error
+    else:
+        raise AssertionError("a backend different from the running one was silently ignored")
     for bad in ({"dp": 3, "tp": 1, "pp": 1}, {"dp": 0, "tp": 4, "pp": 1}):
         try:
             merak.init(**bad)
