@@ -3,6 +3,5 @@
 import sys
 
 import merak
-from merak import *  # noqa: F401,F403
 
 sys.modules[__name__] = merak

@@ -132,11 +132,11 @@ def main() -> None:
                                              for name, _ in variants)
         print(f"GPT-2-style: hidden {args.hidden}, {args.layers} layers, seq {args.seq_len}, "
               f"2 stages, {args.microbatches} micro-batches of {args.micro_batch_size}")
-        print(f"merak 1f1b            {ours_rate:10.0f} tokens/s")
-        print(f"merak 1f1b, no core lending {plain_rate:10.0f} tokens/s "
+        print(f"merak 1f1b                      {ours_rate:8.0f} tokens/s")
+        print(f"merak 1f1b without core lending {plain_rate:8.0f} tokens/s "
               f"(ratio to torch {plain_rate / torch_rate:.3f})")
-        print(f"torch Schedule1F1B    {torch_rate:10.0f} tokens/s")
-        print(f"ratio merak / torch   {ours_rate / torch_rate:10.3f}   (target >= 1.05)")
+        print(f"torch Schedule1F1B              {torch_rate:8.0f} tokens/s")
+        print(f"ratio merak / torch             {ours_rate / torch_rate:8.3f}   (target >= 1.05)")
     dist.destroy_process_group()
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 import merak
-from merak.data.text import TokenBatches, default_threads, stdlib_source_bytes
+from merak.data.text import TokenBatches, stdlib_source_bytes
 from merak.models.gpt import GPT, GPTConfig, gpt_pieces
+from merak.pipeline.cpu_threads import threads_per_rank
 from merak.pipeline.timeline import gather_events, save_chrome_trace, save_png
 
 
@@ -40,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(default_threads())
+    torch.set_num_threads(threads_per_rank())
     ctx = merak.init(dp=args.dp, tp=1, pp=args.pp)
     log = print if ctx.rank == 0 else (lambda *a, **k: None)
 

@@ -28,7 +28,8 @@ def launch(worker: str, nproc: int, out_dir: Path, timeout_s: int = 900,
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", str(WORKERS / worker), "--out", str(out_dir), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+                          check=False)  # a failed launch still reports per-scenario results
     output = proc.stdout + proc.stderr
     results: dict[str, list[str]] = {}
     for rank in range(nproc):

@@ -6,7 +6,6 @@ shard of every global batch.
 
 from __future__ import annotations
 
-import os
 import sysconfig
 from pathlib import Path
 
@@ -59,8 +58,3 @@ class TokenBatches:
         return {k: v[dp_rank * rows:(dp_rank + 1) * rows]
                 for k, v in self.global_batch(step).items()}
 
-
-def default_threads() -> int:
-    """Threads per rank when several ranks share this machine's cores."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local)

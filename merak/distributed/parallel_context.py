@@ -163,7 +163,7 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None, *,
             f"is {world_size}; choose degrees whose product is {world_size} or launch "
             f"{dp * tp * pp} processes (torchrun --nproc_per_node {dp * tp * pp})")
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

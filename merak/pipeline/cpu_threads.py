@@ -18,6 +18,13 @@ from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.simulator import CostModel, Edge, simulate
 
 
+def threads_per_rank(cores: int | None = None, local_ranks: int | None = None) -> int:
+    """This rank's share of the host's cores (LOCAL_WORLD_SIZE ranks share `os.cpu_count()`)."""
+    cores = cores or os.cpu_count() or 1
+    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // local_ranks)
+
+
 def concurrent_stages(schedule: Schedule, edges: frozenset[Edge] | None,
                       costs: CostModel | None = None) -> dict[tuple[int, Action], int]:
     """For each compute action, how many stages compute while it runs (itself included)."""
@@ -47,8 +54,7 @@ class IdleCoreLending(InstructionHook):
                  edges: frozenset[Edge] | None = None, cores: int | None = None,
                  local_ranks: int | None = None):
         cores = cores or os.cpu_count() or 1
-        local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.base_threads = max(1, cores // local_ranks)
+        self.base_threads = threads_per_rank(cores, local_ranks)
         self.threads: dict[Action, int] = {}
         for (stage, action), count in concurrent_stages(schedule, edges).items():
             threads = max(1, cores // (count * ranks_per_stage))

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from merak.data_parallel.grad_sync import (GradientAverager, finish_all_reduce,
-                                            launch_all_reduce)
+from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
 from merak.distributed.parallel_context import ParallelContext
 from merak.pipeline.actions import COMPUTE_KINDS, RECV_KINDS, Action, ActionKind, Schedule
 from merak.pipeline.cpu_threads import IdleCoreLending

@@ -14,6 +14,7 @@ same object.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,7 +68,7 @@ class PipelineSplit:
             raise ValueError(f"stage_of_piece has {len(self.stage_of_piece)} entries for "
                              f"{len(self.pieces)} pieces")
         stages = list(self.stage_of_piece)
-        if stages[0] != 0 or any(b - a not in (0, 1) for a, b in zip(stages, stages[1:])):
+        if stages[0] != 0 or any(b - a not in (0, 1) for a, b in itertools.pairwise(stages)):
             raise ValueError(f"stages must be contiguous and start at 0 (every stage owning at "
                              f"least one piece), got stage_of_piece={stages}")
         if self.output not in self.pieces[-1].outputs:
