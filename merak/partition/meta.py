@@ -1,0 +1,176 @@
+"""Build models without memory, then materialize one stage exactly as the full model would be.
+
+`init_empty_weights()` puts every parameter created inside it on the meta device (buffers stay
+real, so non-persistent buffers such as rotary ``inv_freq`` keep their values) and records, at
+the ATen level, every in-place write to those parameters and every random draw made during
+construction, with the RNG state it started from.
+
+`materialize_(module)` gives each meta parameter of `module` real storage and replays the record
+from that RNG state: writes to this module's parameters are applied to them, random draws for
+anybody else's are made into a scratch tensor and dropped. The generator therefore advances
+exactly as in an eager build, so a stage gets the values the seeded single-process model has,
+while holding only its own parameters (and one scratch tensor at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_RANDOM_OPS = frozenset({
+    "bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "multinomial",
+    "normal", "normal_", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like",
+    "random_", "randperm", "uniform_",
+})
+_RECORD_ATTR = "_merak_init_record"
+
+
+def _op_name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+@dataclass
+class _Op:
+    func: object
+    target_key: int | None        # storage of the meta tensor written, None for other draws
+    view: tuple | None            # (size, stride, storage_offset, dtype) of the written view
+    args: tuple
+    kwargs: dict
+    random: bool
+
+
+@dataclass
+class InitRecord:
+    """What constructing a model inside `init_empty_weights` did to its parameters."""
+
+    rng_state: torch.Tensor
+    ops: list[_Op] = field(default_factory=list)
+    keepalive: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, record: InitRecord):
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = _op_name(func)
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        writes_meta = (func._schema.is_mutable and target is not None
+                       and target.device.type == "meta")
+        random = name in _RANDOM_OPS
+        if writes_meta or random:
+            if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args[1:]):
+                # e.g. copying one meta parameter into another: its value is unknown here
+                raise NotImplementedError(
+                    f"init_empty_weights cannot replay {func} reading another meta tensor; build "
+                    f"this model without init_empty_weights or load it from a checkpoint")
+            key = view = None
+            if writes_meta:
+                key = _storage_key(target)
+                view = (tuple(target.shape), tuple(target.stride()), target.storage_offset(),
+                        target.dtype)
+                self.record.keepalive.append(target)  # storage ids stay unique while recorded
+            self.record.ops.append(_Op(func, key, view, tuple(args[1:]) if writes_meta else
+                                       tuple(args), dict(kwargs), random))
+        return out
+
+
+@contextlib.contextmanager
+def init_empty_weights() -> Iterator[InitRecord]:
+    """Construct models without parameter memory (parameters on the meta device).
+
+    Example:
+        with merak.init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+    """
+    record = InitRecord(rng_state=torch.get_rng_state())
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        if param is not None:
+            setattr(param, _RECORD_ATTR, record)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        with _Recorder(record):
+            yield record
+    finally:
+        nn.Module.register_parameter = original
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _record_of(module: nn.Module) -> InitRecord | None:
+    for param in module.parameters():
+        record = getattr(param, _RECORD_ATTR, None)
+        if record is not None:
+            return record
+    return None
+
+
+def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
+                 initialize: bool = True) -> list[str]:
+    """Give every meta parameter of `module` real storage on `device`, in place.
+
+    Each meta parameter is replaced, everywhere under `module`, by one real parameter (so
+    parameters tied inside `module` stay tied). With `initialize`, values are those the eager
+    build would have given (see the module docstring); without it they are uninitialized, to be
+    filled from a checkpoint. Returns the materialized parameter names.
+    """
+    device = torch.device(device)
+    meta = {name: p for name, p in module.named_parameters(remove_duplicate=False) if p.is_meta}
+    if not meta:
+        return []
+    record = _record_of(module)
+    if initialize and record is None:
+        raise ValueError("these meta parameters were not built inside merak.init_empty_weights(), "
+                         "so their initial values are unknown; load them from a checkpoint")
+    # Initialize on the CPU, whose generator the eager build draws from, then move.
+    real = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+            for p in meta.values()}
+    if initialize:
+        _replay(record, {_storage_key(p): real[id(p)] for p in meta.values()})
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in real:
+                new = real[id(param)]
+                if device.type != "cpu" and new.device != device:
+                    new.data = new.data.to(device)
+                sub._parameters[name] = new
+    return list(meta)
+
+
+def _replay(record: InitRecord, targets: dict[int, nn.Parameter]) -> None:
+    torch.set_rng_state(record.rng_state)
+    for op in record.ops:
+        param = targets.get(op.target_key) if op.target_key is not None else None
+        if param is not None:
+            size, stride, offset, _ = op.view
+            with torch.no_grad():
+                op.func(param.data.as_strided(size, stride, offset), *op.args, **op.kwargs)
+        elif op.random:
+            if op.view is not None:  # a draw into somebody else's parameter: same numel, dropped
+                size, stride, _, dtype = op.view
+                op.func(torch.empty_strided(size, stride, dtype=dtype), *op.args, **op.kwargs)
+            else:
+                kwargs = dict(op.kwargs)
+                if "device" in kwargs:
+                    kwargs["device"] = "cpu"
+                op.func(*op.args, **kwargs)
