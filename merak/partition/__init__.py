@@ -1,0 +1,1 @@
+"""Automatic pipeline partitioning: meta-device build, tracing, graph sharding, stage assignment."""

@@ -1,0 +1,96 @@
+"""Meta-device build with exact initialization replay, and per-rank safetensors loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig, GPT2Config,
+                          LlamaConfig, T5Config, T5ForConditionalGeneration)
+
+from merak.partition.checkpoint import load_safetensors_
+from merak.partition.meta import init_empty_weights, materialize_
+from merak.pipeline.stage import _attach
+
+CONFIGS = {
+    "llama": lambda: AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)),
+    "gpt2": lambda: AutoModelForCausalLM.from_config(GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)),
+    "bert": lambda: AutoModelForMaskedLM.from_config(BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128)),
+    "t5": lambda: T5ForConditionalGeneration(T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)),
+}
+
+
+def _subset(model: nn.Module, names: list[str]) -> nn.Module:
+    holder = nn.Module()
+    params = dict(model.named_parameters())
+    for i, name in enumerate(names):
+        holder.register_parameter(f"p{i}", params[name])
+    return holder
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_stage_materializes_with_the_eager_values(family):
+    torch.manual_seed(7)
+    reference = CONFIGS[family]()
+    rng_after_build = torch.rand(4)
+    torch.manual_seed(7)
+    with init_empty_weights():
+        model = CONFIGS[family]()
+    assert all(p.is_meta for p in model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    part = names[len(names) // 3: 2 * len(names) // 3]  # a middle "stage"
+    holder = _subset(model, part)
+    assert materialize_(holder)
+    expected = dict(reference.named_parameters())
+    for i, name in enumerate(part):
+        torch.testing.assert_close(getattr(holder, f"p{i}"), expected[name], rtol=0, atol=0,
+                                   msg=lambda m, n=name: f"{family} {n}: {m}")
+    torch.testing.assert_close(torch.rand(4), rng_after_build, rtol=0, atol=0)
+    for name, buffer in model.named_buffers():  # non-persistent buffers (rotary inv_freq) are real
+        torch.testing.assert_close(buffer, dict(reference.named_buffers())[name])
+
+
+def test_materialize_without_record_asks_for_a_checkpoint():
+    with torch.device("meta"):
+        layer = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="checkpoint"):
+        materialize_(layer)
+
+
+@pytest.mark.parametrize("shard", ["10GB", "20KB"])
+def test_load_own_names_from_safetensors(tmp_path, shard):
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    reference.save_pretrained(tmp_path, max_shard_size=shard)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    stage = nn.Module()  # the last "stage": layer 1, final norm, tied head, original names
+    for name in ("model.layers.1", "model.norm", "lm_head"):
+        _attach(stage, name, model.get_submodule(name))
+    materialize_(stage, initialize=False)
+    loaded = load_safetensors_(stage, tmp_path,
+                               aliases={"lm_head.weight": ["model.embed_tokens.weight"]})
+    assert "lm_head.weight" in loaded and "model.layers.1.mlp.up_proj.weight" in loaded
+    expected = reference.state_dict()
+    for name in loaded:
+        torch.testing.assert_close(stage.state_dict()[name], expected[name], rtol=0, atol=0)
+
+
+def test_missing_tensor_and_wrong_shape_are_named(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(2, 3)}, tmp_path / "model.safetensors")
+    layer = nn.Linear(3, 2)
+    with pytest.raises(KeyError, match="bias"):
+        load_safetensors_(layer, tmp_path)
+    with pytest.raises(ValueError, match=r"shape \[2, 3\]"):
+        load_safetensors_(nn.Linear(2, 3, bias=False), tmp_path)
