@@ -1,6 +1,7 @@
 """Merak: automatic 3D parallelism (data x tensor x pipeline) for PyTorch and HF models."""
 
 from merak.distributed.parallel_context import ParallelContext, get_context, init
+from merak.partition.meta import init_empty_weights
 from merak.pipeline.actions import Action, ActionKind, Schedule
 from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.interpreter import PipelineInterpreter
@@ -18,6 +19,6 @@ __all__ = [
     "Action", "ActionKind", "CostModel", "InstructionHook", "P2PTimeoutError",
     "ParallelContext", "Piece", "PipelineInterpreter", "PipelineSplit", "PipelineStage",
     "SCHEDULES", "Schedule", "ScheduleError", "SimulationResult", "TiedWeight",
-    "TimelineRecorder", "get_context", "init", "make_schedule", "manual_split", "simulate",
+    "TimelineRecorder", "get_context", "init", "init_empty_weights", "make_schedule", "manual_split", "simulate",
     "validate_schedule",
 ]

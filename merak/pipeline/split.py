@@ -29,16 +29,21 @@ class Piece:
 
     The module is called as ``module(*[values[n] for n in inputs])`` and returns one tensor for
     a single output, or a tuple/list/dict (HF ModelOutput included) holding every output name.
+    A `flat` piece (a stage graph of `auto_split`) lends its children to the stage root, so its
+    parameters keep the names they have inside it (the original model's names).
     """
 
     module: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    flat: bool = False
 
-    def __init__(self, module: str, inputs: Sequence[str], outputs: Sequence[str]):
+    def __init__(self, module: str, inputs: Sequence[str], outputs: Sequence[str],
+                 flat: bool = False):
         object.__setattr__(self, "module", module)
         object.__setattr__(self, "inputs", tuple(inputs))
         object.__setattr__(self, "outputs", tuple(outputs))
+        object.__setattr__(self, "flat", flat)
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,7 @@ def find_tied_weights(model: nn.Module, pieces: Sequence[Piece],
     for piece, stage in zip(pieces, stage_of_piece):
         module = model.get_submodule(piece.module)
         for local, param in module.named_parameters(remove_duplicate=False):
-            name = f"{piece.module}.{local}" if piece.module else local
+            name = local if piece.flat or not piece.module else f"{piece.module}.{local}"
             owners.setdefault(id(param), {}).setdefault(stage, name)
     return tuple(TiedWeight(tuple(sorted(by_stage.items())))
                  for by_stage in owners.values() if len(by_stage) > 1)

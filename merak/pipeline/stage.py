@@ -51,17 +51,31 @@ class PipelineStage(nn.Module):
         self.split = split
         self.piece_ids = split.piece_ids(stage_id)
         self._piece_names = [split.pieces[i].module for i in self.piece_ids]
-        for name in dict.fromkeys(self._piece_names):
-            if name == "":
+        self._flat: dict[str, nn.Module] = {}  # flat pieces: called directly, not registered
+        for piece in dict.fromkeys(split.pieces[i] for i in self.piece_ids):
+            module = model.get_submodule(piece.module)
+            if piece.flat:
+                self._flat[piece.module] = module
+                for child_name, child in module.named_children():
+                    if child_name in self._modules and self._modules[child_name] is not child:
+                        raise ValueError(f"flat pieces of stage {stage_id} both define "
+                                         f"{child_name!r}; give each stage one flat piece")
+                    self.add_module(child_name, child)
+                if module._parameters:  # constants (buffers) may stay at its root
+                    raise ValueError(f"flat piece {piece.module!r} holds parameters at its root "
+                                     f"({list(module._parameters)}); nest them in a submodule")
+            elif piece.module == "":
                 raise ValueError("a piece cannot be the whole model (module name '')")
-            _attach(self, name, model.get_submodule(name))
+            else:
+                _attach(self, piece.module, module)
 
     def forward(self, values: dict[ValueKey, torch.Tensor]) -> dict[ValueKey, torch.Tensor]:
         """Run every piece in order; returns `values` extended with everything produced."""
         values = dict(values)
         for piece_id, name in zip(self.piece_ids, self._piece_names):
             args = [values[key] for key in self.split.input_keys(piece_id)]
-            result = self.get_submodule(name)(*args)
+            module = self._flat.get(name) or self.get_submodule(name)
+            result = module(*args)
             outputs = _outputs_of(result, self.split.pieces[piece_id].outputs, name)
             values.update(zip(self.split.output_keys(piece_id), outputs))
         return values

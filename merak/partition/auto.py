@@ -1,0 +1,231 @@
+"""`merak.auto_split`: trace a model, cut it into stages, return the same `PipelineSplit` data
+object a manual split gives (plus the stage graphs), ready for `PipelineStage`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from merak.partition import assign
+from merak.partition.graph_rewrite import find_blocks, set_graph_device
+from merak.partition.graph_split import split_model
+from merak.partition.meta import has_meta_parameters
+from merak.pipeline.split import Piece, PipelineSplit, find_tied_weights
+
+TRACE_METHODS = ("export", "fx", "dynamo")
+SPLIT_METHODS = ("farthest_min_deps", "nearest_min_deps", "layer_split")
+
+
+@dataclass(frozen=True)
+class AutoSplit(PipelineSplit):
+    """A `PipelineSplit` whose pieces are one stage graph each, held by `container`.
+
+    Calling it, ``split(**inputs)``, runs every stage in sequence in this process and returns
+    what ``model(**inputs)`` returns (differentiably): for reference checks and debugging.
+    """
+
+    container: nn.Module | None = field(default=None, compare=False, repr=False)
+    blocks_of_stage: tuple[tuple[str, ...], ...] = ()
+    out_spec: Any = field(default=None, compare=False, repr=False)
+    out_names: tuple[str, ...] = ()
+
+    def stage_graph(self, stage_id: int) -> fx.GraphModule:
+        return self.container.get_submodule(self.pieces[stage_id].module)
+
+    def __call__(self, **inputs: torch.Tensor) -> Any:
+        carry: dict[str, torch.Tensor] = {}
+        for stage_id in range(self.num_stages):
+            piece = self.pieces[stage_id]
+            args = [carry[n] if n in carry and n not in inputs else inputs[n] for n in piece.inputs]
+            carry = self.stage_graph(stage_id)(*args)
+        leaves = [carry[name] for name in self.out_names]
+        return pytree.tree_unflatten(leaves, self.out_spec) if self.out_spec else carry
+
+    def describe(self) -> str:
+        lines = []
+        for s in range(self.num_stages):
+            graph = self.stage_graph(s)
+            params = {id(p): p.numel() for p in graph.parameters()}
+            blocks = self.blocks_of_stage[s]
+            span = f"{blocks[0]} .. {blocks[-1]} ({len(blocks)} blocks)" if blocks else "no blocks"
+            lines.append(f"stage {s}: {span}, {sum(params.values()):,} parameters")
+            if graph.batch_input_names:
+                lines.append(f"  loads    {', '.join(graph.batch_input_names)}")
+            for name in graph.recv_names:
+                node = next(n for n in graph.graph.nodes if n.op == "placeholder" and n.target == name)
+                shape = getattr(node.meta.get("val"), "shape", "?")
+                lines.append(f"  receives {name} {list(shape) if shape != '?' else shape}")
+        for tied in self.tied_weights:
+            lines.append("tied: " + " = ".join(f"stage {s}:{n}" for s, n in tied.names))
+        return "\n".join(lines)
+
+
+def _stage_of_block(blocks: list[str], num_stages: int, partition_method: str,
+                    custom_partition: Sequence[int] | None,
+                    custom_split_points: Sequence[str] | None,
+                    weights: list[float] | None) -> list[int]:
+    if custom_split_points is not None:
+        unknown = [p for p in custom_split_points if p not in blocks]
+        if unknown:
+            raise ValueError(f"custom_split_points {unknown} are not blocks of this model; "
+                             f"valid points are {blocks}")
+        starts = sorted(blocks.index(p) for p in custom_split_points)
+        if len(starts) + 1 != num_stages or 0 in starts:
+            raise ValueError(f"{len(custom_split_points)} custom_split_points make "
+                             f"{len(starts) + 1} stages, not {num_stages} (a point names the "
+                             f"first block of a stage after the first)")
+        return [sum(1 for st in starts if i >= st) for i in range(len(blocks))]
+    if partition_method in ("uniform", "uniform_floor"):
+        units = assign.uniform(len(blocks), num_stages, floor=partition_method == "uniform_floor",
+                               num_before=0, num_after=0)
+    elif partition_method == "custom":
+        if custom_partition is None:
+            raise ValueError("partition_method='custom' needs custom_partition, the block "
+                             f"indices where stages start, e.g. [0, {len(blocks) // 2}, "
+                             f"{len(blocks)}]")
+        units = assign.custom(len(blocks), custom_partition, num_before=0, num_after=0)
+        if max(units) + 1 != num_stages:
+            raise ValueError(f"custom_partition {list(custom_partition)} makes {max(units) + 1} "
+                             f"stages, not {num_stages}")
+    elif partition_method in ("parameters", "profile"):
+        units = assign.balanced(weights, num_stages)
+    else:
+        raise ValueError(f"unknown partition_method {partition_method!r}; choose one of "
+                         f"{assign.PARTITION_METHODS}")
+    return units
+
+
+def _block_weights(model: nn.Module, blocks: list[str], partition_method: str,
+                   example_inputs: dict) -> list[float] | None:
+    """Per-block weights; the glue before/after the blocks is added to the first/last block."""
+    if partition_method == "parameters":
+        in_blocks = {id(p) for b in blocks for p in model.get_submodule(b).parameters()}
+        weights = [float(sum(p.numel() for p in model.get_submodule(b).parameters()))
+                   for b in blocks]
+        glue = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+        weights[0] += glue / 2
+        weights[-1] += glue / 2
+        return weights
+    if partition_method == "profile":
+        from merak.partition.profile import profile_blocks
+
+        return profile_blocks(model, blocks, example_inputs)
+    return None
+
+
+def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_stages: int, *,
+               trace_method: str = "export", split_method: str = "farthest_min_deps",
+               partition_method: str = "uniform", custom_partition: Sequence[int] | None = None,
+               custom_split_points: Sequence[str] | None = None,
+               input_names: Sequence[str] | None = None, leaf_modules: Sequence[str] = (),
+               no_tie_modules: bool = False, device: torch.device | str = "cpu",
+               verbose: bool = False) -> AutoSplit:
+    """Split `model` into `num_stages` pipeline stages automatically.
+
+    Args:
+        model: an HF `transformers` model or any `nn.Module`, possibly built inside
+            `merak.init_empty_weights()` (parameters on the meta device).
+        example_inputs: keyword inputs of one (micro-)batch; include ``labels`` so the last
+            stage returns the loss.
+        num_stages: pipeline stages.
+        trace_method: ``export`` (torch.export, non-strict, dynamic sequence length).
+        split_method: where the non-block operations go: ``farthest_min_deps`` (next to their
+            consumers), ``nearest_min_deps`` (next to their producers) or ``layer_split`` (with
+            `custom_split_points`).
+        partition_method: ``uniform``, ``uniform_floor``, ``parameters``, ``custom`` (with
+            `custom_partition`) or ``profile``.
+        input_names: the model inputs to use (default: every key of `example_inputs`).
+        leaf_modules: qualified names of modules kept opaque (called eagerly, never traced into).
+        no_tie_modules: do not sum the gradients of weights shared across stages.
+        device: where stage graphs will run (device constants baked in by export are rewritten).
+    """
+    if trace_method not in TRACE_METHODS:
+        raise ValueError(f"unknown trace_method {trace_method!r}; choose one of {TRACE_METHODS}")
+    if trace_method != "export":
+        raise NotImplementedError(f"trace_method={trace_method!r} is not supported yet; use "
+                                  f"trace_method='export'")
+    if split_method not in SPLIT_METHODS:
+        raise ValueError(f"unknown split_method {split_method!r}; choose one of {SPLIT_METHODS}")
+    if split_method == "layer_split" and custom_split_points is None:
+        raise ValueError("split_method='layer_split' needs custom_split_points: the module names "
+                         "where a new stage begins")
+    if input_names is not None:
+        unknown = [n for n in input_names if n not in example_inputs]
+        if unknown:
+            raise ValueError(f"input_names {unknown} are not in example_inputs "
+                             f"({sorted(example_inputs)})")
+        example_inputs = {n: example_inputs[n] for n in input_names}
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of "
+                         f"one module type) to split between stages; split it by hand with "
+                         f"merak.manual_split")
+    if num_stages > len(blocks):
+        raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
+                         f"most {len(blocks)} stages")
+    weights = _block_weights(model, blocks, partition_method, example_inputs)
+    stage_of = _stage_of_block(blocks, num_stages, partition_method, custom_partition,
+                               custom_split_points if split_method == "layer_split" else None,
+                               weights)
+    start = time.perf_counter()
+    graphs = _trace_and_split(model, example_inputs, dict(zip(blocks, stage_of)), num_stages,
+                              blocks, tuple(leaf_modules), nearest=split_method == "nearest_min_deps")
+    for graph in graphs:
+        set_graph_device(graph, device)
+    if verbose:
+        print(f"auto_split: traced and split in {time.perf_counter() - start:.1f} s")
+    container = nn.Module()
+    pieces = []
+    for s, graph in enumerate(graphs):
+        graph.meta_flat = True
+        container.add_module(f"stage{s}", graph)
+        pieces.append(Piece(f"stage{s}", [*graph.recv_names, *graph.batch_input_names],
+                            graph.send_names, flat=True))
+    last = graphs[-1]
+    output = "loss" if "loss" in last.send_names else last.send_names[0]
+    stage_of_piece = tuple(range(num_stages))
+    tied = () if no_tie_modules else find_tied_weights(container, pieces, stage_of_piece)
+    blocks_of_stage = tuple(tuple(b for b, s in zip(blocks, stage_of) if s == stage)
+                            for stage in range(num_stages))
+    return AutoSplit(tuple(pieces), stage_of_piece, output, tied, container=container,
+                     blocks_of_stage=blocks_of_stage, out_spec=last.out_spec,
+                     out_names=last.out_names)
+
+
+def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, leaf_modules,
+                     nearest: bool) -> list[fx.GraphModule]:
+    meta = has_meta_parameters(model)
+    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+    if meta:  # trace entirely on meta: real buffers and inputs would mix devices
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not buffer.is_meta:
+                    saved.append((module, name, buffer))
+                    module._buffers[name] = buffer.to("meta")
+        example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v
+                          for k, v in example_inputs.items()}
+    try:
+        return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
+                           leaf_modules=leaf_modules, nearest=nearest, restore=saved)
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any capture failure gets the same guidance
+        raise RuntimeError(_capture_hint(model, error)) from error
+    finally:
+        for module, name, buffer in saved:
+            module._buffers[name] = buffer
+
+
+def _capture_hint(model: nn.Module, error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    where = next((line for line in text if "File" in line or "module" in line.lower()), "")
+    return (f"merak could not capture {type(model).__name__} with torch.export: "
+            f"{text[0] if text else type(error).__name__}\n{where}\nTry: use_cache=False in the "
+            f"model config or inputs, leaf_modules=[<the failing module's name>] to keep it "
+            f"opaque, or split it by hand with merak.manual_split.")

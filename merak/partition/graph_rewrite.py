@@ -1,0 +1,206 @@
+"""Graph rewrites on a torch.export capture: eager blocks back in, clean-ups, devices.
+
+The model is exported non-strict with the repeated blocks' call signatures preserved; each
+block's region of the flat graph is then replaced by one call to the ORIGINAL eager block, so
+tensor parallelism, LoRA and recomputation wrappers still apply to it after the split.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import re
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.export.graph_signature import ConstantArgument, SymIntArgument, TensorArgument
+from torch.utils import _pytree as pytree
+
+_DROP_TARGETS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+def find_blocks(model: nn.Module) -> list[str]:
+    """FQNs of the children of every outermost ModuleList whose children all share one type."""
+    lists, blocks = [], []
+    for name, m in model.named_modules():
+        if any(name.startswith(o + ".") for o in lists):
+            continue
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+            lists.append(name)
+            blocks += [f"{name}.{i}" if name else str(i) for i in range(len(m))]
+    return blocks
+
+
+def spec_paths(spec, prefix=()):
+    """Key path of every leaf of a TreeSpec (int for sequences, key for dicts / ModelOutputs)."""
+    if spec.is_leaf():
+        return [prefix]
+    kids, ctx, out = spec.children(), spec.context, []
+    keyed = isinstance(ctx, (list, tuple)) and len(ctx) == len(kids) and spec.type not in (tuple, list)
+    for i, c in enumerate(kids):
+        out += spec_paths(c, prefix + ((ctx[i] if keyed else i),))
+    return out
+
+
+def ident(s: str) -> str:
+    s = re.sub(r"\W", "_", str(s))
+    return s if s and not s[0].isdigit() else "_" + s
+
+
+def is_mutable(t) -> bool:
+    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+def is_view(t) -> bool:
+    return (isinstance(t, torch._ops.OpOverload) and bool(t._schema.returns)
+            and t._schema.returns[0].alias_info is not None)
+
+
+def nondeterministic(t) -> bool:
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _stack_paths(n: fx.Node) -> list[str]:
+    return [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()]
+
+
+def resolve(target: str, model: nn.Module, gm: fx.GraphModule):
+    """Original object for a get_attr/call_module target (falls back to the exported module)."""
+    for root in (model, gm):
+        try:
+            obj = root
+            for a in target.split("."):
+                obj = getattr(obj, a)
+            return obj
+        except AttributeError:
+            pass
+    raise KeyError(target)
+
+
+def set_graph_device(gm: fx.GraphModule, device) -> fx.GraphModule:
+    """Rewrite device constants baked in by export (arange/zeros/to(device=...)) to `device`,
+    in the stage graph and its exported sub-graphs (e.g. the rotary no_grad body)."""
+    device = torch.device(device)
+    fix = lambda a: device if isinstance(a, torch.device) else a
+    for mod in gm.modules():
+        if isinstance(mod, fx.GraphModule):
+            for n in mod.graph.nodes:
+                if n.op == "call_function":
+                    n.args = pytree.tree_map(fix, n.args)
+                    n.kwargs = pytree.tree_map(fix, n.kwargs)
+            mod.recompile()
+    return gm
+
+
+# ----------------------------------------------------------------------------- export
+def export_with_blocks(model, kwargs, blocks, dynamic_batch=False):
+    dims = {0: Dim.AUTO, 1: Dim.AUTO} if dynamic_batch else {1: Dim.AUTO}
+    dyn = {k: (dims if isinstance(v, torch.Tensor) and v.dim() >= 2 else None)
+           for k, v in kwargs.items()}
+    return torch.export.export(model, (), kwargs=kwargs, strict=False, dynamic_shapes=dyn,
+                               preserve_module_call_signature=tuple(blocks))
+
+
+def prepare_inputs(model, example_inputs):
+    kw, seen = {}, set()
+    for k, v in example_inputs.items():
+        if isinstance(v, torch.Tensor):  # aliased inputs would be merged by export -> clone
+            key = (v.untyped_storage().data_ptr(), v.storage_offset())
+            v = v.clone() if key in seen else v
+            seen.add(key)
+        kw[k] = v
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kw.setdefault("use_cache", False)
+    return kw
+
+
+# ----------------------------------------------------------------------------- graph rewrites
+def cleanup(g: fx.Graph):
+    for n in list(g.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn" or n.op == "call_function" and n.target in _DROP_TARGETS and not n.users:
+            g.erase_node(n)
+        elif n.op == "call_function" and "tracepoint" in str(n.target):  # preserved-signature marker
+            n.replace_all_uses_with(n.args[0] if len(n.args) == 1 else n.args)
+            g.erase_node(n)
+
+
+def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = True) -> fx.Node:
+    """Replace the nodes of module `fqn` by one call_module to the eager module. Blocks are
+    placed on stages by the partition; other kept modules (`leaf_modules`) follow their inputs."""
+    region = [n for n in g.nodes if n.op == "call_function"
+              and any(p == fqn or p.startswith(fqn + ".") for p in _stack_paths(n))]
+    if not region:
+        raise RuntimeError(f"no graph nodes found for block {fqn}")
+    rset = set(region)
+
+    def arg(a):
+        if isinstance(a, ConstantArgument):
+            return a.value
+        if isinstance(a, (TensorArgument, SymIntArgument)) and a.name in names:
+            return names[a.name]
+        raise RuntimeError(f"{fqn}: unsupported signature input {a}")
+
+    args, kwargs = pytree.tree_unflatten([arg(a) for a in sig.inputs], sig.in_spec)
+    in_names = {a.name for a in sig.inputs if not isinstance(a, ConstantArgument)}
+    with g.inserting_before(region[0]):
+        call = g.create_node("call_module", fqn, tuple(args), dict(kwargs))
+        call._rename(ident(fqn))
+        call.meta["block" if is_block else "leaf"] = fqn
+        for i, (out, path) in enumerate(zip(sig.outputs, spec_paths(sig.out_spec))):
+            old = names.get(out.name) if isinstance(out, TensorArgument) else None
+            if old is None or old not in rset or out.name in in_names:
+                continue  # constant / pass-through output (e.g. T5 position_bias): keep original
+            leaf = call
+            for k in path:
+                leaf = g.call_function(operator.getitem, (leaf, k))
+            if leaf is not call:
+                leaf._rename(f"{call.name}_out{i}")
+            leaf.meta["val"] = old.meta.get("val")
+            old.replace_all_uses_with(leaf, delete_user_cb=lambda u: u not in rset)
+            names[out.name] = leaf  # later blocks' signatures refer to the old name
+    for n in reversed(region):
+        bad = [u for u in n.users if u not in rset]
+        if bad:
+            raise RuntimeError(f"{fqn}: internal value {n} used outside the block by {bad}")
+        g.erase_node(n)
+    return call
+
+
+def eagerize_dropout(g: fx.Graph, model: nn.Module):
+    """aten.dropout nodes that came from an nn.Dropout -> call_module (follows model.eval())."""
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target == torch.ops.aten.dropout.default:
+            paths = _stack_paths(n)
+            try:
+                mod = model.get_submodule(paths[-1]) if paths else None
+            except AttributeError:
+                mod = None
+            if isinstance(mod, nn.Dropout):
+                with g.inserting_before(n):
+                    new = g.create_node("call_module", paths[-1], (n.args[0],))
+                new.meta.update(n.meta)
+                n.replace_all_uses_with(new)
+                g.erase_node(n)
+
+
+def dce(g: fx.Graph):
+    for n in reversed(list(g.nodes)):
+        if n.op in ("call_function", "get_attr") and not n.users and not is_mutable(n.target):
+            g.erase_node(n)
+
+
+def canonicalize_attrs(g: fx.Graph, model: nn.Module, gm: fx.GraphModule):
+    """Drop unused get_attrs; name tied tensors by their first name in model.named_parameters()
+    (export may pick e.g. 'lm_head.weight' for GPT-2's tied token embedding)."""
+    canon = {id(t): k for k, t in [*model.named_parameters(), *model.named_buffers()]}
+    for n in list(g.nodes):
+        if n.op == "get_attr" and not n.users:
+            g.erase_node(n)
+        elif n.op == "get_attr":
+            n.target = canon.get(id(resolve(n.target, model, gm)), n.target)

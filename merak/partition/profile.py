@@ -1,0 +1,63 @@
+"""`partition_method='profile'`: time each block's forward + backward on this rank."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak.partition.meta import has_meta_parameters
+
+
+def _time_fwd_bwd(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> float:
+    def run() -> None:
+        out = module(*args, **kwargs)
+        tensors = [t for t in torch.utils._pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+    run()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - start) / repeats
+
+
+def profile_blocks(model: nn.Module, blocks: list[str], example_inputs: dict,
+                   repeats: int = 3) -> list[float]:
+    """Seconds of forward+backward per block; the rest of the model (embeddings, head, loss) is
+    split between the first and last block. On several ranks, rank 0's measurement is used by
+    all, so every rank computes the same partition."""
+    if has_meta_parameters(model):
+        raise ValueError("partition_method='profile' runs the model, but its parameters are on "
+                         "the meta device; use partition_method='parameters', or profile a "
+                         "materialized copy")
+    captured: dict[str, tuple[tuple, dict]] = {}
+    hooks = [model.get_submodule(b).register_forward_pre_hook(
+        lambda _m, args, kwargs, name=b: captured.setdefault(name, (args, kwargs)),
+        with_kwargs=True) for b in blocks]
+    try:
+        with torch.no_grad():
+            model(**example_inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    weights = []
+    for b in blocks:
+        args, kwargs = captured[b]
+        args = tuple(a.detach().requires_grad_(a.is_floating_point())
+                     if isinstance(a, torch.Tensor) else a for a in args)
+        weights.append(_time_fwd_bwd(model.get_submodule(b), args, kwargs, repeats))
+    total = _time_fwd_bwd(model, (), example_inputs, repeats)
+    glue = max(total - sum(weights), 0.0)
+    weights[0] += glue / 2
+    weights[-1] += glue / 2
+    model.zero_grad(set_to_none=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [weights]
+        dist.broadcast_object_list(shared, src=0)
+        weights = shared[0]
+    return weights

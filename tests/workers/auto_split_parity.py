@@ -1,0 +1,85 @@
+"""auto_split stages, built on the meta device, trained with the 1f1b interpreter against the
+eager single-process model (see test_auto_split)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from common import assert_close, run_scenarios
+from hf_models import FAMILIES, batch
+
+import merak
+from merak.partition.auto import auto_split
+from merak.partition.meta import materialize_
+
+STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 2, 2, 0.05, 4321
+
+# family -> {pp: auto_split options}; every split_method and partition_method appears
+OPTIONS = {
+    "llama": {2: {}, 4: {"split_method": "nearest_min_deps", "partition_method": "parameters"}},
+    "qwen2": {2: {"split_method": "layer_split", "custom_split_points": ["model.layers.1"]},
+              4: {"partition_method": "uniform_floor"}},
+    "mistral": {2: {"partition_method": "custom", "custom_partition": [0, 3, 4]}, 4: {}},
+    "gpt2": {2: {"partition_method": "parameters"}, 4: {}},
+    "opt": {2: {"split_method": "nearest_min_deps"}, 4: {}},
+    "bert": {2: {}, 4: {"split_method": "nearest_min_deps"}},
+    "t5": {2: {}, 4: {}},
+    "mlp": {2: {"partition_method": "profile"}, 4: {"partition_method": "parameters"}},
+}
+EAGER_BUILD = {"mlp"}  # profile times real blocks, so this one is built eagerly
+
+
+def scenario_names(world_size: int) -> list[str]:
+    return [f"auto-{family}-pp{world_size}" for family in OPTIONS]
+
+
+def parity(family: str, pp: int) -> None:
+    ctx = merak.init(dp=1, tp=1, pp=pp)
+    torch.manual_seed(SEED)
+    if family in EAGER_BUILD:
+        model = FAMILIES[family]()
+    else:
+        with merak.init_empty_weights():
+            model = FAMILIES[family]()
+    split = auto_split(model, batch(family, 0, ROWS), pp, **OPTIONS[family][pp])
+    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    materialize_(stage)
+    grads = []
+
+    class Snapshot(merak.InstructionHook):
+        def on_instruction_begin(self, name, action):
+            if name == "optimizer_step":
+                grads.append({n: p.grad.clone() for n, p in stage.named_parameters()
+                              if p.grad is not None})
+
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
+                                       MICROBATCHES, schedule="1f1b", hooks=[Snapshot()],
+                                       p2p_timeout_s=120)
+    losses = [engine.train_step(batch(family, step, ROWS * MICROBATCHES))
+              for step in range(STEPS)]
+
+    torch.manual_seed(SEED)
+    reference = FAMILIES[family]()
+    params = dict(reference.named_parameters())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        out = reference(**batch(family, step, ROWS * MICROBATCHES))
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        assert_close(torch.tensor(losses[step]), torch.tensor(loss.item()), f"loss of step {step}")
+        for name, grad in grads[step].items():
+            assert_close(grad, params[name].grad, f"step {step} grad of {name}")
+        optimizer.step()
+        optimizer.zero_grad()
+    own = dict(stage.named_parameters())
+    assert own and set(grads[0]) == set(own), "some stage parameters got no gradient"
+    for name, param in own.items():
+        assert_close(param.detach(), params[name].detach(), f"{name} after {STEPS} steps")
+    if ctx.rank == 0:
+        print(f"{family} pp={pp} {OPTIONS[family][pp]}\n{split.describe()}", flush=True)
+
+
+if __name__ == "__main__":
+    world = int(os.environ["WORLD_SIZE"])
+    run_scenarios({f"auto-{f}-pp{world}": (lambda f=f: parity(f, world)) for f in OPTIONS})
