@@ -1,0 +1,118 @@
+"""Automatic partitioning: parity of meta-built auto splits in real pipelines, and the split's
+data, errors and stage assignment in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from auto_split_parity import scenario_names
+from dist_harness import check, launch
+from hf_models import FAMILIES, CustomMLP, batch
+
+import merak
+from merak.partition import assign
+from merak.partition.auto import auto_split
+
+WORLD_SIZES = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    cache = {}
+
+    def get(world_size: int):
+        if world_size not in cache:
+            cache[world_size] = launch("auto_split_parity.py", world_size,
+                                       tmp_path_factory.mktemp(f"auto{world_size}"))
+        return cache[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("world_size,scenario",
+                         [(w, s) for w in WORLD_SIZES for s in scenario_names(w)])
+def test_meta_built_auto_split_trains_like_the_model(launches, world_size, scenario):
+    check(*launches(world_size), scenario)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_calling_the_split_returns_what_the_model_returns(family):
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    inputs = batch(family, 0, 2)
+    split = auto_split(model, inputs, 2)
+    expected, actual = model(**inputs), split(**inputs)
+    assert type(actual) is type(expected)
+    torch.testing.assert_close(actual.loss, expected.loss)
+    torch.testing.assert_close(actual.logits, expected.logits)
+    actual.loss.backward()  # differentiable
+    assert model.get_submodule(split.blocks_of_stage[0][0]).training is True
+
+
+def test_decoder_boundaries_carry_one_tensor_and_only_edge_stages_load_data():
+    with merak.init_empty_weights():
+        model = FAMILIES["llama"]()
+    split = auto_split(model, batch("llama", 0, 2), 4)
+    assert [len(keys) for keys in split.transfers.values()] == [1, 1, 1]
+    assert split.batch_inputs(0) == ["input_ids"]
+    assert split.batch_inputs(1) == [] and split.batch_inputs(2) == []
+    assert split.batch_inputs(3) == ["labels"]
+    text = split.describe()
+    assert "stage 3: model.layers.3" in text and "receives model_layers_2" in text
+
+
+def test_tied_weights_are_found_and_can_be_turned_off():
+    with merak.init_empty_weights():
+        model = FAMILIES["gpt2"]()
+    split = auto_split(model, batch("gpt2", 0, 2), 2)
+    assert [t.names for t in split.tied_weights] == [
+        ((0, "transformer.wte.weight"), (1, "transformer.wte.weight"))]
+    assert auto_split(model, batch("gpt2", 0, 2), 2, no_tie_modules=True).tied_weights == ()
+
+
+@pytest.mark.parametrize("depth,num_stages", [(5, 4), (30, 4), (7, 3)])
+@pytest.mark.parametrize("method", ["uniform", "uniform_floor", "parameters"])
+def test_no_block_is_dropped(depth, num_stages, method):
+    with merak.init_empty_weights():
+        model = CustomMLP(depth=depth)
+    split = auto_split(model, batch("mlp", 0, 2), num_stages, partition_method=method)
+    owned = [b for blocks in split.blocks_of_stage for b in blocks]
+    assert owned == [f"blocks.{i}" for i in range(depth)]
+    assert all(split.blocks_of_stage)
+
+
+def test_balanced_assignment_minimizes_the_slowest_stage():
+    weights = [1, 1, 1, 1, 8, 1, 1, 1]
+    stages = assign.balanced(weights, 3)
+    assert max(assign.stage_loads(weights, stages)) == 8
+    assert sorted(set(stages)) == [0, 1, 2] and stages == sorted(stages)
+    assert assign.uniform(30, 4) == [0] * 9 + [1] * 8 + [2] * 7 + [3] * 8  # 8,8,7,7 + glue
+    assert assign.uniform(30, 4, floor=True, num_before=0, num_after=0).count(3) == 8
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_stages": 9}, "cannot split 5 blocks into 9 stages"),
+    ({"split_method": "layer_split", "custom_split_points": ["blocks.9"]}, "not blocks"),
+    ({"split_method": "layer_split"}, "needs custom_split_points"),
+    ({"partition_method": "custom"}, "needs custom_partition"),
+    ({"partition_method": "balanced"}, "unknown partition_method"),
+    ({"split_method": "nearest"}, "unknown split_method"),
+    ({"input_names": ["pixels"]}, "not in example_inputs"),
+])
+def test_bad_options_raise_clear_errors(kwargs, message):
+    with merak.init_empty_weights():
+        model = CustomMLP()
+    options = {"num_stages": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        auto_split(model, batch("mlp", 0, 2), **options)
+
+
+def test_uncapturable_model_gets_guidance():
+    class DataDependent(CustomMLP):
+        def forward(self, x, labels):
+            if x.sum() > 0:  # data-dependent control flow
+                x = x * 2
+            return super().forward(x, labels)
+
+    with pytest.raises(RuntimeError, match="leaf_modules"):
+        auto_split(DataDependent(), batch("mlp", 0, 2), 2)
