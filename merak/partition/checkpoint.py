@@ -56,17 +56,22 @@ def load_safetensors_(module: nn.Module, path: str | Path,
         path: a ``.safetensors`` file or an HF checkpoint directory.
         aliases: other names a tensor may be stored under (tied weights: HF stores one of
             ``lm_head.weight`` / ``embed_tokens.weight``).
-        names: the tensor names to load; default every parameter and persistent buffer.
+        names: the tensor names to load; default every parameter, and every buffer the
+            checkpoint has (others, like rotary ``inv_freq``, keep the values they were built
+            with).
 
     Raises:
         KeyError: a wanted tensor is in the checkpoint under none of its names.
         ValueError: a stored shape differs from the module's.
     """
     index = checkpoint_index(path)
-    tensors = dict(module.named_parameters(remove_duplicate=False))
-    tensors.update(module.state_dict(keep_vars=True))
-    wanted = list(dict.fromkeys(names if names is not None else tensors))
+    params = dict(module.named_parameters(remove_duplicate=False))
+    tensors = {**module.state_dict(keep_vars=True), **params}
     aliases = aliases or {}
+    if names is None:  # buffers absent from the checkpoint were non-persistent in the model
+        names = [n for n in tensors if n in params
+                 or any(a in index for a in [n, *aliases.get(n, ())])]
+    wanted = list(dict.fromkeys(names))
     plan: dict[Path, list[tuple[str, str]]] = {}
     missing = []
     for name in wanted:
