@@ -1,7 +1,9 @@
 """Merak: automatic 3D parallelism (data x tensor x pipeline) for PyTorch and HF models."""
 
 from merak.distributed.parallel_context import ParallelContext, get_context, init
-from merak.partition.meta import init_empty_weights
+from merak.partition.auto import AutoSplit, auto_split
+from merak.partition.checkpoint import load_safetensors_
+from merak.partition.meta import init_empty_weights, materialize_
 from merak.pipeline.actions import Action, ActionKind, Schedule
 from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.interpreter import PipelineInterpreter
@@ -16,9 +18,31 @@ from merak.pipeline.validate import validate_schedule
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "ActionKind", "CostModel", "InstructionHook", "P2PTimeoutError",
-    "ParallelContext", "Piece", "PipelineInterpreter", "PipelineSplit", "PipelineStage",
-    "SCHEDULES", "Schedule", "ScheduleError", "SimulationResult", "TiedWeight",
-    "TimelineRecorder", "get_context", "init", "init_empty_weights", "make_schedule", "manual_split", "simulate",
+    "SCHEDULES",
+    "Action",
+    "ActionKind",
+    "AutoSplit",
+    "CostModel",
+    "InstructionHook",
+    "P2PTimeoutError",
+    "ParallelContext",
+    "Piece",
+    "PipelineInterpreter",
+    "PipelineSplit",
+    "PipelineStage",
+    "Schedule",
+    "ScheduleError",
+    "SimulationResult",
+    "TiedWeight",
+    "TimelineRecorder",
+    "auto_split",
+    "get_context",
+    "init",
+    "init_empty_weights",
+    "load_safetensors_",
+    "make_schedule",
+    "manual_split",
+    "materialize_",
+    "simulate",
     "validate_schedule",
 ]

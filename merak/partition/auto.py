@@ -215,7 +215,7 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
                            leaf_modules=leaf_modules, nearest=nearest, restore=saved)
     except ValueError:
         raise
-    except Exception as error:  # noqa: BLE001 - any capture failure gets the same guidance
+    except Exception as error:
         raise RuntimeError(_capture_hint(model, error)) from error
     finally:
         for module, name, buffer in saved:

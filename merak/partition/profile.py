@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak.partition.graph_rewrite import prepare_inputs
 from merak.partition.meta import has_meta_parameters
 
 
@@ -26,6 +27,32 @@ def _time_fwd_bwd(module: nn.Module, args: tuple, kwargs: dict, repeats: int) ->
     return (time.perf_counter() - start) / repeats
 
 
+def _share_before_blocks(model: nn.Module, blocks: list[str], example_inputs: dict) -> float:
+    """Fraction of the non-block forward time spent before the first block (embeddings) rather
+    than after the last (head, loss): timestamps around the blocks in one forward."""
+    marks: dict[str, float] = {}
+
+    def mark(name: str):
+        def hook(*_) -> None:  # returns None: hooks must not replace inputs or outputs
+            marks.setdefault(name, time.perf_counter()) if name == "first" else \
+                marks.__setitem__(name, time.perf_counter())
+        return hook
+
+    first, last = model.get_submodule(blocks[0]), model.get_submodule(blocks[-1])
+    hooks = [first.register_forward_pre_hook(mark("first")),
+             last.register_forward_hook(mark("last"))]
+    try:
+        with torch.no_grad():
+            start = time.perf_counter()
+            model(**example_inputs)
+            end = time.perf_counter()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    pre, post = marks["first"] - start, end - marks["last"]
+    return pre / (pre + post) if pre + post > 0 else 0.5
+
+
 def profile_blocks(model: nn.Module, blocks: list[str], example_inputs: dict,
                    repeats: int = 3) -> list[float]:
     """Seconds of forward+backward per block; the rest of the model (embeddings, head, loss) is
@@ -39,6 +66,7 @@ def profile_blocks(model: nn.Module, blocks: list[str], example_inputs: dict,
     hooks = [model.get_submodule(b).register_forward_pre_hook(
         lambda _m, args, kwargs, name=b: captured.setdefault(name, (args, kwargs)),
         with_kwargs=True) for b in blocks]
+    example_inputs = prepare_inputs(model, example_inputs)  # use_cache=False: no KV cache
     try:
         with torch.no_grad():
             model(**example_inputs)
@@ -48,13 +76,15 @@ def profile_blocks(model: nn.Module, blocks: list[str], example_inputs: dict,
     weights = []
     for b in blocks:
         args, kwargs = captured[b]
-        args = tuple(a.detach().requires_grad_(a.is_floating_point())
-                     if isinstance(a, torch.Tensor) else a for a in args)
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()),
+            (args, kwargs))
         weights.append(_time_fwd_bwd(model.get_submodule(b), args, kwargs, repeats))
     total = _time_fwd_bwd(model, (), example_inputs, repeats)
     glue = max(total - sum(weights), 0.0)
-    weights[0] += glue / 2
-    weights[-1] += glue / 2
+    before = _share_before_blocks(model, blocks, example_inputs)
+    weights[0] += glue * before
+    weights[-1] += glue * (1.0 - before)
     model.zero_grad(set_to_none=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [weights]
