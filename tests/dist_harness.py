@@ -43,6 +43,19 @@ def launch(worker: str, nproc: int, out_dir: Path, timeout_s: int = 900,
     return results, output
 
 
+def cached_launcher(worker: str, tmp_path_factory):
+    """`get(world_size)` launching `worker` once per world size (for a module-scoped fixture)."""
+    cache: dict[int, tuple[dict[str, list[str]], str]] = {}
+
+    def get(world_size: int) -> tuple[dict[str, list[str]], str]:
+        if world_size not in cache:
+            out_dir = tmp_path_factory.mktemp(f"{Path(worker).stem}-{world_size}")
+            cache[world_size] = launch(worker, world_size, out_dir)
+        return cache[world_size]
+
+    return get
+
+
 def check(results: dict[str, list[str]], output: str, scenario: str) -> None:
     """Fail the calling test with every rank's error for `scenario`."""
     if scenario not in results:

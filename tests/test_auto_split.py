@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from auto_split_parity import scenario_names
-from dist_harness import check, launch
+from dist_harness import cached_launcher, check
 from hf_models import FAMILIES, CustomMLP, batch
 
 import merak
@@ -18,15 +18,7 @@ WORLD_SIZES = (2, 4)
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    cache = {}
-
-    def get(world_size: int):
-        if world_size not in cache:
-            cache[world_size] = launch("auto_split_parity.py", world_size,
-                                       tmp_path_factory.mktemp(f"auto{world_size}"))
-        return cache[world_size]
-
-    return get
+    return cached_launcher("auto_split_parity.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world_size,scenario",

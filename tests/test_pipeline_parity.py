@@ -10,7 +10,7 @@ the final parameters compared. Plus the p2p timeout error and `init`'s positiona
 from __future__ import annotations
 
 import pytest
-from dist_harness import check, launch
+from dist_harness import cached_launcher, check
 from pipeline_parity import scenario_names
 
 WORLD_SIZES = (2, 4, 8)
@@ -18,15 +18,7 @@ WORLD_SIZES = (2, 4, 8)
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    cache = {}
-
-    def get(world_size: int):
-        if world_size not in cache:
-            cache[world_size] = launch("pipeline_parity.py", world_size,
-                                       tmp_path_factory.mktemp(f"world{world_size}"))
-        return cache[world_size]
-
-    return get
+    return cached_launcher("pipeline_parity.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world_size,scenario",
