@@ -42,8 +42,8 @@ class AutoSplit(PipelineSplit):
         carry: dict[str, torch.Tensor] = {}
         for stage_id in range(self.num_stages):
             piece = self.pieces[stage_id]
-            args = [carry[n] if n in carry and n not in inputs else inputs[n] for n in piece.inputs]
-            carry = self.stage_graph(stage_id)(*args)
+            values = {**carry, **inputs}
+            carry = self.stage_graph(stage_id)(*[values[n] for n in piece.inputs])
         leaves = [carry[name] for name in self.out_names]
         return pytree.tree_unflatten(leaves, self.out_spec) if self.out_spec else carry
 
@@ -183,7 +183,6 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     container = nn.Module()
     pieces = []
     for s, graph in enumerate(graphs):
-        graph.meta_flat = True
         container.add_module(f"stage{s}", graph)
         pieces.append(Piece(f"stage{s}", [*graph.recv_names, *graph.batch_input_names],
                             graph.send_names, flat=True))

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from merak.partition import assign
+
 ValueKey = tuple[str, int]  # (name, index of the producing piece); -1 marks a batch input
 
 
@@ -165,11 +167,7 @@ def _stage_of_piece(num_pieces: int, num_stages: int | None,
         raise ValueError("give exactly one of num_stages (split pieces evenly) or "
                          "pieces_per_stage")
     if pieces_per_stage is None:
-        if not 1 <= num_stages <= num_pieces:
-            raise ValueError(f"cannot split {num_pieces} pieces into {num_stages} stages: "
-                             f"need 1 <= num_stages <= {num_pieces}")
-        base, extra = divmod(num_pieces, num_stages)
-        pieces_per_stage = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        return assign.uniform(num_pieces, num_stages, num_before=0, num_after=0)
     if sum(pieces_per_stage) != num_pieces or any(n < 1 for n in pieces_per_stage):
         raise ValueError(f"pieces_per_stage={list(pieces_per_stage)} must be positive and sum "
                          f"to the number of pieces, {num_pieces}")
