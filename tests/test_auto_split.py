@@ -89,6 +89,7 @@ def test_balanced_assignment_minimizes_the_slowest_stage():
     ({"partition_method": "custom"}, "needs custom_partition"),
     ({"partition_method": "balanced"}, "unknown partition_method"),
     ({"split_method": "nearest"}, "unknown split_method"),
+    ({"trace_method": "jit"}, "unknown trace_method"),
     ({"input_names": ["pixels"]}, "not in example_inputs"),
 ])
 def test_bad_options_raise_clear_errors(kwargs, message):
@@ -108,3 +109,24 @@ def test_uncapturable_model_gets_guidance():
 
     with pytest.raises(RuntimeError, match="leaf_modules"):
         auto_split(DataDependent(), batch("mlp", 0, 2), 2)
+
+
+@pytest.mark.parametrize("trace_method", ["export", "dynamo", "fx"])
+def test_leaf_modules_stay_opaque_eager_calls(trace_method):
+    torch.manual_seed(0)
+    model, inputs = CustomMLP(), batch("mlp", 0, 2)
+    split = auto_split(model, inputs, 2, trace_method=trace_method, leaf_modules=["head"])
+    last = split.stage_graph(1)
+    calls = [n.target for n in last.graph.nodes if n.op == "call_module"]
+    assert "head" in calls and last.get_submodule("head") is model.head
+    assert not any(n.op == "call_function" and "linear" in str(n.target)
+                   for n in last.graph.nodes), "the leaf module was traced into"
+    expected = model(**inputs)
+    torch.testing.assert_close(split(**inputs), expected)
+
+
+def test_fx_on_a_transformers_model_says_what_to_try():
+    with merak.init_empty_weights():
+        model = FAMILIES["llama"]()
+    with pytest.raises(RuntimeError, match="trace_method='export'"):
+        auto_split(model, batch("llama", 0, 2), 2, trace_method="fx")

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig, GPT2Config,
-                          LlamaConfig, T5Config, T5ForConditionalGeneration)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    BertConfig,
+    GPT2Config,
+    LlamaConfig,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 from merak.partition.checkpoint import load_safetensors_
 from merak.partition.meta import init_empty_weights, materialize_

@@ -73,7 +73,7 @@ def test_wrong_output_arity_is_named():
 def test_init_rejects_non_positive_degrees():
     with pytest.raises(ValueError, match="tp must be positive"):
         merak.init(dp=1, tp=0, pp=1)
-    with pytest.raises(ValueError, match="pp must be a positive int"):
+    with pytest.raises(TypeError, match="pp must be a positive int"):
         merak.init(dp=1, tp=1, pp=1.5)
 
 

@@ -106,7 +106,7 @@ class ParallelContext:
 def _check_degrees(dp: int, tp: int, pp: int) -> None:
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"merak.init: {name} must be a positive int, got {value!r}")
+            raise TypeError(f"merak.init: {name} must be a positive int, got {value!r}")
         if value <= 0:
             raise ValueError(f"merak.init: {name} must be positive, got {name}={value}")
 

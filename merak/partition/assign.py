@@ -8,6 +8,7 @@ last stage.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 PARTITION_METHODS = ("uniform", "uniform_floor", "parameters", "custom", "profile")
@@ -46,10 +47,10 @@ def custom(num_blocks: int, boundaries: Sequence[int], *, num_before: int = 1,
     """`custom_partition` as in Merak: block indices where stages start, ``[0, b1, ..., L]``."""
     bounds = list(boundaries)
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_blocks or \
-            any(b <= a for a, b in zip(bounds, bounds[1:])):
+            any(b <= a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"custom_partition must rise strictly from 0 to the number of blocks "
                          f"({num_blocks}), e.g. [0, {num_blocks // 2}, {num_blocks}]; got {bounds}")
-    counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    counts = [b - a for a, b in itertools.pairwise(bounds)]
     counts[0] += num_before
     counts[-1] += num_after
     return _from_counts(counts)

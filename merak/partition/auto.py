@@ -134,7 +134,9 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
         example_inputs: keyword inputs of one (micro-)batch; include ``labels`` so the last
             stage returns the loss.
         num_stages: pipeline stages.
-        trace_method: ``export`` (torch.export, non-strict, dynamic sequence length).
+        trace_method: ``export`` (torch.export, non-strict, dynamic sequence length),
+            ``dynamo`` (torch.export strict: TorchDynamo) or ``fx`` (torch.fx symbolic tracing,
+            for fx-traceable custom models).
         split_method: where the non-block operations go: ``farthest_min_deps`` (next to their
             consumers), ``nearest_min_deps`` (next to their producers) or ``layer_split`` (with
             `custom_split_points`).
@@ -147,9 +149,6 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     """
     if trace_method not in TRACE_METHODS:
         raise ValueError(f"unknown trace_method {trace_method!r}; choose one of {TRACE_METHODS}")
-    if trace_method != "export":
-        raise NotImplementedError(f"trace_method={trace_method!r} is not supported yet; use "
-                                  f"trace_method='export'")
     if split_method not in SPLIT_METHODS:
         raise ValueError(f"unknown split_method {split_method!r}; choose one of {SPLIT_METHODS}")
     if split_method == "layer_split" and custom_split_points is None:
@@ -175,7 +174,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
                                weights)
     start = time.perf_counter()
     graphs = _trace_and_split(model, example_inputs, dict(zip(blocks, stage_of)), num_stages,
-                              blocks, tuple(leaf_modules), nearest=split_method == "nearest_min_deps")
+                              blocks, tuple(leaf_modules), trace_method,
+                              nearest=split_method == "nearest_min_deps")
     for graph in graphs:
         set_graph_device(graph, device)
     if verbose:
@@ -198,7 +198,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
 
 
 def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, leaf_modules,
-                     nearest: bool) -> list[fx.GraphModule]:
+                     trace_method: str, nearest: bool) -> list[fx.GraphModule]:
     meta = has_meta_parameters(model)
     saved: list[tuple[nn.Module, str, torch.Tensor]] = []
     if meta:  # trace entirely on meta: real buffers and inputs would mix devices
@@ -211,20 +211,24 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
                           for k, v in example_inputs.items()}
     try:
         return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
-                           leaf_modules=leaf_modules, nearest=nearest, restore=saved)
+                           leaf_modules=leaf_modules, nearest=nearest, restore=saved,
+                           trace_method=trace_method)
     except ValueError:
         raise
     except Exception as error:
-        raise RuntimeError(_capture_hint(model, error)) from error
+        raise RuntimeError(_capture_hint(model, trace_method, error)) from error
     finally:
         for module, name, buffer in saved:
             module._buffers[name] = buffer
 
 
-def _capture_hint(model: nn.Module, error: Exception) -> str:
+def _capture_hint(model: nn.Module, trace_method: str, error: Exception) -> str:
     text = str(error).strip().splitlines()
     where = next((line for line in text if "File" in line or "module" in line.lower()), "")
-    return (f"merak could not capture {type(model).__name__} with torch.export: "
+    others = [m for m in TRACE_METHODS if m != trace_method]
+    return (f"merak could not capture {type(model).__name__} with trace_method="
+            f"{trace_method!r}: "
             f"{text[0] if text else type(error).__name__}\n{where}\nTry: use_cache=False in the "
             f"model config or inputs, leaf_modules=[<the failing module's name>] to keep it "
-            f"opaque, or split it by hand with merak.manual_split.")
+            f"opaque, trace_method={others[0]!r} or {others[1]!r}, or split it by hand with "
+            f"merak.manual_split.")

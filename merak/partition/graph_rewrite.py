@@ -57,13 +57,59 @@ def is_mutable(t) -> bool:
     return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
 
 
-def is_view(t) -> bool:
+# torch-level (fx) graphs name ops by Python callables and method names, not ATen schemas
+_FX_VIEW_METHODS = {"view", "view_as", "reshape", "transpose", "permute", "expand", "expand_as",
+                    "unsqueeze", "squeeze", "narrow", "select", "t", "flatten", "unflatten",
+                    "chunk", "split", "unbind", "as_strided", "detach", "contiguous"}
+_FX_RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+              torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal,
+              torch.dropout, torch.nn.functional.dropout, torch.nn.functional.dropout1d,
+              torch.nn.functional.dropout2d, torch.nn.functional.alpha_dropout}
+
+
+def _inplace_name(name: str) -> bool:
+    return name.endswith("_") and not name.startswith("_")
+
+
+def written_inputs(n: fx.Node) -> list[fx.Node]:
+    """The input nodes `n` writes in place (ATen schemas; Python in-place methods, setitem and
+    `inplace=True` / `out=` in torch-level graphs)."""
+    t, out = n.target, []
+    if n.op == "call_function" and is_mutable(t):
+        for a, v in zip(t._schema.arguments, n.args):
+            if a.alias_info is not None and a.alias_info.is_write:
+                out.append(v)
+        out += [n.kwargs.get(a.name) for a in t._schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write]
+    elif n.op == "call_method" and _inplace_name(t) or (
+            n.op == "call_function" and (t is operator.setitem or n.kwargs.get("inplace") is True
+                                         or _inplace_name(getattr(t, "__name__", "")))):
+        out.append(n.args[0] if n.args else None)
+    if n.op == "call_function" and isinstance(n.kwargs.get("out"), fx.Node):
+        out.append(n.kwargs["out"])
+    return [v for v in out if isinstance(v, fx.Node)]
+
+
+def has_side_effect(n: fx.Node) -> bool:
+    return bool(written_inputs(n)) or is_mutable(n.target)
+
+
+def is_view(n: fx.Node) -> bool:
+    t = n.target
+    if n.op == "call_method":
+        return t in _FX_VIEW_METHODS
+    if t is operator.getitem:
+        return True
     return (isinstance(t, torch._ops.OpOverload) and bool(t._schema.returns)
             and t._schema.returns[0].alias_info is not None)
 
 
-def nondeterministic(t) -> bool:
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+def nondeterministic(n: fx.Node) -> bool:
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in t.tags
+    return (n.op == "call_function" and t in _FX_RANDOM
+            or n.op == "call_method" and t in ("bernoulli", "multinomial"))
 
 
 def _stack_paths(n: fx.Node) -> list[str]:
@@ -99,11 +145,11 @@ def set_graph_device(gm: fx.GraphModule, device) -> fx.GraphModule:
 
 
 # ----------------------------------------------------------------------------- export
-def export_with_blocks(model, kwargs, blocks, dynamic_batch=False):
+def export_with_blocks(model, kwargs, blocks, dynamic_batch=False, strict=False):
     dims = {0: Dim.AUTO, 1: Dim.AUTO} if dynamic_batch else {1: Dim.AUTO}
     dyn = {k: (dims if isinstance(v, torch.Tensor) and v.dim() >= 2 else None)
            for k, v in kwargs.items()}
-    return torch.export.export(model, (), kwargs=kwargs, strict=False, dynamic_shapes=dyn,
+    return torch.export.export(model, (), kwargs=kwargs, strict=strict, dynamic_shapes=dyn,
                                preserve_module_call_signature=tuple(blocks))
 
 
@@ -191,7 +237,8 @@ def eagerize_dropout(g: fx.Graph, model: nn.Module):
 
 def dce(g: fx.Graph):
     for n in reversed(list(g.nodes)):
-        if n.op in ("call_function", "get_attr") and not n.users and not is_mutable(n.target):
+        if (n.op in ("call_function", "call_method", "get_attr") and not n.users
+                and not has_side_effect(n)):
             g.erase_node(n)
 
 

@@ -17,23 +17,16 @@ import operator
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
+from merak.partition.capture import Capture, capture_export, capture_fx
 from merak.partition.graph_rewrite import (
-    canonicalize_attrs,
-    cleanup,
-    collapse_block,
     dce,
-    eagerize_dropout,
-    export_with_blocks,
     find_blocks,
     ident,
-    is_mutable,
     is_view,
     nondeterministic,
-    prepare_inputs,
     resolve,
-    spec_paths,
+    written_inputs,
 )
 
 
@@ -43,20 +36,16 @@ def _classify(g: fx.Graph, model, gm) -> tuple[set, set]:
     written in place (or viewed by such writes), which never move from where they are made."""
     tainted, stack = set(), []
     for n in g.nodes:  # nodes mutated in place (and the bases they view) are never recomputed
-        if n.op == "call_function" and is_mutable(n.target):
+        written = written_inputs(n)
+        if written:
             tainted.add(n)
-            for a, v in zip(n.target._schema.arguments, n.args):
-                if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node):
-                    stack.append(v)
-            for a in n.target._schema.arguments:
-                v = n.kwargs.get(a.name)
-                if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node):
-                    stack.append(v)
+            stack += written
     while stack:
         x = stack.pop()
         if x not in tainted:
             tainted.add(x)
-            if x.op == "call_function" and is_view(x.target) and isinstance(x.args[0], fx.Node):
+            if x.op in ("call_function", "call_method") and is_view(x) and x.args \
+                    and isinstance(x.args[0], fx.Node):
                 stack.append(x.args[0])
     free = set()
     for n in g.nodes:
@@ -64,7 +53,8 @@ def _classify(g: fx.Graph, model, gm) -> tuple[set, set]:
             free.add(n)
         elif n.op == "get_attr":
             free.add(n)  # parameters too: a get_attr is replicated into each stage that uses it
-        elif n.op == "call_function" and n not in tainted and not nondeterministic(n.target):
+        elif (n.op in ("call_function", "call_method") and n not in tainted
+              and not nondeterministic(n)):
             ins = n.all_input_nodes
             if all(i in free and not _is_param(i, model, gm) for i in ins):
                 free.add(n)
@@ -139,42 +129,35 @@ def _sym_substitutes(syms, cands):
     return subst
 
 
+def capture(model: nn.Module, example_inputs: dict, blocks: list[str],
+            leaf_modules: tuple[str, ...] = (), *, trace_method: str = "export",
+            restore: list | None = None, dynamic_batch: bool = False) -> Capture:
+    """The whole model as one graph with `blocks` as calls to their eager modules."""
+    if trace_method == "fx":
+        cap = capture_fx(model, example_inputs, blocks, leaf_modules)
+    else:
+        cap = capture_export(model, example_inputs, blocks, leaf_modules,
+                             strict=trace_method == "dynamo", dynamic_batch=dynamic_batch)
+    for module, name, buffer in restore or ():  # real buffers back before stages bind them
+        module._buffers[name] = buffer
+    return cap
+
+
 def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
                 num_stages: int, *, blocks: list[str] | None = None,
                 leaf_modules: tuple[str, ...] = (), nearest: bool = False,
-                restore: list | None = None, dynamic_batch: bool = False
-                ) -> list[fx.GraphModule]:
+                restore: list | None = None, dynamic_batch: bool = False,
+                trace_method: str = "export") -> list[fx.GraphModule]:
     """One GraphModule per stage (see the module docstring). The last one also carries
     ``out_names`` and ``out_spec`` to rebuild the model's own output object."""
     blocks = find_blocks(model) if blocks is None else blocks
     missing = [b for b in blocks if b not in stage_of_block]
     if missing:
         raise ValueError(f"stage_of_block lacks blocks {missing}")
-    kwargs = prepare_inputs(model, example_inputs)
-    ep = export_with_blocks(model, kwargs, [*blocks, *leaf_modules], dynamic_batch)
-    for module, name, buffer in restore or ():  # real buffers back before stages bind them
-        module._buffers[name] = buffer
-    gm = ep.module()
-    g = gm.graph
-    cleanup(g)
-    sigs = {e.fqn: e.signature for e in ep.module_call_graph}
-    root_sig = sigs[""]
-    names = {n.name: n for n in g.nodes}
-    for b in blocks:
-        collapse_block(g, b, sigs[b], names)
-    for leaf in leaf_modules:
-        collapse_block(g, leaf, sigs[leaf], names, is_block=False)
-    eagerize_dropout(g, model)
-    canonicalize_attrs(g, model, gm)
-
-    # model inputs: placeholders in in_spec order; outputs: leaves of out_spec
-    phs = [n for n in g.nodes if n.op == "placeholder"]
-    in_names = {p: str(path[-1]) for p, path in zip(phs, spec_paths(root_sig.in_spec))}
-    out_node = next(n for n in g.nodes if n.op == "output")
-    out_leaves = pytree.tree_leaves(out_node.args[0])
-    out_names = [".".join(map(str, p)) or "out" for p in spec_paths(root_sig.out_spec)]
-    if len(out_leaves) != len(out_names):
-        out_names = [f"out{i}" for i in range(len(out_leaves))]
+    cap = capture(model, example_inputs, blocks, leaf_modules, trace_method=trace_method,
+                  restore=restore, dynamic_batch=dynamic_batch)
+    gm, g = cap.gm, cap.gm.graph
+    phs, in_names, out_leaves = list(cap.input_names), cap.input_names, cap.outputs
 
     free, tainted = _classify(g, model, gm)
     syms = {n for n in free if n.op == "call_function" and n.target == torch.ops.aten.sym_size.int}
@@ -220,7 +203,7 @@ def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
             result = {ident(n.name): env[n] for n in boundary[s]}
         else:
             result = {k: (env[v] if isinstance(v, fx.Node) else v)
-                      for k, v in zip(out_names, out_leaves)}
+                      for k, v in zip(cap.out_names, out_leaves)}
         new.output(result)
         dce(new)
         attrs = {n.target: resolve(n.target, model, gm) for n in new.nodes
@@ -230,5 +213,5 @@ def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
         sgm.batch_input_names = tuple(in_names[p] for p in batch)
         sgm.send_names = tuple(result)
         stages.append(sgm)
-    stages[-1].out_names, stages[-1].out_spec = tuple(out_names), root_sig.out_spec
+    stages[-1].out_names, stages[-1].out_spec = tuple(cap.out_names), cap.out_spec
     return stages

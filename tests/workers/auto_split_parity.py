@@ -15,7 +15,8 @@ from merak.partition.meta import materialize_
 
 STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 2, 2, 0.05, 4321
 
-# family -> {pp: auto_split options}; every split_method and partition_method appears
+# family -> {pp: auto_split options}; every trace_method, split_method and partition_method
+# appears
 OPTIONS = {
     "llama": {2: {}, 4: {"split_method": "nearest_min_deps", "partition_method": "parameters"}},
     "qwen2": {2: {"split_method": "layer_split", "custom_split_points": ["model.layers.1"]},
@@ -23,9 +24,10 @@ OPTIONS = {
     "mistral": {2: {"partition_method": "custom", "custom_partition": [0, 3, 4]}, 4: {}},
     "gpt2": {2: {"partition_method": "parameters"}, 4: {}},
     "opt": {2: {"split_method": "nearest_min_deps"}, 4: {}},
-    "bert": {2: {}, 4: {"split_method": "nearest_min_deps"}},
+    "bert": {2: {"trace_method": "dynamo"}, 4: {"split_method": "nearest_min_deps"}},
     "t5": {2: {}, 4: {}},
-    "mlp": {2: {"partition_method": "profile"}, 4: {"partition_method": "parameters"}},
+    "mlp": {2: {"partition_method": "profile", "trace_method": "fx", "leaf_modules": ["head"]},
+            4: {"partition_method": "parameters", "trace_method": "dynamo"}},
 }
 EAGER_BUILD = {"mlp"}  # profile times real blocks, so this one is built eagerly
 

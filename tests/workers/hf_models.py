@@ -14,8 +14,8 @@ def _causal(config_cls, **kw):
     return lambda: tf.AutoModelForCausalLM.from_config(config_cls(vocab_size=VOCAB, **kw))
 
 
-LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2)
+LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2}
 FAMILIES = {
     "llama": _causal(tf.LlamaConfig, num_hidden_layers=4, **LLAMA_LIKE),
     "qwen2": _causal(tf.Qwen2Config, num_hidden_layers=4, **LLAMA_LIKE),
