@@ -14,6 +14,9 @@ from merak.pipeline.split import Piece, PipelineSplit, TiedWeight, manual_split
 from merak.pipeline.stage import PipelineStage
 from merak.pipeline.timeline import TimelineRecorder
 from merak.pipeline.validate import validate_schedule
+from merak.tensor_parallel.apply import apply_tensor_parallel
+from merak.tensor_parallel.layers import vocab_parallel_cross_entropy
+from merak.tensor_parallel.plans import TPPlan, set_tp_layer_lists
 
 __version__ = "0.1.0"
 
@@ -33,8 +36,10 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SimulationResult",
+    "TPPlan",
     "TiedWeight",
     "TimelineRecorder",
+    "apply_tensor_parallel",
     "auto_split",
     "get_context",
     "init",
@@ -43,6 +48,8 @@ __all__ = [
     "make_schedule",
     "manual_split",
     "materialize_",
+    "set_tp_layer_lists",
     "simulate",
     "validate_schedule",
+    "vocab_parallel_cross_entropy",
 ]

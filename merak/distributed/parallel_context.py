@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ class ParallelContext:
     backend: str
     device: torch.device
     mesh: DeviceMesh
+    # what the user registered for this job, e.g. the TP plan of `merak.set_tp_layer_lists`
+    settings: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def dp_rank(self) -> int:

@@ -168,6 +168,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     if num_stages > len(blocks):
         raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
                          f"most {len(blocks)} stages")
+    leaf_modules = [*leaf_modules, *_tp_glue_modules(model, blocks)]
     weights = _block_weights(model, blocks, partition_method, example_inputs)
     stage_of = _stage_of_block(blocks, num_stages, partition_method, custom_partition,
                                custom_split_points if split_method == "layer_split" else None,
@@ -212,7 +213,8 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
     try:
         return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
                            leaf_modules=leaf_modules, nearest=nearest, restore=saved,
-                           trace_method=trace_method)
+                           trace_method=trace_method,
+                           shapes_from_received=not _sequence_parallel(model))
     except ValueError:
         raise
     except Exception as error:
@@ -220,6 +222,22 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
     finally:
         for module, name, buffer in saved:
             module._buffers[name] = buffer
+
+
+def _sequence_parallel(model: nn.Module) -> bool:
+    """With sequence parallelism, received hidden states hold 1/tp of the sequence, so a stage
+    must not read sequence lengths from them."""
+    info = getattr(model, "merak_tp", None)
+    return bool(info and info.sequence_parallel)
+
+
+def _tp_glue_modules(model: nn.Module, blocks: list[str]) -> list[str]:
+    """Tensor-parallel modules outside the blocks (vocab-parallel embedding, LM head): kept
+    opaque, since their collectives only happen when they run eagerly."""
+    from merak.tensor_parallel.layers import is_tensor_parallel
+
+    return [name for name, m in model.named_modules() if is_tensor_parallel(m)
+            and not any(name == b or name.startswith(b + ".") for b in blocks)]
 
 
 def _capture_hint(model: nn.Module, trace_method: str, error: Exception) -> str:

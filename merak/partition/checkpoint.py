@@ -94,15 +94,17 @@ def load_safetensors_(module: nn.Module, path: str | Path,
 def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
                file: Path) -> None:
     shape = tuple(info["shape"])
-    if shape != tuple(tensor.shape):
+    spec = getattr(tensor, "tp_shard", None)  # a tensor-parallel shard: read whole, keep a slice
+    if shape != (spec.full_shape if spec else tuple(tensor.shape)):
         raise ValueError(f"{name}: the checkpoint {file} stores shape {list(shape)}, the model "
-                         f"has {list(tensor.shape)}")
+                         f"has {list(spec.full_shape if spec else tensor.shape)}")
     dtype = _DTYPES[info["dtype"]]
     begin, end = info["data_offsets"]
     f.seek(data_start + begin)
     with torch.no_grad():
         target = tensor.data
-        if dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu":
+        if spec is None and dtype == target.dtype and target.is_contiguous() \
+                and target.device.type == "cpu":
             view = target.view(-1).view(torch.uint8).numpy()
             if f.readinto(view) != end - begin:
                 raise ValueError(f"{name}: the checkpoint {file} is truncated")
@@ -110,4 +112,5 @@ def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
         raw = bytearray(end - begin)
         f.readinto(raw)
         stored = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        target.copy_(stored.view(shape))
+        stored = stored.view(shape)
+        target.copy_(spec.take(stored) if spec else stored)

@@ -147,7 +147,8 @@ def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
                 num_stages: int, *, blocks: list[str] | None = None,
                 leaf_modules: tuple[str, ...] = (), nearest: bool = False,
                 restore: list | None = None, dynamic_batch: bool = False,
-                trace_method: str = "export") -> list[fx.GraphModule]:
+                trace_method: str = "export", shapes_from_received: bool = True
+                ) -> list[fx.GraphModule]:
     """One GraphModule per stage (see the module docstring). The last one also carries
     ``out_names`` and ``out_spec`` to rebuild the model's own output object."""
     blocks = find_blocks(model) if blocks is None else blocks
@@ -181,7 +182,8 @@ def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
         roots = [r for r in roots if r not in recv]
         # shapes: read them from a received tensor or an input this stage needs anyway
         base = _closure(roots, free, stage, s, syms)
-        subst = _sym_substitutes(syms, list(recv) + [p for p in phs if p in base])
+        cands = (list(recv) if shapes_from_received else []) + [p for p in phs if p in base]
+        subst = _sym_substitutes(syms, cands)
         need = _closure(roots, free, stage, s, subst)
         new, env = fx.Graph(), {}
         for r in recv:

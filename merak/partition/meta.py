@@ -28,6 +28,8 @@ _RANDOM_OPS = frozenset({
     "random_", "randperm", "uniform_",
 })
 _RECORD_ATTR = "_merak_init_record"
+# what other parts of merak note on a parameter (tensor-parallel shard and gradient flags)
+_CARRIED_ATTRS = ("tp_shard", "tp_partial_grad")
 
 
 def _op_name(func) -> str:
@@ -142,11 +144,23 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
     if initialize and record is None:
         raise ValueError("these meta parameters were not built inside merak.init_empty_weights(), "
                          "so their initial values are unknown; load them from a checkpoint")
-    # Initialize on the CPU, whose generator the eager build draws from, then move.
-    real = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-            for p in meta.values()}
+    # Initialize on the CPU, whose generator the eager build draws from, then move. A tensor-
+    # parallel shard (`param.tp_shard`) is initialized whole, then cut to this rank's slice.
+    unique = list({id(p): p for p in meta.values()}.values())
+    specs = {id(p): getattr(p, "tp_shard", None) for p in unique}
+    full = {id(p): torch.empty(specs[id(p)].full_shape if specs[id(p)] else p.shape,
+                               dtype=p.dtype) for p in unique}
     if initialize:
-        _replay(record, {_storage_key(p): real[id(p)] for p in meta.values()})
+        _replay(record, {(specs[id(p)].source_key if specs[id(p)] else _storage_key(p)):
+                         full[id(p)] for p in unique})
+    real = {}
+    for p in unique:
+        spec = specs[id(p)]
+        value = spec.take(full.pop(id(p))).contiguous() if spec else full.pop(id(p))
+        real[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+        for attr in _CARRIED_ATTRS:
+            if hasattr(p, attr):
+                setattr(real[id(p)], attr, getattr(p, attr))
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None and id(param) in real:
@@ -157,14 +171,14 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
     return list(meta)
 
 
-def _replay(record: InitRecord, targets: dict[int, nn.Parameter]) -> None:
+def _replay(record: InitRecord, targets: dict[int, torch.Tensor]) -> None:
     torch.set_rng_state(record.rng_state)
     for op in record.ops:
         param = targets.get(op.target_key) if op.target_key is not None else None
         if param is not None:
             size, stride, offset, _ = op.view
             with torch.no_grad():
-                op.func(param.data.as_strided(size, stride, offset), *op.args, **op.kwargs)
+                op.func(param.as_strided(size, stride, offset), *op.args, **op.kwargs)
         elif op.random:
             if op.view is not None:  # a draw into somebody else's parameter: same numel, dropped
                 size, stride, _, dtype = op.view

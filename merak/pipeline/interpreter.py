@@ -93,6 +93,8 @@ class PipelineInterpreter:
         self.comm = StageComm(ctx, split, ctx.stage_id, p2p_timeout_s)
         self.batch_keys = split.batch_inputs(ctx.stage_id)
         self.grad_averager = GradientAverager(stage.parameters(), ctx.dp_group, bucket_bytes)
+        # replicated parameters that saw only this TP rank's heads or sequence shard
+        self._tp_partial = [p for p in stage.parameters() if getattr(p, "tp_partial_grad", False)]
         self._tied = self._build_tied_groups()
         self.global_step = 0
         self._handlers: dict[ActionKind, Callable[[int | None], None]] = {
@@ -237,6 +239,9 @@ class PipelineInterpreter:
             finish_all_reduce(params, *launch_all_reduce(params, group))
 
     def _reduce_grads(self, _: None) -> None:
+        if self._tp_partial and self.ctx.tp > 1:
+            finish_all_reduce(self._tp_partial,
+                              *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
         self.grad_averager.average()
 
     def _optimizer_step(self, _: None) -> None:

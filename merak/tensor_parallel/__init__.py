@@ -1,0 +1,1 @@
+"""Tensor parallelism: Megatron-style layers, per-family plans, sequence parallelism."""

@@ -1,0 +1,161 @@
+"""Apply a tensor-parallel plan to a (meta-built) model, in place, before it is split.
+
+Build order (issue 4): meta model -> `apply_tensor_parallel` -> `auto_split` -> materialize own
+stage -> dp. The converted modules keep their names, so each rank materializes or loads exactly
+its shard (`ShardSpec`), and the pipeline split keeps the TP modules that live outside the
+repeated blocks (embedding, LM head) as opaque eager calls.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from merak.distributed.parallel_context import ParallelContext, get_context
+from merak.partition.graph_rewrite import find_blocks
+from merak.tensor_parallel import layers
+from merak.tensor_parallel.plans import DIVISIBLE_CONFIG_ATTRS, TPPlan, matches, plan_for
+from merak.tensor_parallel.rng import install_tp_rng
+from merak.tensor_parallel.sequence import enable_sequence_parallel
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """What `apply_tensor_parallel` did, kept on the model as ``model.merak_tp``."""
+
+    size: int
+    rank: int
+    plan: TPPlan
+    converted: tuple[str, ...]
+    parallel_vocab: bool
+    sequence_parallel: bool
+
+
+def _check_divisible(model: nn.Module, tp: int, parallel_vocab: bool) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    names = DIVISIBLE_CONFIG_ATTRS + (("vocab_size",) if parallel_vocab else ())
+    for attr in names:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value % tp:
+            raise ValueError(f"tp={tp} must divide {attr}, but {type(config).__name__}.{attr} = "
+                             f"{value}; choose a tp that divides it"
+                             + ("" if attr != "vocab_size" else " or parallel_vocab=False"))
+
+
+def _divide_attr(module: nn.Module, name: str, attr: str, tp: int) -> None:
+    value = getattr(module, attr)
+    if not isinstance(value, int) or value % tp:
+        raise ValueError(f"tp={tp} must divide {name}.{attr} = {value!r}")
+    setattr(module, attr, value // tp)
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, *,
+                          plan: TPPlan | None = None, parallel_vocab: bool = False,
+                          sequence_parallel: bool = False, sequence_dim: int = 1) -> nn.Module:
+    """Shard `model` for this rank's place in the TP group of `ctx` (default: `merak.init`'s).
+
+    Raises:
+        ValueError: tp does not divide a head count or size (the error names the attribute), the
+            model has no plan (the error names `merak.set_tp_layer_lists`), or sequence
+            parallelism is asked for a family whose plan does not support it.
+    """
+    ctx = ctx or get_context()
+    if getattr(model, "merak_tp", None) is not None:
+        raise ValueError("this model is already tensor-parallel")
+    tp, rank, group = ctx.tp, ctx.tp_rank, ctx.tp_group
+    if tp == 1:
+        return model
+    plan = plan or plan_for(model)
+    _check_divisible(model, tp, parallel_vocab)
+    reason = plan.unsupported(model.config) if plan.unsupported else None
+    if reason:
+        raise ValueError(reason)
+    if sequence_parallel and plan.sp_gather is None:
+        raise ValueError(f"sequence_parallel is not supported yet for {type(model).__name__} "
+                         f"(its TP plan has no sp_gather modules); set sequence_parallel=False")
+    config = getattr(model, "config", None)
+    blocks = find_blocks(model)
+    in_block = (lambda n: any(n == b or n.startswith(b + ".") for b in blocks)) if blocks \
+        else (lambda n: True)
+    converted, cache = [], {}  # id(original parameter) -> its shard: tied weights stay tied
+    named = list(model.named_modules())
+    sp = {"sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim, "cache": cache}
+    for name, module in named:
+        if not in_block(name):
+            continue
+        style = plan.style(name, module)
+        if style == "column":
+            chunks = next((f(config) for p, f in plan.fused.items() if matches(name, p)), None)
+            layers.make_column_parallel_(module, name, group, rank, tp, chunks=chunks, **sp)
+        elif style == "row":
+            layers.make_row_parallel_(module, name, group, rank, tp, **sp)
+        else:
+            continue
+        converted.append(name)
+    if not converted:
+        raise ValueError(f"the TP plan ({plan.source}) matched no module of "
+                         f"{type(model).__name__}; check its patterns against "
+                         f"model.named_modules()")
+    for name, module in named:
+        if not in_block(name):
+            continue
+        for pattern, attrs in plan.divide.items():
+            if matches(name, pattern):
+                for attr in attrs:
+                    _divide_attr(module, name, attr, tp)
+        for pattern, attrs in plan.own_config.items():
+            if matches(name, pattern):
+                module.config = copy.copy(module.config)
+                for attr in attrs:
+                    _divide_attr(module.config, f"{name}.config", attr, tp)
+        for attr in plan.divide_anywhere:
+            if hasattr(module, attr):
+                _divide_attr(module, name, attr, tp)
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            full = f"{name}.{param_name}"
+            dim = next((d for p, d in plan.head_sharded.items() if matches(full, p)), None)
+            if dim is not None:
+                setattr(module, param_name, layers.shard_parameter(param, dim, rank, tp,
+                                                                   cache=cache))
+                converted.append(full)
+    if parallel_vocab:
+        for name, module in named:
+            if any(matches(name, p) for p in plan.embeddings):
+                layers.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
+            elif any(matches(name, p) for p in plan.lm_head):  # may share the embedding weight
+                layers.make_column_parallel_(module, name, group, rank, tp, gather_output=True,
+                                             cache=cache)
+            else:
+                continue
+            converted.append(name)
+    _mark_partial_grads(model, plan, sequence_parallel, in_block)
+    tp_modules = {name: m for name, m in named if in_block(name) and name in converted}
+    install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, layers.ColumnParallel)],
+                   [m for m in tp_modules.values() if isinstance(m, layers.RowParallel)],
+                   [model.get_submodule(b) for b in blocks], rank, sequence_parallel)
+    if sequence_parallel:
+        enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
+    model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel)
+    return model
+
+
+def _mark_partial_grads(model: nn.Module, plan: TPPlan, sequence_parallel: bool,
+                        in_block) -> None:
+    """Flag replicated parameters whose gradient is a per-rank part (``tp_partial_grad``): the
+    pipeline interpreter sums those over the TP group before the optimizer step."""
+    for name, param in model.named_parameters():
+        if getattr(param, "tp_shard", None) is not None:
+            continue
+        module_name = name.rsplit(".", 1)[0]
+        if any(matches(module_name, p) for p in plan.partial_grad) or (
+                sequence_parallel and in_block(name)):
+            param.tp_partial_grad = True
+
+
+def tp_partial_grad_params(module: nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if getattr(p, "tp_partial_grad", False)]

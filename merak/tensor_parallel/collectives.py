@@ -1,0 +1,155 @@
+"""Differentiable collectives over the tensor-parallel group (Megatron's f / g operators).
+
+Each is an `autograd.Function` whose backward is the conjugate collective: identity forward with
+all-reduce backward (entering a column-parallel region), all-reduce forward with identity backward
+(leaving a row-parallel one), gathers paired with splits, and for sequence parallelism all-gather
+paired with reduce-scatter along the sequence dimension.
+
+While torch.export or torch.fx traces a model (to split it into pipeline stages) they do no
+communication: the trace only needs each rank's local shapes (gathers and scatters return
+stand-ins of the right shape; sequence-parallel pairs keep the full length, consistently), and
+the tensor-parallel modules run eagerly inside the stages, where the collectives happen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+
+def tracing() -> bool:
+    """True while torch.export / TorchDynamo or torch.fx trace the model."""
+    return torch.compiler.is_exporting() or is_fx_symbolic_tracing()
+
+
+def _skip(group: dist.ProcessGroup | None) -> bool:
+    return group is None or tracing() or dist.get_world_size(group) == 1
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+             for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {size} "
+                         f"tensor-parallel shards; make it divisible by tp={size}")
+    return x.chunk(size, dim=dim)[rank].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    # gloo has no reduce_scatter: all-reduce then keep this rank's slice (same sum, order-exact)
+    return _split(_all_reduce(x, group), dim, group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather sequence shards; backward reduce-scatters (sums the ranks' partial grads)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity; backward all-reduces (the input of a column-parallel layer)."""
+    return x if _skip(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce; backward identity (the output of a row-parallel layer)."""
+    return x if _skip(group) else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather shards along `dim`; backward keeps this rank's slice."""
+    if group is not None and tracing():  # the gathered shape, for the ops downstream
+        return torch.cat([x] * dist.get_world_size(group), dim=dim)
+    return x if _skip(group) else _GatherFromTP.apply(x, dim, group)
+
+
+def scatter_to_tp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Keep this rank's slice along `dim`; backward all-gathers."""
+    if group is not None and tracing():
+        return x.narrow(dim, 0, x.shape[dim] // dist.get_world_size(group))
+    return x if _skip(group) else _ScatterToTP.apply(x, dim, group)
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sequence parallelism: all-gather sequence shards; backward reduce-scatters."""
+    return x if _skip(group) else _GatherSequence.apply(x, dim, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sequence parallelism: sum the ranks' partial outputs and keep this rank's sequence
+    shard; backward all-gathers."""
+    return x if _skip(group) else _ReduceScatterSequence.apply(x, dim, group)

@@ -1,0 +1,214 @@
+"""Tensor-parallel plans: which modules of a model are column/row parallel, what else changes.
+
+A pattern matches a module's qualified name when it equals it, is a dotted suffix of it
+(``self_attn.q_proj`` matches ``model.layers.3.self_attn.q_proj``) or matches it as a glob
+(``*.layers.*.mlp.up_proj``). Plans apply to the modules inside the repeated blocks; the
+embedding and LM head are handled by ``parallel_vocab``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from merak.distributed.parallel_context import get_context
+
+_PLAN_KEY = "tp_plan"
+
+
+def matches(name: str, pattern: str) -> bool:
+    return name == pattern or name.endswith("." + pattern) or fnmatch.fnmatchcase(name, pattern)
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """How to shard one model family. `fused` gives the sizes of the parts of a fused output
+    dimension (each part is split separately, e.g. q, k, v); `divide` lists attributes, per
+    module pattern, holding counts of heads or features that become per-rank counts;
+    `head_sharded` lists parameters split along a head dimension; `partial_grad` lists
+    replicated parameters that see only this rank's heads (their gradients are summed over TP);
+    `sp_gather` lists the modules whose first input is gathered along the sequence with
+    sequence parallelism (None: sequence parallelism not supported for this family);
+    `own_config` gives matching modules a private copy of the config with those attributes
+    divided (for forwards that read head counts from ``self.config``); `unsupported` returns a
+    reason when a config variant cannot be sharded."""
+
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    fused: dict[str, Callable[[object], tuple[int, ...]]] = field(default_factory=dict)
+    divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    divide_anywhere: tuple[str, ...] = ()
+    head_sharded: dict[str, int] = field(default_factory=dict)
+    io_mapping: tuple[tuple[int, int, str], ...] = ()
+    partial_grad: tuple[str, ...] = ()
+    sp_gather: tuple[str, ...] | None = None
+    embeddings: tuple[str, ...] = ()
+    lm_head: tuple[str, ...] = ()
+    own_config: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    unsupported: Callable[[object], str | None] | None = None
+    source: str = "table"
+
+    def style(self, name: str, module: nn.Module) -> str | None:
+        """'column', 'row' or None for the module `name`."""
+        if any(matches(name, p) for p in self.column):
+            return "column"
+        if any(matches(name, p) for p in self.row):
+            return "row"
+        weight = getattr(module, "weight", None)
+        if self.io_mapping and isinstance(module, nn.Linear) and weight is not None:
+            for i, o, style in self.io_mapping:
+                if module.in_features * o == module.out_features * i:
+                    return "column" if style == "col" else "row"
+        return None
+
+
+def _llama_like(extra_partial: tuple[str, ...] = ()) -> TPPlan:
+    return TPPlan(
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                "mlp.up_proj"),
+        row=("self_attn.o_proj", "mlp.down_proj"),
+        partial_grad=extra_partial, sp_gather=("self_attn", "mlp"),
+        embeddings=("model.embed_tokens",), lm_head=("lm_head",))
+
+
+def _gpt2_qkv(config) -> tuple[int, ...]:
+    return (config.n_embd,) * 3
+
+
+def _phi3_qkv(config) -> tuple[int, ...]:
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    return (config.num_attention_heads * head_dim, kv, kv)
+
+
+def _falcon_unsupported(config) -> str | None:
+    if config.multi_query and not config.new_decoder_architecture:
+        return ("multi_query Falcon (one K/V head shared by all heads) is not supported yet by "
+                "tensor parallelism; use new_decoder_architecture=True or multi_query=False")
+    if config.alibi:
+        return "Falcon with alibi=True is not supported yet by tensor parallelism"
+    return None
+
+
+FAMILY_PLANS: dict[str, TPPlan] = {
+    "llama": _llama_like(),
+    "mistral": _llama_like(),
+    "qwen2": _llama_like(),
+    "qwen3": _llama_like(("self_attn.q_norm", "self_attn.k_norm")),
+    "gemma": _llama_like(),
+    "gemma2": _llama_like(),
+    "gemma3_text": _llama_like(("self_attn.q_norm", "self_attn.k_norm")),
+    "phi3": TPPlan(
+        column=("self_attn.qkv_proj", "mlp.gate_up_proj"), row=("self_attn.o_proj",
+                                                               "mlp.down_proj"),
+        fused={"self_attn.qkv_proj": _phi3_qkv,
+               "mlp.gate_up_proj": lambda c: (c.intermediate_size,) * 2},
+        divide={"self_attn": ("num_key_value_heads",)},
+        own_config={"self_attn": ("num_attention_heads", "num_key_value_heads")}, sp_gather=("self_attn", "mlp"),
+        embeddings=("model.embed_tokens",), lm_head=("lm_head",)),
+    "gpt_neox": TPPlan(  # query_key_value is laid out per head: a plain split keeps whole heads
+        column=("attention.query_key_value", "mlp.dense_h_to_4h"),
+        row=("attention.dense", "mlp.dense_4h_to_h"),
+        sp_gather=("attention", "mlp"), embeddings=("gpt_neox.embed_in",), lm_head=("lm_head",)),
+    "falcon": TPPlan(  # query_key_value grouped per KV head (new arch) or per head: plain split
+        column=("self_attention.query_key_value", "mlp.dense_h_to_4h"),
+        row=("self_attention.dense", "mlp.dense_4h_to_h"),
+        divide={"self_attention": ("num_heads", "num_kv_heads")}, unsupported=_falcon_unsupported,
+        embeddings=("transformer.word_embeddings",), lm_head=("lm_head",)),
+    "gpt2": TPPlan(
+        column=("attn.c_attn", "mlp.c_fc"), row=("attn.c_proj", "mlp.c_proj"),
+        fused={"attn.c_attn": _gpt2_qkv}, divide={"attn": ("split_size",)}, embeddings=("transformer.wte",),
+        lm_head=("lm_head",)),
+    "opt": TPPlan(
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
+        row=("self_attn.out_proj", "fc2"), divide={"self_attn": ("num_heads",)},
+        embeddings=("model.decoder.embed_tokens",), lm_head=("lm_head",)),
+    "bert": TPPlan(
+        column=("attention.self.query", "attention.self.key", "attention.self.value",
+                "intermediate.dense"),
+        row=("attention.output.dense", "*.layer.*.output.dense"),
+        embeddings=("bert.embeddings.word_embeddings",), lm_head=("cls.predictions.decoder",)),
+    "t5": TPPlan(
+        column=("SelfAttention.q", "SelfAttention.k", "SelfAttention.v", "EncDecAttention.q",
+                "EncDecAttention.k", "EncDecAttention.v", "DenseReluDense.wi",
+                "DenseReluDense.wi_0", "DenseReluDense.wi_1"),
+        row=("SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo"),
+        divide={"SelfAttention": ("n_heads", "inner_dim"),  # zero position_bias uses n_heads
+                "EncDecAttention": ("n_heads", "inner_dim")},
+        head_sharded={"relative_attention_bias.weight": 1},
+        embeddings=("shared",), lm_head=("lm_head",)),
+}
+
+# config attributes tp must divide (whichever the config has)
+DIVISIBLE_CONFIG_ATTRS = ("num_attention_heads", "num_key_value_heads", "hidden_size",
+                          "intermediate_size", "ffn_dim", "d_ff", "n_inner")
+
+
+def set_tp_layer_lists(col_para_list: Sequence[str] | None = None,
+                       row_para_list: Sequence[str] | None = None,
+                       input_output_mapping: Sequence[tuple[int, int, str]] | None = None,
+                       weight_change_list: Sequence[tuple[str, int]] | None = None,
+                       tp_attr_list: Sequence[str] | None = None) -> TPPlan:
+    """Register the tensor-parallel plan for a model that has none in `FAMILY_PLANS`.
+
+    Args:
+        col_para_list: names (or suffixes / globs) of linear layers made column-parallel.
+        row_para_list: the same for row-parallel layers.
+        input_output_mapping: ``(in, out, 'col' | 'row')``: a linear layer whose in:out feature
+            ratio is in:out gets that style (e.g. ``(1, 4, 'col')``, ``(4, 1, 'row')``).
+        weight_change_list: ``(name, dim)``: split the parameter `name` (or ``name.weight``)
+            along `dim` across TP ranks (e.g. a per-head bias table).
+        tp_attr_list: attribute names (e.g. ``num_heads``) divided by the TP degree in every
+            module of the blocks that has them.
+
+    The plan applies to the job of the last `merak.init()` and is returned.
+    """
+    for style in (s for _, _, s in input_output_mapping or ()):
+        if style not in ("col", "row"):
+            raise ValueError(f"input_output_mapping styles are 'col' or 'row', got {style!r}")
+    plan = TPPlan(column=tuple(col_para_list or ()), row=tuple(row_para_list or ()),
+                  io_mapping=tuple(tuple(m) for m in input_output_mapping or ()),
+                  head_sharded={(n if n.endswith((".weight", ".bias")) else n + ".weight"): d
+                                for n, d in weight_change_list or ()},
+                  divide_anywhere=tuple(tp_attr_list or ()), source="set_tp_layer_lists")
+    if not (plan.column or plan.row or plan.io_mapping):
+        raise ValueError("set_tp_layer_lists needs col_para_list, row_para_list or "
+                         "input_output_mapping: nothing would be split")
+    get_context().settings[_PLAN_KEY] = plan
+    return plan
+
+
+def _from_config_plan(config) -> TPPlan | None:
+    """A plan from the config's own ``base_model_tp_plan`` (colwise / rowwise entries)."""
+    table = getattr(config, "base_model_tp_plan", None) or {}
+    column = tuple(k for k, v in table.items() if v.startswith("colwise") and ".*." in k)
+    row = tuple(k for k, v in table.items() if v.startswith("rowwise") and ".*." in k)
+    if not column or not row:
+        return None
+    return TPPlan(column=tuple("*." + c for c in column), row=tuple("*." + r for r in row),
+                  source="base_model_tp_plan")
+
+
+def plan_for(model: nn.Module) -> TPPlan:
+    """The registered plan, else the family's table entry, else the config's
+    ``base_model_tp_plan``; otherwise an error naming `merak.set_tp_layer_lists`."""
+    try:
+        registered = get_context().settings.get(_PLAN_KEY)
+    except RuntimeError:
+        registered = None
+    if registered is not None:
+        return registered
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILY_PLANS:
+        return FAMILY_PLANS[model_type]
+    derived = _from_config_plan(config) if config is not None else None
+    if derived is not None:
+        return derived
+    raise ValueError(f"no tensor-parallel plan for {type(model).__name__} (model_type "
+                     f"{model_type!r}; plans exist for {sorted(FAMILY_PLANS)}): describe its "
+                     f"layers with merak.set_tp_layer_lists(col_para_list=[...], "
+                     f"row_para_list=[...], tp_attr_list=[...]) or use tp=1")

@@ -1,0 +1,52 @@
+"""Small configs of every family in the TP plan table: 8 heads and 4 KV heads (where the family
+has grouped-query attention), so tp=2 and tp=4 both divide them; dropout off."""
+
+from __future__ import annotations
+
+import transformers as tf
+from hf_models import VOCAB, batch
+
+LAYERS = 2
+ATTN = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}
+
+
+def _causal(config_cls, **kw):
+    return lambda: tf.AutoModelForCausalLM.from_config(config_cls(**kw))
+
+
+TP_FAMILIES = {
+    "llama": _causal(tf.LlamaConfig, **ATTN),
+    "mistral": _causal(tf.MistralConfig, **ATTN),
+    "qwen2": _causal(tf.Qwen2Config, **ATTN),
+    "qwen3": _causal(tf.Qwen3Config, head_dim=8, **ATTN),
+    "gemma": _causal(tf.GemmaConfig, head_dim=8, pad_token_id=0, **ATTN),
+    "phi3": _causal(tf.Phi3Config, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **ATTN),
+    "gpt_neox": _causal(tf.GPTNeoXConfig, hidden_size=64, intermediate_size=128,
+                        num_attention_heads=8, num_hidden_layers=LAYERS, vocab_size=VOCAB,
+                        hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+                        eos_token_id=0),
+    "falcon": _causal(tf.FalconConfig, hidden_size=64, num_attention_heads=8, num_kv_heads=4,
+                      new_decoder_architecture=True, num_hidden_layers=LAYERS,
+                      vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
+                      bos_token_id=0, eos_token_id=0),
+    "gpt2": _causal(tf.GPT2Config, n_embd=64, n_layer=LAYERS, n_head=8, vocab_size=VOCAB,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                    eos_token_id=0),
+    "opt": _causal(tf.OPTConfig, hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS,
+                   num_attention_heads=8, word_embed_proj_dim=64, vocab_size=VOCAB, dropout=0.0,
+                   attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1),
+    "bert": lambda: tf.AutoModelForMaskedLM.from_config(tf.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=8,
+        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=8, d_ff=128, num_layers=LAYERS,
+        num_decoder_layers=LAYERS, num_heads=8, dropout_rate=0.0, decoder_start_token_id=0,
+        pad_token_id=0)),
+}
+
+
+def tp_batch(family: str, step: int, rows: int):
+    kind = family if family in ("bert", "t5") else "llama"
+    return batch(kind, step, rows)

@@ -1,0 +1,186 @@
+"""Tensor parallelism (alone and composed with dp and pp) against the single-process model:
+meta build -> apply_tensor_parallel -> auto_split -> materialize own stage -> 1f1b interpreter,
+3 SGD steps; loss, every gradient (against this rank's slice of the full gradient) and the
+final parameters must match (see test_tensor_parallel)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import assert_close, run_scenarios
+from hf_models import CustomMLP, batch
+from safetensors.torch import save_file
+from tp_models import TP_FAMILIES, tp_batch
+
+import merak
+from merak.partition.auto import auto_split
+from merak.partition.meta import materialize_
+
+STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 2, 2, 0.05, 4321
+
+
+def _slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    spec = getattr(param, "tp_shard", None)
+    return spec.take(full) if spec is not None else full
+
+
+def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None, **tp_options) -> None:
+    ctx = merak.init(dp=dp, tp=tp, pp=pp)
+    if plan_setup:
+        plan_setup()
+    torch.manual_seed(SEED)
+    with merak.init_empty_weights():
+        model = build()
+    merak.apply_tensor_parallel(model, ctx, **tp_options)
+    split = auto_split(model, batch_fn(0, ROWS), pp)
+    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    materialize_(stage)
+    grads = []
+
+    class Snapshot(merak.InstructionHook):
+        def on_instruction_begin(self, name, action):
+            if name == "optimizer_step":
+                grads.append({n: p.grad.clone() for n, p in stage.named_parameters()
+                              if p.grad is not None})
+
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
+                                       MICROBATCHES, schedule="1f1b", hooks=[Snapshot()],
+                                       p2p_timeout_s=120)
+    rows = ROWS * MICROBATCHES
+    losses = []
+    for step in range(STEPS):
+        full = batch_fn(step, rows * dp)
+        mine = {k: v[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows] for k, v in full.items()}
+        losses.append(engine.train_step(mine))
+
+    torch.manual_seed(SEED)
+    reference = build()
+    params = dict(reference.named_parameters(remove_duplicate=False))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    own = dict(stage.named_parameters())
+    assert own and set(grads[0]) == set(own), "some stage parameters got no gradient"
+    for step in range(STEPS):
+        out = reference(**batch_fn(step, rows * dp))
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        assert_close(torch.tensor(losses[step]), torch.tensor(loss.item()), f"loss of step {step}")
+        for name, grad in grads[step].items():
+            assert_close(grad, _slice(own[name], params[name].grad), f"step {step} grad of {name}")
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, param in own.items():
+        assert_close(param.detach(), _slice(param, params[name].detach()), f"{name} at the end")
+    shards = [n for n, p in own.items() if getattr(p, "tp_shard", None) is not None]
+    assert shards, "no parameter was sharded"
+
+
+def family(name: str, dp: int, tp: int, pp: int, **tp_options):
+    return lambda: parity(TP_FAMILIES[name], lambda s, r: tp_batch(name, s, r), dp, tp, pp,
+                          **tp_options)
+
+
+def custom_plan(tp: int):
+    def setup():
+        merak.set_tp_layer_lists(col_para_list=["fc1"], input_output_mapping=[(2, 1, "row")])
+    return lambda: parity(lambda: CustomMLP(depth=4), lambda s, r: batch("mlp", s, r), 1, tp, 1,
+                          plan_setup=setup)
+
+
+def vocab_parallel_loss(tp: int) -> None:
+    ctx = merak.init(dp=1, tp=tp, pp=1)
+    torch.manual_seed(SEED)
+    logits = torch.randn(3, 5, 128, requires_grad=True)
+    labels = torch.randint(0, 128, (3, 5))
+    labels[0, :2] = -100
+    shard = logits.detach().chunk(tp, dim=-1)[ctx.tp_rank].clone().requires_grad_()
+    loss = merak.vocab_parallel_cross_entropy(shard, labels, ctx.tp_group)
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    expected.backward()
+    assert_close(loss, expected, "vocab-parallel loss")
+    assert_close(shard.grad, logits.grad.chunk(tp, dim=-1)[ctx.tp_rank], "its gradient")
+
+
+def dropout_rng(tp: int) -> None:
+    """Random draws agree across TP ranks on replicated activations (GPT-2's dropout after the
+    row-parallel projection), differ between a column- and a row-parallel layer."""
+    import transformers as tf
+
+    ctx = merak.init(dp=1, tp=tp, pp=1)
+    torch.manual_seed(SEED)
+    config = tf.GPT2Config(n_embd=64, n_layer=1, n_head=8, vocab_size=128, attn_pdrop=0.5,
+                           resid_pdrop=0.5, embd_pdrop=0.0)
+    with merak.init_empty_weights():
+        model = tf.GPT2LMHeadModel(config)
+    merak.apply_tensor_parallel(model, ctx)
+    materialize_(model)
+    seen = {}
+    attn = model.transformer.h[0].attn
+    # runs after merak's own hook on c_attn, which enters this rank's stream
+    attn.c_attn.register_forward_hook(lambda m, a, o: seen.update(inside=torch.rand(16)))
+    attn.register_forward_hook(lambda m, a, o: seen.update(replicated=o[0].detach(),
+                                                           outside=torch.rand(16)))
+    model.train()
+    model(input_ids=torch.randint(0, 128, (2, 6)))
+    gathered = {k: [torch.empty_like(v) for _ in range(tp)] for k, v in seen.items()}
+    for k, v in seen.items():
+        dist.all_gather(gathered[k], v.contiguous(), group=ctx.tp_group)
+    for key in ("replicated", "outside"):
+        assert all(torch.equal(gathered[key][0], g) for g in gathered[key]), \
+            f"{key} draws differ between TP ranks"
+    assert not torch.equal(gathered["inside"][0], gathered["inside"][1]), \
+        "draws between column- and row-parallel layers are identical across TP ranks"
+
+
+def checkpoint_shards(tp: int) -> None:
+    """A full HF safetensors file loads into each rank exactly its shard."""
+    ctx = merak.init(dp=1, tp=tp, pp=1)
+    torch.manual_seed(SEED)
+    full = TP_FAMILIES["gpt2"]()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.safetensors")
+        state = {k: v.contiguous() for k, v in full.state_dict().items() if k != "lm_head.weight"}
+        save_file(state, path)
+        with merak.init_empty_weights():
+            model = TP_FAMILIES["gpt2"]()
+        merak.apply_tensor_parallel(model, ctx, parallel_vocab=True)
+        materialize_(model, initialize=False)
+        merak.load_safetensors_(model, path, aliases={"lm_head.weight": ["transformer.wte.weight"]})
+    reference = dict(full.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        assert_close(param.detach(), _slice(param, reference[name].detach()), name)
+    assert model.lm_head.weight is model.transformer.wte.weight, "the tie was lost"
+    total = sum(p.numel() for p in full.parameters())
+    mine = sum(p.numel() for p in model.parameters())
+    assert mine < total * 0.75, f"rank holds {mine} of {total} parameters"
+
+
+SCENARIOS = {
+    2: {**{f"tp2-{name}": family(name, 1, 2, 1) for name in TP_FAMILIES},
+        "tp2-llama-parallel-vocab": family("llama", 1, 2, 1, parallel_vocab=True),
+        "tp2-gpt2-parallel-vocab": family("gpt2", 1, 2, 1, parallel_vocab=True),
+        "tp2-llama-sequence-parallel": family("llama", 1, 2, 1, sequence_parallel=True),
+        "tp2-custom-set_tp_layer_lists": custom_plan(2),
+        "tp2-vocab-parallel-cross-entropy": lambda: vocab_parallel_loss(2),
+        "tp2-dropout-rng": lambda: dropout_rng(2),
+        "tp2-checkpoint-shards": lambda: checkpoint_shards(2)},
+    4: {**{f"tp4-{name}": family(name, 1, 4, 1) for name in TP_FAMILIES},
+        "tp2-pp2-llama-sequence-parallel": family("llama", 1, 2, 2, sequence_parallel=True),
+        "tp4-vocab-parallel-cross-entropy": lambda: vocab_parallel_loss(4)},
+    8: {"dp2-tp2-pp2-llama": family("llama", 2, 2, 2, parallel_vocab=True),
+        "dp2-tp2-pp2-gpt2": family("gpt2", 2, 2, 2),
+        "dp2-tp2-pp2-qwen2": family("qwen2", 2, 2, 2),
+        "dp2-tp2-pp2-bert": family("bert", 2, 2, 2)},
+}
+
+
+def scenario_names(world_size: int) -> list[str]:
+    return list(SCENARIOS[world_size])
+
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS[int(os.environ["WORLD_SIZE"])])
