@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=24,
-              num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)
+CONFIG = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5504,
+          "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+          "tie_word_embeddings": False}
 MB = 2**20
 
 
@@ -90,7 +91,7 @@ def rank_main(path: Path) -> None:
 
 
 def run(*args: str) -> str:
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"{' '.join(args[:4])} failed:\n{out.stderr[-4000:]}")
     return out.stdout

@@ -62,7 +62,7 @@ def main() -> None:
         times = stage_times(split, inputs)
         ratio = max(times) / statistics.mean(times)
         counts = [len(b) for b in split.blocks_of_stage]
-        print(f"{method:<12} {str(counts):<18} {str([round(t * 1e3) for t in times]):<30} "
+        print(f"{method:<12} {counts!s:<18} {[round(t * 1e3) for t in times]!s:<30} "
               f"{ratio:.2f}" + ("   (target <= 1.10)" if method == "profile" else ""))
         model.zero_grad(set_to_none=True)
 

@@ -1,12 +1,13 @@
 """Megatron-style tensor-parallel layers, made by changing the class of an existing module.
 
 Why Megatron-style layers with explicit autograd collectives rather than DTensor's
-`parallelize_module`: both give exact parity on CPU/gloo (FINDINGS.md), but `bench/tp_layers.py`
-measures the DTensor MLP pair at about 1.5-2x our time per forward+backward on CPU (its
-dispatch runs per op), it has no plan style for GPT-2's fused `Conv1D` (weight `[in, out]`,
-q/k/v sharded per chunk) or T5's per-head relative bias, and its parameters are DTensors, which
-our pipeline p2p, bucketed dp all-reduce, tied-weight reduction and safetensors loading would all
-need to unwrap. Plain tensors plus the four conjugate collectives keep every other part as is.
+`parallelize_module`: both give exact parity on CPU/gloo (FINDINGS.md), and `bench/tp_layers.py`
+measures them at the same speed on CPU (DTensor / ours = 0.98 for an MLP pair at tp=2), so speed
+does not decide it. What does: DTensor's plans have no style for GPT-2's fused `Conv1D` (weight
+`[in, out]`, q/k/v sharded per part), Phi-3's fused q/k/v of unequal parts or T5's per-head
+relative bias, and its parameters are DTensors, which our pipeline p2p, bucketed dp
+all-reduce, tied-weight reduction and safetensors loading would all have to unwrap. Plain
+tensors plus the four conjugate collectives keep every other part of Merak as it is.
 
 A layer is converted in place (``module.__class__`` is swapped, its weight replaced by this
 rank's shard), so every reference to it (the model, the pipeline stage graphs) sees the change

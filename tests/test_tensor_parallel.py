@@ -1,0 +1,110 @@
+"""Tensor parallelism: parity of tp alone (2 and 4 ranks, every family in the plan table),
+sequence parallelism, vocab-parallel embedding and loss, TP dropout streams, sharded checkpoint
+loading, a custom plan, and dp x tp x pp on 8 ranks; plus plan validation in one process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers as tf
+from dist_harness import cached_launcher, check
+from hf_models import CustomMLP
+from tp_models import TP_FAMILIES
+from tp_parity import scenario_names
+
+import merak
+from merak.tensor_parallel.layers import ShardSpec, shard_parameter
+from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan
+
+WORLD_SIZES = (2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return cached_launcher("tp_parity.py", tmp_path_factory)
+
+
+@pytest.mark.parametrize("world_size,scenario",
+                         [(w, s) for w in WORLD_SIZES for s in scenario_names(w)])
+def test_tensor_parallel_trains_like_the_model(launches, world_size, scenario):
+    check(*launches(world_size), scenario)
+
+
+def _ctx(tp: int, rank: int = 0):
+    return SimpleNamespace(tp=tp, tp_rank=rank, tp_group=None)
+
+
+def test_every_table_family_is_exercised():
+    assert set(TP_FAMILIES) <= set(FAMILY_PLANS)
+    assert {"llama", "gpt2", "qwen2", "bert", "t5", "opt", "mistral"} <= set(TP_FAMILIES)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_attention_heads": 2, "num_key_value_heads": 2}, "tp=4 must divide num_attention_heads"),
+    ({"num_key_value_heads": 2}, "tp=4 must divide num_key_value_heads"),
+    ({"intermediate_size": 130}, "tp=4 must divide intermediate_size"),
+])
+def test_tp_must_divide_heads_and_sizes(overrides, message):
+    config = tf.LlamaConfig(**{"hidden_size": 64, "intermediate_size": 128,
+                               "num_attention_heads": 8, "num_key_value_heads": 4,
+                               "num_hidden_layers": 2, "vocab_size": 128, **overrides})
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=message):
+        merak.apply_tensor_parallel(model, _ctx(4))
+
+
+def test_parallel_vocab_needs_a_divisible_vocabulary():
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+            num_hidden_layers=2, vocab_size=130))
+    merak.apply_tensor_parallel(model, _ctx(4))  # fine without parallel_vocab
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_config(model.config)
+    with pytest.raises(ValueError, match="vocab_size"):
+        merak.apply_tensor_parallel(model, _ctx(4), parallel_vocab=True)
+
+
+def test_a_model_without_a_plan_is_told_about_set_tp_layer_lists():
+    with pytest.raises(ValueError, match="set_tp_layer_lists"):
+        merak.apply_tensor_parallel(CustomMLP(), _ctx(2))
+
+
+def test_unsupported_variants_say_so():
+    with merak.init_empty_weights():
+        falcon = tf.AutoModelForCausalLM.from_config(tf.FalconConfig(
+            hidden_size=64, num_attention_heads=8, num_hidden_layers=2, vocab_size=128,
+            multi_query=True, new_decoder_architecture=False))
+    with pytest.raises(ValueError, match="multi_query Falcon .* not supported yet"):
+        merak.apply_tensor_parallel(falcon, _ctx(2))
+    with merak.init_empty_weights():
+        gpt2 = TP_FAMILIES["gpt2"]()
+    with pytest.raises(ValueError, match="sequence_parallel is not supported yet"):
+        merak.apply_tensor_parallel(gpt2, _ctx(2), sequence_parallel=True)
+
+
+def test_a_plan_matching_nothing_is_an_error():
+    with pytest.raises(ValueError, match="matched no module"):
+        merak.apply_tensor_parallel(CustomMLP(), _ctx(2), plan=TPPlan(column=("nothing",)))
+
+
+def test_fused_shards_take_each_part_separately():
+    full = torch.arange(12.0).view(12, 1)  # parts q=[0..5], k=[6..8], v=[9..11]
+    spec = ShardSpec(dim=0, rank=1, size=3, chunks=(6, 3, 3), full_shape=(12, 1))
+    assert spec.take(full).flatten().tolist() == [2, 3, 7, 10]
+    with pytest.raises(ValueError, match="tp=2"):
+        shard_parameter(torch.nn.Parameter(torch.zeros(12, 1)), 0, 0, 2, chunks=(6, 3, 3))
+
+
+def test_gpt2_fused_qkv_and_attributes_are_divided():
+    with merak.init_empty_weights():
+        model = TP_FAMILIES["gpt2"]()
+    merak.apply_tensor_parallel(model, _ctx(2, rank=1))
+    attn = model.transformer.h[0].attn
+    assert attn.split_size == 32 and attn.c_attn.weight.shape == (64, 96)
+    assert attn.c_attn.weight.tp_shard.chunks == (64, 64, 64)
+    assert attn.c_proj.weight.shape == (32, 64) and attn.c_proj.bias.shape == (64,)
+    assert model.merak_tp.size == 2 and "transformer.h.0.attn.c_attn" in model.merak_tp.converted
