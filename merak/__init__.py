@@ -1,5 +1,6 @@
 """Merak: automatic 3D parallelism (data x tensor x pipeline) for PyTorch and HF models."""
 
+from merak.build import parallelize
 from merak.distributed.parallel_context import ParallelContext, get_context, init
 from merak.partition.auto import AutoSplit, auto_split
 from merak.partition.checkpoint import load_safetensors_
@@ -48,6 +49,7 @@ __all__ = [
     "make_schedule",
     "manual_split",
     "materialize_",
+    "parallelize",
     "set_tp_layer_lists",
     "simulate",
     "validate_schedule",

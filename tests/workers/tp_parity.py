@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from tp_models import TP_FAMILIES, tp_batch
 
 import merak
-from merak.partition.auto import auto_split
 from merak.partition.meta import materialize_
 
 STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 2, 2, 0.05, 4321
@@ -28,17 +27,20 @@ def _slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return spec.take(full) if spec is not None else full
 
 
-def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None, **tp_options) -> None:
+def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None,
+           from_checkpoint: bool = False, **tp_options) -> None:
     ctx = merak.init(dp=dp, tp=tp, pp=pp)
     if plan_setup:
         plan_setup()
-    torch.manual_seed(SEED)
-    with merak.init_empty_weights():
-        model = build()
-    merak.apply_tensor_parallel(model, ctx, **tp_options)
-    split = auto_split(model, batch_fn(0, ROWS), pp)
-    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
-    materialize_(stage)
+    with tempfile.TemporaryDirectory() as tmp:
+        if from_checkpoint:  # a full HF checkpoint; each rank must load exactly its shard
+            torch.manual_seed(SEED + 1)
+            build().save_pretrained(tmp)
+        torch.manual_seed(SEED)
+        with merak.init_empty_weights():
+            model = build()
+        stage = merak.parallelize(model, batch_fn(0, ROWS), ctx,
+                                  checkpoint=tmp if from_checkpoint else None, **tp_options)
     grads = []
 
     class Snapshot(merak.InstructionHook):
@@ -57,7 +59,10 @@ def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None, **tp_opt
         mine = {k: v[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows] for k, v in full.items()}
         losses.append(engine.train_step(mine))
 
-    torch.manual_seed(SEED)
+    if from_checkpoint:
+        torch.manual_seed(SEED + 1)
+    else:
+        torch.manual_seed(SEED)
     reference = build()
     params = dict(reference.named_parameters(remove_duplicate=False))
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -174,7 +179,9 @@ SCENARIOS = {
     8: {"dp2-tp2-pp2-llama": family("llama", 2, 2, 2, parallel_vocab=True),
         "dp2-tp2-pp2-gpt2": family("gpt2", 2, 2, 2),
         "dp2-tp2-pp2-qwen2": family("qwen2", 2, 2, 2),
-        "dp2-tp2-pp2-bert": family("bert", 2, 2, 2)},
+        "dp2-tp2-pp2-bert": family("bert", 2, 2, 2),
+        "dp2-tp2-pp2-gpt2-from-checkpoint": family("gpt2", 2, 2, 2, parallel_vocab=True,
+                                                   from_checkpoint=True)},
 }
 
 

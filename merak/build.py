@@ -1,0 +1,66 @@
+"""`merak.parallelize`: the fixed 3D build order, from a (meta-built) model to this rank's stage.
+
+    meta model -> tensor parallelism -> pipeline split -> materialize own stage (initialize
+    exactly as the full model would, or load its shard from an HF safetensors checkpoint)
+    -> data parallelism (the interpreter averages gradients over the dp group)
+
+Tensor parallelism comes before the split so the split traces per-rank shapes and keeps the
+TP modules outside the blocks opaque; materialization comes last so a rank only ever allocates
+its own 1/(tp*pp) of the parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from merak.distributed.parallel_context import ParallelContext, get_context
+from merak.partition.auto import AutoSplit, auto_split
+from merak.partition.checkpoint import load_safetensors_
+from merak.partition.meta import materialize_
+from merak.pipeline.stage import PipelineStage
+from merak.tensor_parallel.apply import apply_tensor_parallel
+
+
+def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of a shared parameter -> its other names (a checkpoint stores one of them)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {n: [o for o in group if o != n] for group in names.values() if len(group) > 1
+            for n in group}
+
+
+def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
+                ctx: ParallelContext | None = None, *, parallel_vocab: bool = False,
+                sequence_parallel: bool = False, sequence_dim: int = 1,
+                checkpoint: str | Path | None = None, **split_options) -> PipelineStage:
+    """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
+
+    Args:
+        model: an HF or plain model, ideally built inside `merak.init_empty_weights()`.
+        example_inputs: one micro-batch of keyword inputs (with ``labels`` for the loss).
+        ctx: the parallel context (default: the one from `merak.init`).
+        parallel_vocab, sequence_parallel, sequence_dim: see `apply_tensor_parallel`.
+        checkpoint: an HF safetensors file or directory to load this rank's shard from;
+            default: initialize as the seeded single-process model would.
+        split_options: passed to `merak.auto_split` (partition_method, split_method, ...).
+
+    Returns:
+        The `PipelineStage` (its ``split`` is the `AutoSplit`), ready for `PipelineInterpreter`.
+    """
+    ctx = ctx or get_context()
+    aliases = tied_aliases(model)
+    apply_tensor_parallel(model, ctx, parallel_vocab=parallel_vocab,
+                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+    split: AutoSplit = auto_split(model, example_inputs, ctx.pp,
+                                  device=split_options.pop("device", ctx.device), **split_options)
+    stage = PipelineStage(split.container, split, ctx.stage_id)
+    if checkpoint is None:
+        materialize_(stage, ctx.device)
+    else:
+        materialize_(stage, ctx.device, initialize=False)
+        load_safetensors_(stage, checkpoint, aliases=aliases)
+    return stage
