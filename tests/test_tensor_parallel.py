@@ -84,6 +84,11 @@ def test_unsupported_variants_say_so():
         gpt2 = TP_FAMILIES["gpt2"]()
     with pytest.raises(ValueError, match="sequence_parallel is not supported yet"):
         merak.apply_tensor_parallel(gpt2, _ctx(2), sequence_parallel=True)
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        merak.apply_tensor_parallel(gpt2, _ctx(1), sequence_parallel=True)
+    with pytest.raises(ValueError, match="parallel_vocab found none"):
+        merak.apply_tensor_parallel(CustomMLP(), _ctx(2), parallel_vocab=True,
+                                    plan=TPPlan(column=("fc1",), row=("fc2",)))
 
 
 def test_a_plan_matching_nothing_is_an_error():

@@ -15,7 +15,7 @@ while holding only its own parameters (and one scratch tensor at a time).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -145,19 +145,30 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
         raise ValueError("these meta parameters were not built inside merak.init_empty_weights(), "
                          "so their initial values are unknown; load them from a checkpoint")
     # Initialize on the CPU, whose generator the eager build draws from, then move. A tensor-
-    # parallel shard (`param.tp_shard`) is initialized whole, then cut to this rank's slice.
+    # parallel shard (`param.tp_shard`) is initialized whole, and cut to this rank's slice as
+    # soon as its last init op has run, so only the tensors being initialized are ever whole.
     unique = list({id(p): p for p in meta.values()}.values())
     specs = {id(p): getattr(p, "tp_shard", None) for p in unique}
-    full = {id(p): torch.empty(specs[id(p)].full_shape if specs[id(p)] else p.shape,
-                               dtype=p.dtype) for p in unique}
+    keys = {id(p): specs[id(p)].source_key if specs[id(p)] else _storage_key(p) for p in unique}
+    values: dict[int, torch.Tensor] = {}
+    written = {op.target_key for op in record.ops} if initialize else set()
+
+    def finish(p) -> None:
+        if specs[id(p)] is not None:
+            values[id(p)] = specs[id(p)].take(values[id(p)]).contiguous()
+
+    for p in unique:
+        values[id(p)] = torch.empty(specs[id(p)].full_shape if specs[id(p)] else p.shape,
+                                    dtype=p.dtype)
+        if keys[id(p)] not in written:
+            finish(p)  # nothing to replay into it
     if initialize:
-        _replay(record, {(specs[id(p)].source_key if specs[id(p)] else _storage_key(p)):
-                         full[id(p)] for p in unique})
+        by_key = {keys[id(p)]: p for p in unique}
+        _replay(record, {k: values[id(p)] for k, p in by_key.items()},
+                done=lambda key: finish(by_key[key]))
     real = {}
     for p in unique:
-        spec = specs[id(p)]
-        value = spec.take(full.pop(id(p))).contiguous() if spec else full.pop(id(p))
-        real[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+        real[id(p)] = nn.Parameter(values.pop(id(p)), requires_grad=p.requires_grad)
         for attr in _CARRIED_ATTRS:
             if hasattr(p, attr):
                 setattr(real[id(p)], attr, getattr(p, attr))
@@ -171,14 +182,21 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
     return list(meta)
 
 
-def _replay(record: InitRecord, targets: dict[int, torch.Tensor]) -> None:
+def _replay(record: InitRecord, targets: dict[int, torch.Tensor],
+            done: Callable[[int], None] = lambda key: None) -> None:
+    """Replay the record into `targets` (storage key -> tensor); `done(key)` runs right after
+    the last op writing that key."""
     torch.set_rng_state(record.rng_state)
-    for op in record.ops:
+    last = {op.target_key: i for i, op in enumerate(record.ops) if op.target_key in targets}
+    for i, op in enumerate(record.ops):
         param = targets.get(op.target_key) if op.target_key is not None else None
         if param is not None:
             size, stride, offset, _ = op.view
             with torch.no_grad():
                 op.func(param.as_strided(size, stride, offset), *op.args, **op.kwargs)
+            if last[op.target_key] == i:
+                del targets[op.target_key]
+                done(op.target_key)
         elif op.random:
             if op.view is not None:  # a draw into somebody else's parameter: same numel, dropped
                 size, stride, _, dtype = op.view

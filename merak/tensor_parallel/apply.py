@@ -69,41 +69,64 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
         raise ValueError("this model is already tensor-parallel")
     tp, rank, group = ctx.tp, ctx.tp_rank, ctx.tp_group
     if tp == 1:
-        return model
+        if sequence_parallel:
+            raise ValueError("sequence_parallel splits the sequence across tensor-parallel "
+                             "ranks and needs tp > 1; set sequence_parallel=False")
+        return model  # parallel_vocab over one rank is the plain vocabulary
     plan = plan or plan_for(model)
     _check_divisible(model, tp, parallel_vocab)
-    reason = plan.unsupported(model.config) if plan.unsupported else None
+    config = getattr(model, "config", None)
+    reason = plan.unsupported(config) if plan.unsupported else None
     if reason:
         raise ValueError(reason)
     if sequence_parallel and plan.sp_gather is None:
         raise ValueError(f"sequence_parallel is not supported yet for {type(model).__name__} "
                          f"(its TP plan has no sp_gather modules); set sequence_parallel=False")
-    config = getattr(model, "config", None)
     blocks = find_blocks(model)
     in_block = (lambda n: any(n == b or n.startswith(b + ".") for b in blocks)) if blocks \
         else (lambda n: True)
-    converted, cache = [], {}  # id(original parameter) -> its shard: tied weights stay tied
-    named = list(model.named_modules())
-    sp = {"sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim, "cache": cache}
+    named = [(n, m) for n, m in model.named_modules() if in_block(n)]
+    cache: dict = {}  # id(original parameter) -> its shard: tied weights stay tied
+    converted = _convert_linears(named, plan, config, group, rank, tp, cache,
+                                 sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+    converted += _divide_and_shard_heads(named, plan, rank, tp, cache)
+    if parallel_vocab:
+        converted += _split_vocabulary(model, plan, group, rank, tp, cache)
+    _mark_partial_grads(model, plan, sequence_parallel, in_block)
+    tp_modules = {name: m for name, m in named if name in converted}
+    install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, layers.ColumnParallel)],
+                   [m for m in tp_modules.values() if isinstance(m, layers.RowParallel)],
+                   [model.get_submodule(b) for b in blocks], rank, sequence_parallel)
+    if sequence_parallel:
+        enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
+    model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel)
+    return model
+
+
+def _convert_linears(named, plan: TPPlan, config, group, rank: int, tp: int, cache: dict,
+                     **sp) -> list[str]:
+    converted = []
     for name, module in named:
-        if not in_block(name):
-            continue
         style = plan.style(name, module)
         if style == "column":
             chunks = next((f(config) for p, f in plan.fused.items() if matches(name, p)), None)
-            layers.make_column_parallel_(module, name, group, rank, tp, chunks=chunks, **sp)
+            layers.make_column_parallel_(module, name, group, rank, tp, chunks=chunks,
+                                         cache=cache, **sp)
         elif style == "row":
-            layers.make_row_parallel_(module, name, group, rank, tp, **sp)
+            layers.make_row_parallel_(module, name, group, rank, tp, cache=cache, **sp)
         else:
             continue
         converted.append(name)
     if not converted:
-        raise ValueError(f"the TP plan ({plan.source}) matched no module of "
-                         f"{type(model).__name__}; check its patterns against "
-                         f"model.named_modules()")
+        raise ValueError(f"the TP plan ({plan.source}) matched no module; check its patterns "
+                         f"against model.named_modules()")
+    return converted
+
+
+def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict) -> list[str]:
+    """Per-rank head counts in attributes (and private configs); per-head parameters split."""
+    sharded = []
     for name, module in named:
-        if not in_block(name):
-            continue
         for pattern, attrs in plan.divide.items():
             if matches(name, pattern):
                 for attr in attrs:
@@ -120,28 +143,30 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
             full = f"{name}.{param_name}"
             dim = next((d for p, d in plan.head_sharded.items() if matches(full, p)), None)
             if dim is not None:
-                setattr(module, param_name, layers.shard_parameter(param, dim, rank, tp,
-                                                                   cache=cache))
-                converted.append(full)
-    if parallel_vocab:
-        for name, module in named:
-            if any(matches(name, p) for p in plan.embeddings):
-                layers.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
-            elif any(matches(name, p) for p in plan.lm_head):  # may share the embedding weight
-                layers.make_column_parallel_(module, name, group, rank, tp, gather_output=True,
-                                             cache=cache)
-            else:
-                continue
-            converted.append(name)
-    _mark_partial_grads(model, plan, sequence_parallel, in_block)
-    tp_modules = {name: m for name, m in named if in_block(name) and name in converted}
-    install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, layers.ColumnParallel)],
-                   [m for m in tp_modules.values() if isinstance(m, layers.RowParallel)],
-                   [model.get_submodule(b) for b in blocks], rank, sequence_parallel)
-    if sequence_parallel:
-        enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
-    model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel)
-    return model
+                setattr(module, param_name,
+                        layers.shard_parameter(param, dim, rank, tp, cache=cache))
+                sharded.append(full)
+    return sharded
+
+
+def _split_vocabulary(model: nn.Module, plan: TPPlan, group, rank: int, tp: int,
+                      cache: dict) -> list[str]:
+    """Vocab-parallel embedding; the LM head column-parallel with its logits gathered (so the
+    model's own loss works), sharing the embedding's shard when the two are tied."""
+    converted = []
+    for name, module in model.named_modules():
+        if any(matches(name, p) for p in plan.embeddings):
+            layers.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
+        elif any(matches(name, p) for p in plan.lm_head):
+            layers.make_column_parallel_(module, name, group, rank, tp, gather_output=True,
+                                         cache=cache)
+        else:
+            continue
+        converted.append(name)
+    if not converted:
+        raise ValueError(f"parallel_vocab found none of {[*plan.embeddings, *plan.lm_head]} in "
+                         f"{type(model).__name__}; set parallel_vocab=False")
+    return converted
 
 
 def _mark_partial_grads(model: nn.Module, plan: TPPlan, sequence_parallel: bool,

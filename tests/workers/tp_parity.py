@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import assert_close, run_scenarios
 from hf_models import CustomMLP, batch
-from safetensors.torch import save_file
+from safetensors.torch import save_file, save_model
 from tp_models import TP_FAMILIES, tp_batch
 
 import merak
@@ -33,9 +33,9 @@ def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None,
     if plan_setup:
         plan_setup()
     with tempfile.TemporaryDirectory() as tmp:
-        if from_checkpoint:  # a full HF checkpoint; each rank must load exactly its shard
-            torch.manual_seed(SEED + 1)
-            build().save_pretrained(tmp)
+        if from_checkpoint:  # a full HF-style checkpoint; each rank must load exactly its shard
+            torch.manual_seed(SEED + 1)  # (save_pretrained writes on rank 0 only: each rank
+            save_model(build(), os.path.join(tmp, "model.safetensors"))  # writes its own copy)
         torch.manual_seed(SEED)
         with merak.init_empty_weights():
             model = build()
