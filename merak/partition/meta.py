@@ -27,7 +27,7 @@ _RANDOM_OPS = frozenset({
     "normal", "normal_", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like",
     "random_", "randperm", "uniform_",
 })
-_RECORD_ATTR = "_merak_init_record"
+RECORD_ATTR = "_merak_init_record"
 # what other parts of merak note on a parameter (tensor-parallel shard and gradient flags)
 _CARRIED_ATTRS = ("tp_shard", "tp_partial_grad")
 
@@ -104,7 +104,7 @@ def init_empty_weights() -> Iterator[InitRecord]:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         if param is not None:
-            setattr(param, _RECORD_ATTR, record)
+            setattr(param, RECORD_ATTR, record)
         original(module, name, param)
 
     nn.Module.register_parameter = register_parameter
@@ -121,7 +121,7 @@ def has_meta_parameters(module: nn.Module) -> bool:
 
 def _record_of(module: nn.Module) -> InitRecord | None:
     for param in module.parameters():
-        record = getattr(param, _RECORD_ATTR, None)
+        record = getattr(param, RECORD_ATTR, None)
         if record is not None:
             return record
     return None

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from merak.partition.meta import RECORD_ATTR
 from merak.tensor_parallel.collectives import (
     copy_to_tp,
     gather_from_tp,
@@ -61,7 +62,8 @@ def shard_parameter(param: nn.Parameter, dim: int, rank: int, size: int,
     LM head) is sharded once and stays shared."""
     if cache is not None and id(param) in cache:
         shard = cache[id(param)]
-        if (shard.tp_shard.dim, shard.tp_shard.chunks) != (dim, tuple(chunks or (param.shape[dim],))):
+        wanted = (dim, tuple(chunks or (param.shape[dim],)))
+        if (shard.tp_shard.dim, shard.tp_shard.chunks) != wanted:
             raise ValueError("a parameter shared by two modules is sharded two different ways; "
                              "give both modules the same TP style")
         return shard
@@ -78,9 +80,8 @@ def shard_parameter(param: nn.Parameter, dim: int, rank: int, size: int,
     new = nn.Parameter(data.contiguous() if not param.is_meta else data,
                        requires_grad=param.requires_grad)
     new.tp_shard = spec
-    for attr in ("_merak_init_record",):  # keep the meta build's init record
-        if hasattr(param, attr):
-            setattr(new, attr, getattr(param, attr))
+    if hasattr(param, RECORD_ATTR):  # the meta build's init record, for materialize_
+        setattr(new, RECORD_ATTR, getattr(param, RECORD_ATTR))
     if param.is_meta:
         new._merak_full_meta = param  # keeps the recorded storage alive and unique
     if cache is not None:
