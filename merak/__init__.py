@@ -18,6 +18,8 @@ from merak.pipeline.validate import validate_schedule
 from merak.tensor_parallel.apply import apply_tensor_parallel
 from merak.tensor_parallel.layers import vocab_parallel_cross_entropy
 from merak.tensor_parallel.plans import TPPlan, set_tp_layer_lists
+from merak.trainer.arguments import MerakArguments, NotSupportedYetError
+from merak.trainer.trainer import MerakTrainer
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,9 @@ __all__ = [
     "AutoSplit",
     "CostModel",
     "InstructionHook",
+    "MerakArguments",
+    "MerakTrainer",
+    "NotSupportedYetError",
     "P2PTimeoutError",
     "ParallelContext",
     "Piece",

@@ -41,6 +41,18 @@ def _subset(model: nn.Module, names: list[str]) -> nn.Module:
     return holder
 
 
+def test_seeding_inside_the_context_is_honoured():
+    torch.manual_seed(3)
+    reference = CONFIGS["llama"]()
+    torch.manual_seed(99)  # replaced by the seed inside the context, as in an eager build
+    with init_empty_weights():
+        torch.manual_seed(3)
+        model = CONFIGS["llama"]()
+    materialize_(model)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], param, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_a_stage_materializes_with_the_eager_values(family):
     torch.manual_seed(7)

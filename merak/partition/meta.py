@@ -3,10 +3,12 @@
 `init_empty_weights()` puts every parameter created inside it on the meta device (buffers stay
 real, so non-persistent buffers such as rotary ``inv_freq`` keep their values) and records, at
 the ATen level, every in-place write to those parameters and every random draw made during
-construction, with the RNG state it started from.
+construction. Draws on meta tensors do not advance the CPU generator, so its state is recorded
+at the first draw and wherever it changed since the previous one (a ``torch.manual_seed`` inside
+the context, e.g. in a model factory, or a real draw).
 
 `materialize_(module)` gives each meta parameter of `module` real storage and replays the record
-from that RNG state: writes to this module's parameters are applied to them, random draws for
+from those states: writes to this module's parameters are applied to them, random draws for
 anybody else's are made into a scratch tensor and dropped. The generator therefore advances
 exactly as in an eager build, so a stage gets the values the seeded single-process model has,
 while holding only its own parameters (and one scratch tensor at a time).
@@ -48,13 +50,13 @@ class _Op:
     args: tuple
     kwargs: dict
     random: bool
+    rng_state: torch.Tensor | None = None  # generator state to start from (first draw, reseeds)
 
 
 @dataclass
 class InitRecord:
     """What constructing a model inside `init_empty_weights` did to its parameters."""
 
-    rng_state: torch.Tensor
     ops: list[_Op] = field(default_factory=list)
     keepalive: list[torch.Tensor] = field(default_factory=list, repr=False)
 
@@ -63,11 +65,19 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, record: InitRecord):
         super().__init__()
         self.record = record
+        self.last_state: torch.Tensor | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = _op_name(func)
+        state = None
+        if name in _RANDOM_OPS:  # meta draws leave the generator alone: a changed state means
+            state = torch.get_rng_state()  # a (re)seed or a real draw since the last one
+            if self.last_state is not None and torch.equal(state, self.last_state):
+                state = None
+            else:
+                self.last_state = state
+        out = func(*args, **kwargs)
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
         writes_meta = (func._schema.is_mutable and target is not None
                        and target.device.type == "meta")
@@ -85,7 +95,7 @@ class _Recorder(TorchDispatchMode):
                         target.dtype)
                 self.record.keepalive.append(target)  # storage ids stay unique while recorded
             self.record.ops.append(_Op(func, key, view, tuple(args[1:]) if writes_meta else
-                                       tuple(args), dict(kwargs), random))
+                                       tuple(args), dict(kwargs), random, state))
         return out
 
 
@@ -97,7 +107,7 @@ def init_empty_weights() -> Iterator[InitRecord]:
         with merak.init_empty_weights():
             model = AutoModelForCausalLM.from_config(config)
     """
-    record = InitRecord(rng_state=torch.get_rng_state())
+    record = InitRecord()
     original = nn.Module.register_parameter
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -186,9 +196,10 @@ def _replay(record: InitRecord, targets: dict[int, torch.Tensor],
             done: Callable[[int], None] = lambda key: None) -> None:
     """Replay the record into `targets` (storage key -> tensor); `done(key)` runs right after
     the last op writing that key."""
-    torch.set_rng_state(record.rng_state)
     last = {op.target_key: i for i, op in enumerate(record.ops) if op.target_key in targets}
     for i, op in enumerate(record.ops):
+        if op.rng_state is not None:
+            torch.set_rng_state(op.rng_state)
         param = targets.get(op.target_key) if op.target_key is not None else None
         if param is not None:
             size, stride, offset, _ = op.view

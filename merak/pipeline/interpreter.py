@@ -15,7 +15,7 @@ from merak.pipeline.actions import COMPUTE_KINDS, RECV_KINDS, Action, ActionKind
 from merak.pipeline.cpu_threads import IdleCoreLending
 from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.p2p import Pending, StageComm
-from merak.pipeline.schedules import make_schedule
+from merak.pipeline.schedules import forward_block, make_schedule
 from merak.pipeline.split import ValueKey
 from merak.pipeline.stage import PipelineStage
 from merak.pipeline.validate import validate_schedule
@@ -133,37 +133,57 @@ class PipelineInterpreter:
         Stages that read no batch input may pass None. Returns the step's loss (mean over
         micro-batches and dp ranks), on every rank.
         """
+        loss = self._run(self.actions, batch, self.num_microbatches, self.hooks)
+        self.global_step += 1
+        return loss
+
+    def eval_step(self, batch: dict[str, torch.Tensor] | None,
+                  num_microbatches: int | None = None) -> float:
+        """Forward only, without gradients, in eval mode: the mean loss over `batch` (this dp
+        rank's share) and the dp ranks, on every rank. Hooks are not called."""
+        m = num_microbatches or self.num_microbatches
+        actions = [a for mb in range(m)
+                   for a in forward_block(self.ctx.stage_id, self.split.num_stages, mb)]
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                return self._run(actions, batch, m, hooks=())
+        finally:
+            self.stage.train(was_training)
+
+    def _run(self, actions: list[Action], batch: dict[str, torch.Tensor] | None,
+             num_microbatches: int, hooks: Sequence[InstructionHook]) -> float:
         if self.batch_keys and batch is None:
             raise ValueError(f"stage {self.ctx.stage_id} reads {self.batch_keys} from the "
                              f"batch but got batch=None")
-        self._microbatches = split_microbatches(batch or {}, self.num_microbatches,
-                                                self.batch_keys)
-        self._state = [_MicroBatchState() for _ in range(self.num_microbatches)]
+        self._microbatches = split_microbatches(batch or {}, num_microbatches, self.batch_keys)
+        self._state = [_MicroBatchState() for _ in range(num_microbatches)]
         self._pending: dict[Action, Pending] = {}
         self._losses: list[torch.Tensor] = []
+        self._run_actions = actions
         self.comm.start_step()
-        for hook in self.hooks:
+        for hook in hooks:
             hook.on_step_begin(self.global_step)
-        for index, action in enumerate(self.actions):
+        for index, action in enumerate(actions):
             if action.kind in COMPUTE_KINDS:
                 self._prefetch_receives(index)
-            for hook in self.hooks:
+            for hook in hooks:
                 hook.on_instruction_begin(action.name, action)
             self._handlers[action.kind](action.microbatch_id)
-            for hook in self.hooks:
+            for hook in hooks:
                 hook.on_instruction_end(action.name, action)
         self.comm.finish_step()
         loss = self._step_loss()
-        for hook in self.hooks:
+        for hook in hooks:
             hook.on_step_end(self.global_step)
-        self.global_step += 1
         self._state = []
         return loss
 
     def _prefetch_receives(self, index: int) -> None:
         """Post the receives between this compute action and the next, so their data arrives
         while this one computes. Receives whose shapes are not known yet wait until reached."""
-        for action in self.actions[index + 1:]:
+        for action in self._run_actions[index + 1:]:
             if action.kind in COMPUTE_KINDS:
                 return
             if action.kind in RECV_KINDS and action not in self._pending:

@@ -1,0 +1,1 @@
+"""MerakTrainer and MerakArguments: the Hugging Face Trainer drop-in."""

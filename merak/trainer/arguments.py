@@ -1,0 +1,235 @@
+"""`MerakArguments`: transformers' `TrainingArguments` plus Merak's fields, validated at once.
+
+Every field either works or raises. Merak fields whose feature has not landed raise
+`NotSupportedYetError` when set to anything but their default; every inherited HF field that
+`MerakTrainer` does not honour is checked the same way against its HF default (`_HONOURED` lists
+the ones it does). Bad values raise `ValueError` naming the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from merak.partition import assign
+from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
+from merak.pipeline.schedules import SCHEDULES
+
+
+class NotSupportedYetError(ValueError):
+    """A field asks for a feature Merak does not have yet."""
+
+
+MERAK_SCHEDULES_LATER = ("pre_recompute_1f1b", "last_no_recompute_1f1b",
+                         "shifted_critical_path", "interleaved_1f1b", "zero_bubble")
+
+# inherited HF fields MerakTrainer honours; any other HF field must keep its HF default
+_HONOURED = frozenset({
+    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "learning_rate",
+    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "optim_args",
+    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+    "logging_strategy", "logging_steps", "logging_first_step", "logging_nan_inf_filter",
+    "log_level", "log_level_replica", "log_on_each_node", "disable_tqdm", "report_to",
+    "run_name", "project", "seed", "data_seed", "use_cpu", "dataloader_drop_last",
+    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+    "dataloader_prefetch_factor", "remove_unused_columns", "label_names",
+    "train_sampling_strategy", "do_train", "do_eval", "do_predict", "local_rank",
+    "ddp_timeout", "ddp_backend", "skip_memory_metrics", "save_strategy",
+    "average_tokens_across_devices", "eval_strategy", "prediction_loss_only", "debug",
+    "use_cache",
+})
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+_OFF = (None, False, "no", "", (), [], {})
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Equal, or both an 'off' spelling (the CLI parser turns some None/'no' into False)."""
+    return value == default or (value in _OFF and default in _OFF)
+
+
+@dataclass
+class MerakArguments(TrainingArguments):
+    """`TrainingArguments` with Merak's pipeline, tensor-parallel and runtime fields.
+
+    Degrees come from `merak.init(dp=, tp=, pp=)`; micro-batches per step are
+    `gradient_accumulation_steps` and a micro-batch is `per_device_train_batch_size` rows.
+    """
+
+    # ---- pipeline schedule and partitioning
+    train_schedule: str = field(default="1f1b", metadata={
+        "help": f"pipeline schedule: {sorted(SCHEDULES)}"})
+    partition_method: str = field(default="uniform", metadata={
+        "help": f"stage assignment: {list(assign.PARTITION_METHODS)}"})
+    split_method: str = field(default="farthest_min_deps", metadata={
+        "help": f"where non-block ops go: {list(SPLIT_METHODS)}"})
+    custom_split_points: list[str] | None = field(default=None, metadata={
+        "help": "module names where a stage begins (split_method='layer_split')"})
+    custom_partition: list[int] | None = field(default=None, metadata={
+        "help": "block indices where stages begin (partition_method='custom')"})
+    trace_method: str = field(default="export", metadata={
+        "help": f"graph capture front-end: {list(TRACE_METHODS)}"})
+    input_names: list[str] | None = field(default=None, metadata={
+        "help": "model inputs to trace and feed (default: every key of a batch)"})
+    no_tie_modules: bool = field(default=False, metadata={
+        "help": "do not sum gradients of weights shared across stages"})
+    # ---- recomputation (issue 7)
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations of the blocks in backward"})
+    checkpoint_num_layers: int = field(default=1, metadata={
+        "help": "blocks per checkpointed chunk"})
+    activation_checkpoint_ratio: list[float] | None = field(default=None, metadata={
+        "help": "per-stage fraction of blocks recomputed"})
+    # ---- runtime
+    wall_clock_breakdown: bool = field(default=False, metadata={
+        "help": "log the time of each instruction kind per step"})
+    dealloc_pipeoutput: bool = field(default=False, metadata={
+        "help": "free pipeline outputs once sent (keep only their autograd graph)"})
+    # ---- data parallelism and optimizer state
+    prescale_gradients: bool = field(default=False, metadata={
+        "help": "divide gradients by dp before the all-reduce"})
+    gradient_predivide_factor: float = field(default=1.0, metadata={
+        "help": "divide gradients by this before the all-reduce, the rest after"})
+    zero_stage: int = field(default=0, metadata={"help": "0: no ZeRO; 1: shard optimizer state"})
+    zero_allgather_bucket_size: int = field(default=500_000_000, metadata={
+        "help": "ZeRO parameter all-gather bucket, elements"})
+    zero_reduce_bucket_size: int = field(default=500_000_000, metadata={
+        "help": "gradient all-reduce bucket, elements"})
+    # ---- tensor parallelism
+    parallel_vocab: bool = field(default=False, metadata={
+        "help": "split the embedding and LM head by vocabulary across TP ranks"})
+    sequence_parallel: bool = field(default=False, metadata={
+        "help": "Megatron sequence parallelism in the blocks"})
+    sequence_dim: int = field(default=1, metadata={"help": "sequence dimension of hidden states"})
+    tp_overlapping_level: int = field(default=0, metadata={
+        "help": "sub-pipelined TP: 0 off, 1 within linear pairs, 2 across attention and MLP"})
+    # ---- checkpoints
+    save: bool = field(default=False, metadata={"help": "save Merak checkpoints"})
+    finetune: bool = field(default=False, metadata={
+        "help": "load only the weights of resume_from_checkpoint"})
+    no_save_rng: bool = field(default=False, metadata={"help": "do not save RNG states"})
+    no_save_optim: bool = field(default=False, metadata={"help": "do not save optimizer state"})
+    no_load_rng: bool = field(default=False, metadata={"help": "do not load RNG states"})
+    no_load_optim: bool = field(default=False, metadata={"help": "do not load optimizer state"})
+    save_strategy: str = field(default="no", metadata={
+        "help": "checkpoint saving: 'no' until Merak checkpoints land"})
+    # ---- mixed precision (fp16 loss scaling)
+    loss_scale: float = field(default=0.0, metadata={"help": "fp16 static scale; 0 = dynamic"})
+    initial_scale_power: int = field(default=32, metadata={"help": "dynamic scale starts at 2^this"})
+    loss_scale_window: int = field(default=1000, metadata={
+        "help": "steps without overflow before the scale grows"})
+    hysteresis: int = field(default=2, metadata={"help": "overflows tolerated before lowering"})
+    min_loss_scale: float = field(default=1.0, metadata={"help": "lowest dynamic scale"})
+    # ---- evaluation and generation
+    eval_iters: int | None = field(default=None, metadata={
+        "help": "evaluation steps per evaluate() (default: the whole eval set)"})
+    text_generation: bool = field(default=False, metadata={"help": "generate text after training"})
+    out_seq_length: int = field(default=1024, metadata={"help": "generated sequence length"})
+    temperature: float = field(default=0.9, metadata={"help": "sampling temperature"})
+    # ---- LoRA
+    lora_config: str | None = field(default=None, metadata={"help": "peft LoRA config (JSON)"})
+    adapter_name: str = field(default="default", metadata={"help": "peft adapter name"})
+
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_not_landed()
+        self._check_inherited()
+        super().__post_init__()
+
+    def _check_choices(self) -> None:
+        choices = {
+            "train_schedule": (*SCHEDULES, *MERAK_SCHEDULES_LATER),
+            "partition_method": assign.PARTITION_METHODS,
+            "split_method": SPLIT_METHODS, "trace_method": TRACE_METHODS,
+            "zero_stage": (0, 1, 2, 3), "tp_overlapping_level": (0, 1, 2),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MerakArguments.{name}={getattr(self, name)!r} is not one of "
+                                 f"{list(allowed)}")
+        if self.partition_method == "custom" and not self.custom_partition:
+            raise ValueError("MerakArguments.partition_method='custom' needs custom_partition")
+        if self.split_method == "layer_split" and not self.custom_split_points:
+            raise ValueError("MerakArguments.split_method='layer_split' needs "
+                             "custom_split_points")
+        for name in ("checkpoint_num_layers", "out_seq_length", "loss_scale_window",
+                     "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_iters is not None and self.eval_iters < 1:
+            raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
+                             f"{self.eval_iters}")
+        if self.gradient_predivide_factor <= 0 or self.temperature <= 0:
+            raise ValueError("MerakArguments.gradient_predivide_factor and temperature must be "
+                             "positive")
+        if self.sequence_dim not in (0, 1):
+            raise ValueError(f"MerakArguments.sequence_dim must be 0 or 1, got "
+                             f"{self.sequence_dim}")
+
+    def _check_not_landed(self) -> None:
+        later = {
+            "activation_checkpointing": "activation recomputation (issue 7)",
+            "checkpoint_num_layers": "activation recomputation (issue 7)",
+            "activation_checkpoint_ratio": "stage-aware recomputation (issue 7)",
+            "tp_overlapping_level": "sub-pipelined tensor parallelism (issue 7)",
+            "dealloc_pipeoutput": "deallocating pipeline outputs",
+            "prescale_gradients": "gradient prescaling (with ZeRO-1)",
+            "gradient_predivide_factor": "gradient predivision (with ZeRO-1)",
+            "zero_stage": "ZeRO optimizer-state sharding",
+            "zero_allgather_bucket_size": "ZeRO optimizer-state sharding",
+            "save": "Merak checkpoints", "finetune": "Merak checkpoints",
+            "no_save_rng": "Merak checkpoints", "no_save_optim": "Merak checkpoints",
+            "no_load_rng": "Merak checkpoints", "no_load_optim": "Merak checkpoints",
+            "loss_scale": "fp16 loss scaling", "initial_scale_power": "fp16 loss scaling",
+            "loss_scale_window": "fp16 loss scaling", "hysteresis": "fp16 loss scaling",
+            "min_loss_scale": "fp16 loss scaling",
+            "text_generation": "pipelined text generation",
+            "out_seq_length": "pipelined text generation",
+            "temperature": "pipelined text generation",
+            "lora_config": "LoRA through peft", "adapter_name": "LoRA through peft",
+        }
+        own = {f.name: f for f in dataclasses.fields(MerakArguments)}
+        for name, feature in later.items():
+            if getattr(self, name) != _default(own[name]):
+                raise NotSupportedYetError(
+                    f"MerakArguments.{name}={getattr(self, name)!r}: {feature} is not supported "
+                    f"yet; leave {name} at its default ({_default(own[name])!r})")
+        if self.train_schedule in MERAK_SCHEDULES_LATER:
+            raise NotSupportedYetError(f"MerakArguments.train_schedule={self.train_schedule!r} "
+                                       f"is not supported yet; use one of {sorted(SCHEDULES)}")
+        if str(self.save_strategy) not in ("no", "IntervalStrategy.NO", "SaveStrategy.NO"):
+            raise NotSupportedYetError(f"MerakArguments.save_strategy={self.save_strategy!r}: "
+                                       f"saving checkpoints is not supported yet; use 'no'")
+        if str(self.eval_strategy) not in ("no", "IntervalStrategy.NO"):
+            raise NotSupportedYetError(f"MerakArguments.eval_strategy={self.eval_strategy!r}: "
+                                       f"evaluation during train() is not supported yet; call "
+                                       f"trainer.evaluate() yourself")
+
+    def _check_inherited(self) -> None:
+        own = {f.name for f in dataclasses.fields(MerakArguments)} - {
+            f.name for f in dataclasses.fields(TrainingArguments)}
+        redefined = {"activation_checkpointing", "save_strategy"}  # checked as Merak fields
+        for f in dataclasses.fields(TrainingArguments):
+            if f.name in _HONOURED or f.name in redefined or f.name in own or not f.init:
+                continue
+            default = _default(f)
+            if default is not dataclasses.MISSING and not _same(getattr(self, f.name), default):
+                raise NotSupportedYetError(
+                    f"TrainingArguments.{f.name}={getattr(self, f.name)!r} is not supported yet "
+                    f"by MerakTrainer; leave it at its default ({default!r})")
+
+    @property
+    def place_model_on_device(self) -> bool:
+        return False  # MerakTrainer materializes each rank's own stage on its device

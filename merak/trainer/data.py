@@ -1,0 +1,63 @@
+"""Stage-aware, dp-sharded batches for the pipeline: one global batch per optimizer step.
+
+Every rank walks the same global order of the dataset (sequential, or a permutation seeded by
+``data_seed or seed`` and the epoch, identical on every rank). Step k's global batch is items
+``[k*G, (k+1)*G)`` with G = micro-batch size x micro-batches x dp; dp rank r takes its r-th
+slice; tp ranks of one dp rank take the same slice. Only stages that read model inputs or labels
+(the split's ``batch_inputs``) touch the dataset at all; the others get None.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+
+def model_input_filter(forward: Callable, label_names: Sequence[str] = ()) -> Callable[[dict],
+                                                                                       dict]:
+    """Drop batch keys the model's forward does not take (HF's remove_unused_columns)."""
+    params = inspect.signature(forward).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return lambda batch: batch
+    keep = set(params) | set(label_names)
+    return lambda batch: {k: v for k, v in batch.items() if k in keep}
+
+
+class StageBatches:
+    def __init__(self, dataset, collate: Callable[[list], dict], *, micro_batch_size: int,
+                 num_microbatches: int, dp: int, dp_rank: int, strategy: str, seed: int,
+                 reads_data: bool):
+        if strategy not in ("random", "sequential"):
+            raise ValueError(f"train_sampling_strategy={strategy!r} is not supported yet by "
+                             f"MerakTrainer; use 'random' or 'sequential'")
+        self.dataset, self.collate = dataset, collate
+        self.local = micro_batch_size * num_microbatches
+        self.global_size = self.local * dp
+        self.dp_rank, self.strategy, self.seed = dp_rank, strategy, seed
+        self.reads_data = reads_data
+        if len(dataset) < self.global_size:
+            raise ValueError(f"the dataset has {len(dataset)} items, fewer than one global batch "
+                             f"({micro_batch_size} per micro-batch x {num_microbatches} "
+                             f"micro-batches x dp {dp} = {self.global_size})")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full global batches per epoch (a last partial one is left out)."""
+        return len(self.dataset) // self.global_size
+
+    def order(self, epoch: int) -> list[int]:
+        if self.strategy == "sequential":
+            return list(range(len(self.dataset)))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[dict | None]:
+        order = self.order(epoch) if self.reads_data else None
+        for step in range(skip_steps, self.steps_per_epoch):
+            if not self.reads_data:
+                yield None
+                continue
+            start = step * self.global_size + self.dp_rank * self.local
+            yield self.collate([self.dataset[i] for i in order[start:start + self.local]])

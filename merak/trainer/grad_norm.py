@@ -1,0 +1,51 @@
+"""Global gradient norm and clipping for a sharded pipeline stage, as `clip_grad_norm_` would
+compute on the whole model in one process.
+
+Each logical parameter is counted once: a tensor-parallel shard contributes its own squares;
+a parameter replicated over the tp ranks contributes 1/tp on each; a weight tied across k
+stages contributes 1/k on each; dp replicas hold identical (already averaged) gradients, so the
+world-wide sum is divided by dp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from merak.distributed.parallel_context import ParallelContext
+from merak.pipeline.hooks import InstructionHook
+from merak.pipeline.stage import PipelineStage
+
+
+class GradNormClipper(InstructionHook):
+    """Before each optimizer step: compute the global gradient norm (``last_norm``) and, with
+    `max_norm` > 0, scale every gradient by ``min(1, max_norm / (norm + 1e-6))``."""
+
+    def __init__(self, stage: PipelineStage, ctx: ParallelContext, max_norm: float):
+        self.ctx, self.max_norm = ctx, max_norm
+        tied = {name: len(t.stages) for t in stage.split.tied_weights
+                for s, name in t.names if s == ctx.stage_id}
+        self.weighted: list[tuple[torch.nn.Parameter, float]] = []
+        for name, param in stage.named_parameters():
+            weight = 1.0 / tied.get(name, 1)
+            if getattr(param, "tp_shard", None) is None:
+                weight /= ctx.tp
+            self.weighted.append((param, weight))
+        self.last_norm: float | None = None
+
+    def on_instruction_begin(self, name: str, action) -> None:
+        if name != "optimizer_step":
+            return
+        total = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        for param, weight in self.weighted:
+            if param.grad is not None:
+                total += param.grad.detach().double().pow(2).sum() * weight
+        if self.ctx.world_size > 1:
+            dist.all_reduce(total)
+        norm = (total / self.ctx.dp).sqrt().item()
+        self.last_norm = norm
+        if self.max_norm > 0:
+            coef = min(1.0, self.max_norm / (norm + 1e-6))
+            for param, _ in self.weighted:
+                if param.grad is not None:
+                    param.grad.mul_(coef)

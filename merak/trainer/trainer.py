@@ -1,0 +1,237 @@
+"""`MerakTrainer`: transformers' `Trainer` whose model is trained with Merak's 3D parallelism.
+
+The user builds the model as usual (ideally inside `merak.init_empty_weights()`), calls
+`merak.init(dp=, tp=, pp=)`, and hands both to `MerakTrainer`. On `train()` the trainer builds
+this rank's stage with `merak.parallelize` (TP, automatic split, own shard materialized), then
+runs one pipeline step per optimizer step: `gradient_accumulation_steps` micro-batches of
+`per_device_train_batch_size` rows, with the HF optimizer, learning-rate scheduler, gradient
+clipping (`max_grad_norm`), callbacks, logging and progress bar (rank 0).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, set_seed
+
+from merak.build import parallelize
+from merak.distributed.parallel_context import get_context
+from merak.pipeline.interpreter import PipelineInterpreter
+from merak.trainer.arguments import MerakArguments
+from merak.trainer.data import StageBatches, model_input_filter
+from merak.trainer.grad_norm import GradNormClipper
+from merak.trainer.timers import WallClockBreakdown
+
+
+def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of next-token logits against labels (HF's causal-LM shift, -100 ignored)."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return F.cross_entropy(logits[..., :-1, :].flatten(0, -2).float(),
+                           labels[..., 1:].flatten(), ignore_index=-100)
+
+
+class _WithLoss(nn.Module):
+    """Model + `loss_fn` as one module, so the split's last stage returns the loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, labels: torch.Tensor, **inputs):
+        return self.loss_fn(self.model(**inputs), labels)
+
+
+class MerakTrainer(Trainer):
+    """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
+
+    Args (besides `Trainer`'s):
+        args: `MerakArguments`.
+        loss_fn: ``loss_fn(outputs, labels) -> scalar``; default: the model's own loss (when
+            the batch has labels and the model returns ``.loss``).
+        leaf_modules: modules the automatic split keeps opaque (see `merak.auto_split`).
+    """
+
+    def __init__(self, model: nn.Module, args: MerakArguments, *trainer_args,
+                 loss_fn: Callable | None = None, leaf_modules: Sequence[str] = (),
+                 **trainer_kwargs):
+        if not isinstance(args, MerakArguments):
+            raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
+        self.ctx = get_context()
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
+        self.stage = self.engine = self.clipper = None
+        self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",))
+
+    # ---------------------------------------------------------------- building the 3D model
+    def _collate(self, items: list) -> dict[str, torch.Tensor]:
+        batch = self._input_filter(dict(self.data_collator(items)))
+        if self.args.input_names:
+            batch = {k: v for k, v in batch.items() if k in (*self.args.input_names, "labels")}
+        return batch
+
+    def _build(self, example: dict[str, torch.Tensor]) -> None:
+        if self.engine is not None:
+            return
+        args, model = self.args, self.model
+        if "labels" not in example:
+            raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
+                             "in the dataset or the data collator)")
+        loss_fn = self.loss_fn
+        if loss_fn is None and "labels" not in inspect.signature(model.forward).parameters:
+            loss_fn = default_loss_fn  # the model computes no loss of its own
+        if loss_fn is not None:
+            model = _WithLoss(model, loss_fn)
+        self.stage = parallelize(
+            model, example, self.ctx, parallel_vocab=args.parallel_vocab,
+            sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
+            trace_method=args.trace_method, split_method=args.split_method,
+            partition_method=args.partition_method, custom_partition=args.custom_partition,
+            custom_split_points=args.custom_split_points, leaf_modules=self.leaf_modules,
+            no_tie_modules=args.no_tie_modules)
+        self.model = self.model_wrapped = self.stage
+        self.clipper = GradNormClipper(self.stage, self.ctx, args.max_grad_norm or 0.0)
+        self.timers = WallClockBreakdown() if args.wall_clock_breakdown else None
+        self.optimizer = None  # built over this rank's stage
+        self.create_optimizer()
+        hooks = [self.clipper] + ([self.timers] if self.timers else [])
+        self.engine = PipelineInterpreter(
+            self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
+            schedule=args.train_schedule, hooks=hooks,
+            bucket_bytes=args.zero_reduce_bucket_size * 4)
+
+    def _batches(self, dataset, micro_batch_size: int, num_microbatches: int) -> StageBatches:
+        return StageBatches(
+            dataset, self._collate, micro_batch_size=micro_batch_size,
+            num_microbatches=num_microbatches, dp=self.ctx.dp, dp_rank=self.ctx.dp_rank,
+            strategy=self.args.train_sampling_strategy,
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            reads_data=self.engine is None or bool(self.engine.batch_keys))
+
+    def _example(self, dataset, rows: int) -> dict[str, torch.Tensor]:
+        return self._collate([dataset[i] for i in range(rows)])
+
+    # ---------------------------------------------------------------- training
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs) -> TrainOutput:
+        if resume_from_checkpoint:
+            raise NotImplementedError("resume_from_checkpoint is not supported yet by "
+                                      "MerakTrainer (Merak checkpoints have not landed)")
+        if trial is not None or kwargs:
+            raise NotImplementedError("hyperparameter search is not supported by MerakTrainer")
+        args = self.args
+        if self.train_dataset is None:
+            raise ValueError("MerakTrainer.train() needs a train_dataset")
+        set_seed(args.seed)
+        mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        self._build(self._example(self.train_dataset, mbs))
+        data = self._batches(self.train_dataset, mbs, m)
+        steps_per_epoch = data.steps_per_epoch
+        max_steps = args.max_steps if args.max_steps > 0 else \
+            math.ceil(args.num_train_epochs * steps_per_epoch)
+        epochs = math.ceil(max_steps / steps_per_epoch)
+        self.create_scheduler(max_steps, self.optimizer)
+        self.state = TrainerState(max_steps=max_steps, num_train_epochs=epochs,
+                                  logging_steps=args.logging_steps,
+                                  is_world_process_zero=self.is_world_process_zero(),
+                                  is_local_process_zero=self.is_local_process_zero(),
+                                  train_batch_size=mbs)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        tokens_per_step = None
+        logged_loss, logged_steps, logged_time, total_loss = 0.0, 0, time.perf_counter(), 0.0
+        start = time.perf_counter()
+        for epoch in range(epochs):
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            for batch in data.epoch(epoch):
+                if self.state.global_step >= max_steps:
+                    break
+                self.control = self.callback_handler.on_step_begin(args, self.state,
+                                                                   self.control)
+                if tokens_per_step is None and batch is not None and "input_ids" in batch:
+                    tokens_per_step = batch["input_ids"].numel() * self.ctx.dp
+                learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
+                loss = self.engine.train_step(batch)
+                self.lr_scheduler.step()
+                self.state.global_step += 1
+                self.state.epoch = epoch + (self.state.global_step - epoch * steps_per_epoch) \
+                    / steps_per_epoch
+                total_loss += loss
+                logged_loss += loss
+                logged_steps += 1
+                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                if self._should_log():
+                    elapsed = time.perf_counter() - logged_time
+                    logs = {"loss": logged_loss / logged_steps,
+                            "grad_norm": self.clipper.last_norm,
+                            "learning_rate": learning_rate}
+                    if tokens_per_step:
+                        logs["tokens_per_second"] = round(
+                            tokens_per_step * logged_steps / elapsed, 1)
+                    if self.timers:
+                        logs.update(self.timers.averages())
+                    self.log(logs)
+                    logged_loss, logged_steps, logged_time = 0.0, 0, time.perf_counter()
+                if self.control.should_training_stop:
+                    break
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            if self.control.should_training_stop or self.state.global_step >= max_steps:
+                break
+        runtime = time.perf_counter() - start
+        metrics = {"train_runtime": round(runtime, 4),
+                   "train_loss": total_loss / max(self.state.global_step, 1),
+                   "train_steps_per_second": round(self.state.global_step / runtime, 3)}
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _should_log(self) -> bool:
+        step, args = self.state.global_step, self.args
+        if args.logging_first_step and step == 1:
+            return True
+        every = args.logging_steps if args.logging_steps >= 1 else \
+            max(1, int(args.logging_steps * self.state.max_steps))
+        return str(args.logging_strategy).endswith("steps") and step % int(every) == 0 \
+            or self.control.should_log or step == self.state.max_steps
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+                 ) -> dict[str, float]:
+        output = self._loss_loop(eval_dataset if eval_dataset is not None
+                                 else self.eval_dataset, metric_key_prefix)
+        self.log(output.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
+                                                         output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"
+                ) -> PredictionOutput:
+        """The loss over `test_dataset` (``predictions`` is None: gathering pipelined
+        predictions is not supported yet)."""
+        output = self._loss_loop(test_dataset, metric_key_prefix)
+        return PredictionOutput(predictions=None, label_ids=None, metrics=output.metrics)
+
+    def _loss_loop(self, dataset, prefix: str) -> EvalLoopOutput:
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset")
+        mbs = self.args.per_device_eval_batch_size
+        m = self.args.gradient_accumulation_steps if self.ctx.pp > 1 else 1
+        self._build(self._example(dataset, mbs))
+        data = self._batches(dataset, mbs, m)
+        steps = data.steps_per_epoch if self.args.eval_iters is None else \
+            min(self.args.eval_iters, data.steps_per_epoch)
+        start, losses = time.perf_counter(), []
+        for i, batch in enumerate(data.epoch(0)):
+            if i >= steps:
+                break
+            losses.append(self.engine.eval_step(batch, m))
+        runtime = time.perf_counter() - start
+        metrics = {f"{prefix}_loss": sum(losses) / len(losses),
+                   f"{prefix}_runtime": round(runtime, 4),
+                   f"{prefix}_steps": len(losses)}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics,
+                              num_samples=len(losses) * data.global_size)

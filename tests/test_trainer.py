@@ -1,0 +1,113 @@
+"""MerakTrainer against the single-process HF Trainer (8 ranks, dp=2 x tp=2 x pp=2), and
+MerakArguments validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_harness import WORKERS, check, launch
+from trainer_common import FAMILIES, STEPS
+from transformers import HfArgumentParser
+
+from merak import MerakArguments, NotSupportedYetError
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer")
+    reference = subprocess.run([sys.executable, str(WORKERS / "trainer_reference.py"), "--out",
+                                str(out)], capture_output=True, text=True, timeout=600,
+                               check=False)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    os.environ["MERAK_TRAINER_OUT"] = str(out)
+    try:
+        results, output = launch("trainer_parity.py", 8, out / "ranks")
+    finally:
+        del os.environ["MERAK_TRAINER_OUT"]
+    return out, results, output
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merak_trainer_3d_matches_hf_trainer(runs, family):
+    out, results, output = runs
+    check(results, output, f"trainer-{family}")
+    ours = json.loads((out / f"merak-{family}.json").read_text())
+    theirs = json.loads((out / f"reference-{family}.json").read_text())
+    assert len(ours["loss"]) == len(theirs["loss"]) == STEPS
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+
+
+def test_arguments_parse_from_the_command_line():
+    (args,) = HfArgumentParser(MerakArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--train_schedule", "ds_default", "--parallel_vocab",
+         "--custom_partition", "0", "2", "4", "--partition_method", "custom"])
+    assert args.train_schedule == "ds_default" and args.parallel_vocab
+    assert args.custom_partition == [0, 2, 4]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"train_schedule": "2f2b"}, "train_schedule='2f2b' is not one of"),
+    ({"partition_method": "random"}, "partition_method='random' is not one of"),
+    ({"trace_method": "jit"}, "trace_method='jit' is not one of"),
+    ({"zero_stage": 4}, "zero_stage=4 is not one of"),
+    ({"partition_method": "custom"}, "needs custom_partition"),
+    ({"split_method": "layer_split"}, "needs custom_split_points"),
+    ({"eval_iters": 0}, "eval_iters must be >= 1"),
+    ({"sequence_dim": 2}, "sequence_dim must be 0 or 1"),
+])
+def test_bad_values_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MerakArguments(output_dir="out", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"train_schedule": "zero_bubble"}, {"activation_checkpointing": True},
+    {"checkpoint_num_layers": 2}, {"zero_stage": 1}, {"prescale_gradients": True},
+    {"save": True}, {"finetune": True}, {"no_save_optim": True}, {"loss_scale": 128.0},
+    {"text_generation": True}, {"lora_config": "{}"}, {"tp_overlapping_level": 1},
+    {"dealloc_pipeoutput": True}, {"save_strategy": "steps"}, {"eval_strategy": "steps"},
+    {"fp16": True}, {"bf16": True}, {"gradient_checkpointing": True}, {"torch_compile": True},
+    {"label_smoothing_factor": 0.1},
+])
+def test_features_not_landed_say_so(kwargs):
+    with pytest.raises(NotSupportedYetError, match="not supported yet"):
+        MerakArguments(output_dir="out", **kwargs)
+
+
+# Merak fields MerakTrainer honours (each changes what parallelize / the interpreter / the data
+# or the logs do); every other Merak field must refuse a non-default value
+WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_points",
+           "custom_partition", "trace_method", "input_names", "no_tie_modules",
+           "wall_clock_breakdown", "zero_reduce_bucket_size", "parallel_vocab",
+           "sequence_parallel", "sequence_dim", "eval_iters", "save_strategy"}
+
+
+def _other_value(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return "[0.5]" if value is None else value + "x"
+
+
+def test_every_other_merak_field_refuses_a_non_default_value():
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    defaults = MerakArguments(output_dir="out")
+    for f in dataclasses.fields(MerakArguments):
+        if f.name in WORKING or f.name in inherited and f.name != "activation_checkpointing":
+            continue
+        value = _other_value(getattr(defaults, f.name))
+        if f.name == "activation_checkpoint_ratio":
+            value = [0.5]
+        with pytest.raises(NotSupportedYetError):
+            MerakArguments(output_dir="out", **{f.name: value})

@@ -1,0 +1,38 @@
+"""Shared by the MerakTrainer parity run and its single-process HF Trainer reference."""
+
+from __future__ import annotations
+
+import torch
+from hf_models import VOCAB
+from tp_models import TP_FAMILIES
+
+STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
+FAMILIES = ("llama", "gpt2")
+# HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
+COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
+          "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,
+          "report_to": "none", "disable_tqdm": True, "use_cpu": True, "warmup_steps": 2,
+          "max_grad_norm": 0.5}
+
+
+def dataset(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def train_set():
+    return dataset(STEPS * MICRO_BATCH * MICROBATCHES * DP, 7)
+
+
+def eval_set():
+    return dataset(3 * MICRO_BATCH * MICROBATCHES * DP, 8)
+
+
+def build(family: str):
+    torch.manual_seed(SEED)
+    model = TP_FAMILIES[family]()
+    # GPT2LMHeadModel's name matches no HF loss type, so HF Trainer would count position 0's
+    # label too and scale its loss by (S-1)/S; name it so the reference computes the true mean
+    model.loss_type = "ForCausalLM"
+    return model

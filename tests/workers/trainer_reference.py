@@ -1,0 +1,39 @@
+"""Single-process HF Trainer on the same data and init as trainer_parity (see test_trainer).
+
+    python trainer_reference.py --out DIR     # writes reference-<family>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import transformers as tf
+from trainer_common import COMMON, DP, FAMILIES, MICRO_BATCH, build, eval_set, train_set
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = Path(parser.parse_args().out)
+    torch.set_num_threads(2)
+    for family in FAMILIES:
+        model = build(family)
+        args = tf.TrainingArguments(output_dir=str(out / family), save_strategy="no",
+                                    per_device_train_batch_size=MICRO_BATCH * DP,
+                                    per_device_eval_batch_size=MICRO_BATCH * DP, **COMMON)
+        trainer = tf.Trainer(model=model, args=args, train_dataset=train_set(),
+                             eval_dataset=eval_set())
+        trainer.train()
+        metrics = trainer.evaluate()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        (out / f"reference-{family}.json").write_text(json.dumps({
+            "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+            "learning_rate": [h["learning_rate"] for h in logs],
+            "eval_loss": metrics["eval_loss"]}))
+
+
+if __name__ == "__main__":
+    main()
