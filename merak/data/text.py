@@ -58,3 +58,23 @@ class TokenBatches:
         return {k: v[dp_rank * rows:(dp_rank + 1) * rows]
                 for k, v in self.global_batch(step).items()}
 
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """`num_samples` windows of `seq_len` byte tokens at seeded random offsets, as HF causal-LM
+    items (``labels`` = ``input_ids``; the model shifts them)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, num_samples: int, seed: int = 0):
+        if tokens.numel() <= seq_len:
+            raise ValueError(f"{tokens.numel()} tokens are too few for seq_len={seq_len}")
+        generator = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, tokens.numel() - seq_len, (num_samples,),
+                                    generator=generator).tolist()
+        self.tokens, self.seq_len = tokens.long(), seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        window = self.tokens[self.starts[index]:self.starts[index] + self.seq_len]
+        return {"input_ids": window, "labels": window.clone()}

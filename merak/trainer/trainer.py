@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -69,6 +70,12 @@ class MerakTrainer(Trainer):
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
         self.stage = self.engine = self.clipper = None
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",))
+
+    def is_world_process_zero(self) -> bool:
+        return self.ctx.rank == 0
+
+    def is_local_process_zero(self) -> bool:
+        return int(os.environ.get("LOCAL_RANK", self.ctx.rank)) == 0
 
     # ---------------------------------------------------------------- building the 3D model
     def _collate(self, items: list) -> dict[str, torch.Tensor]:
