@@ -111,3 +111,12 @@ def test_every_other_merak_field_refuses_a_non_default_value():
             value = [0.5]
         with pytest.raises(NotSupportedYetError):
             MerakArguments(output_dir="out", **{f.name: value})
+
+
+def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(tmp_path):
+    os.environ["MERAK_RESUME_DIR"] = str(tmp_path)
+    try:
+        results, output = launch("trainer_resume.py", 4, tmp_path / "ranks")
+    finally:
+        del os.environ["MERAK_RESUME_DIR"]
+    check(results, output, "kill-and-resume")

@@ -38,7 +38,8 @@ _HONOURED = frozenset({
     "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
     "dataloader_prefetch_factor", "remove_unused_columns", "label_names",
     "train_sampling_strategy", "do_train", "do_eval", "do_predict", "local_rank",
-    "ddp_timeout", "ddp_backend", "skip_memory_metrics", "save_strategy",
+    "ddp_timeout", "ddp_backend", "skip_memory_metrics", "save_strategy", "save_steps",
+    "save_total_limit", "save_only_model", "resume_from_checkpoint",
     "average_tokens_across_devices", "eval_strategy", "prediction_loss_only", "debug",
     "use_cache",
 })
@@ -116,15 +117,14 @@ class MerakArguments(TrainingArguments):
     tp_overlapping_level: int = field(default=0, metadata={
         "help": "sub-pipelined TP: 0 off, 1 within linear pairs, 2 across attention and MLP"})
     # ---- checkpoints
-    save: bool = field(default=False, metadata={"help": "save Merak checkpoints"})
+    save: bool = field(default=False, metadata={
+        "help": "save Merak checkpoints every save_steps (same as save_strategy='steps')"})
     finetune: bool = field(default=False, metadata={
         "help": "load only the weights of resume_from_checkpoint"})
     no_save_rng: bool = field(default=False, metadata={"help": "do not save RNG states"})
     no_save_optim: bool = field(default=False, metadata={"help": "do not save optimizer state"})
     no_load_rng: bool = field(default=False, metadata={"help": "do not load RNG states"})
     no_load_optim: bool = field(default=False, metadata={"help": "do not load optimizer state"})
-    save_strategy: str = field(default="no", metadata={
-        "help": "checkpoint saving: 'no' until Merak checkpoints land"})
     # ---- mixed precision (fp16 loss scaling)
     loss_scale: float = field(default=0.0, metadata={"help": "fp16 static scale; 0 = dynamic"})
     initial_scale_power: int = field(default=32, metadata={"help": "dynamic scale starts at 2^this"})
@@ -189,9 +189,6 @@ class MerakArguments(TrainingArguments):
             "gradient_predivide_factor": "gradient predivision (with ZeRO-1)",
             "zero_stage": "ZeRO optimizer-state sharding",
             "zero_allgather_bucket_size": "ZeRO optimizer-state sharding",
-            "save": "Merak checkpoints", "finetune": "Merak checkpoints",
-            "no_save_rng": "Merak checkpoints", "no_save_optim": "Merak checkpoints",
-            "no_load_rng": "Merak checkpoints", "no_load_optim": "Merak checkpoints",
             "loss_scale": "fp16 loss scaling", "initial_scale_power": "fp16 loss scaling",
             "loss_scale_window": "fp16 loss scaling", "hysteresis": "fp16 loss scaling",
             "min_loss_scale": "fp16 loss scaling",
@@ -209,9 +206,11 @@ class MerakArguments(TrainingArguments):
         if self.train_schedule in MERAK_SCHEDULES_LATER:
             raise NotSupportedYetError(f"MerakArguments.train_schedule={self.train_schedule!r} "
                                        f"is not supported yet; use one of {sorted(SCHEDULES)}")
-        if str(self.save_strategy) not in ("no", "IntervalStrategy.NO", "SaveStrategy.NO"):
+        if self.save and str(self.save_strategy).lower().endswith("no"):
+            self.save_strategy = "steps"
+        if str(self.save_strategy).lower().split(".")[-1] not in ("no", "steps"):
             raise NotSupportedYetError(f"MerakArguments.save_strategy={self.save_strategy!r}: "
-                                       f"saving checkpoints is not supported yet; use 'no'")
+                                       f"only 'no' and 'steps' are supported yet")
         if str(self.eval_strategy) not in ("no", "IntervalStrategy.NO"):
             raise NotSupportedYetError(f"MerakArguments.eval_strategy={self.eval_strategy!r}: "
                                        f"evaluation during train() is not supported yet; call "
@@ -220,7 +219,7 @@ class MerakArguments(TrainingArguments):
     def _check_inherited(self) -> None:
         own = {f.name for f in dataclasses.fields(MerakArguments)} - {
             f.name for f in dataclasses.fields(TrainingArguments)}
-        redefined = {"activation_checkpointing", "save_strategy"}  # checked as Merak fields
+        redefined = {"activation_checkpointing"}  # checked as a Merak field
         for f in dataclasses.fields(TrainingArguments):
             if f.name in _HONOURED or f.name in redefined or f.name in own or not f.init:
                 continue

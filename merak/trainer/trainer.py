@@ -26,6 +26,7 @@ from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOu
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
 from merak.pipeline.interpreter import PipelineInterpreter
+from merak.trainer import checkpoint
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.data import StageBatches, model_input_filter
 from merak.trainer.grad_norm import GradNormClipper
@@ -88,6 +89,7 @@ class MerakTrainer(Trainer):
         if self.engine is not None:
             return
         args, model = self.args, self.model
+        self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
         if "labels" not in example:
             raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
                              "in the dataset or the data collator)")
@@ -127,9 +129,6 @@ class MerakTrainer(Trainer):
 
     # ---------------------------------------------------------------- training
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs) -> TrainOutput:
-        if resume_from_checkpoint:
-            raise NotImplementedError("resume_from_checkpoint is not supported yet by "
-                                      "MerakTrainer (Merak checkpoints have not landed)")
         if trial is not None or kwargs:
             raise NotImplementedError("hyperparameter search is not supported by MerakTrainer")
         args = self.args
@@ -149,13 +148,17 @@ class MerakTrainer(Trainer):
                                   is_world_process_zero=self.is_world_process_zero(),
                                   is_local_process_zero=self.is_local_process_zero(),
                                   train_batch_size=mbs)
+        resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
+        if resume_from_checkpoint:
+            self._resume(resume_from_checkpoint)
+        first_epoch, skip = divmod(self.state.global_step, steps_per_epoch)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         tokens_per_step = None
         logged_loss, logged_steps, logged_time, total_loss = 0.0, 0, time.perf_counter(), 0.0
         start = time.perf_counter()
-        for epoch in range(epochs):
+        for epoch in range(first_epoch, epochs):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            for batch in data.epoch(epoch):
+            for batch in data.epoch(epoch, skip_steps=skip if epoch == first_epoch else 0):
                 if self.state.global_step >= max_steps:
                     break
                 self.control = self.callback_handler.on_step_begin(args, self.state,
@@ -184,6 +187,8 @@ class MerakTrainer(Trainer):
                         logs.update(self.timers.averages())
                     self.log(logs)
                     logged_loss, logged_steps, logged_time = 0.0, 0, time.perf_counter()
+                if self._should_save():
+                    self._save()
                 if self.control.should_training_stop:
                     break
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
@@ -195,6 +200,52 @@ class MerakTrainer(Trainer):
                    "train_steps_per_second": round(self.state.global_step / runtime, 3)}
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _should_save(self) -> bool:
+        args = self.args
+        if not str(args.save_strategy).lower().endswith("steps"):
+            return False
+        every = args.save_steps if args.save_steps >= 1 else \
+            max(1, int(args.save_steps * self.state.max_steps))
+        return self.state.global_step % int(every) == 0 or self.control.should_save
+
+    def _save(self) -> None:
+        args = self.args
+        state = {"scheduler": self.lr_scheduler.state_dict(),
+                 "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
+                             "log_history": self.state.log_history}}
+        if not (args.no_save_optim or args.save_only_model):
+            state["optimizer"] = self.optimizer.state_dict()
+        if not (args.no_save_rng or args.save_only_model):
+            state["rng"] = checkpoint.rng_states(self._user_model)
+        path = checkpoint.save_checkpoint(args.output_dir, self.state.global_step, self.ctx,
+                                          self.stage, state,
+                                          save_total_limit=args.save_total_limit)
+        self.control.should_save = False
+        self.control = self.callback_handler.on_save(args, self.state, self.control)
+        if self.is_world_process_zero():
+            print(f"saved {path}")
+
+    def _resume(self, resume_from_checkpoint) -> None:
+        """Weights always; with `finetune` nothing else; otherwise optimizer, scheduler, RNG and
+        the step (unless no_load_optim / no_load_rng)."""
+        args = self.args
+        path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
+        state = checkpoint.load_checkpoint(path, self.ctx, self.stage)
+        if args.finetune:
+            return
+        if not args.no_load_optim:
+            if "optimizer" not in state:
+                raise KeyError(f"{path} holds no optimizer state (saved with no_save_optim); "
+                               f"resume with no_load_optim=True")
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["scheduler"])
+        if not args.no_load_rng and "rng" in state:
+            checkpoint.set_rng_states(state["rng"], self._user_model)
+        saved = state["trainer"]
+        self.state.global_step, self.state.epoch = saved["global_step"], saved["epoch"]
+        self.state.log_history = saved["log_history"]
 
     def _should_log(self) -> bool:
         step, args = self.state.global_step, self.args

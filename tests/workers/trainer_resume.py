@@ -1,0 +1,88 @@
+"""Kill-and-resume with MerakTrainer (dp=1 x tp=2 x pp=2, GPT-2 with dropout): a run that saves
+at step 5 and crashes while writing its step-10 checkpoint resumes from step 5 and logs the same
+losses at steps 6-10 as an uninterrupted run (see test_trainer)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import torch
+import transformers as tf
+from common import run_scenarios
+from hf_models import VOCAB
+from trainer_common import dataset
+
+import merak
+
+STEPS, SEED = 10, 77
+
+
+def build():
+    torch.manual_seed(SEED)
+    return tf.AutoModelForCausalLM.from_config(tf.GPT2Config(
+        n_embd=64, n_layer=2, n_head=8, vocab_size=VOCAB, resid_pdrop=0.1, embd_pdrop=0.1,
+        attn_pdrop=0.1, bos_token_id=0, eos_token_id=0))
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+def trainer(output_dir: str, **kwargs) -> merak.MerakTrainer:
+    with merak.init_empty_weights():
+        model = build()
+    options = {"max_steps": STEPS, "per_device_train_batch_size": 2,
+               "gradient_accumulation_steps": 2, "learning_rate": 1e-3, "logging_steps": 1,
+               "seed": SEED, "report_to": "none", "disable_tqdm": True, "use_cpu": True}
+    args = merak.MerakArguments(output_dir=output_dir, **{**options, **kwargs})
+    return merak.MerakTrainer(model=model, args=args, train_dataset=dataset(4 * STEPS, 5))
+
+
+def losses(t: merak.MerakTrainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
+
+
+def kill_and_resume() -> None:
+    merak.init(dp=1, tp=2, pp=2)
+    shared = Path(os.environ["MERAK_RESUME_DIR"])  # one directory all ranks write into
+    out = str(shared / "run")
+    plain = trainer(str(shared / "plain"), save_strategy="no")
+    plain.train()
+    uninterrupted = losses(plain)
+    crashing = trainer(out, save_steps=5, save_total_limit=1)
+    real_save = torch.save
+
+    def crash_on_second_save(obj, path, *a, **k):
+        if "checkpoint-10" in str(path):
+            Path(path).write_bytes(b"half")
+            raise SimulatedCrash("killed while saving step 10")
+        real_save(obj, path, *a, **k)
+
+    with mock.patch("torch.save", crash_on_second_save):
+        try:
+            crashing.train()
+            raise AssertionError("the simulated crash did not happen")
+        except SimulatedCrash:
+            pass
+    names = sorted(p.name for p in Path(out).iterdir())
+    assert names == ["checkpoint-10.partial", "checkpoint-5"], names
+    resumed = trainer(out, save_strategy="no")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.train(resume_from_checkpoint=True)
+    assert any("half-written checkpoint" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    after = losses(resumed)
+    assert sorted(after) == list(range(1, STEPS + 1)), sorted(after)  # history kept
+    for step in range(6, STEPS + 1):
+        assert after[step] == uninterrupted[step], (step, after[step], uninterrupted[step])
+    finetuned = trainer(out, save_strategy="no", finetune=True, max_steps=1)
+    finetuned.train(resume_from_checkpoint=str(Path(out) / "checkpoint-5"))
+    assert list(losses(finetuned)) == [1], "finetune must start a fresh run"
+
+
+if __name__ == "__main__":
+    run_scenarios({"kill-and-resume": kill_and_resume})
