@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from dist_harness import WORKERS, check, launch
-from trainer_common import FAMILIES, STEPS
+from trainer_common import RUNS, STEPS
 from transformers import HfArgumentParser
 
 from merak import MerakArguments, NotSupportedYetError
@@ -31,16 +31,18 @@ def runs(tmp_path_factory):
     return out, results, output
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_merak_trainer_3d_matches_hf_trainer(runs, family):
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_merak_trainer_3d_matches_hf_trainer(runs, run):
     out, results, output = runs
-    check(results, output, f"trainer-{family}")
-    ours = json.loads((out / f"merak-{family}.json").read_text())
-    theirs = json.loads((out / f"reference-{family}.json").read_text())
+    check(results, output, f"trainer-{run}")
+    ours = json.loads((out / f"merak-{run}.json").read_text())
+    theirs = json.loads((out / f"reference-{run}.json").read_text())
     assert len(ours["loss"]) == len(theirs["loss"]) == STEPS
+    # bf16 autocast rounds each matmul; tensor parallelism sums the halves in another order
+    rel = 2e-3 if run.endswith("bf16") else 1e-5
     for key in ("loss", "grad_norm", "learning_rate"):
-        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
-    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+        assert ours[key] == pytest.approx(theirs[key], rel=rel, abs=1e-6), key
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=rel)
 
 
 def test_arguments_parse_from_the_command_line():
@@ -72,7 +74,7 @@ def test_bad_values_name_the_field(kwargs, message):
     {"save": True}, {"finetune": True}, {"no_save_optim": True}, {"loss_scale": 128.0},
     {"text_generation": True}, {"lora_config": "{}"}, {"tp_overlapping_level": 1},
     {"dealloc_pipeoutput": True}, {"save_strategy": "steps"}, {"eval_strategy": "steps"},
-    {"fp16": True}, {"bf16": True}, {"gradient_checkpointing": True}, {"torch_compile": True},
+    {"fp16": True}, {"bf16_full_eval": True}, {"gradient_checkpointing": True}, {"torch_compile": True},
     {"label_smoothing_factor": 0.1},
 ])
 def test_features_not_landed_say_so(kwargs):

@@ -31,19 +31,21 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Para
     return buckets
 
 
-def launch_all_reduce(params: list[nn.Parameter],
-                      group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
-    """Start summing the grads of `params` over `group` as one flat tensor. A missing grad
-    (the parameter was not reached this step) counts as zeros."""
+def launch_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup,
+                      predivide: float = 1.0) -> tuple[torch.Tensor, dist.Work]:
+    """Start summing the grads of `params` (each divided by `predivide` first) over `group` as
+    one flat tensor. A missing grad (the parameter was not reached this step) counts as zeros."""
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
+    if predivide != 1.0:
+        flat.div_(predivide)
     return flat, dist.all_reduce(flat, group=group, async_op=True)
 
 
 def finish_all_reduce(params: list[nn.Parameter], flat: torch.Tensor, work: dist.Work,
-                      divisor: int = 1) -> None:
+                      divisor: float = 1) -> None:
     """Wait for `launch_all_reduce` and write the (divided) sums back into the grads."""
     work.wait()
     if divisor != 1:
@@ -55,10 +57,17 @@ def finish_all_reduce(params: list[nn.Parameter], flat: torch.Tensor, work: dist
 
 
 class GradientAverager:
-    """Average `.grad` of `params` over `group`, in buckets of about `bucket_bytes`."""
+    """Average `.grad` of `params` over `group`, in buckets of about `bucket_bytes`.
+
+    `predivide` splits the division by the group size into a part before the sum and the rest
+    after (DeepSpeed's ``gradient_predivide_factor``; ``prescale_gradients`` is predivide =
+    group size), which keeps low-precision sums in range."""
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup,
-                 bucket_bytes: int = 25 * 2**20):
+                 bucket_bytes: int = 25 * 2**20, predivide: float = 1.0):
+        if predivide <= 0:
+            raise ValueError(f"predivide must be positive, got {predivide}")
+        self.predivide = predivide
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.params = [p for p in params if p.requires_grad]
@@ -69,6 +78,7 @@ class GradientAverager:
     def average(self) -> None:
         if self.world_size == 1:
             return
-        launched = [launch_all_reduce(bucket, self.group) for bucket in self.buckets]
+        launched = [launch_all_reduce(bucket, self.group, self.predivide)
+                    for bucket in self.buckets]
         for bucket, (flat, work) in zip(self.buckets, launched):
-            finish_all_reduce(bucket, flat, work, divisor=self.world_size)
+            finish_all_reduce(bucket, flat, work, divisor=self.world_size / self.predivide)

@@ -65,13 +65,17 @@ class PipelineInterpreter:
         bucket_bytes: dp all-reduce bucket size.
         lend_idle_cores: on CPU with every rank on one host, give compute actions that the
             schedule runs alone the cores of the stages idling meanwhile (`IdleCoreLending`).
+        autocast_dtype: run forwards under `torch.autocast` to this dtype (bf16 mixed
+            precision; parameters, gradients and optimizer state stay fp32).
+        grad_predivide: dp gradients are divided by this before the all-reduce, the rest after.
     """
 
     def __init__(self, stage: PipelineStage, ctx: ParallelContext,
                  optimizer: torch.optim.Optimizer, num_microbatches: int,
                  schedule: str | Schedule = "1f1b", hooks: Sequence[InstructionHook] = (),
                  p2p_timeout_s: float = 300.0, bucket_bytes: int = 25 * 2**20,
-                 lend_idle_cores: bool = True):
+                 lend_idle_cores: bool = True, autocast_dtype: torch.dtype | None = None,
+                 grad_predivide: float = 1.0):
         split = stage.split
         if split.num_stages != ctx.pp:
             raise ValueError(f"the split has {split.num_stages} stages but pp={ctx.pp}")
@@ -82,6 +86,7 @@ class PipelineInterpreter:
             schedule = make_schedule(schedule, split.num_stages, num_microbatches)
         validate_schedule(schedule, num_microbatches, edges=split.edges or None)
         self.stage, self.ctx, self.optimizer = stage, ctx, optimizer
+        self.autocast_dtype = autocast_dtype
         self.split = split
         self.num_microbatches = num_microbatches
         self.actions: list[Action] = schedule[ctx.stage_id]
@@ -92,7 +97,8 @@ class PipelineInterpreter:
                                                  split.edges))
         self.comm = StageComm(ctx, split, ctx.stage_id, p2p_timeout_s)
         self.batch_keys = split.batch_inputs(ctx.stage_id)
-        self.grad_averager = GradientAverager(stage.parameters(), ctx.dp_group, bucket_bytes)
+        self.grad_averager = GradientAverager(stage.parameters(), ctx.dp_group, bucket_bytes,
+                                              grad_predivide)
         # replicated parameters that saw only this TP rank's heads or sequence shard
         self._tp_partial = [p for p in stage.parameters() if getattr(p, "tp_partial_grad", False)]
         self._tied = self._build_tied_groups()
@@ -217,7 +223,9 @@ class PipelineInterpreter:
 
     def _forward(self, mb: int) -> None:
         state = self._state[mb]
-        values = self.stage(state.inputs)
+        with torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype,
+                            enabled=self.autocast_dtype is not None):
+            values = self.stage(state.inputs)
         if self.ctx.is_last_stage:
             state.loss = values[self.split.output_key]
             if state.loss.numel() != 1:

@@ -41,7 +41,7 @@ _HONOURED = frozenset({
     "ddp_timeout", "ddp_backend", "skip_memory_metrics", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "resume_from_checkpoint",
     "average_tokens_across_devices", "eval_strategy", "prediction_loss_only", "debug",
-    "use_cache",
+    "use_cache", "bf16",
 })
 
 
@@ -185,10 +185,8 @@ class MerakArguments(TrainingArguments):
             "activation_checkpoint_ratio": "stage-aware recomputation (issue 7)",
             "tp_overlapping_level": "sub-pipelined tensor parallelism (issue 7)",
             "dealloc_pipeoutput": "deallocating pipeline outputs",
-            "prescale_gradients": "gradient prescaling (with ZeRO-1)",
-            "gradient_predivide_factor": "gradient predivision (with ZeRO-1)",
-            "zero_stage": "ZeRO optimizer-state sharding",
-            "zero_allgather_bucket_size": "ZeRO optimizer-state sharding",
+            "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "
+                                          "each updated shard whole)",
             "loss_scale": "fp16 loss scaling", "initial_scale_power": "fp16 loss scaling",
             "loss_scale_window": "fp16 loss scaling", "hysteresis": "fp16 loss scaling",
             "min_loss_scale": "fp16 loss scaling",
@@ -203,6 +201,12 @@ class MerakArguments(TrainingArguments):
                 raise NotSupportedYetError(
                     f"MerakArguments.{name}={getattr(self, name)!r}: {feature} is not supported "
                     f"yet; leave {name} at its default ({_default(own[name])!r})")
+        if self.zero_stage > 1:
+            raise NotSupportedYetError(f"MerakArguments.zero_stage={self.zero_stage}: only 0 and "
+                                       f"1 (optimizer-state sharding) are supported yet")
+        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
+            raise ValueError("MerakArguments: prescale_gradients divides by dp before the "
+                             "all-reduce; do not also set gradient_predivide_factor")
         if self.train_schedule in MERAK_SCHEDULES_LATER:
             raise NotSupportedYetError(f"MerakArguments.train_schedule={self.train_schedule!r} "
                                        f"is not supported yet; use one of {sorted(SCHEDULES)}")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import Trainer
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, set_seed
@@ -38,6 +39,22 @@ def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:
     logits = outputs.logits if hasattr(outputs, "logits") else outputs
     return F.cross_entropy(logits[..., :-1, :].flatten(0, -2).float(),
                            labels[..., 1:].flatten(), ignore_index=-100)
+
+
+def zero1(optimizer: torch.optim.Optimizer, ctx) -> ZeroRedundancyOptimizer:
+    """ZeRO-1: the same optimizer with its state sharded over the dp group (PyTorch's
+    `ZeroRedundancyOptimizer`: each dp rank updates its share of the parameters, then broadcasts
+    them; gradients are already averaged over dp)."""
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                   process_group=ctx.dp_group, **defaults)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """What this rank holds: its ZeRO shard's optimizer, or the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 class _WithLoss(nn.Module):
@@ -110,11 +127,16 @@ class MerakTrainer(Trainer):
         self.timers = WallClockBreakdown() if args.wall_clock_breakdown else None
         self.optimizer = None  # built over this rank's stage
         self.create_optimizer()
+        if args.zero_stage == 1:
+            self.optimizer = zero1(self.optimizer, self.ctx)
         hooks = [self.clipper] + ([self.timers] if self.timers else [])
         self.engine = PipelineInterpreter(
             self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
             schedule=args.train_schedule, hooks=hooks,
-            bucket_bytes=args.zero_reduce_bucket_size * 4)
+            bucket_bytes=args.zero_reduce_bucket_size * 4,
+            autocast_dtype=torch.bfloat16 if args.bf16 else None,
+            grad_predivide=self.ctx.dp if args.prescale_gradients
+            else args.gradient_predivide_factor)
 
     def _batches(self, dataset, micro_batch_size: int, num_microbatches: int) -> StageBatches:
         return StageBatches(
@@ -216,7 +238,7 @@ class MerakTrainer(Trainer):
                  "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
                              "log_history": self.state.log_history}}
         if not (args.no_save_optim or args.save_only_model):
-            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer"] = local_optimizer(self.optimizer).state_dict()
         if not (args.no_save_rng or args.save_only_model):
             state["rng"] = checkpoint.rng_states(self._user_model)
         path = checkpoint.save_checkpoint(args.output_dir, self.state.global_step, self.ctx,
@@ -239,7 +261,7 @@ class MerakTrainer(Trainer):
             if "optimizer" not in state:
                 raise KeyError(f"{path} holds no optimizer state (saved with no_save_optim); "
                                f"resume with no_load_optim=True")
-            self.optimizer.load_state_dict(state["optimizer"])
+            local_optimizer(self.optimizer).load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["scheduler"])
         if not args.no_load_rng and "rng" in state:
             checkpoint.set_rng_states(state["rng"], self._user_model)

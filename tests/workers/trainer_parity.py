@@ -7,23 +7,26 @@ import json
 import os
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from common import run_scenarios
-from trainer_common import COMMON, FAMILIES, MICRO_BATCH, build, eval_set, train_set
+from trainer_common import COMMON, MICRO_BATCH, RUNS, build, eval_set, train_set
 
 import merak
+from merak.trainer.trainer import local_optimizer
 
 OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
 
 
-def run(family: str) -> None:
+def run(name: str) -> None:
+    family, extra, merak_only = RUNS[name]
     ctx = merak.init(dp=2, tp=2, pp=2)
     with merak.init_empty_weights():
         model = build(family)
-    args = merak.MerakArguments(output_dir=str(OUT / family),
+    args = merak.MerakArguments(output_dir=str(OUT / name),
                                 per_device_train_batch_size=MICRO_BATCH,
                                 per_device_eval_batch_size=MICRO_BATCH, parallel_vocab=True,
-                                wall_clock_breakdown=True, **COMMON)
+                                wall_clock_breakdown=True, **COMMON, **extra, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
     trainer.train()
@@ -33,8 +36,17 @@ def run(family: str) -> None:
     assert all(h["tokens_per_second"] > 0 and h["time_forward_ms"] > 0 for h in logs)
     trainer.args.eval_iters = 1
     assert trainer.evaluate()["eval_steps"] == 1 and metrics["eval_steps"] == 3
+    state_bytes = sum(t.numel() * t.element_size()
+                      for s in local_optimizer(trainer.optimizer).state.values()
+                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    param_bytes = sum(p.numel() * p.element_size() for p in trainer.stage.parameters())
+    share = state_bytes / (2 * param_bytes)  # Adam keeps two tensors per parameter
+    if merak_only.get("zero_stage") == 1:
+        assert 0.3 < share < 0.7, f"ZeRO-1 kept {share:.2f} of the optimizer state"
+    else:
+        assert share == 1.0, share
     if ctx.rank == 0:
-        (OUT / f"merak-{family}.json").write_text(json.dumps({
+        (OUT / f"merak-{name}.json").write_text(json.dumps({"state_share": share,
             "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
             "learning_rate": [h["learning_rate"] for h in logs],
             "eval_loss": metrics["eval_loss"]}))
@@ -42,4 +54,4 @@ def run(family: str) -> None:
 
 
 if __name__ == "__main__":
-    run_scenarios({f"trainer-{f}": (lambda f=f: run(f)) for f in FAMILIES})
+    run_scenarios({f"trainer-{r}": (lambda r=r: run(r)) for r in RUNS})

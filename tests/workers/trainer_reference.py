@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import transformers as tf
-from trainer_common import COMMON, DP, FAMILIES, MICRO_BATCH, build, eval_set, train_set
+from trainer_common import COMMON, DP, MICRO_BATCH, RUNS, build, eval_set, train_set
 
 
 def main() -> None:
@@ -19,17 +19,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     out = Path(parser.parse_args().out)
     torch.set_num_threads(2)
-    for family in FAMILIES:
+    for run, (family, extra, _) in RUNS.items():
         model = build(family)
-        args = tf.TrainingArguments(output_dir=str(out / family), save_strategy="no",
+        args = tf.TrainingArguments(output_dir=str(out / run), save_strategy="no",
                                     per_device_train_batch_size=MICRO_BATCH * DP,
-                                    per_device_eval_batch_size=MICRO_BATCH * DP, **COMMON)
+                                    per_device_eval_batch_size=MICRO_BATCH * DP, **COMMON,
+                                    **extra)
         trainer = tf.Trainer(model=model, args=args, train_dataset=train_set(),
                              eval_dataset=eval_set())
         trainer.train()
         metrics = trainer.evaluate()
         logs = [h for h in trainer.state.log_history if "loss" in h]
-        (out / f"reference-{family}.json").write_text(json.dumps({
+        (out / f"reference-{run}.json").write_text(json.dumps({
             "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
             "learning_rate": [h["learning_rate"] for h in logs],
             "eval_loss": metrics["eval_loss"]}))
