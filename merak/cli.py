@@ -63,10 +63,26 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export", help="write a Merak checkpoint as a plain HF save_pretrained directory")
+    parser.add_argument("checkpoint", help="a checkpoint-<step> directory")
+    parser.add_argument("out_dir", help="where to write config.json and model.safetensors")
+    parser.set_defaults(run=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from merak.trainer.export import export_checkpoint
+
+    print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.out_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="merak", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_simulate(subparsers)
+    _add_export(subparsers)
     args = parser.parse_args(argv)
     return args.run(args)
 

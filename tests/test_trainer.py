@@ -122,3 +122,20 @@ def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(tmp_path):
     finally:
         del os.environ["MERAK_RESUME_DIR"]
     check(results, output, "kill-and-resume")
+
+
+@pytest.mark.parametrize("scenario", ["reshard-dp1-tp1-pp4", "reshard-dp4-tp1-pp1",
+                                      "export-from_pretrained"])
+def test_a_checkpoint_loads_into_another_layout_and_exports_to_hf(runs, reshards, scenario):
+    check(*reshards, scenario)
+
+
+@pytest.fixture(scope="module")
+def reshards(runs):
+    out, results, output = runs
+    check(results, output, "save-for-reshard")
+    os.environ["MERAK_TRAINER_OUT"] = str(out)
+    try:
+        return launch("trainer_reshard.py", 4, out / "reshard-ranks")
+    finally:
+        del os.environ["MERAK_TRAINER_OUT"]

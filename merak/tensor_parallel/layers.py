@@ -53,6 +53,13 @@ class ShardSpec:
         return torch.cat([p.chunk(self.size, dim=self.dim)[self.rank] for p in parts],
                          dim=self.dim)
 
+    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's shard (rank order): the inverse of `take`."""
+        per_rank = [c // self.size for c in self.chunks]
+        split = [s.split(per_rank, dim=self.dim) for s in shards]
+        return torch.cat([torch.cat([split[r][i] for r in range(self.size)], dim=self.dim)
+                          for i in range(len(self.chunks))], dim=self.dim)
+
 
 def shard_parameter(param: nn.Parameter, dim: int, rank: int, size: int,
                     chunks: tuple[int, ...] | None = None,

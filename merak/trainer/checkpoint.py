@@ -27,9 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from merak.distributed.parallel_context import ParallelContext
+from merak.tensor_parallel.layers import ShardSpec
 
 PREFIX, PARTIAL, MARKER = "checkpoint-", ".partial", "merak.json"
 
@@ -62,7 +64,8 @@ def model_file(ctx: ParallelContext) -> str:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, stage, state: dict,
-                    *, save_total_limit: int | None = None) -> Path:
+                    *, save_total_limit: int | None = None, config=None,
+                    name_prefix: str = "") -> Path:
     """Write this rank's part of ``checkpoint-<step>`` (collective: every rank calls it)."""
     final = Path(output_dir) / f"{PREFIX}{step}"
     partial = final.with_name(final.name + PARTIAL)
@@ -78,8 +81,10 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
     torch.save(state, partial / f"rank{ctx.rank}.pt")
     dist.barrier()
     if ctx.rank == 0:
+        if config is not None:  # for `merak export`: a plain HF directory needs the config
+            config.save_pretrained(partial)
         (partial / MARKER).write_text(json.dumps({"step": step, "dp": ctx.dp, "tp": ctx.tp,
-                                                  "pp": ctx.pp}))
+                                                  "pp": ctx.pp, "name_prefix": name_prefix}))
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
@@ -119,18 +124,58 @@ def resolve(resume_from_checkpoint: str | bool, output_dir: str | Path) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> dict:
-    """Load this rank's weights into `stage` in place; return its saved state."""
+def full_tensors(path: Path, names=None) -> dict[str, torch.Tensor]:
+    """Whole tensors from every (pp, tp) file of a checkpoint: tensor-parallel shards are put
+    back together (`ShardSpec.assemble`). `names`: only these (default: all)."""
+    shards: dict[str, list[tuple[ShardSpec | None, Path]]] = {}
+    for file in sorted(path.glob("model-pp*-tp*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            meta = f.metadata() or {}
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                if names is None or name in names:
+                    spec = ShardSpec(**_spec_args(meta[name])) if name in meta else None
+                    shards.setdefault(name, []).append((spec, file))
+    out = {}
+    for name, parts in shards.items():
+        spec, file = parts[0]
+        if spec is None:
+            with safe_open(file, framework="pt") as f:
+                out[name] = f.get_tensor(name)
+            continue
+        pieces = {}
+        for part_spec, part_file in parts:
+            with safe_open(part_file, framework="pt") as f:
+                pieces[part_spec.rank] = f.get_tensor(name)
+        if sorted(pieces) != list(range(spec.size)):
+            raise ValueError(f"{path}: tensor {name} has shards {sorted(pieces)} of {spec.size}")
+        out[name] = spec.assemble([pieces[r] for r in range(spec.size)])
+    return out
+
+
+def _spec_args(text: str) -> dict:
+    args = json.loads(text)
+    return {**args, "chunks": tuple(args["chunks"]), "full_shape": tuple(args["full_shape"])}
+
+
+def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool]:
+    """Load this rank's weights into `stage` in place. Returns (its saved state, whether the
+    layout matched). From another (dp, tp, pp) layout the weights are resharded (whole tensors
+    rebuilt from the saved shards, then cut for this rank) and the state is rank 0's."""
     layout = json.loads((path / MARKER).read_text())
-    if (layout["dp"], layout["tp"], layout["pp"]) != (ctx.dp, ctx.tp, ctx.pp):
-        raise NotImplementedError(
-            f"{path} was saved with dp={layout['dp']} tp={layout['tp']} pp={layout['pp']}; "
-            f"loading it into dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} (resharding) is not "
-            f"supported yet")
-    tensors = load_file(path / model_file(ctx))
+    same = (layout["dp"], layout["tp"], layout["pp"]) == (ctx.dp, ctx.tp, ctx.pp)
+    params = dict(stage.named_parameters())
+    if same:
+        tensors = load_file(path / model_file(ctx))
+    else:
+        tensors = full_tensors(path, set(params))
     with torch.no_grad():
-        for name, param in stage.named_parameters():
+        for name, param in params.items():
             if name not in tensors:
-                raise KeyError(f"{path / model_file(ctx)} has no tensor {name}")
-            param.copy_(tensors[name])
-    return torch.load(path / f"rank{ctx.rank}.pt", weights_only=False)
+                raise KeyError(f"checkpoint {path} has no tensor {name}")
+            value = tensors[name]
+            spec = getattr(param, "tp_shard", None)
+            if not same and spec is not None:
+                value = spec.take(value)
+            param.copy_(value)
+    state = torch.load(path / f"rank{ctx.rank if same else 0}.pt", weights_only=False)
+    return state, same

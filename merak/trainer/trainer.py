@@ -14,6 +14,7 @@ import inspect
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -113,6 +114,7 @@ class MerakTrainer(Trainer):
         loss_fn = self.loss_fn
         if loss_fn is None and "labels" not in inspect.signature(model.forward).parameters:
             loss_fn = default_loss_fn  # the model computes no loss of its own
+        self._wrapped_loss = loss_fn is not None
         if loss_fn is not None:
             model = _WithLoss(model, loss_fn)
         self.stage = parallelize(
@@ -241,9 +243,11 @@ class MerakTrainer(Trainer):
             state["optimizer"] = local_optimizer(self.optimizer).state_dict()
         if not (args.no_save_rng or args.save_only_model):
             state["rng"] = checkpoint.rng_states(self._user_model)
-        path = checkpoint.save_checkpoint(args.output_dir, self.state.global_step, self.ctx,
-                                          self.stage, state,
-                                          save_total_limit=args.save_total_limit)
+        path = checkpoint.save_checkpoint(
+            args.output_dir, self.state.global_step, self.ctx, self.stage, state,
+            save_total_limit=args.save_total_limit,
+            config=getattr(self._user_model, "config", None),
+            name_prefix="model." if self._wrapped_loss else "")
         self.control.should_save = False
         self.control = self.callback_handler.on_save(args, self.state, self.control)
         if self.is_world_process_zero():
@@ -254,10 +258,15 @@ class MerakTrainer(Trainer):
         the step (unless no_load_optim / no_load_rng)."""
         args = self.args
         path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
-        state = checkpoint.load_checkpoint(path, self.ctx, self.stage)
+        state, same_layout = checkpoint.load_checkpoint(path, self.ctx, self.stage)
         if args.finetune:
             return
-        if not args.no_load_optim:
+        if not same_layout and not args.no_load_optim:
+            warnings.warn(f"{path} was saved with another (dp, tp, pp) layout: its weights were "
+                          f"resharded, but its optimizer state is not resharded yet; the "
+                          f"optimizer starts fresh (pass no_load_optim=True to silence this)",
+                          stacklevel=2)
+        elif not args.no_load_optim:
             if "optimizer" not in state:
                 raise KeyError(f"{path} holds no optimizer state (saved with no_save_optim); "
                                f"resume with no_load_optim=True")

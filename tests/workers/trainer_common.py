@@ -40,3 +40,15 @@ def build(family: str):
     # label too and scale its loss by (S-1)/S; name it so the reference computes the true mean
     model.loss_type = "ForCausalLM"
     return model
+
+
+def build_deep_llama():
+    """4 layers, so the checkpoint can be resharded onto 4 pipeline stages."""
+    import transformers as tf
+    from tp_models import ATTN
+
+    torch.manual_seed(SEED)
+    return tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**{**ATTN, "num_hidden_layers": 4}))
+
+
+RESHARD_SAVE_STEP = 4

@@ -10,7 +10,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import run_scenarios
-from trainer_common import COMMON, MICRO_BATCH, RUNS, build, eval_set, train_set
+from trainer_common import (
+    COMMON,
+    MICRO_BATCH,
+    RESHARD_SAVE_STEP,
+    RUNS,
+    build,
+    build_deep_llama,
+    eval_set,
+    train_set,
+)
 
 import merak
 from merak.trainer.trainer import local_optimizer
@@ -53,5 +62,23 @@ def run(name: str) -> None:
     dist.barrier()
 
 
+def save_for_reshard() -> None:
+    """dp2 x tp2 x pp2 saves at step 4 and logs step 5: the reference for trainer_reshard."""
+    ctx = merak.init(dp=2, tp=2, pp=2)
+    with merak.init_empty_weights():
+        model = build_deep_llama()
+    options = {**COMMON, "max_steps": RESHARD_SAVE_STEP + 1, "save_steps": RESHARD_SAVE_STEP}
+    args = merak.MerakArguments(output_dir=str(OUT / "reshard"),
+                                per_device_train_batch_size=MICRO_BATCH, parallel_vocab=True,
+                                **options)
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer.train()
+    if ctx.rank == 0:
+        (OUT / "reshard-losses.json").write_text(json.dumps(
+            {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}))
+    dist.barrier()
+
+
 if __name__ == "__main__":
-    run_scenarios({f"trainer-{r}": (lambda r=r: run(r)) for r in RUNS})
+    run_scenarios({**{f"trainer-{r}": (lambda r=r: run(r)) for r in RUNS},
+                   "save-for-reshard": save_for_reshard})

@@ -1,0 +1,60 @@
+"""Resume a dp2 x tp2 x pp2 checkpoint (from trainer_parity's save-for-reshard) on 4 ranks as
+dp1 x tp1 x pp4 and dp4 x tp1 x pp1: the next step's loss must be the one the original run
+logged; `merak export` of the same checkpoint loads with `from_pretrained` and gives that loss
+too (see test_trainer)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import transformers as tf
+from common import assert_close, run_scenarios
+from trainer_common import COMMON, DP, MICRO_BATCH, RESHARD_SAVE_STEP, build_deep_llama, train_set
+
+import merak
+from merak.trainer.export import export_checkpoint
+
+OUT = Path(os.environ["MERAK_TRAINER_OUT"])
+CHECKPOINT = OUT / "reshard" / f"checkpoint-{RESHARD_SAVE_STEP}"
+GLOBAL_BATCH = MICRO_BATCH * COMMON["gradient_accumulation_steps"] * DP
+
+
+def expected_next_loss() -> float:
+    return json.loads((OUT / "reshard-losses.json").read_text())[str(RESHARD_SAVE_STEP + 1)]
+
+
+def resume(dp: int, pp: int) -> None:
+    ctx = merak.init(dp=dp, tp=1, pp=pp)
+    with merak.init_empty_weights():
+        model = build_deep_llama()
+    options = {**COMMON, "max_steps": RESHARD_SAVE_STEP + 1,
+               "gradient_accumulation_steps": GLOBAL_BATCH // (MICRO_BATCH * dp)}
+    args = merak.MerakArguments(output_dir=str(OUT / f"resharded-dp{dp}-pp{pp}"),
+                                per_device_train_batch_size=MICRO_BATCH, save_strategy="no",
+                                no_load_optim=True, **options)
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer.train(resume_from_checkpoint=str(CHECKPOINT))
+    logs = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    assert_close(torch.tensor(logs[RESHARD_SAVE_STEP + 1]), torch.tensor(expected_next_loss()),
+                 f"step {RESHARD_SAVE_STEP + 1} loss after resharding to dp{dp} pp{pp}")
+    assert ctx.world_size == 4
+
+
+def export_and_load() -> None:
+    ctx = merak.init(dp=1, tp=1, pp=4)
+    if ctx.rank == 0:
+        out = export_checkpoint(CHECKPOINT, OUT / "exported")
+        model = tf.AutoModelForCausalLM.from_pretrained(out)
+        start = RESHARD_SAVE_STEP * GLOBAL_BATCH
+        batch = tf.default_data_collator(train_set()[start:start + GLOBAL_BATCH])
+        loss = model(**batch).loss
+        assert_close(loss.detach(), torch.tensor(expected_next_loss()), "exported model's loss")
+
+
+if __name__ == "__main__":
+    run_scenarios({"reshard-dp1-tp1-pp4": lambda: resume(1, 4),
+                   "reshard-dp4-tp1-pp1": lambda: resume(4, 1),
+                   "export-from_pretrained": export_and_load})
