@@ -62,6 +62,9 @@ def test_arguments_parse_from_the_command_line():
     ({"split_method": "layer_split"}, "needs custom_split_points"),
     ({"eval_iters": 0}, "eval_iters must be >= 1"),
     ({"sequence_dim": 2}, "sequence_dim must be 0 or 1"),
+    ({"loss_scale": 128.0}, "only applies with fp16"),
+    ({"fp16": True, "bf16": True}, "choose one of fp16 and bf16"),
+    ({"prescale_gradients": True, "gradient_predivide_factor": 2.0}, "do not also set"),
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -70,11 +73,11 @@ def test_bad_values_name_the_field(kwargs, message):
 
 @pytest.mark.parametrize("kwargs", [
     {"train_schedule": "zero_bubble"}, {"activation_checkpointing": True},
-    {"checkpoint_num_layers": 2}, {"zero_stage": 1}, {"prescale_gradients": True},
-    {"save": True}, {"finetune": True}, {"no_save_optim": True}, {"loss_scale": 128.0},
-    {"text_generation": True}, {"lora_config": "{}"}, {"tp_overlapping_level": 1},
-    {"dealloc_pipeoutput": True}, {"save_strategy": "steps"}, {"eval_strategy": "steps"},
-    {"fp16": True}, {"bf16_full_eval": True}, {"gradient_checkpointing": True}, {"torch_compile": True},
+    {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
+    {"checkpoint_num_layers": 2}, {"text_generation": True}, {"lora_config": "{}"},
+    {"tp_overlapping_level": 1},
+    {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},
+    {"gradient_checkpointing": True}, {"torch_compile": True},
     {"label_smoothing_factor": 0.1},
 ])
 def test_features_not_landed_say_so(kwargs):
@@ -87,7 +90,10 @@ def test_features_not_landed_say_so(kwargs):
 WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_points",
            "custom_partition", "trace_method", "input_names", "no_tie_modules",
            "wall_clock_breakdown", "zero_reduce_bucket_size", "parallel_vocab",
-           "sequence_parallel", "sequence_dim", "eval_iters", "save_strategy"}
+           "sequence_parallel", "sequence_dim", "eval_iters", "zero_stage",
+           "prescale_gradients", "gradient_predivide_factor", "save", "finetune", "no_save_rng",
+           "no_save_optim", "no_load_rng", "no_load_optim", "loss_scale",
+           "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 
 
 def _other_value(value):
@@ -139,3 +145,8 @@ def reshards(runs):
         return launch("trainer_reshard.py", 4, out / "reshard-ranks")
     finally:
         del os.environ["MERAK_TRAINER_OUT"]
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
+    results, output = launch("trainer_fp16.py", 2, tmp_path)
+    check(results, output, "fp16-overflow")

@@ -87,6 +87,8 @@ class PipelineInterpreter:
         validate_schedule(schedule, num_microbatches, edges=split.edges or None)
         self.stage, self.ctx, self.optimizer = stage, ctx, optimizer
         self.autocast_dtype = autocast_dtype
+        self.loss_scale = 1.0  # set by an fp16 loss scaler
+        self.skip_optimizer_step = False  # set before the step by a hook (fp16 overflow)
         self.split = split
         self.num_microbatches = num_microbatches
         self.actions: list[Action] = schedule[ctx.stage_id]
@@ -246,7 +248,7 @@ class PipelineInterpreter:
     def _backward(self, mb: int) -> None:
         state = self._state[mb]
         if state.loss is not None:
-            roots, grads = [state.loss / self.num_microbatches], [None]
+            roots, grads = [state.loss * (self.loss_scale / self.num_microbatches)], [None]
         else:
             keys = list(state.output_grads)
             roots = [state.outputs[k] for k in keys]
@@ -273,5 +275,8 @@ class PipelineInterpreter:
         self.grad_averager.average()
 
     def _optimizer_step(self, _: None) -> None:
-        self.optimizer.step()
+        if self.skip_optimizer_step:
+            self.skip_optimizer_step = False
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -41,7 +41,7 @@ _HONOURED = frozenset({
     "ddp_timeout", "ddp_backend", "skip_memory_metrics", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "resume_from_checkpoint",
     "average_tokens_across_devices", "eval_strategy", "prediction_loss_only", "debug",
-    "use_cache", "bf16",
+    "use_cache", "bf16", "fp16",
 })
 
 
@@ -187,9 +187,6 @@ class MerakArguments(TrainingArguments):
             "dealloc_pipeoutput": "deallocating pipeline outputs",
             "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "
                                           "each updated shard whole)",
-            "loss_scale": "fp16 loss scaling", "initial_scale_power": "fp16 loss scaling",
-            "loss_scale_window": "fp16 loss scaling", "hysteresis": "fp16 loss scaling",
-            "min_loss_scale": "fp16 loss scaling",
             "text_generation": "pipelined text generation",
             "out_seq_length": "pipelined text generation",
             "temperature": "pipelined text generation",
@@ -201,9 +198,17 @@ class MerakArguments(TrainingArguments):
                 raise NotSupportedYetError(
                     f"MerakArguments.{name}={getattr(self, name)!r}: {feature} is not supported "
                     f"yet; leave {name} at its default ({_default(own[name])!r})")
+        if not self.fp16:
+            for name in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                         "hysteresis", "min_loss_scale"):
+                if getattr(self, name) != _default(own[name]):
+                    raise ValueError(f"MerakArguments.{name} only applies with fp16=True")
+        if self.fp16 and self.bf16:
+            raise ValueError("MerakArguments: choose one of fp16 and bf16")
         if self.zero_stage > 1:
             raise NotSupportedYetError(f"MerakArguments.zero_stage={self.zero_stage}: only 0 and "
-                                       f"1 (optimizer-state sharding) are supported yet")
+                                       f"1 (optimizer-state sharding) work; ZeRO-2/3 are not "
+                                       f"supported yet")
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ValueError("MerakArguments: prescale_gradients divides by dp before the "
                              "all-reduce; do not also set gradient_predivide_factor")
@@ -214,7 +219,7 @@ class MerakArguments(TrainingArguments):
             self.save_strategy = "steps"
         if str(self.save_strategy).lower().split(".")[-1] not in ("no", "steps"):
             raise NotSupportedYetError(f"MerakArguments.save_strategy={self.save_strategy!r}: "
-                                       f"only 'no' and 'steps' are supported yet")
+                                       f"only 'no' and 'steps' work; others are not supported yet")
         if str(self.eval_strategy) not in ("no", "IntervalStrategy.NO"):
             raise NotSupportedYetError(f"MerakArguments.eval_strategy={self.eval_strategy!r}: "
                                        f"evaluation during train() is not supported yet; call "

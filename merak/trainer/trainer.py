@@ -32,6 +32,7 @@ from merak.trainer import checkpoint
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.data import StageBatches, model_input_filter
 from merak.trainer.grad_norm import GradNormClipper
+from merak.trainer.loss_scale import LossScaler
 from merak.trainer.timers import WallClockBreakdown
 
 
@@ -136,9 +137,16 @@ class MerakTrainer(Trainer):
             self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
             schedule=args.train_schedule, hooks=hooks,
             bucket_bytes=args.zero_reduce_bucket_size * 4,
-            autocast_dtype=torch.bfloat16 if args.bf16 else None,
+            autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             grad_predivide=self.ctx.dp if args.prescale_gradients
             else args.gradient_predivide_factor)
+        self.scaler = None
+        if args.fp16:  # unscale and check for overflow before clipping
+            self.scaler = LossScaler(
+                self.engine, self.ctx, static_scale=args.loss_scale,
+                initial_scale_power=args.initial_scale_power, window=args.loss_scale_window,
+                hysteresis=args.hysteresis, min_scale=args.min_loss_scale)
+            self.engine.hooks.insert(self.engine.hooks.index(self.clipper), self.scaler)
 
     def _batches(self, dataset, micro_batch_size: int, num_microbatches: int) -> StageBatches:
         return StageBatches(
@@ -191,7 +199,9 @@ class MerakTrainer(Trainer):
                     tokens_per_step = batch["input_ids"].numel() * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
                 loss = self.engine.train_step(batch)
-                self.lr_scheduler.step()
+                skipped = self.scaler is not None and self.scaler.overflowed
+                if not skipped:  # a step skipped on fp16 overflow leaves the schedule alone
+                    self.lr_scheduler.step()
                 self.state.global_step += 1
                 self.state.epoch = epoch + (self.state.global_step - epoch * steps_per_epoch) \
                     / steps_per_epoch
@@ -209,6 +219,9 @@ class MerakTrainer(Trainer):
                             tokens_per_step * logged_steps / elapsed, 1)
                     if self.timers:
                         logs.update(self.timers.averages())
+                    if self.scaler is not None:
+                        logs.update(loss_scale=self.scaler.scale,
+                                    skipped_steps=self.scaler.skipped_steps)
                     self.log(logs)
                     logged_loss, logged_steps, logged_time = 0.0, 0, time.perf_counter()
                 if self._should_save():
@@ -243,6 +256,8 @@ class MerakTrainer(Trainer):
             state["optimizer"] = local_optimizer(self.optimizer).state_dict()
         if not (args.no_save_rng or args.save_only_model):
             state["rng"] = checkpoint.rng_states(self._user_model)
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
         path = checkpoint.save_checkpoint(
             args.output_dir, self.state.global_step, self.ctx, self.stage, state,
             save_total_limit=args.save_total_limit,
@@ -272,6 +287,8 @@ class MerakTrainer(Trainer):
                                f"resume with no_load_optim=True")
             local_optimizer(self.optimizer).load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
         if not args.no_load_rng and "rng" in state:
             checkpoint.set_rng_states(state["rng"], self._user_model)
         saved = state["trainer"]
