@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from dist_harness import WORKERS, check, launch
-from trainer_common import RUNS, STEPS
+from trainer_common import RUNS, STEPS, build
 from transformers import HfArgumentParser
 
 from merak import MerakArguments, NotSupportedYetError
@@ -131,7 +131,7 @@ def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(tmp_path):
 
 
 @pytest.mark.parametrize("scenario", ["reshard-dp1-tp1-pp4", "reshard-dp4-tp1-pp1",
-                                      "export-from_pretrained"])
+                                      "export-from_pretrained", "from_pretrained-on-meta"])
 def test_a_checkpoint_loads_into_another_layout_and_exports_to_hf(runs, reshards, scenario):
     check(*reshards, scenario)
 
@@ -140,11 +140,13 @@ def test_a_checkpoint_loads_into_another_layout_and_exports_to_hf(runs, reshards
 def reshards(runs):
     out, results, output = runs
     check(results, output, "save-for-reshard")
+    build("llama").save_pretrained(out / "pretrained-llama")
     os.environ["MERAK_TRAINER_OUT"] = str(out)
+    os.environ["MERAK_PRETRAINED"] = str(out / "pretrained-llama")
     try:
         return launch("trainer_reshard.py", 4, out / "reshard-ranks")
     finally:
-        del os.environ["MERAK_TRAINER_OUT"]
+        del os.environ["MERAK_TRAINER_OUT"], os.environ["MERAK_PRETRAINED"]
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):

@@ -16,6 +16,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOu
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
+from merak.partition.checkpoint import INDEX_FILE, SINGLE_FILE
 from merak.pipeline.interpreter import PipelineInterpreter
 from merak.trainer import checkpoint
 from merak.trainer.arguments import MerakArguments
@@ -52,6 +54,21 @@ def zero1(optimizer: torch.optim.Optimizer, ctx) -> ZeroRedundancyOptimizer:
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                    process_group=ctx.dp_group, **defaults)
+
+
+def pretrained_checkpoint(model: nn.Module) -> str | None:
+    """The safetensors directory a meta model came from (``from_pretrained(path)`` inside
+    `init_empty_weights` leaves its parameters on meta): each rank then loads its own shard
+    from it. None for a model to initialize (``from_config``) or one with real weights."""
+    path = getattr(model, "name_or_path", "") or ""
+    if not path or not any(p.is_meta for p in model.parameters()):
+        return None
+    if not any((Path(path) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):
+        raise FileNotFoundError(f"{type(model).__name__} was loaded from {path!r} on the meta "
+                                f"device, but {path} holds no {SINGLE_FILE} or {INDEX_FILE} to "
+                                f"load each rank's shard from (a hub id must be downloaded "
+                                f"first)")
+    return path
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -119,7 +136,8 @@ class MerakTrainer(Trainer):
         if loss_fn is not None:
             model = _WithLoss(model, loss_fn)
         self.stage = parallelize(
-            model, example, self.ctx, parallel_vocab=args.parallel_vocab,
+            model, example, self.ctx, checkpoint=pretrained_checkpoint(self._user_model),
+            parallel_vocab=args.parallel_vocab,
             sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
             trace_method=args.trace_method, split_method=args.split_method,
             partition_method=args.partition_method, custom_partition=args.custom_partition,

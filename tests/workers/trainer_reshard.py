@@ -54,7 +54,28 @@ def export_and_load() -> None:
         assert_close(loss.detach(), torch.tensor(expected_next_loss()), "exported model's loss")
 
 
+def from_pretrained() -> None:
+    """A model loaded with from_pretrained inside init_empty_weights holds no memory; each rank
+    loads its own shard when the trainer builds it: step 1's loss is the full model's."""
+    ctx = merak.init(dp=1, tp=2, pp=2)
+    path = os.environ["MERAK_PRETRAINED"]
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_pretrained(path)
+    assert all(p.is_meta for p in model.parameters())
+    args = merak.MerakArguments(output_dir=str(OUT / "pretrained"),
+                                per_device_train_batch_size=MICRO_BATCH, parallel_vocab=True,
+                                **{**COMMON, "max_steps": 1})
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer.train()
+    first = trainer.state.log_history[0]["loss"]
+    full = tf.AutoModelForCausalLM.from_pretrained(path)
+    batch = tf.default_data_collator(train_set()[:GLOBAL_BATCH // DP])
+    assert_close(torch.tensor(first), full(**batch).loss.detach(), "step 1 loss")
+    assert ctx.tp == 2
+
+
 if __name__ == "__main__":
     run_scenarios({"reshard-dp1-tp1-pp4": lambda: resume(1, 4),
                    "reshard-dp4-tp1-pp1": lambda: resume(4, 1),
-                   "export-from_pretrained": export_and_load})
+                   "export-from_pretrained": export_and_load,
+                   "from_pretrained-on-meta": from_pretrained})
