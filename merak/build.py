@@ -36,7 +36,8 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                 ctx: ParallelContext | None = None, *, parallel_vocab: bool = False,
                 sequence_parallel: bool = False, sequence_dim: int = 1,
-                checkpoint: str | Path | None = None, **split_options) -> PipelineStage:
+                checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
+                **split_options) -> PipelineStage:
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
 
     Args:
@@ -46,6 +47,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         parallel_vocab, sequence_parallel, sequence_dim: see `apply_tensor_parallel`.
         checkpoint: an HF safetensors file or directory to load this rank's shard from;
             default: initialize as the seeded single-process model would.
+        checkpoint_prefix: a prefix of `model`'s parameter names that the checkpoint's names
+            lack (a wrapper around the HF model, e.g. ``"model."``).
         split_options: passed to `merak.auto_split` (partition_method, split_method, ...).
 
     Returns:
@@ -53,6 +56,10 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     """
     ctx = ctx or get_context()
     aliases = tied_aliases(model)
+    if checkpoint_prefix:
+        strip = lambda n: n.removeprefix(checkpoint_prefix)
+        aliases = {n: [strip(n), *map(strip, aliases.get(n, []))]
+                   for n, _ in model.named_parameters(remove_duplicate=False)}
     apply_tensor_parallel(model, ctx, parallel_vocab=parallel_vocab,
                           sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
     split: AutoSplit = auto_split(model, example_inputs, ctx.pp,

@@ -152,3 +152,29 @@ def reshards(runs):
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
     results, output = launch("trainer_fp16.py", 2, tmp_path)
     check(results, output, "fp16-overflow")
+
+
+def test_loss_fn_replaces_the_models_own_loss():
+    """One process (dp = tp = pp = 1): a custom loss_fn is what the trainer minimizes."""
+    from transformers import default_data_collator
+
+    import merak
+    from merak.trainer.trainer import default_loss_fn
+
+    merak.init(dp=1, tp=1, pp=1)
+    with merak.init_empty_weights():
+        model = build("llama")
+    doubled = lambda outputs, labels: 2 * default_loss_fn(outputs, labels)
+    args = MerakArguments(output_dir="out", max_steps=1, per_device_train_batch_size=4,
+                          report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="no",
+                          train_sampling_strategy="sequential")
+    from trainer_common import train_set
+
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
+                                 loss_fn=doubled)
+    trainer.train()
+    reference = build("llama")
+    batch = default_data_collator(train_set()[:4])
+    expected = 2 * default_loss_fn(reference(input_ids=batch["input_ids"]), batch["labels"])
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert expected.item() == pytest.approx(2 * reference(**batch).loss.item(), rel=1e-5)

@@ -82,9 +82,27 @@ class _WithLoss(nn.Module):
     def __init__(self, model: nn.Module, loss_fn: Callable):
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
+        self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
 
     def forward(self, labels: torch.Tensor, **inputs):
+        if self.no_cache:  # a KV cache cannot be traced (and is useless in training)
+            inputs.setdefault("use_cache", False)
         return self.loss_fn(self.model(**inputs), labels)
+
+
+def with_loss(model: nn.Module, loss_fn: Callable, input_names: Sequence[str]) -> _WithLoss:
+    """`_WithLoss` whose forward names its inputs (torch.export binds keyword inputs by the
+    signature and cannot take them through ``**inputs``)."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+        for n in ("labels", *[n for n in input_names if n != "labels"])]
+
+    def forward(self, **kwargs):
+        return _WithLoss.forward(self, **kwargs)
+
+    forward.__signature__ = inspect.Signature(params)
+    cls = type("WithLoss", (_WithLoss,), {"forward": forward})
+    return cls(model, loss_fn)
 
 
 class MerakTrainer(Trainer):
@@ -134,9 +152,10 @@ class MerakTrainer(Trainer):
             loss_fn = default_loss_fn  # the model computes no loss of its own
         self._wrapped_loss = loss_fn is not None
         if loss_fn is not None:
-            model = _WithLoss(model, loss_fn)
+            model = with_loss(model, loss_fn, list(example))
         self.stage = parallelize(
             model, example, self.ctx, checkpoint=pretrained_checkpoint(self._user_model),
+            checkpoint_prefix="model." if self._wrapped_loss else "",
             parallel_vocab=args.parallel_vocab,
             sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
             trace_method=args.trace_method, split_method=args.split_method,

@@ -10,7 +10,7 @@ STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
 FAMILIES = ("llama", "gpt2")
 # run -> (family, fields for both trainers, MerakArguments-only fields)
 RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
-        "llama-bf16": ("llama", {"bf16": True}, {}),
+        "llama-bf16": ("llama", {"bf16": True}, {}), "gpt2-bf16": ("gpt2", {"bf16": True}, {}),
         "llama-zero1": ("llama", {}, {"zero_stage": 1, "prescale_gradients": True})}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
