@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from dist_harness import WORKERS, check, launch
 from trainer_common import RUNS, STEPS, build
@@ -43,6 +44,11 @@ def test_merak_trainer_3d_matches_hf_trainer(runs, run):
     for key in ("loss", "grad_norm", "learning_rate"):
         assert ours[key] == pytest.approx(theirs[key], rel=rel, abs=1e-6), key
     assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=rel)
+    if run in ("llama", "gpt2"):  # fp32 runs also compare predict() outputs
+        for what in ("logits", "labels"):
+            mine = np.load(out / f"merak-{run}-{what}.npy")
+            reference = np.load(out / f"reference-{run}-{what}.npy")
+            np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-5, err_msg=what)
 
 
 def test_arguments_parse_from_the_command_line():
@@ -159,7 +165,7 @@ def test_loss_fn_replaces_the_models_own_loss():
     from transformers import default_data_collator
 
     import merak
-    from merak.trainer.trainer import default_loss_fn
+    from merak.trainer.model_setup import default_loss_fn
 
     merak.init(dp=1, tp=1, pp=1)
     with merak.init_empty_weights():

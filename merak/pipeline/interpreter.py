@@ -88,6 +88,7 @@ class PipelineInterpreter:
         self.stage, self.ctx, self.optimizer = stage, ctx, optimizer
         self.autocast_dtype = autocast_dtype
         self.loss_scale = 1.0  # set by an fp16 loss scaler
+        self._keep, self._kept, self.kept = None, [], None  # eval outputs kept (predict)
         self.skip_optimizer_step = False  # set before the step by a hook (fp16 overflow)
         self.split = split
         self.num_microbatches = num_microbatches
@@ -146,19 +147,25 @@ class PipelineInterpreter:
         return loss
 
     def eval_step(self, batch: dict[str, torch.Tensor] | None,
-                  num_microbatches: int | None = None) -> float:
+                  num_microbatches: int | None = None, keep: str | None = None) -> float:
         """Forward only, without gradients, in eval mode: the mean loss over `batch` (this dp
-        rank's share) and the dp ranks, on every rank. Hooks are not called."""
+        rank's share) and the dp ranks, on every rank. Hooks are not called. With `keep`, the
+        last stage also keeps that model output (e.g. ``"logits"``) of every micro-batch in
+        ``self.kept``, concatenated along the batch dimension."""
         m = num_microbatches or self.num_microbatches
+        self._keep, self._kept = keep, []
         actions = [a for mb in range(m)
                    for a in forward_block(self.ctx.stage_id, self.split.num_stages, mb)]
         was_training = self.stage.training
         self.stage.eval()
         try:
             with torch.no_grad():
-                return self._run(actions, batch, m, hooks=())
+                loss = self._run(actions, batch, m, hooks=())
+            self.kept = torch.cat(self._kept) if self._kept else None
+            return loss
         finally:
             self.stage.train(was_training)
+            self._keep, self._kept = None, []
 
     def _run(self, actions: list[Action], batch: dict[str, torch.Tensor] | None,
              num_microbatches: int, hooks: Sequence[InstructionHook]) -> float:
@@ -234,6 +241,12 @@ class PipelineInterpreter:
                 raise ValueError(f"the split's output {self.split.output!r} must be a scalar "
                                  f"loss, got shape {tuple(state.loss.shape)}")
             self._losses.append(state.loss.detach())
+            if self._keep is not None:
+                key = (self._keep, self.split.output_key[1])
+                if key not in values:
+                    raise KeyError(f"the model has no output {self._keep!r} to keep; it returns "
+                                   f"{sorted(k[0] for k in values)}")
+                self._kept.append(values[key].detach())
         keys = {k for keys in self.comm.send_plan.values() for k in keys}
         state.outputs = {k: values[k] for k in keys}
 

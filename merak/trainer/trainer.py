@@ -16,93 +16,36 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import Trainer
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, set_seed
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    TrainOutput,
+    set_seed,
+)
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
-from merak.partition.checkpoint import INDEX_FILE, SINGLE_FILE
 from merak.pipeline.interpreter import PipelineInterpreter
 from merak.trainer import checkpoint
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.data import StageBatches, model_input_filter
 from merak.trainer.grad_norm import GradNormClipper
 from merak.trainer.loss_scale import LossScaler
+from merak.trainer.model_setup import (
+    default_loss_fn,
+    local_optimizer,
+    pretrained_checkpoint,
+    with_loss,
+    zero1,
+)
 from merak.trainer.timers import WallClockBreakdown
-
-
-def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of next-token logits against labels (HF's causal-LM shift, -100 ignored)."""
-    logits = outputs.logits if hasattr(outputs, "logits") else outputs
-    return F.cross_entropy(logits[..., :-1, :].flatten(0, -2).float(),
-                           labels[..., 1:].flatten(), ignore_index=-100)
-
-
-def zero1(optimizer: torch.optim.Optimizer, ctx) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: the same optimizer with its state sharded over the dp group (PyTorch's
-    `ZeroRedundancyOptimizer`: each dp rank updates its share of the parameters, then broadcasts
-    them; gradients are already averaged over dp)."""
-    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
-                                   process_group=ctx.dp_group, **defaults)
-
-
-def pretrained_checkpoint(model: nn.Module) -> str | None:
-    """The safetensors directory a meta model came from (``from_pretrained(path)`` inside
-    `init_empty_weights` leaves its parameters on meta): each rank then loads its own shard
-    from it. None for a model to initialize (``from_config``) or one with real weights."""
-    path = getattr(model, "name_or_path", "") or ""
-    if not path or not any(p.is_meta for p in model.parameters()):
-        return None
-    if not any((Path(path) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):
-        raise FileNotFoundError(f"{type(model).__name__} was loaded from {path!r} on the meta "
-                                f"device, but {path} holds no {SINGLE_FILE} or {INDEX_FILE} to "
-                                f"load each rank's shard from (a hub id must be downloaded "
-                                f"first)")
-    return path
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """What this rank holds: its ZeRO shard's optimizer, or the optimizer itself."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-
-
-class _WithLoss(nn.Module):
-    """Model + `loss_fn` as one module, so the split's last stage returns the loss."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable):
-        super().__init__()
-        self.model, self.loss_fn = model, loss_fn
-        self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
-
-    def forward(self, labels: torch.Tensor, **inputs):
-        if self.no_cache:  # a KV cache cannot be traced (and is useless in training)
-            inputs.setdefault("use_cache", False)
-        return self.loss_fn(self.model(**inputs), labels)
-
-
-def with_loss(model: nn.Module, loss_fn: Callable, input_names: Sequence[str]) -> _WithLoss:
-    """`_WithLoss` whose forward names its inputs (torch.export binds keyword inputs by the
-    signature and cannot take them through ``**inputs``)."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
-        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
-        for n in ("labels", *[n for n in input_names if n != "labels"])]
-
-    def forward(self, **kwargs):
-        return _WithLoss.forward(self, **kwargs)
-
-    forward.__signature__ = inspect.Signature(params)
-    cls = type("WithLoss", (_WithLoss,), {"forward": forward})
-    return cls(model, loss_fn)
 
 
 class MerakTrainer(Trainer):
@@ -353,28 +296,48 @@ class MerakTrainer(Trainer):
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"
                 ) -> PredictionOutput:
-        """The loss over `test_dataset` (``predictions`` is None: gathering pipelined
-        predictions is not supported yet)."""
-        output = self._loss_loop(test_dataset, metric_key_prefix)
-        return PredictionOutput(predictions=None, label_ids=None, metrics=output.metrics)
+        """Logits (gathered from the last stage of every pipeline, in dataset order), labels and
+        metrics (loss, and `compute_metrics` when given) over `test_dataset`."""
+        output = self._loss_loop(test_dataset, metric_key_prefix, predictions=True)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
+                                metrics=output.metrics)
 
-    def _loss_loop(self, dataset, prefix: str) -> EvalLoopOutput:
+    def _loss_loop(self, dataset, prefix: str, predictions: bool = False) -> EvalLoopOutput:
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
+        predictions = predictions or self.compute_metrics is not None
         mbs = self.args.per_device_eval_batch_size
         m = self.args.gradient_accumulation_steps if self.ctx.pp > 1 else 1
         self._build(self._example(dataset, mbs))
         data = self._batches(dataset, mbs, m)
         steps = data.steps_per_epoch if self.args.eval_iters is None else \
             min(self.args.eval_iters, data.steps_per_epoch)
-        start, losses = time.perf_counter(), []
+        start, losses, logits, labels = time.perf_counter(), [], [], []
         for i, batch in enumerate(data.epoch(0)):
             if i >= steps:
                 break
-            losses.append(self.engine.eval_step(batch, m))
+            losses.append(self.engine.eval_step(batch, m, keep="logits" if predictions else None))
+            if predictions:
+                mine = (self.engine.kept, batch["labels"]) if self.ctx.is_last_stage else None
+                step_logits, step_labels = self._gather_from_last_stages(mine)
+                logits.append(step_logits)
+                labels.append(step_labels)
         runtime = time.perf_counter() - start
         metrics = {f"{prefix}_loss": sum(losses) / len(losses),
                    f"{prefix}_runtime": round(runtime, 4),
                    f"{prefix}_steps": len(losses)}
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics,
+        preds = torch.cat(logits).float().numpy() if predictions else None
+        label_ids = torch.cat(labels).numpy() if predictions else None
+        if predictions and self.compute_metrics is not None:
+            computed = self.compute_metrics(EvalPrediction(predictions=preds, label_ids=label_ids))
+            metrics.update({f"{prefix}_{k}": v for k, v in computed.items()})
+        return EvalLoopOutput(predictions=preds, label_ids=label_ids, metrics=metrics,
                               num_samples=len(losses) * data.global_size)
+
+    def _gather_from_last_stages(self, mine):
+        """(logits, labels) of a global batch, on every rank: each last-stage rank's share,
+        in dp order (tp ranks of a last stage hold the same values)."""
+        parts = [None] * self.ctx.world_size
+        dist.all_gather_object(parts, mine if self.ctx.tp_rank == 0 else None)
+        shares = [p for p in parts if p is not None]  # ranks are ordered by dp within a stage
+        return torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from common import run_scenarios
@@ -22,7 +23,7 @@ from trainer_common import (
 )
 
 import merak
-from merak.trainer.trainer import local_optimizer
+from merak.trainer.model_setup import local_optimizer
 
 OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
 
@@ -43,6 +44,12 @@ def run(name: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == COMMON["max_steps"], f"{len(logs)} training logs"
     assert all(h["tokens_per_second"] > 0 and h["time_forward_ms"] > 0 for h in logs)
+    if not extra and not merak_only:  # predictions: logits of every sample, in dataset order
+        predicted = trainer.predict(eval_set())
+        assert predicted.metrics["test_loss"] == metrics["eval_loss"]
+        if ctx.rank == 0:
+            np.save(OUT / f"merak-{name}-logits.npy", predicted.predictions)
+            np.save(OUT / f"merak-{name}-labels.npy", predicted.label_ids)
     trainer.args.eval_iters = 1
     assert trainer.evaluate()["eval_steps"] == 1 and metrics["eval_steps"] == 3
     state_bytes = sum(t.numel() * t.element_size()

@@ -9,6 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers as tf
 from trainer_common import COMMON, DP, MICRO_BATCH, RUNS, build, eval_set, train_set
@@ -29,6 +30,9 @@ def main() -> None:
                              eval_dataset=eval_set())
         trainer.train()
         metrics = trainer.evaluate()
+        predicted = trainer.predict(eval_set())
+        np.save(out / f"reference-{run}-logits.npy", predicted.predictions)
+        np.save(out / f"reference-{run}-labels.npy", predicted.label_ids)
         logs = [h for h in trainer.state.log_history if "loss" in h]
         (out / f"reference-{run}.json").write_text(json.dumps({
             "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],

@@ -1,0 +1,82 @@
+"""What `MerakTrainer` wraps around the user's model and optimizer: the loss function, a model
+loaded from a pretrained directory on meta, and ZeRO-1."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from merak.partition.checkpoint import INDEX_FILE, SINGLE_FILE
+
+
+def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of next-token logits against labels (HF's causal-LM shift, -100 ignored)."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return F.cross_entropy(logits[..., :-1, :].flatten(0, -2).float(),
+                           labels[..., 1:].flatten(), ignore_index=-100)
+
+
+def zero1(optimizer: torch.optim.Optimizer, ctx) -> ZeroRedundancyOptimizer:
+    """ZeRO-1: the same optimizer with its state sharded over the dp group (PyTorch's
+    `ZeroRedundancyOptimizer`: each dp rank updates its share of the parameters, then broadcasts
+    them; gradients are already averaged over dp)."""
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                   process_group=ctx.dp_group, **defaults)
+
+
+def pretrained_checkpoint(model: nn.Module) -> str | None:
+    """The safetensors directory a meta model came from (``from_pretrained(path)`` inside
+    `init_empty_weights` leaves its parameters on meta): each rank then loads its own shard
+    from it. None for a model to initialize (``from_config``) or one with real weights."""
+    path = getattr(model, "name_or_path", "") or ""
+    if not path or not any(p.is_meta for p in model.parameters()):
+        return None
+    if not any((Path(path) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):
+        raise FileNotFoundError(f"{type(model).__name__} was loaded from {path!r} on the meta "
+                                f"device, but {path} holds no {SINGLE_FILE} or {INDEX_FILE} to "
+                                f"load each rank's shard from (a hub id must be downloaded "
+                                f"first)")
+    return path
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """What this rank holds: its ZeRO shard's optimizer, or the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+class _WithLoss(nn.Module):
+    """Model + `loss_fn` as one module, so the split's last stage returns the loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+        self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
+
+    def forward(self, labels: torch.Tensor, **inputs):
+        if self.no_cache:  # a KV cache cannot be traced (and is useless in training)
+            inputs.setdefault("use_cache", False)
+        return self.loss_fn(self.model(**inputs), labels)
+
+
+def with_loss(model: nn.Module, loss_fn: Callable, input_names: Sequence[str]) -> _WithLoss:
+    """`_WithLoss` whose forward names its inputs (torch.export binds keyword inputs by the
+    signature and cannot take them through ``**inputs``)."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+        for n in ("labels", *[n for n in input_names if n != "labels"])]
+
+    def forward(self, **kwargs):
+        return _WithLoss.forward(self, **kwargs)
+
+    forward.__signature__ = inspect.Signature(params)
+    cls = type("WithLoss", (_WithLoss,), {"forward": forward})
+    return cls(model, loss_fn)
