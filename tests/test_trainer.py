@@ -184,3 +184,60 @@ def test_loss_fn_replaces_the_models_own_loss():
     expected = 2 * default_loss_fn(reference(input_ids=batch["input_ids"]), batch["labels"])
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-5)
     assert expected.item() == pytest.approx(2 * reference(**batch).loss.item(), rel=1e-5)
+
+
+def test_loss_scaler_window_static_scale_and_floor():
+    from types import SimpleNamespace
+
+    import torch
+
+    from merak.trainer.loss_scale import LossScaler
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    engine = SimpleNamespace(stage=SimpleNamespace(parameters=lambda: [param]))
+    ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+
+    def step(scaler, value):
+        param.grad = torch.full((2,), value * scaler.scale)
+        scaler.on_instruction_begin("optimizer_step", None)
+        return engine.skip_optimizer_step
+
+    dynamic = LossScaler(engine, ctx, initial_scale_power=2, window=2, hysteresis=2,
+                         min_scale=2.0)
+    assert not step(dynamic, 1.0) and torch.equal(param.grad, torch.ones(2))  # unscaled
+    assert not step(dynamic, 1.0) and dynamic.scale == 8.0  # 2 clean steps: doubled
+    assert step(dynamic, float("inf")) and dynamic.scale == 8.0  # hysteresis 2: kept once
+    assert step(dynamic, float("inf")) and dynamic.scale == 4.0
+    for _ in range(4):
+        step(dynamic, float("nan"))
+    assert dynamic.scale == 2.0 and dynamic.skipped_steps == 6  # never below min_loss_scale
+    static = LossScaler(engine, ctx, static_scale=128.0)
+    assert step(static, float("inf")) and static.scale == 128.0 and engine.loss_scale == 128.0
+
+
+def test_checkpoint_flags_without_optimizer_or_rng(tmp_path):
+    """save=True saves every save_steps; no_save_optim / no_save_rng leave those out, and
+    resuming such a checkpoint needs no_load_optim (one process)."""
+    import torch
+    from trainer_common import train_set
+
+    import merak
+
+    merak.init(dp=1, tp=1, pp=1)
+
+    def trainer(**kwargs):
+        with merak.init_empty_weights():
+            model = build("llama")
+        args = MerakArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                              report_to="none", disable_tqdm=True, use_cpu=True,
+                              save_strategy="no", save_steps=2, **kwargs)
+        return merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+
+    trainer(save=True, no_save_optim=True, no_save_rng=True, max_steps=2).train()
+    state = torch.load(tmp_path / "checkpoint-2" / "rank0.pt", weights_only=False)
+    assert "optimizer" not in state and "rng" not in state and "scheduler" in state
+    with pytest.raises(KeyError, match="no_load_optim=True"):
+        trainer(max_steps=3).train(resume_from_checkpoint=True)
+    resumed = trainer(max_steps=3, no_load_optim=True, no_load_rng=True)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
