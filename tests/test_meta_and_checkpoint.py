@@ -41,6 +41,26 @@ def _subset(model: nn.Module, names: list[str]) -> nn.Module:
     return holder
 
 
+def test_parameters_created_from_real_values_keep_them():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.full((3,), 5.0))  # no init op writes it later
+            self.bias = nn.Parameter(torch.zeros(4))
+            nn.init.normal_(self.bias)  # overwritten whole: the zeros are not kept
+
+    torch.manual_seed(0)
+    reference = Scaled()
+    torch.manual_seed(0)
+    with init_empty_weights() as record:
+        model = Scaled()
+    assert sum(op is not None for op in record.ops) == 2  # the copy for `scale`, one normal_
+    torch.empty(1 << 20).fill_(123.0)  # dirty memory the materialized tensors may reuse
+    materialize_(model)
+    torch.testing.assert_close(model.scale, reference.scale, rtol=0, atol=0)
+    torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=0)
+
+
 def test_seeding_inside_the_context_is_honoured():
     torch.manual_seed(3)
     reference = CONFIGS["llama"]()

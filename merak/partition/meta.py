@@ -24,6 +24,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# in-place ops that overwrite every element of their target
+_FULL_WRITES = frozenset({"uniform_", "normal_", "fill_", "zero_", "copy_", "random_",
+                          "bernoulli_", "exponential_", "cauchy_", "log_normal_", "geometric_"})
 _RANDOM_OPS = frozenset({
     "bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "multinomial",
     "normal", "normal_", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like",
@@ -57,8 +60,25 @@ class _Op:
 class InitRecord:
     """What constructing a model inside `init_empty_weights` did to its parameters."""
 
-    ops: list[_Op] = field(default_factory=list)
+    ops: list[_Op | None] = field(default_factory=list)
     keepalive: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # storage key -> index in `ops` of the copy of a value a parameter was created with
+    initial_values: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def keep_initial_value(self, meta: torch.Tensor, real: torch.Tensor) -> None:
+        """A parameter created from a real tensor (``nn.Parameter(torch.zeros(n))``): its value
+        is replayed as a copy unless a later op overwrites it whole."""
+        key = _storage_key(meta)
+        self.initial_values[key] = len(self.ops)
+        self.keepalive.append(meta)
+        self.ops.append(_Op(torch.ops.aten.copy_.default, key,
+                            (tuple(meta.shape), tuple(meta.stride()), 0, meta.dtype),
+                            (real.detach(),), {}, False))
+
+    def drop_initial_value(self, key: int) -> None:
+        index = self.initial_values.pop(key, None)
+        if index is not None:
+            self.ops[index] = None  # frees the real tensor
 
 
 class _Recorder(TorchDispatchMode):
@@ -94,6 +114,9 @@ class _Recorder(TorchDispatchMode):
                 view = (tuple(target.shape), tuple(target.stride()), target.storage_offset(),
                         target.dtype)
                 self.record.keepalive.append(target)  # storage ids stay unique while recorded
+                if name in _FULL_WRITES and target.numel() == target.untyped_storage().nbytes() \
+                        // target.element_size():
+                    self.record.drop_initial_value(key)  # overwritten whole: not needed
             self.record.ops.append(_Op(func, key, view, tuple(args[1:]) if writes_meta else
                                        tuple(args), dict(kwargs), random, state))
         return out
@@ -112,7 +135,9 @@ def init_empty_weights() -> Iterator[InitRecord]:
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
+            real = param
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            record.keep_initial_value(param, real)
         if param is not None:
             setattr(param, RECORD_ATTR, record)
         original(module, name, param)
@@ -161,7 +186,7 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
     specs = {id(p): getattr(p, "tp_shard", None) for p in unique}
     keys = {id(p): specs[id(p)].source_key if specs[id(p)] else _storage_key(p) for p in unique}
     values: dict[int, torch.Tensor] = {}
-    written = {op.target_key for op in record.ops} if initialize else set()
+    written = {op.target_key for op in record.ops if op is not None} if initialize else set()
 
     def finish(p) -> None:
         if specs[id(p)] is not None:
@@ -196,8 +221,11 @@ def _replay(record: InitRecord, targets: dict[int, torch.Tensor],
             done: Callable[[int], None] = lambda key: None) -> None:
     """Replay the record into `targets` (storage key -> tensor); `done(key)` runs right after
     the last op writing that key."""
-    last = {op.target_key: i for i, op in enumerate(record.ops) if op.target_key in targets}
+    last = {op.target_key: i for i, op in enumerate(record.ops)
+            if op is not None and op.target_key in targets}
     for i, op in enumerate(record.ops):
+        if op is None:
+            continue
         if op.rng_state is not None:
             torch.set_rng_state(op.rng_state)
         param = targets.get(op.target_key) if op.target_key is not None else None
