@@ -67,7 +67,8 @@ class MerakTrainer(Trainer):
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
         self.stage = self.engine = self.clipper = None
-        self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",))
+        self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
+            if args.remove_unused_columns else (lambda batch: batch)
 
     def is_world_process_zero(self) -> bool:
         return self.ctx.rank == 0
