@@ -13,7 +13,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from merak.partition import assign
-from merak.partition.graph_rewrite import find_blocks, set_graph_device
+from merak.partition.graph_rewrite import find_blocks, set_graph_device, within
 from merak.partition.graph_split import split_model
 from merak.partition.meta import has_meta_parameters
 from merak.pipeline.split import Piece, PipelineSplit, find_tied_weights
@@ -237,7 +237,7 @@ def _tp_glue_modules(model: nn.Module, blocks: list[str]) -> list[str]:
     from merak.tensor_parallel.layers import is_tensor_parallel
 
     return [name for name, m in model.named_modules() if is_tensor_parallel(m)
-            and not any(name == b or name.startswith(b + ".") for b in blocks)]
+            and not any(within(name, b) for b in blocks)]
 
 
 def _capture_hint(model: nn.Module, trace_method: str, error: Exception) -> str:

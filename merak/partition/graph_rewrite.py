@@ -25,6 +25,11 @@ _DROP_TARGETS = {
 
 
 # ----------------------------------------------------------------------------- helpers
+def within(name: str, prefix: str) -> bool:
+    """Whether module `name` is `prefix` or one of its submodules."""
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def find_blocks(model: nn.Module) -> list[str]:
     """FQNs of the children of every outermost ModuleList whose children all share one type."""
     lists, blocks = [], []
@@ -180,7 +185,7 @@ def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = Tru
     """Replace the nodes of module `fqn` by one call_module to the eager module. Blocks are
     placed on stages by the partition; other kept modules (`leaf_modules`) follow their inputs."""
     region = [n for n in g.nodes if n.op == "call_function"
-              and any(p == fqn or p.startswith(fqn + ".") for p in _stack_paths(n))]
+              and any(within(p, fqn) for p in _stack_paths(n))]
     if not region:
         raise RuntimeError(f"no graph nodes found for block {fqn}")
     rset = set(region)

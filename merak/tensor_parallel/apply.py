@@ -11,11 +11,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext, get_context
-from merak.partition.graph_rewrite import find_blocks
+from merak.partition.graph_rewrite import find_blocks, within
 from merak.tensor_parallel import layers
 from merak.tensor_parallel.plans import DIVISIBLE_CONFIG_ATTRS, TPPlan, matches, plan_for
 from merak.tensor_parallel.rng import install_tp_rng
@@ -83,8 +82,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
         raise ValueError(f"sequence_parallel is not supported yet for {type(model).__name__} "
                          f"(its TP plan has no sp_gather modules); set sequence_parallel=False")
     blocks = find_blocks(model)
-    in_block = (lambda n: any(n == b or n.startswith(b + ".") for b in blocks)) if blocks \
-        else (lambda n: True)
+    in_block = (lambda n: any(within(n, b) for b in blocks)) if blocks else (lambda n: True)
     named = [(n, m) for n, m in model.named_modules() if in_block(n)]
     cache: dict = {}  # id(original parameter) -> its shard: tied weights stay tied
     converted = _convert_linears(named, plan, config, group, rank, tp, cache,
@@ -180,7 +178,3 @@ def _mark_partial_grads(model: nn.Module, plan: TPPlan, sequence_parallel: bool,
         if any(matches(module_name, p) for p in plan.partial_grad) or (
                 sequence_parallel and in_block(name)):
             param.tp_partial_grad = True
-
-
-def tp_partial_grad_params(module: nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in module.parameters() if getattr(p, "tp_partial_grad", False)]

@@ -220,13 +220,16 @@ class MerakTrainer(Trainer):
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     # ---------------------------------------------------------------- checkpoints
+    def _interval(self, steps: float) -> int:
+        """HF's `*_steps`: a step count, or below 1 a fraction of max_steps."""
+        return int(steps) if steps >= 1 else max(1, int(steps * self.state.max_steps))
+
     def _should_save(self) -> bool:
         args = self.args
         if not str(args.save_strategy).lower().endswith("steps"):
             return False
-        every = args.save_steps if args.save_steps >= 1 else \
-            max(1, int(args.save_steps * self.state.max_steps))
-        return self.state.global_step % int(every) == 0 or self.control.should_save
+        return self.state.global_step % self._interval(args.save_steps) == 0 \
+            or self.control.should_save
 
     def _save(self) -> None:
         args = self.args
@@ -280,9 +283,8 @@ class MerakTrainer(Trainer):
         step, args = self.state.global_step, self.args
         if args.logging_first_step and step == 1:
             return True
-        every = args.logging_steps if args.logging_steps >= 1 else \
-            max(1, int(args.logging_steps * self.state.max_steps))
-        return str(args.logging_strategy).endswith("steps") and step % int(every) == 0 \
+        return str(args.logging_strategy).endswith("steps") \
+            and step % self._interval(args.logging_steps) == 0 \
             or self.control.should_log or step == self.state.max_steps
 
     # ---------------------------------------------------------------- evaluation

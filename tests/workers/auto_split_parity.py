@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
-from common import assert_close, run_scenarios
+from common import GradSnapshot, assert_close, run_scenarios
 from hf_models import FAMILIES, batch
 
 import merak
@@ -47,16 +47,10 @@ def parity(family: str, pp: int) -> None:
     split = auto_split(model, batch(family, 0, ROWS), pp, **OPTIONS[family][pp])
     stage = merak.PipelineStage(split.container, split, ctx.stage_id)
     materialize_(stage)
-    grads = []
-
-    class Snapshot(merak.InstructionHook):
-        def on_instruction_begin(self, name, action):
-            if name == "optimizer_step":
-                grads.append({n: p.grad.clone() for n, p in stage.named_parameters()
-                              if p.grad is not None})
-
+    snapshot = GradSnapshot(stage)
+    grads = snapshot.grads
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       MICROBATCHES, schedule="1f1b", hooks=[Snapshot()],
+                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot],
                                        p2p_timeout_s=120)
     losses = [engine.train_step(batch(family, step, ROWS * MICROBATCHES))
               for step in range(STEPS)]

@@ -54,3 +54,15 @@ def assert_close_grad(actual: torch.Tensor, expected: torch.Tensor, what: str) -
     atol = 1e-5 + 1e-4 * expected.abs().max().item()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=atol,
                                msg=lambda m: f"{what}: {m}")
+
+
+class GradSnapshot(merak.InstructionHook):
+    """Copies every gradient of `stage` just before each optimizer step: ``self.grads[step]``."""
+
+    def __init__(self, stage):
+        self.stage, self.grads = stage, []
+
+    def on_instruction_begin(self, name, action):
+        if name == "optimizer_step":
+            self.grads.append({n: p.grad.clone() for n, p in self.stage.named_parameters()
+                               if p.grad is not None})

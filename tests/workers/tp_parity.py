@@ -11,7 +11,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import assert_close, assert_close_grad, run_scenarios
+from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
 from hf_models import CustomMLP, batch
 from safetensors.torch import save_file, save_model
 from tp_models import TP_FAMILIES, tp_batch
@@ -41,16 +41,10 @@ def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None,
             model = build()
         stage = merak.parallelize(model, batch_fn(0, ROWS), ctx,
                                   checkpoint=tmp if from_checkpoint else None, **tp_options)
-    grads = []
-
-    class Snapshot(merak.InstructionHook):
-        def on_instruction_begin(self, name, action):
-            if name == "optimizer_step":
-                grads.append({n: p.grad.clone() for n, p in stage.named_parameters()
-                              if p.grad is not None})
-
+    snapshot = GradSnapshot(stage)
+    grads = snapshot.grads
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       MICROBATCHES, schedule="1f1b", hooks=[Snapshot()],
+                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot],
                                        p2p_timeout_s=120)
     rows = ROWS * MICROBATCHES
     losses = []
