@@ -61,6 +61,39 @@ def test_parameters_created_from_real_values_keep_them():
     torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=0)
 
 
+class _Repointed(nn.Module):
+    """HF's `_adjust_bias` pattern: a parameter's data replaced by a (zero-)padded copy."""
+
+    def __init__(self, unrelated: bool = False):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(128))
+        nn.init.uniform_(self.bias)
+        self.bias.data = (torch.empty(128, device=self.bias.device) if unrelated else
+                          nn.functional.pad(self.bias.data, (0, 0)))
+
+
+def test_a_parameter_repointed_to_a_copy_keeps_its_recorded_value():
+    torch.manual_seed(0)
+    reference = _Repointed()
+    torch.manual_seed(0)
+    with init_empty_weights() as record:
+        model = _Repointed()
+    recorded = {op.target_key for op in record.ops if op is not None and op.target_key}
+    # the storage the parameter left stays alive: no new tensor may take its key (a collision
+    # used to hand BERT's cls.predictions.bias somebody else's init ops, or none, at random)
+    fresh = [torch.empty(128, device="meta") for _ in range(200)]
+    assert not recorded & {t.untyped_storage()._cdata for t in fresh}
+    materialize_(model)
+    torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=0)
+
+
+def test_a_parameter_repointed_to_unknown_values_is_named():
+    with init_empty_weights():
+        model = _Repointed(unrelated=True)
+    with pytest.raises(ValueError, match=r"no value was recorded for \['bias'\]"):
+        materialize_(model)
+
+
 def test_seeding_inside_the_context_is_honoured():
     torch.manual_seed(3)
     reference = CONFIGS["llama"]()

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # in-place ops that overwrite every element of their target
 _FULL_WRITES = frozenset({"uniform_", "normal_", "fill_", "zero_", "copy_", "random_",
                           "bernoulli_", "exponential_", "cauchy_", "log_normal_", "geometric_"})
+_COPY_OPS = frozenset({"clone", "constant_pad_nd", "_to_copy"})  # value-preserving, new storage
 _RANDOM_OPS = frozenset({
     "bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "multinomial",
     "normal", "normal_", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like",
@@ -45,6 +46,12 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def storage_key(param: torch.Tensor) -> int:
+    """The key under which the meta build recorded the writes to `param`."""
+    record = getattr(param, RECORD_ATTR, None)
+    return record.key(param) if record is not None else _storage_key(param)
+
+
 @dataclass
 class _Op:
     func: object
@@ -61,16 +68,27 @@ class InitRecord:
     """What constructing a model inside `init_empty_weights` did to its parameters."""
 
     ops: list[_Op | None] = field(default_factory=list)
-    keepalive: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # the storages written: alive while the record is, so no later tensor takes the address that
+    # identifies them (HF's `param.data = ...` can detach a recorded storage from its parameter)
+    keepalive: list[torch.UntypedStorage] = field(default_factory=list, repr=False)
     # storage key -> index in `ops` of the copy of a value a parameter was created with
     initial_values: dict[int, int] = field(default_factory=dict, repr=False)
+    # storage key of a meta tensor -> key of the storage it is a whole copy of (clone, zero pad)
+    copies: dict[int, int] = field(default_factory=dict, repr=False)
+    # storage a parameter was re-pointed to (`param.data = param.data.clone()`) -> its first one
+    aliases: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def key(self, tensor: torch.Tensor) -> int:
+        """The storage key under which the writes to `tensor`'s parameter are recorded."""
+        key = _storage_key(tensor)
+        return self.aliases.get(key, key)
 
     def keep_initial_value(self, meta: torch.Tensor, real: torch.Tensor) -> None:
         """A parameter created from a real tensor (``nn.Parameter(torch.zeros(n))``): its value
         is replayed as a copy unless a later op overwrites it whole."""
         key = _storage_key(meta)
         self.initial_values[key] = len(self.ops)
-        self.keepalive.append(meta)
+        self.keepalive.append(meta.untyped_storage())
         self.ops.append(_Op(torch.ops.aten.copy_.default, key,
                             (tuple(meta.shape), tuple(meta.stride()), 0, meta.dtype),
                             (real.detach(),), {}, False))
@@ -99,6 +117,9 @@ class _Recorder(TorchDispatchMode):
                 self.last_state = state
         out = func(*args, **kwargs)
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _COPY_OPS and target is not None and target.is_meta and _is_copy(target, out, args):
+            self.record.copies[_storage_key(out)] = self.record.key(target)
+            self.record.keepalive.append(out.untyped_storage())
         writes_meta = (func._schema.is_mutable and target is not None
                        and target.device.type == "meta")
         random = name in _RANDOM_OPS
@@ -110,16 +131,50 @@ class _Recorder(TorchDispatchMode):
                     f"this model without init_empty_weights or load it from a checkpoint")
             key = view = None
             if writes_meta:
-                key = _storage_key(target)
+                key = self.record.key(target)
                 view = (tuple(target.shape), tuple(target.stride()), target.storage_offset(),
                         target.dtype)
-                self.record.keepalive.append(target)  # storage ids stay unique while recorded
+                self.record.keepalive.append(target.untyped_storage())
                 if name in _FULL_WRITES and target.numel() == target.untyped_storage().nbytes() \
                         // target.element_size():
                     self.record.drop_initial_value(key)  # overwritten whole: not needed
             self.record.ops.append(_Op(func, key, view, tuple(args[1:]) if writes_meta else
                                        tuple(args), dict(kwargs), random, state))
         return out
+
+
+def _is_copy(source: torch.Tensor, out, args: tuple) -> bool:
+    """Whether `out` holds exactly the values of `source`'s whole storage."""
+    pads = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    if any(pads):  # constant_pad_nd that really pads
+        return False
+    whole = source.numel() * source.element_size() == source.untyped_storage().nbytes()
+    return (isinstance(out, torch.Tensor) and out.is_meta and whole and out.shape == source.shape
+            and out.dtype == source.dtype)
+
+
+def _track_data_assignments(record: InitRecord) -> Callable[[], None]:
+    """Make ``param.data = <a copy of param>`` (HF's `_adjust_bias` zero-pads tied biases this
+    way) keep the parameter's recorded writes; returns the undo."""
+    data = torch._C.TensorBase.data
+    had_own = "data" in nn.Parameter.__dict__
+    previous = nn.Parameter.__dict__.get("data")
+
+    def set_data(param: nn.Parameter, new: torch.Tensor) -> None:
+        if param.is_meta and isinstance(new, torch.Tensor) and new.is_meta:
+            fresh, old = _storage_key(new), record.key(param)
+            if fresh != _storage_key(param) and record.copies.get(fresh) == old:
+                record.aliases[fresh] = old
+        data.__set__(param, new)
+
+    nn.Parameter.data = property(lambda param: data.__get__(param), set_data)
+
+    def undo() -> None:
+        if had_own:
+            nn.Parameter.data = previous
+        else:
+            del nn.Parameter.data
+    return undo
 
 
 @contextlib.contextmanager
@@ -143,11 +198,13 @@ def init_empty_weights() -> Iterator[InitRecord]:
         original(module, name, param)
 
     nn.Module.register_parameter = register_parameter
+    undo_data = _track_data_assignments(record)
     try:
         with _Recorder(record):
             yield record
     finally:
         nn.Module.register_parameter = original
+        undo_data()
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -184,7 +241,7 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
     # soon as its last init op has run, so only the tensors being initialized are ever whole.
     unique = list({id(p): p for p in meta.values()}.values())
     specs = {id(p): getattr(p, "tp_shard", None) for p in unique}
-    keys = {id(p): specs[id(p)].source_key if specs[id(p)] else _storage_key(p) for p in unique}
+    keys = {id(p): specs[id(p)].source_key if specs[id(p)] else storage_key(p) for p in unique}
     values: dict[int, torch.Tensor] = {}
     written = {op.target_key for op in record.ops if op is not None} if initialize else set()
 
@@ -192,11 +249,18 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
         if specs[id(p)] is not None:
             values[id(p)] = specs[id(p)].take(values[id(p)]).contiguous()
 
+    if initialize:
+        names = {id(p): n for n, p in reversed(meta.items())}
+        unknown = [names[id(p)] for p in unique if keys[id(p)] not in written]
+        if unknown:
+            raise ValueError(f"no value was recorded for {unknown}: they were created on the meta "
+                             f"device or re-pointed (`param.data = ...`) after their init inside "
+                             f"merak.init_empty_weights(); load them from a checkpoint instead")
     for p in unique:
         values[id(p)] = torch.empty(specs[id(p)].full_shape if specs[id(p)] else p.shape,
                                     dtype=p.dtype)
         if keys[id(p)] not in written:
-            finish(p)  # nothing to replay into it
+            finish(p)  # filled from a checkpoint later
     if initialize:
         by_key = {keys[id(p)]: p for p in unique}
         _replay(record, {k: values[id(p)] for k, p in by_key.items()},

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from merak.partition.meta import RECORD_ATTR
+from merak.partition.meta import RECORD_ATTR, storage_key
 from merak.tensor_parallel.collectives import (
     copy_to_tp,
     gather_from_tp,
@@ -79,7 +79,7 @@ def shard_parameter(param: nn.Parameter, dim: int, rank: int, size: int,
     if sum(chunks) != full or any(c % size for c in chunks):
         raise ValueError(f"cannot shard a dimension of size {full} (parts {list(chunks)}) into "
                          f"tp={size} equal pieces; each part must divide by {size}")
-    key = param.untyped_storage()._cdata if param.is_meta else None
+    key = storage_key(param) if param.is_meta else None
     spec = ShardSpec(dim, rank, size, chunks, tuple(param.shape), key)
     data = spec.take(param.data) if not param.is_meta else torch.empty(
         [s // size if d == dim else s for d, s in enumerate(param.shape)], dtype=param.dtype,
@@ -90,7 +90,7 @@ def shard_parameter(param: nn.Parameter, dim: int, rank: int, size: int,
     if hasattr(param, RECORD_ATTR):  # the meta build's init record, for materialize_
         setattr(new, RECORD_ATTR, getattr(param, RECORD_ATTR))
     if param.is_meta:
-        new._merak_full_meta = param  # keeps the recorded storage alive and unique
+        new._merak_full_meta = param.untyped_storage()  # the recorded storage stays alive, unique
     if cache is not None:
         cache[id(param)] = new
     return new
