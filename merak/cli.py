@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from merak.energy.cli import add_energy
 from merak.pipeline.schedules import SCHEDULES, make_schedule
 from merak.pipeline.simulator import CostModel, simulate
 from merak.pipeline.timeline import TimelineEvent, save_chrome_trace, save_png
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_simulate(subparsers)
     _add_export(subparsers)
+    add_energy(subparsers)
     args = parser.parse_args(argv)
     return args.run(args)
 

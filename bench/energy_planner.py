@@ -1,0 +1,50 @@
+"""Energy planner wall time and savings on the reference synthetic GPU (FINDINGS.md).
+
+For (stages, micro-batches) in (4, 8), (8, 16), (8, 32): the all-max-clock iteration, the
+default plan (minimum energy at no slowdown), the lowest-energy frontier point, and the physical
+limit (every instruction at its own energy-optimal clock, ignoring time), with the planner's
+wall time. The reference solver took 2 s on (4, 8) and 110 s on (8, 32).
+
+    python bench/energy_planner.py [--sizes 4x8,8x16,8x32] [--unit-time 0.001]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from merak.energy.gpu import SyntheticGPUModel
+from merak.energy.planner import EnergyPlanner
+from merak.energy.profile_data import aggregate, synthetic_profile
+from merak.pipeline.schedules import make_schedule
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4x8,8x16,8x32")
+    parser.add_argument("--unit-time", type=float, default=None)
+    args = parser.parse_args()
+    model = SyntheticGPUModel()
+    print(f"{'pipeline':>9} {'all-max':>17} {'default plan':>22} {'lowest energy':>22} "
+          f"{'physical limit':>15} {'planner':>9}")
+    for size in args.sizes.split(","):
+        stages, microbatches = map(int, size.split("x"))
+        profiles, p2p = aggregate(synthetic_profile(model, stages))
+        planner = EnergyPlanner(make_schedule("1f1b", stages, microbatches), profiles, p2p,
+                                unit_time=args.unit_time)
+        start = time.perf_counter()
+        base_time, base_energy = planner.evaluate(planner.max_clock_plan())
+        points = planner.frontier()
+        chosen = planner.choose(points, base_time)
+        took = time.perf_counter() - start
+        lowest = min(points, key=lambda p: p.energy_j)
+        _, limit = planner.physical_limit()
+        saved = lambda e, b=base_energy: 1 - e / b
+        print(f"{stages:>3}x{microbatches:<5} {base_time:7.4f}s {base_energy:7.1f}J "
+              f"{chosen.time_s / base_time - 1:+7.2%} {saved(chosen.energy_j):6.2%} saved "
+              f"{lowest.time_s / base_time - 1:+7.2%} {saved(lowest.energy_j):6.2%} saved "
+              f"{saved(limit):8.2%} saved {took:8.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""`merak energy ...`: plan GPU clocks from a profile (and, later in the series, profile,
+serve and report)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from merak.pipeline.schedules import SCHEDULES, make_schedule
+
+
+def add_energy(subparsers) -> None:
+    parser = subparsers.add_parser("energy", help="Perseus energy planning of pipeline training")
+    commands = parser.add_subparsers(dest="energy_command", required=True)
+    plan = commands.add_parser(
+        "plan", help="the iteration-time / energy frontier and a clock plan per rank",
+        description="Build the pipeline DAG from merak's schedule, compute the time / energy "
+                    "frontier with lowtime and write the chosen per-rank clock plan as JSON, "
+                    "with a PNG of the frontier.")
+    plan.add_argument("profile", help="the CSV `merak energy profile` wrote")
+    plan.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    plan.add_argument("--stages", type=int, required=True)
+    plan.add_argument("--microbatches", type=int, required=True)
+    plan.add_argument("--p2p-power", type=float, default=None,
+                      help="watts a GPU draws blocked on p2p (default: the profile's p2p rows)")
+    choice = plan.add_mutually_exclusive_group()
+    choice.add_argument("--target-time", type=float, default=None,
+                        help="iteration time to meet, seconds (e.g. set by a straggler)")
+    choice.add_argument("--max-slowdown", type=float, default=None,
+                        help="minimum energy within this fractional slowdown, e.g. 0.05")
+    plan.add_argument("--unit-time", type=float, default=None,
+                      help="the solver's time quantum, seconds (default 1 ms or finer)")
+    plan.add_argument("--out", default="plan.json")
+    plan.set_defaults(run=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from merak.energy.plan_file import save_plan
+    from merak.energy.planner import EnergyPlanner
+    from merak.energy.profile_data import aggregate, read_profile
+
+    profiles, measured_p2p = aggregate(read_profile(args.profile))
+    if len(profiles) != args.stages:
+        raise SystemExit(f"{args.profile} profiles {len(profiles)} stages, not --stages "
+                         f"{args.stages}")
+    p2p_power = args.p2p_power if args.p2p_power is not None else measured_p2p
+    if p2p_power is None:
+        raise SystemExit("the profile has no p2p rows: give --p2p-power W")
+    planner = EnergyPlanner(make_schedule(args.schedule, args.stages, args.microbatches),
+                            profiles, p2p_power, unit_time=args.unit_time)
+    start = time.perf_counter()
+    base_time, base_energy = planner.evaluate(planner.max_clock_plan())
+    points = planner.frontier()
+    chosen = planner.choose(points, base_time, args.target_time, args.max_slowdown)
+    took = time.perf_counter() - start
+    out = save_plan(args.out, planner.schedules(chosen.plan),
+                    {"time_s": chosen.time_s, "energy_j": chosen.energy_j},
+                    {"time_s": base_time, "energy_j": base_energy},
+                    {"schedule": args.schedule, "stages": args.stages,
+                     "microbatches": args.microbatches, "p2p_power_w": p2p_power})
+    png = save_frontier_png(points, chosen, (base_time, base_energy), out.with_suffix(".png"))
+    print(f"all max clocks   {base_time:.4f} s  {base_energy:.1f} J")
+    print(f"chosen plan      {chosen.time_s:.4f} s  {chosen.energy_j:.1f} J  "
+          f"({chosen.time_s / base_time - 1:+.2%} time, {1 - chosen.energy_j / base_energy:.2%} "
+          f"energy saved)")
+    print(f"frontier         {len(points)} points in {took:.1f} s; plan {out}, picture {png}")
+    return 0
+
+
+def save_frontier_png(points, chosen, baseline: tuple[float, float], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p.time_s for p in points], [p.energy_j for p in points], ".", ms=3,
+            label="frontier")
+    ax.plot(*baseline, "s", color="gray", label="all max clocks")
+    ax.plot(chosen.time_s, chosen.energy_j, "*", color="red", ms=12, label="chosen")
+    ax.set_xlabel("iteration time (s)")
+    ax.set_ylabel("energy per iteration (J)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,188 @@
+"""GPU clock control behind one small interface: NVML for NVIDIA GPUs, a simulated GPU for CPU.
+
+`GPUControl` is all the profiler and the plan deployment need: the supported clocks, locking
+and unlocking the SM clock, and a cumulative energy counter in joules.
+
+`SimulatedGPU` stands in for a GPU on CPU machines. Each compute instruction has a reference
+duration at the highest clock (`SyntheticGPUModel.reference_time`); the simulated GPU makes the
+instruction really take that duration scaled by the clock's slowdown, sleeping after the real
+(much shorter) CPU work, and charges the clock's power for it. Time outside instructions is
+charged at the blocked-on-p2p power. So iteration time and energy are measured on the wall clock,
+not assumed.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class GPUControl(ABC):
+    """Clock control and energy reading of one GPU."""
+
+    @abstractmethod
+    def supported_clocks(self) -> list[int]:
+        """SM clocks in MHz, highest first."""
+
+    @abstractmethod
+    def set_clock(self, mhz: int) -> None:
+        """Lock the SM clock to `mhz` (one of `supported_clocks()`)."""
+
+    @abstractmethod
+    def reset_clock(self) -> None:
+        """Undo `set_clock`: let the GPU pick its clock again."""
+
+    @abstractmethod
+    def energy_j(self) -> float:
+        """Energy drawn since an arbitrary origin, in joules."""
+
+    # Instruction brackets: a real GPU needs none; the simulated one does its timing here.
+    def instruction_begin(self, name: str, stage_id: int) -> None:
+        """A compute instruction (`forward`, `backward`) is about to run."""
+
+    def instruction_end(self, name: str, stage_id: int) -> None:
+        """The compute instruction started by `instruction_begin` has finished."""
+
+    def check_clock(self, mhz: int) -> None:
+        if mhz not in self.supported_clocks():
+            clocks = self.supported_clocks()
+            raise ValueError(f"{mhz} MHz is not a supported clock of this GPU; supported: "
+                             f"{clocks[0]}..{clocks[-1]} MHz ({len(clocks)} clocks)")
+
+
+@dataclass(frozen=True)
+class SyntheticGPUModel:
+    """Frequency -> time and power of a GPU (defaults: the A100-like reference model).
+
+    time(f) = reference_time * (compute_share * max_clock / f + (1 - compute_share))
+    power(f) = static_w + dynamic_w * (f / max_clock) ** 3
+    """
+
+    max_clock: int = 1410
+    min_clock: int = 900
+    clock_step: int = 15
+    compute_share: float = 0.9
+    static_w: float = 170.0
+    dynamic_w: float = 230.0
+    p2p_w: float = 75.0               # drawn while blocked on point-to-point communication
+    forward_s: float = 0.040          # forward of one micro-batch at max_clock
+    backward_ratio: float = 2.0       # backward time / forward time
+    last_stage_factor: float = 1.15   # the last stage also computes the head and the loss
+    switch_latency_s: float = 0.0     # a clock change takes this long
+
+    def clocks(self) -> list[int]:
+        return list(range(self.max_clock, self.min_clock - 1, -self.clock_step))
+
+    def slowdown(self, mhz: float) -> float:
+        return self.compute_share * self.max_clock / mhz + (1.0 - self.compute_share)
+
+    def power(self, mhz: float) -> float:
+        return self.static_w + self.dynamic_w * (mhz / self.max_clock) ** 3
+
+    def reference_time(self, instruction: str, stage_id: int, num_stages: int) -> float:
+        base = self.forward_s * (self.backward_ratio if instruction == "backward" else 1.0)
+        return base * (self.last_stage_factor if stage_id == num_stages - 1 else 1.0)
+
+    def time(self, instruction: str, stage_id: int, num_stages: int, mhz: float) -> float:
+        return self.reference_time(instruction, stage_id, num_stages) * self.slowdown(mhz)
+
+    def energy(self, instruction: str, stage_id: int, num_stages: int, mhz: float) -> float:
+        return self.time(instruction, stage_id, num_stages, mhz) * self.power(mhz)
+
+
+class SimulatedGPU(GPUControl):
+    """A GPU following `model`, timed on the wall clock (see the module docstring)."""
+
+    def __init__(self, model: SyntheticGPUModel | None = None, num_stages: int = 1,
+                 clock: time.perf_counter = time.perf_counter, sleep=time.sleep):
+        self.model = model or SyntheticGPUModel()
+        self.num_stages = num_stages
+        self._now, self._sleep = clock, sleep
+        self.clock_mhz = self.model.max_clock
+        self._energy = 0.0
+        self._since = self._now()       # start of the interval not yet charged
+        self._running: tuple[float, float] | None = None  # (start, duration) of the instruction
+
+    def supported_clocks(self) -> list[int]:
+        return self.model.clocks()
+
+    def set_clock(self, mhz: int) -> None:
+        self.check_clock(mhz)
+        if mhz != self.clock_mhz and self.model.switch_latency_s > 0:
+            self._sleep(self.model.switch_latency_s)
+        self.clock_mhz = mhz
+
+    def reset_clock(self) -> None:
+        self.clock_mhz = self.model.max_clock
+
+    def _charge_idle(self, until: float) -> None:
+        self._energy += max(0.0, until - self._since) * self.model.p2p_w
+        self._since = max(self._since, until)
+
+    def energy_j(self) -> float:
+        if self._running is None:
+            self._charge_idle(self._now())
+        return self._energy
+
+    def instruction_begin(self, name: str, stage_id: int) -> None:
+        start = self._now()
+        self._charge_idle(start)
+        self._running = (start, self.model.time(name, stage_id, self.num_stages, self.clock_mhz))
+
+    def instruction_end(self, name: str, stage_id: int) -> None:
+        if self._running is None:
+            raise RuntimeError(f"instruction_end({name!r}) without instruction_begin")
+        start, duration = self._running
+        remaining = start + duration - self._now()
+        if remaining > 0:
+            self._sleep(remaining)
+        end = max(self._now(), start + duration)
+        self._energy += (end - start) * self.model.power(self.clock_mhz)
+        self._since, self._running = end, None
+
+
+class NVMLGPU(GPUControl):
+    """An NVIDIA GPU through NVML (`pip install nvidia-ml-py`). Locking clocks needs root or
+    ``nvidia-smi -acp UNRESTRICTED``; the energy counter needs Volta or newer."""
+
+    def __init__(self, index: int = 0, nvml=None):
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError as error:
+                raise ImportError("the NVML backend needs nvidia-ml-py: pip install "
+                                  "nvidia-ml-py") from error
+        self.nvml = nvml
+        nvml.nvmlInit()
+        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        memory = max(nvml.nvmlDeviceGetSupportedMemoryClocks(self.handle))
+        self._clocks = sorted(nvml.nvmlDeviceGetSupportedGraphicsClocks(self.handle, memory),
+                              reverse=True)
+
+    def supported_clocks(self) -> list[int]:
+        return list(self._clocks)
+
+    def set_clock(self, mhz: int) -> None:
+        self.check_clock(mhz)
+        self.nvml.nvmlDeviceSetGpuLockedClocks(self.handle, mhz, mhz)
+
+    def reset_clock(self) -> None:
+        self.nvml.nvmlDeviceResetGpuLockedClocks(self.handle)
+
+    def energy_j(self) -> float:
+        return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0  # mJ -> J
+
+    # kernels are asynchronous: the clock must change between instructions, not under them
+    def instruction_begin(self, name: str, stage_id: int) -> None:
+        _synchronize()
+
+    def instruction_end(self, name: str, stage_id: int) -> None:
+        _synchronize()
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

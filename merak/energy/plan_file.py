@@ -1,0 +1,89 @@
+"""The plan file: ``{"predicted": {...}, "baseline": {...}, "schedules": [...]}``.
+
+``schedules`` holds one Zeus-style FrequencySchedule per rank,
+``{"rank": r, "frequencies": [["forward", 1410], ["backward", 1215], ...]}``, in execution
+order. `check_plan` rejects a plan that does not fit the job before training starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from merak.pipeline.actions import ActionKind, Schedule
+
+
+class PlanError(ValueError):
+    """A frequency plan that does not fit this job."""
+
+
+def save_plan(path: str | Path, schedules: list[dict], predicted: dict,
+              baseline: dict | None = None, meta: dict | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"predicted": predicted, "schedules": schedules}
+    if baseline is not None:
+        body["baseline"] = baseline
+    if meta:
+        body["meta"] = meta
+    path.write_text(json.dumps(body, indent=1))
+    return path
+
+
+def load_plan(path: str | Path) -> dict:
+    try:
+        body = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanError(f"cannot read the energy plan {path}: {error}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("schedules"), list):
+        raise PlanError(f"{path} is not an energy plan: it needs a 'schedules' list (write one "
+                        f"with `merak energy plan`)")
+    return body
+
+
+def expected_instructions(schedule: Schedule, stage_id: int) -> list[str]:
+    """The compute instructions stage `stage_id` runs per step, in order."""
+    return [a.kind.value for a in schedule[stage_id]
+            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+
+
+def check_plan(schedules: list[dict], world_size: int, stage_of_rank, schedule: Schedule,
+               supported_clocks: list[int]) -> dict[int, list[tuple[str, int]]]:
+    """Validate the per-rank schedules of a plan against the job; returns rank -> frequencies.
+
+    Args:
+        schedules: the plan's ``schedules``.
+        world_size: ranks in the job; the plan must have exactly one schedule per rank.
+        stage_of_rank: rank -> pipeline stage.
+        schedule: the action lists the interpreter will run.
+        supported_clocks: the GPU's clocks (MHz).
+    """
+    by_rank: dict[int, list[tuple[str, int]]] = {}
+    for entry in schedules:
+        if not isinstance(entry, dict) or "rank" not in entry or "frequencies" not in entry:
+            raise PlanError(f"a plan schedule must be {{'rank': r, 'frequencies': [[instruction, "
+                            f"MHz], ...]}}, got {str(entry)[:80]}")
+        rank = entry["rank"]
+        if rank in by_rank:
+            raise PlanError(f"the plan has two schedules for rank {rank}")
+        by_rank[rank] = [(str(name), int(mhz)) for name, mhz in entry["frequencies"]]
+    if sorted(by_rank) != list(range(world_size)):
+        raise PlanError(f"the plan has schedules for ranks {sorted(by_rank)}, this job has "
+                        f"{world_size} ranks (0..{world_size - 1}); plan for this job's layout")
+    clocks = set(supported_clocks)
+    for rank, freqs in by_rank.items():
+        expected = expected_instructions(schedule, stage_of_rank(rank))
+        names = [name for name, _ in freqs]
+        if names != expected:
+            where = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b),
+                         min(len(names), len(expected)))
+            raise PlanError(f"rank {rank}: the plan's instruction order differs from the "
+                            f"schedule at position {where} (plan {names[where:where + 3]}, "
+                            f"schedule {expected[where:where + 3]}; {len(names)} vs "
+                            f"{len(expected)} instructions); plan with the same --schedule, "
+                            f"--stages and --microbatches as training")
+        unknown = sorted({mhz for _, mhz in freqs} - clocks)
+        if unknown:
+            raise PlanError(f"rank {rank}: clocks {unknown} MHz are not supported by this GPU "
+                            f"(supported {max(clocks)}..{min(clocks)} MHz)")
+    return by_rank

@@ -1,0 +1,102 @@
+"""Profile time and energy of every compute instruction at each GPU clock, during training.
+
+One training step per clock, highest first, after warm-up steps at the highest clock: every
+forward and backward of the step runs at that clock and is measured (wall time, energy-counter
+delta); the time between them, when the stage is blocked on communication, gives the p2p power.
+Profiling stops early once the mean instruction energy has risen for `patience` clocks in a row
+on every rank (lower clocks only get slower and costlier from there).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from merak.energy.gpu import GPUControl
+from merak.energy.profile_data import COMPUTE, ProfileRow
+from merak.pipeline.actions import Action
+from merak.pipeline.hooks import InstructionHook
+
+
+class ClockProfiler(InstructionHook):
+    """Measures each compute instruction at the clock `clock` (set before each step)."""
+
+    def __init__(self, gpu: GPUControl, stage_id: int):
+        self.gpu, self.stage_id = gpu, stage_id
+        self.clock: int | None = None  # None: warm-up, nothing recorded
+        self.samples: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+        self.blocked = [0.0, 0.0]  # seconds, joules between instructions
+        self._begin = self._energy = 0.0
+        self._idle_since: tuple[float, float] | None = None
+
+    def on_step_begin(self, step: int) -> None:
+        self._idle_since = None
+
+    def on_instruction_begin(self, name: str, action: Action) -> None:
+        if name not in COMPUTE:
+            return
+        self.gpu.set_clock(self.clock or max(self.gpu.supported_clocks()))
+        now, energy = time.perf_counter(), self.gpu.energy_j()
+        if self._idle_since is not None and self.clock is not None:
+            self.blocked[0] += now - self._idle_since[0]
+            self.blocked[1] += energy - self._idle_since[1]
+        self.gpu.instruction_begin(name, self.stage_id)
+        self._begin, self._energy = now, energy
+
+    def on_instruction_end(self, name: str, action: Action) -> None:
+        if name not in COMPUTE:
+            return
+        self.gpu.instruction_end(name, self.stage_id)
+        now, energy = time.perf_counter(), self.gpu.energy_j()
+        if self.clock is not None:
+            self.samples[(name, self.clock)].append((now - self._begin, energy - self._energy))
+        self._idle_since = (now, energy)
+
+    def mean_energy(self, clock: int) -> float:
+        values = [e for name in COMPUTE for _, e in self.samples[(name, clock)]]
+        return sum(values) / len(values)
+
+    def rows(self, rank: int, dp_rank: int, pp_rank: int, tp_rank: int) -> list[ProfileRow]:
+        where = (rank, dp_rank, pp_rank, tp_rank, self.stage_id)
+        rows = []
+        for (name, clock), samples in sorted(self.samples.items(), key=lambda kv: (kv[0][0],
+                                                                                 -kv[0][1])):
+            rows.append(ProfileRow(*where, name, clock, sum(t for t, _ in samples) / len(samples),
+                                   sum(e for _, e in samples) / len(samples)))
+        if self.blocked[0] > 0:
+            rows.append(ProfileRow(*where, "p2p", 0, self.blocked[0], self.blocked[1]))
+        return rows
+
+
+def profile_clocks(step: Callable[[], None], profiler: ClockProfiler, ctx,
+                   warmup_steps: int = 1, patience: int = 2,
+                   clocks: list[int] | None = None) -> list[ProfileRow]:
+    """Run `step()` (one training step with `profiler` among the interpreter's hooks) at each
+    clock, highest first, and return every rank's rows (on every rank)."""
+    clocks = sorted(clocks or profiler.gpu.supported_clocks(), reverse=True)
+    profiler.clock = None
+    for _ in range(warmup_steps):
+        step()
+    rising, previous = 0, None
+    for clock in clocks:
+        profiler.clock = clock
+        step()
+        energy = profiler.mean_energy(clock)
+        rising = rising + 1 if previous is not None and energy > previous else 0
+        previous = energy
+        done = torch.tensor([int(rising >= patience)])
+        if ctx.world_size > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            break
+    profiler.gpu.reset_clock()
+    rows = profiler.rows(ctx.rank, ctx.dp_rank, ctx.stage_id, ctx.tp_rank)
+    if ctx.world_size == 1:
+        return rows
+    gathered: list[list[ProfileRow]] = [None] * ctx.world_size  # type: ignore[list-item]
+    dist.all_gather_object(gathered, rows)
+    return [row for part in gathered for row in part]

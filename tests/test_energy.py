@@ -1,0 +1,175 @@
+"""Perseus energy planning: the planner on the reference synthetic GPU (FINDINGS.md), plan-file
+validation, the GPU backends (simulated; NVML mocked), and profile -> plan -> deploy end to end
+on 4 gloo ranks with simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from dist_harness import cached_launcher, check
+
+from merak.energy.deploy import ClockPlanHook
+from merak.energy.gpu import NVMLGPU, SimulatedGPU, SyntheticGPUModel
+from merak.energy.plan_file import PlanError, check_plan
+from merak.energy.planner import EnergyPlanner
+from merak.energy.profile_data import (
+    aggregate,
+    clean,
+    read_profile,
+    synthetic_profile,
+    write_profile,
+)
+from merak.pipeline.actions import Action, ActionKind
+from merak.pipeline.schedules import make_schedule
+
+
+@pytest.fixture(scope="module")
+def reference():
+    profiles, p2p = aggregate(synthetic_profile(SyntheticGPUModel(), 4))
+    planner = EnergyPlanner(make_schedule("1f1b", 4, 8), profiles, p2p)
+    base = planner.evaluate(planner.max_clock_plan())
+    return planner, base, planner.frontier()
+
+
+def test_reference_all_max_clocks(reference):
+    _, (time_s, energy_j), _ = reference
+    assert time_s == pytest.approx(1.4640, abs=5e-5)
+    assert energy_j == pytest.approx(1734.0, abs=0.05)
+
+
+def test_reference_default_plan_saves_energy_at_no_slowdown(reference):
+    planner, (base_time, base_energy), points = reference
+    chosen = planner.choose(points, base_time)
+    assert chosen.time_s <= base_time * (1 + 1e-9)
+    assert 1 - chosen.energy_j / base_energy >= 0.085
+    lowest = min(points, key=lambda p: p.energy_j)
+    assert 1 - lowest.energy_j / base_energy == pytest.approx(0.1274, abs=1e-3)
+
+
+def test_slowdown_cap_and_target_time(reference):
+    planner, (base_time, _base_energy), points = reference
+    capped = planner.choose(points, base_time, max_slowdown=0.05)
+    assert base_time < capped.time_s <= base_time * 1.05 + 1e-9
+    assert capped.energy_j < planner.choose(points, base_time).energy_j
+    straggler = planner.choose(points, base_time, target_time=1.8)
+    assert straggler.time_s <= 1.8 and straggler.energy_j <= capped.energy_j
+    with pytest.raises(ValueError, match="no plan finishes"):
+        planner.choose(points, base_time, target_time=1.0)
+
+
+def test_profile_round_trip_and_cleaning(tmp_path):
+    rows = synthetic_profile(SyntheticGPUModel(clock_step=90), 2, gpus_per_stage=2)
+    path = write_profile(rows, tmp_path / "p.csv")
+    profiles, p2p = aggregate(read_profile(path))
+    assert p2p == pytest.approx(75.0) and [p.ranks for p in profiles] == [[0, 1], [2, 3]]
+    t, e = profiles[0].options["forward"][1410]
+    assert t == pytest.approx(0.04) and e == pytest.approx(2 * 0.04 * 400)  # energy: sum
+    noisy = {1410: (1.0, 5.0), 1320: (0.9, 4.0), 1230: (1.2, 3.0)}
+    assert clean(noisy) == {1410: (1.0, 5.0), 1320: (1.0, 4.0), 1230: (1.2, 3.0)}
+    (tmp_path / "bad.csv").write_text("rank,stage\n0,0\n")
+    with pytest.raises(ValueError, match="lacks columns"):
+        read_profile(tmp_path / "bad.csv")
+
+
+def _plan(reference):
+    planner, (base_time, _), points = reference
+    return planner.schedules(planner.choose(points, base_time).plan)
+
+
+def test_plan_is_checked_before_training(reference):
+    schedule, clocks = make_schedule("1f1b", 4, 8), SyntheticGPUModel().clocks()
+    schedules = _plan(reference)
+    assert len(check_plan(schedules, 4, lambda r: r, schedule, clocks)) == 4
+    with pytest.raises(PlanError, match="ranks \\[0, 1, 2, 3\\], this job has 8"):
+        check_plan(schedules, 8, lambda r: r // 2, schedule, clocks)
+    swapped = json.loads(json.dumps(schedules))
+    swapped[1]["frequencies"][0][0] = "backward"
+    with pytest.raises(PlanError, match="rank 1: the plan's instruction order differs"):
+        check_plan(swapped, 4, lambda r: r, schedule, clocks)
+    with pytest.raises(PlanError, match="rank 0: the plan's instruction order"):
+        check_plan(schedules, 4, lambda r: r, make_schedule("1f1b", 4, 4), clocks)
+    odd = json.loads(json.dumps(schedules))
+    odd[2]["frequencies"][3][1] = 1234
+    with pytest.raises(PlanError, match="rank 2: clocks \\[1234\\] MHz are not supported"):
+        check_plan(odd, 4, lambda r: r, schedule, clocks)
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def test_simulated_gpu_times_and_charges_the_model():
+    clock = _FakeClock()
+    model = SyntheticGPUModel(switch_latency_s=0.01)
+    gpu = SimulatedGPU(model, num_stages=2, clock=clock, sleep=clock.sleep)
+    hook = ClockPlanHook(gpu, [("forward", 1050), ("backward", 1410)], stage_id=0)
+    hook.on_step_begin(0)
+    clock.now += 0.5  # blocked on p2p
+    for name, mb in (("forward", 0), ("backward", 0)):
+        action = Action(ActionKind(name), mb)
+        hook.on_instruction_begin(name, action)
+        clock.now += 0.001  # the real CPU work, shorter than the model's
+        hook.on_instruction_end(name, action)
+    hook.on_step_end(0)
+    fwd, bwd = model.time("forward", 0, 2, 1050), model.time("backward", 0, 2, 1410)
+    expected = (0.51 * 75 + fwd * model.power(1050) + 0.01 * 75 + bwd * model.power(1410))
+    assert hook.steps[0].time_s > 0 and gpu.energy_j() == pytest.approx(expected)
+    assert clock.now == pytest.approx(0.5 + 0.01 + fwd + 0.01 + bwd)
+    hook.on_step_begin(1)
+    with pytest.raises(PlanError, match="instruction 0 of the step is backward"):
+        hook.on_instruction_begin("backward", Action(ActionKind.BACKWARD, 0))
+    with pytest.raises(ValueError, match="1234 MHz is not a supported clock"):
+        gpu.set_clock(1234)
+
+
+def test_nvml_backend_with_a_mocked_nvml():
+    calls = []
+    nvml = SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+        nvmlDeviceGetSupportedMemoryClocks=lambda h: [1215, 877],
+        nvmlDeviceGetSupportedGraphicsClocks=lambda h, mem: [900, 1410, 1395] if mem == 1215 else [],
+        nvmlDeviceSetGpuLockedClocks=lambda h, lo, hi: calls.append(("lock", h, lo, hi)),
+        nvmlDeviceResetGpuLockedClocks=lambda h: calls.append(("reset", h)),
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: 123456)
+    gpu = NVMLGPU(1, nvml=nvml)
+    assert gpu.supported_clocks() == [1410, 1395, 900]
+    gpu.set_clock(1395)
+    gpu.reset_clock()
+    assert calls == ["init", ("lock", "gpu1", 1395, 1395), ("reset", "gpu1")]
+    assert gpu.energy_j() == pytest.approx(123.456)
+    with pytest.raises(ValueError, match="not a supported clock"):
+        gpu.set_clock(1000)
+
+
+def test_plan_command_writes_plan_and_picture(tmp_path):
+    profile = write_profile(synthetic_profile(SyntheticGPUModel(clock_step=90), 2), tmp_path / "p.csv")
+    out = subprocess.run([sys.executable, "-m", "merak", "energy", "plan", str(profile),
+                          "--stages", "2", "--microbatches", "4", "--max-slowdown", "0.05",
+                          "--out", str(tmp_path / "plan.json")], capture_output=True, text=True,
+                         check=True).stdout
+    assert "energy saved" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["predicted"]["energy_j"] < plan["baseline"]["energy_j"]
+    assert [s["rank"] for s in plan["schedules"]] == [0, 1]
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return cached_launcher("energy_e2e.py", tmp_path_factory)
+
+
+def test_profile_plan_deploy_end_to_end(launches):
+    check(*launches(4), "energy-end-to-end")
