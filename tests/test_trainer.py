@@ -81,6 +81,7 @@ def test_bad_values_name_the_field(kwargs, message):
     {"train_schedule": "zero_bubble"}, {"activation_checkpointing": True},
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
     {"checkpoint_num_layers": 2}, {"text_generation": True}, {"lora_config": "{}"},
+    {"energy_plan": "plan.json"}, {"pfo_server_url": "http://127.0.0.1:7787"},
     {"tp_overlapping_level": 1},
     {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},
     {"gradient_checkpointing": True}, {"torch_compile": True},

@@ -141,6 +141,10 @@ class MerakArguments(TrainingArguments):
     # ---- LoRA
     lora_config: str | None = field(default=None, metadata={"help": "peft LoRA config (JSON)"})
     adapter_name: str = field(default="default", metadata={"help": "peft adapter name"})
+    energy_plan: str | None = field(default=None, metadata={
+        "help": "a `merak energy plan` JSON: per-instruction GPU clocks for every rank"})
+    pfo_server_url: str | None = field(default=None, metadata={
+        "help": "a Perseus (Zeus PFO) server to fetch the energy plan from"})
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -191,6 +195,9 @@ class MerakArguments(TrainingArguments):
             "out_seq_length": "pipelined text generation",
             "temperature": "pipelined text generation",
             "lora_config": "LoRA through peft", "adapter_name": "LoRA through peft",
+            "energy_plan": "deploying an energy plan from MerakTrainer (the interpreter takes "
+                           "merak.energy.deploy.ClockPlanHook today)",
+            "pfo_server_url": "fetching energy plans from a Perseus server",
         }
         own = {f.name: f for f in dataclasses.fields(MerakArguments)}
         for name, feature in later.items():
