@@ -173,3 +173,28 @@ def launches(tmp_path_factory):
 
 def test_profile_plan_deploy_end_to_end(launches):
     check(*launches(4), "energy-end-to-end")
+
+
+_FRONTIER = """
+import json, sys
+if sys.argv[1] == "python":
+    sys.modules["lowtime._lowtime_rs"] = None  # as if the compiled part were missing
+from merak.energy.gpu import SyntheticGPUModel
+from merak.energy.planner import EnergyPlanner
+from merak.energy.profile_data import aggregate, synthetic_profile
+from merak.pipeline.schedules import make_schedule
+profiles, p2p = aggregate(synthetic_profile(SyntheticGPUModel(clock_step=90), 2))
+points = EnergyPlanner(make_schedule("1f1b", 2, 3), profiles, p2p).frontier()
+import lowtime.solver
+print(json.dumps([lowtime.solver._lowtime_rs.PhillipsDessouky.__module__,
+                  [[p.time_s, p.energy_j] for p in points]]))
+"""
+
+
+def test_python_min_cut_fallback_gives_the_same_frontier():
+    run = lambda mode: json.loads(subprocess.run(  # noqa: E731
+        [sys.executable, "-c", _FRONTIER, mode], capture_output=True, text=True,
+        check=True).stdout)
+    (compiled_kind, compiled), (python_kind, python) = run("compiled"), run("python")
+    assert python_kind == "merak.energy.solver" != compiled_kind
+    assert python == compiled and len(python) > 10

@@ -22,9 +22,9 @@ import networkx as nx
 from lowtime.cost_model import ExponentialModel
 from lowtime.graph_utils import add_sink_node, add_source_node
 from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operation, OperationSpec
-from lowtime.solver import PhillipsDessouky
 
 from merak.energy.profile_data import COMPUTE, StageProfile
+from merak.energy.solver import phillips_dessouky
 from merak.pipeline.actions import Action, ActionKind, Schedule
 from merak.pipeline.simulator import simulate
 
@@ -141,9 +141,10 @@ class EnergyPlanner:
         read = lambda: {key_of[n]: dag.nodes[n]["op"].assigned_knob for n in key_of}
         plans = [read()]
         logging.getLogger("lowtime").setLevel(logging.WARNING)
-        for _ in PhillipsDessouky(dag).run():
+        for _ in phillips_dessouky()(dag).run():
             plans.append(read())
         plans.append(self.max_clock_plan())
+        plans.append(self.fit(plans[-2], self.evaluate(plans[-1])[0]))
         points, seen = [], set()
         for plan in plans:
             signature = tuple(sorted((s, str(a), f) for (s, a), f in plan.items()))
@@ -151,6 +152,27 @@ class EnergyPlanner:
                 seen.add(signature)
                 points.append(FrontierPoint(*self.evaluate(plan), plan))
         return sorted(points, key=lambda p: (p.time_s, p.energy_j))
+
+    def fit(self, plan: Plan, limit: float) -> Plan:
+        """`plan` with the instructions of its critical path raised to the highest clock until
+        it takes at most `limit` seconds. The solver's fastest point can overshoot the all-max
+        time by a few time units (each instruction's time is rounded down to whole units)."""
+        plan = dict(plan)
+        dag, key_of = self._dag()
+        while self.evaluate(plan)[0] > limit * (1 + 1e-12):
+            for u, v in dag.edges:
+                dag.edges[u, v]["weight"] = (self.option(*key_of[u], plan[key_of[u]])[0]
+                                             if u in key_of else 0.0)
+            raised = False
+            for node in nx.dag_longest_path(dag, weight="weight"):
+                if node in key_of:
+                    stage, action = key_of[node]
+                    top = max(self.profiles[stage].options[action.kind.value])
+                    raised |= plan[(stage, action)] != top
+                    plan[(stage, action)] = top
+            if not raised:  # the critical path is at max clocks already
+                break
+        return plan
 
     @staticmethod
     def choose(points: list[FrontierPoint], baseline_time: float,
