@@ -192,7 +192,7 @@ print(json.dumps([lowtime.solver._lowtime_rs.PhillipsDessouky.__module__,
 
 
 def test_python_min_cut_fallback_gives_the_same_frontier():
-    run = lambda mode: json.loads(subprocess.run(  # noqa: E731
+    run = lambda mode: json.loads(subprocess.run(
         [sys.executable, "-c", _FRONTIER, mode], capture_output=True, text=True,
         check=True).stdout)
     (compiled_kind, compiled), (python_kind, python) = run("compiled"), run("python")
