@@ -87,6 +87,25 @@ def test_a_parameter_repointed_to_a_copy_keeps_its_recorded_value():
     torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=0)
 
 
+class _Reinitialized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(16))
+        fresh = self.bias.data.clone()
+        nn.init.normal_(fresh)  # the copy gets its own values before the parameter takes it
+        self.bias.data = fresh
+
+
+def test_a_parameter_repointed_to_a_rewritten_copy_takes_the_new_values():
+    torch.manual_seed(0)
+    reference = _Reinitialized()
+    torch.manual_seed(0)
+    with init_empty_weights():
+        model = _Reinitialized()
+    materialize_(model)
+    torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=0)
+
+
 def test_a_parameter_repointed_to_unknown_values_is_named():
     with init_empty_weights():
         model = _Repointed(unrelated=True)

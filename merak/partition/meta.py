@@ -77,6 +77,7 @@ class InitRecord:
     copies: dict[int, int] = field(default_factory=dict, repr=False)
     # storage a parameter was re-pointed to (`param.data = param.data.clone()`) -> its first one
     aliases: dict[int, int] = field(default_factory=dict, repr=False)
+    written: set[int] = field(default_factory=set, repr=False)  # keys some op wrote
 
     def key(self, tensor: torch.Tensor) -> int:
         """The storage key under which the writes to `tensor`'s parameter are recorded."""
@@ -132,6 +133,7 @@ class _Recorder(TorchDispatchMode):
             key = view = None
             if writes_meta:
                 key = self.record.key(target)
+                self.record.written.add(key)
                 view = (tuple(target.shape), tuple(target.stride()), target.storage_offset(),
                         target.dtype)
                 self.record.keepalive.append(target.untyped_storage())
@@ -163,7 +165,9 @@ def _track_data_assignments(record: InitRecord) -> Callable[[], None]:
     def set_data(param: nn.Parameter, new: torch.Tensor) -> None:
         if param.is_meta and isinstance(new, torch.Tensor) and new.is_meta:
             fresh, old = _storage_key(new), record.key(param)
-            if fresh != _storage_key(param) and record.copies.get(fresh) == old:
+            # a copy written since (e.g. re-initialized) keeps its own record instead
+            if (fresh != _storage_key(param) and record.copies.get(fresh) == old
+                    and fresh not in record.written):
                 record.aliases[fresh] = old
         data.__set__(param, new)
 
