@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 from merak.energy.gpu import GPUControl
 from merak.energy.plan_file import PlanError
+from merak.energy.profile_data import COMPUTE
 from merak.pipeline.actions import Action
 from merak.pipeline.hooks import InstructionHook
-
-COMPUTE = ("forward", "backward")
 
 
 @dataclass

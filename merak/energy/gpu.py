@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -95,7 +96,8 @@ class SimulatedGPU(GPUControl):
     """A GPU following `model`, timed on the wall clock (see the module docstring)."""
 
     def __init__(self, model: SyntheticGPUModel | None = None, num_stages: int = 1,
-                 clock: time.perf_counter = time.perf_counter, sleep=time.sleep):
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
         self.model = model or SyntheticGPUModel()
         self.num_stages = num_stages
         self._now, self._sleep = clock, sleep

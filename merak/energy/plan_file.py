@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from merak.pipeline.actions import ActionKind, Schedule
+from merak.pipeline.actions import COMPUTE_KINDS, Schedule
 
 
 class PlanError(ValueError):
@@ -44,7 +44,7 @@ def load_plan(path: str | Path) -> dict:
 def expected_instructions(schedule: Schedule, stage_id: int) -> list[str]:
     """The compute instructions stage `stage_id` runs per step, in order."""
     return [a.kind.value for a in schedule[stage_id]
-            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+            if a.kind in COMPUTE_KINDS]
 
 
 def check_plan(schedules: list[dict], world_size: int, stage_of_rank, schedule: Schedule,

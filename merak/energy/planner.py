@@ -25,7 +25,7 @@ from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operat
 
 from merak.energy.profile_data import COMPUTE, StageProfile
 from merak.energy.solver import phillips_dessouky
-from merak.pipeline.actions import Action, ActionKind, Schedule
+from merak.pipeline.actions import COMPUTE_KINDS, Action, ActionKind, Schedule
 from merak.pipeline.simulator import simulate
 
 Plan = dict[tuple[int, Action], int]  # (stage, compute action) -> MHz
@@ -71,7 +71,7 @@ class EnergyPlanner:
                        for p in profiles for opts in p.options.values())
         self.unit_time = unit_time or min(1e-3, shortest / 20)
         self.compute = [(s, a) for s, actions in enumerate(schedule) for a in actions
-                        if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+                        if a.kind in COMPUTE_KINDS]
 
     # -- exact scoring ------------------------------------------------------------------------
     def option(self, stage: int, action: Action, mhz: int) -> tuple[float, float]:
@@ -112,10 +112,12 @@ class EnergyPlanner:
         return specs
 
     def _dag(self) -> tuple[nx.DiGraph, dict[int, tuple[int, Action]]]:
-        specs = self._specs()
+        """The instruction DAG (nodes 1.. are compute actions, 0 and the last are the source
+        and sink) and node -> (stage, action); the solver's operations are added by the
+        caller."""
         dag, node_of, key_of = nx.DiGraph(), {}, {}
         for node, (stage, action) in enumerate(self.compute, start=1):
-            dag.add_node(node, op=Operation(spec=specs[(stage, action.kind.value)]))
+            dag.add_node(node)
             node_of[(stage, action)] = node
             key_of[node] = (stage, action)
         for stage, actions in enumerate(self.schedule):  # program order within a stage
@@ -138,6 +140,9 @@ class EnergyPlanner:
         """Every point the solver visits (slowest to fastest) and the all-max-clock plan,
         each scored exactly; sorted by time."""
         dag, key_of = self._dag()
+        specs = self._specs()
+        for node, (stage, action) in key_of.items():
+            dag.nodes[node]["op"] = Operation(spec=specs[(stage, action.kind.value)])
         read = lambda: {key_of[n]: dag.nodes[n]["op"].assigned_knob for n in key_of}
         plans = [read()]
         logging.getLogger("lowtime").setLevel(logging.WARNING)
