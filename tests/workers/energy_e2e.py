@@ -31,24 +31,32 @@ def _engine(stage, ctx, hooks):
                                      lend_idle_cores=False)
 
 
-def _measure(stage, ctx, gpu, frequencies, steps: int = 3) -> tuple[float, float]:
-    """Median over `steps` (after a warm-up step) of (iteration time, energy of every GPU), each
-    step between barriers so that every GPU's idle time until the slowest stage finishes is
-    counted. The median keeps one step that the 2-core machine delayed out of the figure."""
-    engine = _engine(stage, ctx, [ClockPlanHook(gpu, frequencies, ctx.stage_id)])
-    engine.train_step(batch("mlp", 0, ROWS * MICROBATCHES))
-    measured = []
-    for step in range(steps):
-        dist.barrier()
-        start, energy = time.perf_counter(), gpu.energy_j()
-        engine.train_step(batch("mlp", step, ROWS * MICROBATCHES))
-        dist.barrier()
-        measured.append([time.perf_counter() - start, gpu.energy_j() - energy])
-    local = torch.tensor(measured, dtype=torch.float64)
-    times, energies = local[:, 0].clone(), local[:, 1].clone()
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.all_reduce(energies)
-    return times.median().item(), energies.median().item()
+def _measure(stage, ctx, gpu, plans: dict, rounds: int = 4) -> dict:
+    """(iteration time, energy of every GPU) of each plan: the minimum over `rounds` steps, after
+    a warm-up step, each step between barriers so that every GPU's idle time until the slowest
+    stage finishes is counted. The plans take turns step by step, so a slow spell of the 2-core
+    machine hits all of them alike; the minimum drops the steps it delayed (a delay only ever
+    adds time and idle energy to a simulated GPU, never removes any)."""
+    engines = {name: _engine(stage, ctx, [ClockPlanHook(gpu, frequencies, ctx.stage_id)])
+               for name, frequencies in plans.items()}
+    for engine in engines.values():
+        engine.train_step(batch("mlp", 0, ROWS * MICROBATCHES))
+    measured = {name: [] for name in plans}
+    for step in range(rounds):
+        for name, engine in engines.items():
+            dist.barrier()
+            start, energy = time.perf_counter(), gpu.energy_j()
+            engine.train_step(batch("mlp", step, ROWS * MICROBATCHES))
+            dist.barrier()
+            measured[name].append([time.perf_counter() - start, gpu.energy_j() - energy])
+    result = {}
+    for name, values in measured.items():
+        local = torch.tensor(values, dtype=torch.float64)
+        times, energies = local[:, 0].clone(), local[:, 1].clone()
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        dist.all_reduce(energies)
+        result[name] = (times.min().item(), energies.min().item())
+    return result
 
 
 def end_to_end() -> None:
@@ -72,8 +80,8 @@ def end_to_end() -> None:
     plan = check_plan(planner.schedules(chosen.plan), ctx.world_size, lambda r: r, schedule,
                       gpu.supported_clocks())
 
-    measured_base = _measure(stage, ctx, gpu, None)
-    measured_plan = _measure(stage, ctx, gpu, plan[ctx.rank])
+    measured = _measure(stage, ctx, gpu, {"all-max": None, "plan": plan[ctx.rank]})
+    measured_base, measured_plan = measured["all-max"], measured["plan"]
     report = {"profiled_clocks": len({r.frequency for r in rows if r.instruction == "forward"}),
               "p2p_power": p2p_power,
               "predicted_base": [base_time, base_energy], "measured_base": measured_base,
