@@ -1,5 +1,6 @@
-"""`merak energy ...`: plan GPU clocks from a profile (and, later in the series, profile,
-serve and report)."""
+"""`merak energy ...`: plan GPU clocks from a profile, serve plans to training jobs over the
+Perseus protocol, and report a run's energy against the all-max-clock baseline. (Profiling is a
+MerakTrainer mode: `MerakArguments(energy_gpu=..., energy_profile="profile.csv")`.)"""
 
 from __future__ import annotations
 
@@ -34,6 +35,29 @@ def add_energy(subparsers) -> None:
     plan.add_argument("--out", default="plan.json")
     plan.set_defaults(run=_plan)
 
+    serve = commands.add_parser(
+        "serve", help="serve plans to training jobs (Perseus / Zeus PFO protocol)",
+        description="A Perseus server: training jobs (MerakArguments.pfo_server_url, or Zeus's "
+                    "client) register and fetch each rank's clock schedule from the plan that "
+                    "fits their world size and pipeline degree, and report their steps back.")
+    serve.add_argument("--plan", action="append", required=True,
+                       help="a `merak energy plan` JSON (repeat for several job shapes)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7787)
+    serve.add_argument("--results-dir", default=None,
+                       help="append every reported step window here, one JSON line per report")
+    serve.set_defaults(run=_serve)
+
+    report = commands.add_parser(
+        "report", help="a run's time and energy per step against all max clocks",
+        description="Compare the energy_steps.csv that MerakTrainer writes (with energy_gpu "
+                    "set) against an all-max-clock run, or the baseline a plan predicted.")
+    report.add_argument("run_steps", metavar="run", help="the run's energy_steps.csv")
+    report.add_argument("--baseline", help="an all-max-clock run's energy_steps.csv")
+    report.add_argument("--plan", help="the plan the run used (adds its prediction)")
+    report.add_argument("--skip", type=int, default=1, help="warm-up steps to leave out")
+    report.set_defaults(run=_report)
+
 
 def _plan(args: argparse.Namespace) -> int:
     from merak.energy.plan_file import save_plan
@@ -65,6 +89,27 @@ def _plan(args: argparse.Namespace) -> int:
           f"({chosen.time_s / base_time - 1:+.2%} time, {1 - chosen.energy_j / base_energy:.2%} "
           f"energy saved)")
     print(f"frontier         {len(points)} points in {took:.1f} s; plan {out}, picture {png}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from merak.energy.pfo_server import serve
+
+    serve(args.plan, args.host, args.port, args.results_dir)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from merak.energy.plan_file import load_plan
+    from merak.energy.report import report, summarize
+
+    try:
+        lines = report(summarize(args.run_steps, args.skip),
+                       summarize(args.baseline, args.skip) if args.baseline else None,
+                       load_plan(args.plan) if args.plan else None)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"merak energy report: {error}") from None
+    print("\n".join(lines))
     return 0
 
 

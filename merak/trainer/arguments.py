@@ -141,10 +141,23 @@ class MerakArguments(TrainingArguments):
     # ---- LoRA
     lora_config: str | None = field(default=None, metadata={"help": "peft LoRA config (JSON)"})
     adapter_name: str = field(default="default", metadata={"help": "peft adapter name"})
+    # ---- energy (Perseus)
+    energy_gpu: str | None = field(default=None, metadata={
+        "help": "GPU clock control and energy counter: 'nvml' (NVIDIA GPUs) or 'simulated' "
+                "(the synthetic GPU model, for CPU machines); measures every step's time and "
+                "energy (output_dir/energy_steps.csv) and is needed by the options below"})
+    simulated_gpu: str | None = field(default=None, metadata={
+        "help": "JSON overrides of the simulated GPU model, e.g. "
+                "'{\"forward_s\": 0.01, \"clock_step\": 90}' (merak.energy.gpu."
+                "SyntheticGPUModel)"})
+    energy_profile: str | None = field(default=None, metadata={
+        "help": "profile mode: train() measures every compute instruction at each GPU clock, "
+                "writes this CSV (for `merak energy plan`) and returns"})
     energy_plan: str | None = field(default=None, metadata={
         "help": "a `merak energy plan` JSON: per-instruction GPU clocks for every rank"})
     pfo_server_url: str | None = field(default=None, metadata={
-        "help": "a Perseus (Zeus PFO) server to fetch the energy plan from"})
+        "help": "a Perseus (Zeus PFO) server to fetch the energy plan from, e.g. "
+                "http://127.0.0.1:7787 (`merak energy serve`)"})
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -172,6 +185,7 @@ class MerakArguments(TrainingArguments):
                      "hysteresis"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
+        self._check_energy()
         if self.eval_iters is not None and self.eval_iters < 1:
             raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
                              f"{self.eval_iters}")
@@ -181,6 +195,22 @@ class MerakArguments(TrainingArguments):
         if self.sequence_dim not in (0, 1):
             raise ValueError(f"MerakArguments.sequence_dim must be 0 or 1, got "
                              f"{self.sequence_dim}")
+
+    def _check_energy(self) -> None:
+        if self.energy_gpu not in (None, "nvml", "simulated"):
+            raise ValueError(f"MerakArguments.energy_gpu={self.energy_gpu!r} is not one of "
+                             f"[None, 'nvml', 'simulated']")
+        wanted = [name for name in ("energy_profile", "energy_plan", "pfo_server_url")
+                  if getattr(self, name)]
+        if wanted and self.energy_gpu is None:
+            raise ValueError(f"MerakArguments.{wanted[0]} needs a GPU to control: set "
+                             f"energy_gpu='nvml' (NVIDIA GPUs) or 'simulated' (CPU machines)")
+        if len(wanted) > 1:
+            raise ValueError(f"MerakArguments: choose one of {wanted} (profile first, then train "
+                             f"with a plan from a file or from a Perseus server)")
+        if self.simulated_gpu is not None and self.energy_gpu != "simulated":
+            raise ValueError("MerakArguments.simulated_gpu only applies with "
+                             "energy_gpu='simulated'")
 
     def _check_not_landed(self) -> None:
         later = {
@@ -195,9 +225,6 @@ class MerakArguments(TrainingArguments):
             "out_seq_length": "pipelined text generation",
             "temperature": "pipelined text generation",
             "lora_config": "LoRA through peft", "adapter_name": "LoRA through peft",
-            "energy_plan": "deploying an energy plan from MerakTrainer (the interpreter takes "
-                           "merak.energy.deploy.ClockPlanHook today)",
-            "pfo_server_url": "fetching energy plans from a Perseus server",
         }
         own = {f.name: f for f in dataclasses.fields(MerakArguments)}
         for name, feature in later.items():

@@ -114,6 +114,13 @@ class MerakTrainer(Trainer):
         if args.zero_stage == 1:
             self.optimizer = zero1(self.optimizer, self.ctx)
         hooks = [self.clipper] + ([self.timers] if self.timers else [])
+        self.energy = None
+        if args.energy_gpu:
+            from merak.energy.session import TrainerEnergy
+
+            self.energy = TrainerEnergy(args, self.ctx, args.gradient_accumulation_steps)
+            if not args.energy_profile:  # the profiler brings its own hook
+                hooks.append(self.energy.hook)
         self.engine = PipelineInterpreter(
             self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
             schedule=args.train_schedule, hooks=hooks,
@@ -165,6 +172,8 @@ class MerakTrainer(Trainer):
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
         first_epoch, skip = divmod(self.state.global_step, steps_per_epoch)
+        if args.energy_profile:
+            return self._profile_energy(data)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         tokens_per_step = None
         logged_loss, logged_steps, logged_time, total_loss = 0.0, 0, time.perf_counter(), 0.0
@@ -180,6 +189,8 @@ class MerakTrainer(Trainer):
                     tokens_per_step = batch["input_ids"].numel() * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
                 loss = self.engine.train_step(batch)
+                if self.energy is not None:
+                    self.energy.step_done(self.state.global_step + 1)
                 skipped = self.scaler is not None and self.scaler.overflowed
                 if not skipped:  # a step skipped on fp16 overflow leaves the schedule alone
                     self.lr_scheduler.step()
@@ -200,6 +211,8 @@ class MerakTrainer(Trainer):
                             tokens_per_step * logged_steps / elapsed, 1)
                     if self.timers:
                         logs.update(self.timers.averages())
+                    if self.energy is not None:
+                        logs.update(self.energy.log_window())
                     if self.scaler is not None:
                         logs.update(loss_scale=self.scaler.scale,
                                     skipped_steps=self.scaler.skipped_steps)
@@ -216,8 +229,32 @@ class MerakTrainer(Trainer):
         metrics = {"train_runtime": round(runtime, 4),
                    "train_loss": total_loss / max(self.state.global_step, 1),
                    "train_steps_per_second": round(self.state.global_step / runtime, 3)}
+        if self.energy is not None:
+            self.energy.close()
+            path = self.energy.write_steps(args.output_dir)
+            if path is not None:
+                print(f"energy per step: {path} (compare runs with `merak energy report`)")
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _profile_energy(self, data: StageBatches) -> TrainOutput:
+        """Profile mode (`energy_profile`): training steps at each GPU clock, then the CSV."""
+        def batches():
+            for epoch in range(1_000_000):
+                yield from data.epoch(epoch)
+
+        stream = batches()
+        start = time.perf_counter()
+        path, clocks = self.energy.profile(self.engine, lambda: next(stream))
+        self.energy.close()
+        metrics = {"train_runtime": round(time.perf_counter() - start, 4),
+                   "profiled_clocks": clocks}
+        if self.is_world_process_zero():
+            print(f"energy profile: {path} ({clocks} clocks); plan with `merak energy plan "
+                  f"{path} --stages {self.ctx.pp} --microbatches "
+                  f"{self.args.gradient_accumulation_steps} --schedule "
+                  f"{self.args.train_schedule}`")
+        return TrainOutput(0, float("nan"), metrics)
 
     # ---------------------------------------------------------------- checkpoints
     def _interval(self, steps: float) -> int:

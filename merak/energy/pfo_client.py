@@ -1,0 +1,117 @@
+"""The client side of the Perseus (Zeus PFO) protocol: register the job and its ranks, fetch each
+rank's FrequencySchedule, report measured steps. Works against `merak energy serve` and Zeus's
+PFO server alike.
+
+HTTP goes through the standard library (`urllib`): four JSON calls do not justify a client
+dependency on every training node.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import torch.distributed as dist
+
+from merak.energy.pfo_protocol import (
+    GET_FREQUENCY_SCHEDULE_URL,
+    REGISTER_JOB_URL,
+    REGISTER_RANK_URL,
+    REPORT_PROFILING_RESULT_URL,
+    FrequencySchedule,
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+)
+
+
+class PFOError(RuntimeError):
+    """The Perseus server could not be reached or refused a request."""
+
+
+class PFOClient:
+    def __init__(self, url: str, timeout_s: float = 30.0):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"pfo_server_url must be an http(s) URL, got {url!r}")
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+
+    def _call(self, method: str, path: str, body=None):
+        data = None if body is None else body.model_dump_json().encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode()
+            try:
+                detail = json.loads(detail).get("detail", detail)
+            except (json.JSONDecodeError, AttributeError):
+                pass
+            raise PFOError(f"the Perseus server at {self.url} refused {method} {path} "
+                           f"(HTTP {error.code}): {detail}") from None
+        except (urllib.error.URLError, OSError) as error:
+            raise PFOError(f"cannot reach the Perseus server at {self.url} ({method} {path}): "
+                           f"{getattr(error, 'reason', error)}; start one with `merak energy "
+                           f"serve --plan plan.json` or fix pfo_server_url") from None
+        return json.loads(text) if text else None
+
+    def register_job(self, info: JobInfo) -> str:
+        return self._call("POST", REGISTER_JOB_URL, info)
+
+    def register_rank(self, job_id: str, info: RankInfo) -> None:
+        self._call("POST", REGISTER_RANK_URL.format(job_id=job_id), info)
+
+    def schedule(self, job_id: str, rank: int) -> FrequencySchedule:
+        path = GET_FREQUENCY_SCHEDULE_URL.format(job_id=job_id) + f"?rank={rank}"
+        return FrequencySchedule.model_validate(self._call("GET", path))
+
+    def report(self, job_id: str, result: ProfilingResult) -> None:
+        self._call("POST", REPORT_PROFILING_RESULT_URL.format(job_id=job_id), result)
+
+
+def _all_ranks_or_raise(ctx, error: Exception | None) -> None:
+    """Raise on every rank when any rank failed, so no rank is left waiting in a collective."""
+    errors = [None] * ctx.world_size
+    dist.all_gather_object(errors, None if error is None else str(error))
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise PFOError("; ".join(f"rank {rank}: {e}" for rank, e in failed))
+
+
+def join_job(client: PFOClient, ctx, clocks: list[int], metadata: str | None = None) -> str:
+    """Register the job (rank 0) and every rank; returns the job id on every rank."""
+    job_id, error = None, None
+    if ctx.rank == 0:
+        try:
+            job_id = client.register_job(JobInfo(pp_degree=ctx.pp, dp_degree=ctx.dp,
+                                                 tp_degree=ctx.tp, world_size=ctx.world_size,
+                                                 job_metadata=metadata))
+        except PFOError as e:
+            error = e
+    _all_ranks_or_raise(ctx, error)
+    shared = [job_id]
+    dist.broadcast_object_list(shared, src=0)
+    job_id, error = shared[0], None
+    try:
+        client.register_rank(job_id, RankInfo(rank=ctx.rank, dp_rank=ctx.dp_rank,
+                                              pp_rank=ctx.stage_id, tp_rank=ctx.tp_rank,
+                                              available_frequencies=clocks))
+    except PFOError as e:
+        error = e
+    _all_ranks_or_raise(ctx, error)
+    return job_id
+
+
+def fetch_schedules(client: PFOClient, job_id: str, ctx) -> list[dict]:
+    """Every rank's schedule, on every rank (for `check_plan` to see the whole plan)."""
+    mine, error = None, None
+    try:
+        mine = client.schedule(job_id, ctx.rank).model_dump()
+    except PFOError as e:
+        error = e
+    _all_ranks_or_raise(ctx, error)
+    schedules = [None] * ctx.world_size
+    dist.all_gather_object(schedules, mine)
+    return schedules

@@ -1,0 +1,152 @@
+"""Energy in `MerakTrainer`: measure every step, profile clocks, or train under a clock plan.
+
+`TrainerEnergy` is built from `MerakArguments` (`energy_gpu`, `simulated_gpu`,
+`energy_profile`, `energy_plan`, `pfo_server_url`):
+
+- always: one `ClockPlanHook` per rank measures each step's time and GPU energy; the trainer
+  logs their means and rank 0 writes ``output_dir/energy_steps.csv`` (iteration time: the
+  slowest rank; energy: every GPU), which `merak energy report` compares with a baseline;
+- `energy_profile`: `profile()` runs the clock profiler over training steps and writes its CSV;
+- `energy_plan` / `pfo_server_url`: the hook follows the plan, checked against this job before
+  the first step; with a Perseus server each window of logged steps is reported back and the
+  next schedule fetched (a Zeus server may hand out a new one).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from merak.energy.deploy import ClockPlanHook
+from merak.energy.gpu import GPUControl, NVMLGPU, SimulatedGPU, SyntheticGPUModel
+from merak.energy.plan_file import check_plan, load_plan
+from merak.pipeline.schedules import make_schedule
+
+STEPS_FILE = "energy_steps.csv"
+
+
+def make_gpu(kind: str, simulated: str | None, num_stages: int) -> GPUControl:
+    """The `energy_gpu` backend of this rank."""
+    if kind == "nvml":
+        if not torch.cuda.is_available():
+            raise RuntimeError("energy_gpu='nvml' needs a CUDA GPU; on a CPU machine use "
+                               "energy_gpu='simulated'")
+        return NVMLGPU(torch.cuda.current_device())
+    overrides = {}
+    if simulated:
+        try:
+            overrides = json.loads(simulated)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"simulated_gpu is not JSON ({error}): {simulated!r}") from None
+        known = {f.name for f in dataclasses.fields(SyntheticGPUModel)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"simulated_gpu sets unknown fields {unknown}; the model has "
+                             f"{sorted(known)}")
+    return SimulatedGPU(SyntheticGPUModel(**overrides), num_stages=num_stages)
+
+
+class TrainerEnergy:
+    def __init__(self, args, ctx, num_microbatches: int):
+        self.args, self.ctx = args, ctx
+        self.gpu = make_gpu(args.energy_gpu, args.simulated_gpu, ctx.pp)
+        self.schedule = make_schedule(args.train_schedule, ctx.pp, num_microbatches)
+        self.source = "all-max"
+        self.client = self.job_id = None
+        frequencies = None
+        if args.energy_plan:
+            frequencies = self._check(load_plan(args.energy_plan)["schedules"])
+            self.source = args.energy_plan
+        elif args.pfo_server_url:
+            from merak.energy.pfo_client import PFOClient, join_job
+
+            self.client = PFOClient(args.pfo_server_url)
+            self.job_id = join_job(self.client, ctx, self.gpu.supported_clocks(),
+                                   metadata=Path(args.output_dir).name)
+            frequencies = self._fetch()
+            self.source = f"{args.pfo_server_url} job {self.job_id}"
+        self.hook = ClockPlanHook(self.gpu, frequencies, ctx.stage_id)
+        self.steps: list[tuple[int, float, float]] = []  # (step, time of the slowest, all GPUs)
+        self._window: list[tuple[float, float]] = []     # this rank's own, since the last log
+
+    def _check(self, schedules: list[dict]) -> list[tuple[str, int]]:
+        ranks_per_stage = self.ctx.dp * self.ctx.tp
+        by_rank = check_plan(schedules, self.ctx.world_size, lambda r: r // ranks_per_stage,
+                             self.schedule, self.gpu.supported_clocks())
+        return by_rank[self.ctx.rank]
+
+    def _fetch(self) -> list[tuple[str, int]]:
+        from merak.energy.pfo_client import fetch_schedules
+
+        return self._check(fetch_schedules(self.client, self.job_id, self.ctx))
+
+    # ---------------------------------------------------------------- profile mode
+    def profile(self, engine, next_batch: Callable[[], dict]) -> tuple[Path, int]:
+        """Profile every clock over training steps; rank 0 writes `energy_profile`. Returns the
+        CSV path and the number of clocks profiled."""
+        from merak.energy.profile_data import write_profile
+        from merak.energy.profiler import ClockProfiler, profile_clocks
+
+        profiler = ClockProfiler(self.gpu, self.ctx.stage_id)
+        engine.hooks.append(profiler)
+        try:
+            rows = profile_clocks(lambda: engine.train_step(next_batch()), profiler, self.ctx)
+        finally:
+            engine.hooks.remove(profiler)
+        path = Path(self.args.energy_profile)
+        if self.ctx.rank == 0:
+            write_profile(rows, path)
+        return path, len({r.frequency for r in rows if r.instruction == "forward"})
+
+    # ---------------------------------------------------------------- training
+    def step_done(self, step: int) -> None:
+        """Record the step the hook just measured (a collective: every rank calls it)."""
+        mine = self.hook.steps[-1]
+        self._window.append((mine.time_s, mine.energy_j))
+        parts = [torch.zeros(2, dtype=torch.float64) for _ in range(self.ctx.world_size)]
+        dist.all_gather(parts, torch.tensor([mine.time_s, mine.energy_j], dtype=torch.float64))
+        every = torch.stack(parts)
+        self.steps.append((step, every[:, 0].max().item(), every[:, 1].sum().item()))
+
+    def log_window(self) -> dict[str, float]:
+        """Means over the steps since the last log; reports them to the Perseus server."""
+        if not self._window:
+            return {}
+        count = len(self._window)
+        recent = self.steps[-count:]
+        logs = {"step_time_s": round(sum(t for _, t, _ in recent) / count, 4),
+                "step_energy_j": round(sum(e for _, _, e in recent) / count, 2)}
+        if self.client is not None:
+            from merak.energy.pfo_client import PFOError, ProfilingResult
+
+            try:
+                self.client.report(self.job_id, ProfilingResult(
+                    rank=self.ctx.rank, iter_time=[t for t, _ in self._window],
+                    iter_energy=[e for _, e in self._window]))
+            except PFOError as error:  # a lost report costs no training; say so and go on
+                print(f"rank {self.ctx.rank}: {error}")
+            self.hook.frequencies = self._fetch()
+        self._window = []
+        return logs
+
+    def write_steps(self, output_dir: str) -> Path | None:
+        """Rank 0 writes every measured step as ``output_dir/energy_steps.csv``."""
+        if self.ctx.rank != 0:
+            return None
+        path = Path(output_dir) / STEPS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", "time_s", "energy_j", "clocks"])
+            for step, time_s, energy_j in self.steps:
+                writer.writerow([step, f"{time_s:.6f}", f"{energy_j:.4f}", self.source])
+        return path
+
+    def close(self) -> None:
+        self.gpu.reset_clock()

@@ -1,0 +1,117 @@
+"""The Perseus protocol through real HTTP on 127.0.0.1 (our client, our `merak energy serve`),
+MerakTrainer's energy modes on 2 gloo ranks (profile, plan from a file, plan from the server,
+malformed plans refused before the first step), and `merak energy report`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dist_harness import check, launch
+
+from merak.energy.gpu import SyntheticGPUModel
+from merak.energy.pfo_client import PFOClient, PFOError
+from merak.energy.pfo_protocol import JobInfo, ProfilingResult, RankInfo
+from merak.energy.pfo_server import PlanRegistry, ServerThread
+from merak.energy.report import report, summarize
+
+CLOCKS = SyntheticGPUModel().clocks()
+
+
+def _plan(ranks: int = 2, stages: int = 2) -> dict:
+    schedules = [{"rank": r, "frequencies": [["forward", 1410], ["backward", 1215]]}
+                 for r in range(ranks)]
+    return {"predicted": {"time_s": 1.0, "energy_j": 90.0},
+            "baseline": {"time_s": 1.0, "energy_j": 100.0},
+            "meta": {"stages": stages}, "schedules": schedules}
+
+
+def _rank(rank: int, clocks=CLOCKS) -> RankInfo:
+    return RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=clocks)
+
+
+def test_client_and_server_speak_the_protocol_over_http(tmp_path):
+    registry = PlanRegistry([_plan()], results_dir=tmp_path)
+    with ServerThread(registry) as server:
+        client = PFOClient(server.url)
+        job = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2,
+                                          job_metadata="test"))
+        assert "+pp2+" in job and job.endswith("+test")
+        for rank in range(2):
+            client.register_rank(job, _rank(rank))
+        schedule = client.schedule(job, 1)
+        assert schedule.rank == 1
+        assert schedule.frequencies == [("forward", 1410), ("backward", 1215)]
+        client.report(job, ProfilingResult(rank=1, iter_time=[1.0, 1.1],
+                                           iter_energy=[90.0, 91.0]))
+        assert registry.jobs[job].results[0].iter_energy == [90.0, 91.0]
+        lines = (tmp_path / f"{job}.jsonl").read_text().splitlines()
+        assert json.loads(lines[0])["iter_time"] == [1.0, 1.1]
+        info = json.loads(__import__("urllib.request").request.urlopen(server.url + "/info")
+                          .read())
+        assert info["jobs"] == [job] and info["plans"][0]["ranks"] == 2
+
+
+def test_server_refuses_what_does_not_fit_with_clear_errors():
+    with ServerThread(PlanRegistry([_plan()])) as server:
+        client = PFOClient(server.url)
+        with pytest.raises(PFOError, match=r"no served plan fits a job of 4 ranks"):
+            client.register_job(JobInfo(pp_degree=4, dp_degree=1, tp_degree=1, world_size=4))
+        job = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        with pytest.raises(PFOError, match=r"HTTP 404.*unknown job 'nope'"):
+            client.register_rank("nope", _rank(0))
+        with pytest.raises(PFOError, match=r"rank 5 is outside job"):
+            client.register_rank(job, _rank(5))
+        with pytest.raises(PFOError, match=r"1215\] MHz, which its GPU does not support"):
+            client.register_rank(job, _rank(0, clocks=[1410, 1395]))
+        with pytest.raises(PFOError, match=r"rank 1 of job .* is not registered"):
+            client.schedule(job, 1)
+    with pytest.raises(ValueError, match=r"world_size 3 is not pp x dp x tp"):
+        JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=3)
+
+
+def test_client_names_an_unreachable_server():
+    with ServerThread(PlanRegistry([_plan()])) as server:
+        url = server.url
+    with pytest.raises(PFOError, match=r"cannot reach the Perseus server at .*merak energy serve"):
+        PFOClient(url, timeout_s=5).register_job(
+            JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+    with pytest.raises(ValueError, match="must be an http"):
+        PFOClient("127.0.0.1:7787")
+
+
+def test_report_against_a_measured_or_predicted_baseline(tmp_path):
+    def steps(name, rows):
+        path = tmp_path / name
+        path.write_text("step,time_s,energy_j,clocks\n" + "".join(
+            f"{i + 1},{t},{e},x\n" for i, (t, e) in enumerate(rows)))
+        return path
+
+    run = summarize(steps("run.csv", [(9.0, 999.0), (1.01, 90.0), (1.0, 91.0), (1.02, 89.0)]))
+    assert (run.steps, run.time_s, run.energy_j) == (3, 1.01, 90.0)  # warm-up step left out
+    base = summarize(steps("base.csv", [(9.0, 999.0), (1.0, 100.0), (1.0, 100.0)]))
+    text = "\n".join(report(run, base, _plan()))
+    assert "10.00% energy saved, +1.00% time" in text
+    assert "measured vs predicted: time +1.00%, energy +0.00%" in text
+    assert "all-max (predicted)" in "\n".join(report(run, None, _plan()))
+    with pytest.raises(ValueError, match="nothing to compare with"):
+        report(run, None, None)
+    cli = subprocess.run([sys.executable, "-m", "merak", "energy", "report",
+                          str(tmp_path / "run.csv"), "--baseline", str(tmp_path / "base.csv")],
+                         capture_output=True, text=True, check=False)
+    assert cli.returncode == 0 and "10.00% energy saved" in cli.stdout, cli.stderr
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer-energy")
+    return out, *launch("trainer_energy.py", 2, out)
+
+
+@pytest.mark.parametrize("scenario", ["profile-then-plan-from-a-file", "plan-from-a-server",
+                                      "malformed-plans-stop-before-training"])
+def test_trainer_energy_modes(trainer_runs, scenario):
+    _, results, output = trainer_runs
+    check(results, output, scenario)
