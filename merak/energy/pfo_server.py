@@ -172,7 +172,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]}, daemon=True)
 
-    def __enter__(self) -> ServerThread:
+    def __enter__(self):
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:

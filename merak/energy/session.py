@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from merak.energy.deploy import ClockPlanHook
-from merak.energy.gpu import GPUControl, NVMLGPU, SimulatedGPU, SyntheticGPUModel
+from merak.energy.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel
 from merak.energy.plan_file import check_plan, load_plan
 from merak.pipeline.schedules import make_schedule
 
