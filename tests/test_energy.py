@@ -61,6 +61,21 @@ def test_slowdown_cap_and_target_time(reference):
         planner.choose(points, base_time, target_time=1.0)
 
 
+def test_planner_times_equal_the_simulator(reference):
+    planner, _, points = reference
+    for point in points[:: max(1, len(points) // 12)]:
+        assert point.time_s == pytest.approx(planner.simulated(point.plan), rel=1e-12)
+
+
+def test_coarse_to_fine_keeps_the_default_plan(reference):
+    planner, (base_time, base_energy), points = reference
+    fine = planner.choose(points, base_time)
+    quick = planner.choose(planner.frontier(coarse=4, window=6), base_time)
+    assert quick.time_s <= base_time * (1 + 1e-9)
+    assert 1 - quick.energy_j / base_energy >= 1 - fine.energy_j / base_energy - 5e-4
+    assert planner.coarse_factor(100) == 4  # 40 ms forwards span >= 10 units of 1 ms
+
+
 def test_profile_round_trip_and_cleaning(tmp_path):
     rows = synthetic_profile(SyntheticGPUModel(clock_step=90), 2, gpus_per_stage=2)
     path = write_profile(rows, tmp_path / "p.csv")
@@ -184,17 +199,21 @@ from merak.energy.planner import EnergyPlanner
 from merak.energy.profile_data import aggregate, synthetic_profile
 from merak.pipeline.schedules import make_schedule
 profiles, p2p = aggregate(synthetic_profile(SyntheticGPUModel(clock_step=90), 2))
-points = EnergyPlanner(make_schedule("1f1b", 2, 3), profiles, p2p).frontier()
+planner = EnergyPlanner(make_schedule("1f1b", 2, 3), profiles, p2p)
+planner.fast = sys.argv[1] != "lowtime"  # lowtime's own critical DAGs
+points = planner.frontier()
 import lowtime.solver
 print(json.dumps([lowtime.solver._lowtime_rs.PhillipsDessouky.__module__,
                   [[p.time_s, p.energy_j] for p in points]]))
 """
 
 
-def test_python_min_cut_fallback_gives_the_same_frontier():
+def test_fallbacks_and_fast_critical_dags_give_the_same_frontier():
     run = lambda mode: json.loads(subprocess.run(
         [sys.executable, "-c", _FRONTIER, mode], capture_output=True, text=True,
         check=True).stdout)
     (compiled_kind, compiled), (python_kind, python) = run("compiled"), run("python")
     assert python_kind == "merak.energy.solver" != compiled_kind
     assert python == compiled and len(python) > 10
+    _, lowtime_own = run("lowtime")  # our CriticalDAG changes the speed, not the frontier
+    assert lowtime_own == compiled

@@ -115,3 +115,16 @@ def trainer_runs(tmp_path_factory):
 def test_trainer_energy_modes(trainer_runs, scenario):
     _, results, output = trainer_runs
     check(results, output, scenario)
+
+
+def test_energy_gpu_choices_are_checked():
+    from merak.energy.session import make_gpu
+
+    gpu = make_gpu("simulated", '{"forward_s": 0.01, "clock_step": 90}', num_stages=2)
+    assert gpu.supported_clocks()[:2] == [1410, 1320] and gpu.model.forward_s == 0.01
+    with pytest.raises(ValueError, match="simulated_gpu is not JSON"):
+        make_gpu("simulated", "{forward_s: 1}", 2)
+    with pytest.raises(ValueError, match=r"unknown fields \['speed'\]"):
+        make_gpu("simulated", '{"speed": 2}', 2)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        make_gpu("nvml", None, 2)

@@ -71,6 +71,11 @@ def test_arguments_parse_from_the_command_line():
     ({"loss_scale": 128.0}, "only applies with fp16"),
     ({"fp16": True, "bf16": True}, "choose one of fp16 and bf16"),
     ({"prescale_gradients": True, "gradient_predivide_factor": 2.0}, "do not also set"),
+    ({"energy_gpu": "amd"}, "energy_gpu='amd' is not one of"),
+    ({"energy_plan": "plan.json"}, "energy_plan needs a GPU to control: set energy_gpu"),
+    ({"energy_gpu": "simulated", "energy_plan": "p.json", "pfo_server_url": "http://x"},
+     "choose one of"),
+    ({"simulated_gpu": "{}"}, "only applies with energy_gpu='simulated'"),
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -81,7 +86,6 @@ def test_bad_values_name_the_field(kwargs, message):
     {"train_schedule": "zero_bubble"}, {"activation_checkpointing": True},
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
     {"checkpoint_num_layers": 2}, {"text_generation": True}, {"lora_config": "{}"},
-    {"energy_plan": "plan.json"}, {"pfo_server_url": "http://127.0.0.1:7787"},
     {"tp_overlapping_level": 1},
     {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},
     {"gradient_checkpointing": True}, {"torch_compile": True},
@@ -100,7 +104,8 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "sequence_parallel", "sequence_dim", "eval_iters", "zero_stage",
            "prescale_gradients", "gradient_predivide_factor", "save", "finetune", "no_save_rng",
            "no_save_optim", "no_load_rng", "no_load_optim", "loss_scale",
-           "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
+           "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+           "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url"}
 
 
 def _other_value(value):

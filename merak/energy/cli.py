@@ -32,6 +32,12 @@ def add_energy(subparsers) -> None:
                         help="minimum energy within this fractional slowdown, e.g. 0.05")
     plan.add_argument("--unit-time", type=float, default=None,
                       help="the solver's time quantum, seconds (default 1 ms or finer)")
+    plan.add_argument("--coarse", type=int, default=4,
+                      help="coarse to fine: walk the frontier at this many time units per step, "
+                           "then at one unit around the chosen point (1: the whole frontier at "
+                           "one unit, slowest)")
+    plan.add_argument("--window", type=int, default=6,
+                      help="clocks either side of the coarse plan's the fine walk may use")
     plan.add_argument("--out", default="plan.json")
     plan.set_defaults(run=_plan)
 
@@ -75,7 +81,9 @@ def _plan(args: argparse.Namespace) -> int:
                             profiles, p2p_power, unit_time=args.unit_time)
     start = time.perf_counter()
     base_time, base_energy = planner.evaluate(planner.max_clock_plan())
-    points = planner.frontier()
+    limit = args.target_time if args.target_time is not None else \
+        base_time * (1 + (args.max_slowdown or 0.0))
+    points = planner.frontier(focus_time=limit, coarse=args.coarse, window=args.window)
     chosen = planner.choose(points, base_time, args.target_time, args.max_slowdown)
     took = time.perf_counter() - start
     out = save_plan(args.out, planner.schedules(chosen.plan),

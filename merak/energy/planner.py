@@ -3,7 +3,8 @@
 The DAG is built from our own schedule generator, the very action lists the interpreter runs, so
 the plan's instruction order always matches execution. Each forward / backward is a lowtime
 `Operation` whose options are the profiled clocks of its stage. Lowtime's Phillips-Dessouky
-solver walks the frontier from the slowest plan to the fastest, one time unit per iteration;
+solver walks the frontier from the slowest plan to the fastest, one time unit per iteration
+(optionally coarse to fine: a coarse walk, then a fine one around the point that matters);
 every point is then re-timed exactly with our simulator and scored on total energy:
 
     energy = sum of instruction energies + p2p_power * sum over GPUs of their idle time
@@ -14,6 +15,7 @@ solver minimizes that total (a GPU computing draws its instruction's energy inst
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -23,8 +25,8 @@ from lowtime.cost_model import ExponentialModel
 from lowtime.graph_utils import add_sink_node, add_source_node
 from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operation, OperationSpec
 
-from merak.energy.profile_data import COMPUTE, StageProfile
-from merak.energy.solver import phillips_dessouky
+from merak.energy.profile_data import StageProfile
+from merak.energy.solver import fast_critical_dag, phillips_dessouky
 from merak.pipeline.actions import COMPUTE_KINDS, Action, ActionKind, Schedule
 from merak.pipeline.simulator import simulate
 
@@ -72,18 +74,37 @@ class EnergyPlanner:
         self.unit_time = unit_time or min(1e-3, shortest / 20)
         self.compute = [(s, a) for s, actions in enumerate(schedule) for a in actions
                         if a.kind in COMPUTE_KINDS]
+        self._order: list[tuple[tuple[int, Action], list[int]]] | None = None
+        self.fast = True  # lowtime's solver with `CriticalDAG` (False: lowtime's own, to check)
 
     # -- exact scoring ------------------------------------------------------------------------
     def option(self, stage: int, action: Action, mhz: int) -> tuple[float, float]:
         return self.profiles[stage].options[action.kind.value][mhz]
 
     def evaluate(self, plan: Plan) -> tuple[float, float]:
-        """(iteration time, total energy) of `plan`, replayed by the simulator."""
+        """(iteration time, total energy) of `plan`: the longest path through the instruction
+        DAG (what the simulator replays, without its per-action overhead: the planner scores
+        thousands of points), idle time charged at the p2p power."""
+        if self._order is None:
+            dag, key_of = self._dag()
+            nodes = [n for n in nx.topological_sort(dag) if n in key_of]
+            index = {n: i for i, n in enumerate(nodes)}
+            self._order = [(key_of[n], [index[p] for p in dag.predecessors(n) if p in index])
+                           for n in nodes]
+        finish, busy, compute = [], [0.0] * len(self.schedule), 0.0
+        for key, preds in self._order:
+            time_s, energy_j = self.option(*key, plan[key])
+            finish.append(max((finish[p] for p in preds), default=0.0) + time_s)
+            busy[key[0]] += time_s
+            compute += energy_j
+        makespan = max(finish)
+        idle = sum(g * (makespan - b) for g, b in zip(self.gpus, busy))
+        return makespan, compute + self.p2p_power * idle
+
+    def simulated(self, plan: Plan) -> float:
+        """`plan`'s iteration time replayed by the pipeline simulator (checks `evaluate`)."""
         times = {key: self.option(*key, mhz)[0] for key, mhz in plan.items()}
-        result = simulate(self.schedule, PlanCosts(times))
-        compute = sum(self.option(*key, mhz)[1] for key, mhz in plan.items())
-        idle = sum(g * (result.makespan - busy) for g, busy in zip(self.gpus, result.busy))
-        return result.makespan, compute + self.p2p_power * idle
+        return simulate(self.schedule, PlanCosts(times)).makespan
 
     def max_clock_plan(self) -> Plan:
         return {(s, a): max(self.profiles[s].options[a.kind.value]) for s, a in self.compute}
@@ -98,18 +119,23 @@ class EnergyPlanner:
         return self.evaluate(plan)
 
     # -- the frontier -------------------------------------------------------------------------
-    def _specs(self) -> dict[tuple[int, str], OperationSpec]:
-        specs = {}
-        for profile in self.profiles:
-            for instruction in COMPUTE:
-                gpus = self.gpus[profile.stage]
-                options = [ExecutionOption(real_time=t, unit_time=self.unit_time,
-                                           cost=e - self.p2p_power * gpus * t, knob=mhz)
-                           for mhz, (t, e) in profile.options[instruction].items()]
-                candidates = CandidateExecutionOptions(options=options)
-                specs[(profile.stage, instruction)] = OperationSpec(
-                    options=candidates, cost_model=ExponentialModel(candidates))
-        return specs
+    def _candidates(self, stage: int, instruction: str, clocks, unit_time: float
+                    ) -> CandidateExecutionOptions:
+        options, gpus = self.profiles[stage].options[instruction], self.gpus[stage]
+        return CandidateExecutionOptions(options=[
+            ExecutionOption(real_time=options[mhz][0], unit_time=unit_time,
+                            cost=options[mhz][1] - self.p2p_power * gpus * options[mhz][0],
+                            knob=mhz)
+            for mhz in clocks])
+
+    def _spec(self, stage: int, instruction: str, clocks: tuple[int, ...],
+              unit_time: float) -> OperationSpec:
+        """The solver's operation: `clocks` to choose from, costs fitted over all clocks (a
+        window of a few clocks is too few points to fit)."""
+        every = self._candidates(stage, instruction, self.profiles[stage].options[instruction],
+                                 unit_time)
+        return OperationSpec(options=self._candidates(stage, instruction, clocks, unit_time),
+                             cost_model=ExponentialModel(every))
 
     def _dag(self) -> tuple[nx.DiGraph, dict[int, tuple[int, Action]]]:
         """The instruction DAG (nodes 1.. are compute actions, 0 and the last are the source
@@ -136,20 +162,29 @@ class EnergyPlanner:
         dag.graph["source_node"], dag.graph["sink_node"] = source, sink
         return dag, key_of
 
-    def frontier(self) -> list[FrontierPoint]:
-        """Every point the solver visits (slowest to fastest) and the all-max-clock plan,
-        each scored exactly; sorted by time."""
+    def _walk(self, unit_time: float, windows: dict[tuple[int, Action], tuple[int, ...]] | None
+              = None) -> list[Plan]:
+        """The plans lowtime's solver visits, slowest to fastest, with time quantum `unit_time`
+        and each instruction's clocks restricted to `windows` (default: all its clocks)."""
         dag, key_of = self._dag()
-        specs = self._specs()
+        specs: dict[tuple, OperationSpec] = {}
         for node, (stage, action) in key_of.items():
-            dag.nodes[node]["op"] = Operation(spec=specs[(stage, action.kind.value)])
+            clocks = windows[(stage, action)] if windows else \
+                tuple(self.profiles[stage].options[action.kind.value])
+            key = (stage, action.kind.value, clocks)
+            if key not in specs:
+                specs[key] = self._spec(stage, action.kind.value, clocks, unit_time)
+            dag.nodes[node]["op"] = Operation(spec=specs[key])
         read = lambda: {key_of[n]: dag.nodes[n]["op"].assigned_knob for n in key_of}
         plans = [read()]
         logging.getLogger("lowtime").setLevel(logging.WARNING)
-        for _ in phillips_dessouky()(dag).run():
-            plans.append(read())
-        plans.append(self.max_clock_plan())
-        plans.append(self.fit(plans[-2], self.evaluate(plans[-1])[0]))
+        solver = phillips_dessouky()(dag)
+        with fast_critical_dag() if self.fast else contextlib.nullcontext():
+            for _ in solver.run():
+                plans.append(read())
+        return plans
+
+    def _points(self, plans: list[Plan]) -> list[FrontierPoint]:
         points, seen = [], set()
         for plan in plans:
             signature = tuple(sorted((s, str(a), f) for (s, a), f in plan.items()))
@@ -157,6 +192,42 @@ class EnergyPlanner:
                 seen.add(signature)
                 points.append(FrontierPoint(*self.evaluate(plan), plan))
         return sorted(points, key=lambda p: (p.time_s, p.energy_j))
+
+    def frontier(self, focus_time: float | None = None, coarse: int = 1,
+                 window: int = 3) -> list[FrontierPoint]:
+        """Points of the time / energy frontier (and the all-max-clock plan), each scored
+        exactly, sorted by time.
+
+        With ``coarse=1`` the solver walks the whole frontier at `unit_time`. With
+        ``coarse=k > 1`` (coarse to fine) it walks it at ``k * unit_time`` (k times fewer
+        iterations), takes the coarse plan `choose` would pick within `focus_time` (default:
+        the all-max time) and walks again at `unit_time` with each instruction limited to the
+        `window` clocks either side of its coarse clock: exact near the point that matters,
+        coarse elsewhere.
+        """
+        max_plan = self.max_clock_plan()
+        base_time = self.evaluate(max_plan)[0]
+        coarse = self.coarse_factor(coarse)
+        plans = self._walk(self.unit_time * coarse)
+        plans += [max_plan, self.fit(plans[-1], base_time)]
+        if coarse > 1:
+            rough = self.choose(self._points(plans), base_time,
+                                target_time=focus_time if focus_time is not None else base_time)
+            windows = {}
+            for stage, action in self.compute:
+                clocks = list(self.profiles[stage].options[action.kind.value])  # high to low
+                at = clocks.index(rough.plan[(stage, action)])
+                windows[(stage, action)] = tuple(clocks[max(0, at - window):at + window + 1])
+            fine = self._walk(self.unit_time, windows)
+            plans += fine + [self.fit(fine[-1], base_time)]
+        return self._points(plans)
+
+    def coarse_factor(self, wanted: int) -> int:
+        """`wanted`, capped so that the shortest instruction still spans 10 coarse units (the
+        solver fits each instruction's cost curve over its quantized times)."""
+        shortest = min(min(t for t, _ in opts.values())
+                       for p in self.profiles for opts in p.options.values())
+        return max(1, min(wanted, int(shortest / (10 * self.unit_time))))
 
     def fit(self, plan: Plan, limit: float) -> Plan:
         """`plan` with the instructions of its critical path raised to the highest clock until
