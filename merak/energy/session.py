@@ -109,9 +109,12 @@ class TrainerEnergy:
         """Record the step the hook just measured (a collective: every rank calls it)."""
         mine = self.hook.steps[-1]
         self._window.append((mine.time_s, mine.energy_j))
-        parts = [torch.zeros(2, dtype=torch.float64) for _ in range(self.ctx.world_size)]
-        dist.all_gather(parts, torch.tensor([mine.time_s, mine.energy_j], dtype=torch.float64))
-        every = torch.stack(parts)
+        device = self.ctx.device  # NCCL gathers GPU tensors
+        parts = [torch.zeros(2, dtype=torch.float64, device=device)
+                 for _ in range(self.ctx.world_size)]
+        dist.all_gather(parts, torch.tensor([mine.time_s, mine.energy_j], dtype=torch.float64,
+                                            device=device))
+        every = torch.stack(parts).cpu()
         self.steps.append((step, every[:, 0].max().item(), every[:, 1].sum().item()))
 
     def log_window(self) -> dict[str, float]:
