@@ -81,8 +81,7 @@ def _plan(args: argparse.Namespace) -> int:
                             profiles, p2p_power, unit_time=args.unit_time)
     start = time.perf_counter()
     base_time, base_energy = planner.evaluate(planner.max_clock_plan())
-    limit = args.target_time if args.target_time is not None else \
-        base_time * (1 + (args.max_slowdown or 0.0))
+    limit = planner.time_limit(base_time, args.target_time, args.max_slowdown)
     points = planner.frontier(focus_time=limit, coarse=args.coarse, window=args.window)
     chosen = planner.choose(points, base_time, args.target_time, args.max_slowdown)
     took = time.perf_counter() - start

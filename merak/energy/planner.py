@@ -69,9 +69,9 @@ class EnergyPlanner:
                              f"{len(schedule)}; profile the same pipeline you plan for")
         self.schedule, self.profiles, self.p2p_power = schedule, profiles, p2p_power
         self.gpus = [len(p.ranks) for p in profiles]
-        shortest = min(min(t for t, _ in opts.values())
-                       for p in profiles for opts in p.options.values())
-        self.unit_time = unit_time or min(1e-3, shortest / 20)
+        self.shortest_s = min(min(t for t, _ in opts.values())
+                              for p in profiles for opts in p.options.values())
+        self.unit_time = unit_time or min(1e-3, self.shortest_s / 20)
         self.compute = [(s, a) for s, actions in enumerate(schedule) for a in actions
                         if a.kind in COMPUTE_KINDS]
         self._order: list[tuple[tuple[int, Action], list[int]]] | None = None
@@ -184,14 +184,14 @@ class EnergyPlanner:
                 plans.append(read())
         return plans
 
-    def _points(self, plans: list[Plan]) -> list[FrontierPoint]:
-        points, seen = [], set()
+    def _points(self, plans: list[Plan], scored: dict[tuple, FrontierPoint]
+                ) -> list[FrontierPoint]:
+        """Every distinct plan of `scored` and `plans`, scored once (`scored` keeps them)."""
         for plan in plans:
             signature = tuple(sorted((s, str(a), f) for (s, a), f in plan.items()))
-            if signature not in seen:
-                seen.add(signature)
-                points.append(FrontierPoint(*self.evaluate(plan), plan))
-        return sorted(points, key=lambda p: (p.time_s, p.energy_j))
+            if signature not in scored:
+                scored[signature] = FrontierPoint(*self.evaluate(plan), plan)
+        return sorted(scored.values(), key=lambda p: (p.time_s, p.energy_j))
 
     def frontier(self, focus_time: float | None = None, coarse: int = 1,
                  window: int = 3) -> list[FrontierPoint]:
@@ -208,10 +208,12 @@ class EnergyPlanner:
         max_plan = self.max_clock_plan()
         base_time = self.evaluate(max_plan)[0]
         coarse = self.coarse_factor(coarse)
-        plans = self._walk(self.unit_time * coarse)
-        plans += [max_plan, self.fit(plans[-1], base_time)]
+        coarse_plans = self._walk(self.unit_time * coarse)
+        scored: dict[tuple, FrontierPoint] = {}
+        points = self._points(coarse_plans + [max_plan, self.fit(coarse_plans[-1], base_time)],
+                              scored)
         if coarse > 1:
-            rough = self.choose(self._points(plans), base_time,
+            rough = self.choose(points, base_time,
                                 target_time=focus_time if focus_time is not None else base_time)
             windows = {}
             for stage, action in self.compute:
@@ -219,15 +221,13 @@ class EnergyPlanner:
                 at = clocks.index(rough.plan[(stage, action)])
                 windows[(stage, action)] = tuple(clocks[max(0, at - window):at + window + 1])
             fine = self._walk(self.unit_time, windows)
-            plans += fine + [self.fit(fine[-1], base_time)]
-        return self._points(plans)
+            points = self._points(fine + [self.fit(fine[-1], base_time)], scored)
+        return points
 
     def coarse_factor(self, wanted: int) -> int:
         """`wanted`, capped so that the shortest instruction still spans 10 coarse units (the
         solver fits each instruction's cost curve over its quantized times)."""
-        shortest = min(min(t for t, _ in opts.values())
-                       for p in self.profiles for opts in p.options.values())
-        return max(1, min(wanted, int(shortest / (10 * self.unit_time))))
+        return max(1, min(wanted, int(self.shortest_s / (10 * self.unit_time))))
 
     def fit(self, plan: Plan, limit: float) -> Plan:
         """`plan` with the instructions of its critical path raised to the highest clock until
@@ -251,16 +251,23 @@ class EnergyPlanner:
         return plan
 
     @staticmethod
+    def time_limit(baseline_time: float, target_time: float | None = None,
+                   max_slowdown: float | None = None) -> float:
+        """The iteration time a plan may take: `target_time`, ``baseline_time * (1 +
+        max_slowdown)``, or the all-max `baseline_time` itself."""
+        if target_time is not None and max_slowdown is not None:
+            raise ValueError("give either target_time or max_slowdown, not both")
+        return (target_time if target_time is not None else
+                baseline_time * (1 + (max_slowdown or 0.0)))
+
+    @staticmethod
     def choose(points: list[FrontierPoint], baseline_time: float,
                target_time: float | None = None,
                max_slowdown: float | None = None) -> FrontierPoint:
         """The minimum-energy point within the time allowed: the all-max iteration time
         (default), `target_time` seconds (a straggler elsewhere sets the pace), or
         ``baseline_time * (1 + max_slowdown)``."""
-        if target_time is not None and max_slowdown is not None:
-            raise ValueError("give either target_time or max_slowdown, not both")
-        limit = (target_time if target_time is not None else
-                 baseline_time * (1 + (max_slowdown or 0.0)))
+        limit = EnergyPlanner.time_limit(baseline_time, target_time, max_slowdown)
         allowed = [p for p in points if p.time_s <= limit * (1 + 1e-9)]
         if not allowed:
             raise ValueError(f"no plan finishes an iteration within {limit:.4f}s; the fastest "
