@@ -71,47 +71,38 @@ class PFOClient:
         self._call("POST", REPORT_PROFILING_RESULT_URL.format(job_id=job_id), result)
 
 
-def _all_ranks_or_raise(ctx, error: Exception | None) -> None:
-    """Raise on every rank when any rank failed, so no rank is left waiting in a collective."""
+def _on_every_rank(ctx, call):
+    """`call()` on this rank; when it fails on any rank, raise on every rank, so that no rank is
+    left waiting in a collective."""
+    result, error = None, None
+    try:
+        result = call()
+    except PFOError as e:
+        error = str(e)
     errors = [None] * ctx.world_size
-    dist.all_gather_object(errors, None if error is None else str(error))
+    dist.all_gather_object(errors, error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         raise PFOError("; ".join(f"rank {rank}: {e}" for rank, e in failed))
+    return result
 
 
 def join_job(client: PFOClient, ctx, clocks: list[int], metadata: str | None = None) -> str:
     """Register the job (rank 0) and every rank; returns the job id on every rank."""
-    job_id, error = None, None
-    if ctx.rank == 0:
-        try:
-            job_id = client.register_job(JobInfo(pp_degree=ctx.pp, dp_degree=ctx.dp,
-                                                 tp_degree=ctx.tp, world_size=ctx.world_size,
-                                                 job_metadata=metadata))
-        except PFOError as e:
-            error = e
-    _all_ranks_or_raise(ctx, error)
-    shared = [job_id]
+    info = JobInfo(pp_degree=ctx.pp, dp_degree=ctx.dp, tp_degree=ctx.tp,
+                   world_size=ctx.world_size, job_metadata=metadata)
+    shared = [_on_every_rank(ctx, lambda: client.register_job(info) if ctx.rank == 0 else None)]
     dist.broadcast_object_list(shared, src=0)
-    job_id, error = shared[0], None
-    try:
-        client.register_rank(job_id, RankInfo(rank=ctx.rank, dp_rank=ctx.dp_rank,
-                                              pp_rank=ctx.stage_id, tp_rank=ctx.tp_rank,
-                                              available_frequencies=clocks))
-    except PFOError as e:
-        error = e
-    _all_ranks_or_raise(ctx, error)
+    job_id = shared[0]
+    _on_every_rank(ctx, lambda: client.register_rank(job_id, RankInfo(
+        rank=ctx.rank, dp_rank=ctx.dp_rank, pp_rank=ctx.stage_id, tp_rank=ctx.tp_rank,
+        available_frequencies=clocks)))
     return job_id
 
 
 def fetch_schedules(client: PFOClient, job_id: str, ctx) -> list[dict]:
     """Every rank's schedule, on every rank (for `check_plan` to see the whole plan)."""
-    mine, error = None, None
-    try:
-        mine = client.schedule(job_id, ctx.rank).model_dump()
-    except PFOError as e:
-        error = e
-    _all_ranks_or_raise(ctx, error)
+    mine = _on_every_rank(ctx, lambda: client.schedule(job_id, ctx.rank).model_dump())
     schedules = [None] * ctx.world_size
     dist.all_gather_object(schedules, mine)
     return schedules

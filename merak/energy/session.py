@@ -73,7 +73,7 @@ class TrainerEnergy:
             self.source = f"{args.pfo_server_url} job {self.job_id}"
         self.hook = ClockPlanHook(self.gpu, frequencies, ctx.stage_id)
         self.steps: list[tuple[int, float, float]] = []  # (step, time of the slowest, all GPUs)
-        self._window: list[tuple[float, float]] = []     # this rank's own, since the last log
+        self._window: list[tuple[int, float, float]] = []  # this rank's own, not yet gathered
 
     def _check(self, schedules: list[dict]) -> list[tuple[str, int]]:
         ranks_per_stage = self.ctx.dp * self.ctx.tp
@@ -106,40 +106,50 @@ class TrainerEnergy:
 
     # ---------------------------------------------------------------- training
     def step_done(self, step: int) -> None:
-        """Record the step the hook just measured (a collective: every rank calls it)."""
+        """Keep the step the hook just measured (this rank's own, until the next gather)."""
         mine = self.hook.steps[-1]
-        self._window.append((mine.time_s, mine.energy_j))
+        self._window.append((step, mine.time_s, mine.energy_j))
+
+    def _gather(self) -> list[tuple[int, float, float]]:
+        """Every rank's steps since the last gather, combined into `self.steps` (a collective:
+        every rank calls it, at the same step); returns this rank's own."""
+        own, self._window = self._window, []
+        if not own:
+            return own
         device = self.ctx.device  # NCCL gathers GPU tensors
-        parts = [torch.zeros(2, dtype=torch.float64, device=device)
-                 for _ in range(self.ctx.world_size)]
-        dist.all_gather(parts, torch.tensor([mine.time_s, mine.energy_j], dtype=torch.float64,
-                                            device=device))
-        every = torch.stack(parts).cpu()
-        self.steps.append((step, every[:, 0].max().item(), every[:, 1].sum().item()))
+        mine = torch.tensor([[t, e] for _, t, e in own], dtype=torch.float64, device=device)
+        parts = [torch.zeros_like(mine) for _ in range(self.ctx.world_size)]
+        dist.all_gather(parts, mine)
+        every = torch.stack(parts).cpu()  # rank x step x (time, energy)
+        slowest, total = every[..., 0].amax(dim=0), every[..., 1].sum(dim=0)
+        self.steps += [(step, t.item(), e.item()) for (step, _, _), t, e in
+                       zip(own, slowest, total)]
+        return own
 
     def log_window(self) -> dict[str, float]:
         """Means over the steps since the last log; reports them to the Perseus server."""
-        if not self._window:
+        own = self._gather()
+        if not own:
             return {}
-        count = len(self._window)
-        recent = self.steps[-count:]
-        logs = {"step_time_s": round(sum(t for _, t, _ in recent) / count, 4),
-                "step_energy_j": round(sum(e for _, _, e in recent) / count, 2)}
+        recent = self.steps[-len(own):]
+        logs = {"step_time_s": round(sum(t for _, t, _ in recent) / len(own), 4),
+                "step_energy_j": round(sum(e for _, _, e in recent) / len(own), 2)}
         if self.client is not None:
             from merak.energy.pfo_client import PFOError, ProfilingResult
 
             try:
                 self.client.report(self.job_id, ProfilingResult(
-                    rank=self.ctx.rank, iter_time=[t for t, _ in self._window],
-                    iter_energy=[e for _, e in self._window]))
+                    rank=self.ctx.rank, iter_time=[t for _, t, _ in own],
+                    iter_energy=[e for _, _, e in own]))
             except PFOError as error:  # a lost report costs no training; say so and go on
                 print(f"rank {self.ctx.rank}: {error}")
             self.hook.frequencies = self._fetch()
-        self._window = []
         return logs
 
     def write_steps(self, output_dir: str) -> Path | None:
-        """Rank 0 writes every measured step as ``output_dir/energy_steps.csv``."""
+        """Rank 0 writes every measured step as ``output_dir/energy_steps.csv`` (a collective:
+        the steps since the last log are gathered first)."""
+        self._gather()
         if self.ctx.rank != 0:
             return None
         path = Path(output_dir) / STEPS_FILE

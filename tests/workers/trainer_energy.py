@@ -5,6 +5,7 @@ numbers (losses equal a run without them); malformed plans stop training before 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import subprocess
@@ -107,15 +108,13 @@ def _serving(plan: dict, run) -> object:
     from merak.energy.pfo_server import PlanRegistry, ServerThread
 
     registry = PlanRegistry([plan]) if dist.get_rank() == 0 else None
-    server = ServerThread(registry).__enter__() if registry else None
-    url = [server.url if server else None]
-    dist.broadcast_object_list(url, src=0)
-    try:
-        run(url[0])
-    finally:
-        dist.barrier()
-        if server:
-            server.__exit__(None, None, None)
+    with ServerThread(registry) if registry else contextlib.nullcontext() as server:
+        url = [server.url if server else None]
+        dist.broadcast_object_list(url, src=0)
+        try:
+            run(url[0])
+        finally:
+            dist.barrier()  # every rank is done with the server before it stops
     return registry
 
 
