@@ -17,6 +17,9 @@ class ActionKind(str, enum.Enum):
     LOAD = "load"                              # read this stage's inputs of a micro-batch
     FORWARD = "forward"
     BACKWARD = "backward"
+    RECOMPUTE = "recompute"                    # rerun checkpointed blocks before the backward
+    BACKWARD_INPUT = "backward_input"          # zero-bubble: input gradients only (sent on)
+    BACKWARD_WEIGHT = "backward_weight"        # zero-bubble: the weight gradients, later
     SEND_ACT = "send_act"                      # activations to the downstream consumer stages
     RECV_ACT = "recv_act"                      # activations from the upstream producer stages
     SEND_GRAD = "send_grad"                    # input gradients to the upstream producer stages
@@ -29,7 +32,9 @@ class ActionKind(str, enum.Enum):
         return self.value
 
 
-COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD})
+BACKWARD_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                            ActionKind.BACKWARD_WEIGHT})
+COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.RECOMPUTE}) | BACKWARD_KINDS
 SEND_KINDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD})
 RECV_KINDS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD})
 P2P_KINDS = SEND_KINDS | RECV_KINDS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,10 +15,13 @@ from merak.distributed.parallel_context import ParallelContext
 from merak.pipeline.actions import COMPUTE_KINDS, RECV_KINDS, Action, ActionKind, Schedule
 from merak.pipeline.cpu_threads import IdleCoreLending
 from merak.pipeline.hooks import InstructionHook
+from merak.pipeline.memory import ActivationMeter
 from merak.pipeline.p2p import Pending, StageComm
+from merak.pipeline.recompute import BlockRecomputation, checkpointed_blocks
 from merak.pipeline.schedules import forward_block, make_schedule
 from merak.pipeline.split import ValueKey
-from merak.pipeline.stage import PipelineStage
+from merak.pipeline.split_backward import backward_input, backward_weight
+from merak.pipeline.stage import PipelineStage, block_names
 from merak.pipeline.validate import validate_schedule
 
 K = ActionKind
@@ -49,6 +53,7 @@ class _MicroBatchState:
     output_grads: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+    weight_grads: object = None  # what `backward_weight` needs, between the two halves
 
 
 class PipelineInterpreter:
@@ -68,6 +73,14 @@ class PipelineInterpreter:
         autocast_dtype: run forwards under `torch.autocast` to this dtype (bf16 mixed
             precision; parameters, gradients and optimizer state stay fp32).
         grad_predivide: dp gradients are divided by this before the all-reduce, the rest after.
+        recompute_ratio: fraction of each stage's blocks whose activations are recomputed (one
+            value per stage, or one for all); the schedule gets `recompute` actions for the
+            stages that recompute any.
+        checkpoint_num_layers: consecutive blocks per checkpointed chunk (only the chunk's
+            input is kept).
+        measure_activations: count the activation bytes this stage keeps for backward;
+            ``activation_peak`` then holds the last step's peak (`ActivationMeter`).
+        tp_rng: the model's `TPRandomState`, replayed by recomputation with the default RNG.
     """
 
     def __init__(self, stage: PipelineStage, ctx: ParallelContext,
@@ -75,16 +88,33 @@ class PipelineInterpreter:
                  schedule: str | Schedule = "1f1b", hooks: Sequence[InstructionHook] = (),
                  p2p_timeout_s: float = 300.0, bucket_bytes: int = 25 * 2**20,
                  lend_idle_cores: bool = True, autocast_dtype: torch.dtype | None = None,
-                 grad_predivide: float = 1.0):
+                 grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
+                 checkpoint_num_layers: int = 1, measure_activations: bool = False,
+                 tp_rng: object = None):
         split = stage.split
         if split.num_stages != ctx.pp:
             raise ValueError(f"the split has {split.num_stages} stages but pp={ctx.pp}")
         if stage.stage_id != ctx.stage_id:
             raise ValueError(f"stage {stage.stage_id} given to rank {ctx.rank}, which runs "
                              f"stage {ctx.stage_id}")
+        chunks = self._checkpoint_chunks(split, recompute_ratio, checkpoint_num_layers)
         if isinstance(schedule, str):
-            schedule = make_schedule(schedule, split.num_stages, num_microbatches)
+            schedule = make_schedule(schedule, split.num_stages, num_microbatches,
+                                     recompute=[bool(c) for c in chunks])
         validate_schedule(schedule, num_microbatches, edges=split.edges or None)
+        for s, actions in enumerate(schedule):  # every rank checks every stage: same error
+            if not any(a.kind is K.RECOMPUTE for a in actions):
+                chunks[s] = []  # the schedule keeps this stage's activations (last_no_recompute)
+            elif not chunks[s]:
+                raise ValueError(f"the schedule recomputes on stage {s}, which checkpoints no "
+                                 f"blocks; raise its recompute_ratio or drop its recompute "
+                                 f"actions")
+        self.meter = ActivationMeter(list(stage.parameters()) + list(stage.buffers())) \
+            if measure_activations else None
+        self.activation_peak: int | None = None
+        blocks = [stage.get_submodule(n) for n in block_names(split, ctx.stage_id)]
+        self.recompute = BlockRecomputation(blocks, chunks[ctx.stage_id], ctx.device, tp_rng,
+                                            self.meter)
         self.stage, self.ctx, self.optimizer = stage, ctx, optimizer
         self.autocast_dtype = autocast_dtype
         self.loss_scale = 1.0  # set by an fp16 loss scaler
@@ -105,14 +135,30 @@ class PipelineInterpreter:
         # replicated parameters that saw only this TP rank's heads or sequence shard
         self._tp_partial = [p for p in stage.parameters() if getattr(p, "tp_partial_grad", False)]
         self._tied = self._build_tied_groups()
+        self._weights = [p for p in stage.parameters() if p.requires_grad]
         self.global_step = 0
         self._handlers: dict[ActionKind, Callable[[int | None], None]] = {
             K.LOAD: self._load, K.FORWARD: self._forward, K.BACKWARD: self._backward,
+            K.RECOMPUTE: self._recompute, K.BACKWARD_INPUT: self._backward_input,
+            K.BACKWARD_WEIGHT: self._backward_weight,
             K.SEND_ACT: self._send_act, K.RECV_ACT: self._recv_act,
             K.SEND_GRAD: self._send_grad, K.RECV_GRAD: self._recv_grad,
             K.REDUCE_TIED_GRADS: self._reduce_tied_grads, K.REDUCE_GRADS: self._reduce_grads,
             K.OPTIMIZER_STEP: self._optimizer_step,
         }
+
+    @staticmethod
+    def _checkpoint_chunks(split, ratio: float | Sequence[float],
+                           chunk: int) -> list[list[list[int]]]:
+        """Per stage, the chunks of block indices it recomputes."""
+        counts = [len(block_names(split, s)) for s in range(split.num_stages)]
+        ratios = [float(ratio)] * len(counts) if isinstance(ratio, (int, float)) else list(ratio)
+        if len(ratios) != len(counts):
+            raise ValueError(f"recompute_ratio has {len(ratios)} values for {len(counts)} "
+                             f"stages; give one per stage or a single value")
+        if chunk < 1:
+            raise ValueError(f"checkpoint_num_layers must be >= 1, got {chunk}")
+        return [checkpointed_blocks(n, r, chunk) for n, r in zip(counts, ratios)]
 
     def _build_tied_groups(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
         """One process group per set of stages sharing weights, per (dp, tp) coordinate.
@@ -178,6 +224,8 @@ class PipelineInterpreter:
         self._losses: list[torch.Tensor] = []
         self._run_actions = actions
         self.comm.start_step()
+        if self.meter is not None:
+            self.meter.reset_peak()
         for hook in hooks:
             hook.on_step_begin(self.global_step)
         for index, action in enumerate(actions):
@@ -189,6 +237,8 @@ class PipelineInterpreter:
             for hook in hooks:
                 hook.on_instruction_end(action.name, action)
         self.comm.finish_step()
+        if self.meter is not None and hooks:
+            self.activation_peak = self.meter.peak
         loss = self._step_loss()
         for hook in hooks:
             hook.on_step_end(self.global_step)
@@ -230,11 +280,19 @@ class PipelineInterpreter:
         pending = self._pending.pop(action, None) or self._post_receive(action)
         self._state[mb].inputs.update(self.comm.unpack_activations(pending.wait(self.comm)))
 
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype is not None)
+
     def _forward(self, mb: int) -> None:
         state = self._state[mb]
-        with torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype,
-                            enabled=self.autocast_dtype is not None):
-            values = self.stage(state.inputs)
+        recording = self.meter.recording() if self.meter is not None else contextlib.nullcontext()
+        self.recompute.begin_forward(mb)
+        try:
+            with self._autocast(), recording:
+                values = self.stage(state.inputs)
+        finally:
+            self.recompute.end_forward()
         if self.ctx.is_last_stage:
             state.loss = values[self.split.output_key]
             if state.loss.numel() != 1:
@@ -258,20 +316,48 @@ class PipelineInterpreter:
         pending = self._pending.pop(action, None) or self._post_receive(action)
         self._state[mb].output_grads = self.comm.unpack_gradients(pending.wait(self.comm))
 
+    def _roots(self, state: _MicroBatchState) -> tuple[list[torch.Tensor], list]:
+        """What the backward starts from: the scaled loss, or the outputs and their grads."""
+        if state.loss is not None:
+            return [state.loss * (self.loss_scale / self.num_microbatches)], [None]
+        keys = list(state.output_grads)
+        return [state.outputs[k] for k in keys], [state.output_grads[k] for k in keys]
+
+    def _grad_inputs(self, state: _MicroBatchState) -> dict[ValueKey, torch.Tensor]:
+        return {key: value for key, value in state.inputs.items()
+                if key[1] >= 0 and value.requires_grad}
+
+    def _recompute(self, mb: int) -> None:
+        self.recompute.recompute(mb, self._autocast())
+
     def _backward(self, mb: int) -> None:
         state = self._state[mb]
-        if state.loss is not None:
-            roots, grads = [state.loss * (self.loss_scale / self.num_microbatches)], [None]
-        else:
-            keys = list(state.output_grads)
-            roots = [state.outputs[k] for k in keys]
-            grads = [state.output_grads[k] for k in keys]
+        roots, grads = self._roots(state)
         if roots:
             torch.autograd.backward(roots, grads)
-        state.input_grads = {
-            key: (value.grad if value.grad is not None else torch.zeros_like(value))
-            for key, value in state.inputs.items() if key[1] >= 0 and value.requires_grad}
+        state.input_grads = {key: (value.grad if value.grad is not None
+                                   else torch.zeros_like(value))
+                             for key, value in self._grad_inputs(state).items()}
+        self._free(mb)
+
+    def _backward_input(self, mb: int) -> None:
+        state = self._state[mb]
+        roots, grads = self._roots(state)
+        inputs = self._grad_inputs(state)
+        dinputs, state.weight_grads = backward_input(roots, grads, list(inputs.values()),
+                                                     self._weights)
+        state.input_grads = dict(zip(inputs, dinputs))
+        state.outputs, state.output_grads, state.loss = {}, {}, None
+
+    def _backward_weight(self, mb: int) -> None:
+        backward_weight(self._state[mb].weight_grads, self._weights)
+        self._free(mb)
+
+    def _free(self, mb: int) -> None:
+        state = self._state[mb]
         state.inputs, state.outputs, state.output_grads, state.loss = {}, {}, {}, None
+        state.weight_grads = None
+        self.recompute.release(mb)
 
     def _send_grad(self, mb: int) -> None:
         self.comm.send_gradients(mb, self._state[mb].input_grads)

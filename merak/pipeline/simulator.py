@@ -10,14 +10,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from merak.pipeline.actions import Action, ActionKind, Schedule
+from merak.pipeline.actions import COMPUTE_KINDS, Action, ActionKind, Schedule
 
 K = ActionKind
+FREEING_KINDS = frozenset({K.BACKWARD, K.BACKWARD_WEIGHT})  # the last use of a micro-batch
 Edge = tuple[int, int]
 
 
 class ScheduleError(ValueError):
     """A schedule that cannot run: unmatched communication, a deadlock, or a bad order."""
+
+
+def _per_stage(value: float | Sequence[float], stage_id: int) -> float:
+    return float(value) if isinstance(value, (int, float)) else float(value[stage_id])
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,10 @@ class CostModel:
 
     Attributes:
         forward: forward time of one micro-batch.
-        backward: backward time of one micro-batch.
+        backward: backward time of one micro-batch (input and weight gradients).
+        recompute: time to rerun the checkpointed blocks (default: the forward time).
+        weight_grad: the weight-gradient part of the backward, for schedules that split it
+            (`backward_input` takes the rest); default half the backward.
         p2p: time from a send being issued to the data being available at the receiver.
         step: time of each per-step action (grad reductions, optimizer step).
     """
@@ -35,18 +43,48 @@ class CostModel:
     backward: float | Sequence[float] = 2.0
     p2p: float = 0.0
     step: float = 0.0
-
-    def _of(self, value: float | Sequence[float], stage_id: int) -> float:
-        return float(value) if isinstance(value, (int, float)) else float(value[stage_id])
+    recompute: float | Sequence[float] | None = None
+    weight_grad: float | Sequence[float] | None = None
 
     def duration(self, stage_id: int, action: Action) -> float:
-        if action.kind is K.FORWARD:
-            return self._of(self.forward, stage_id)
-        if action.kind is K.BACKWARD:
-            return self._of(self.backward, stage_id)
-        if action.kind in (K.REDUCE_TIED_GRADS, K.REDUCE_GRADS, K.OPTIMIZER_STEP):
+        kind = action.kind
+        if kind is K.FORWARD:
+            return _per_stage(self.forward, stage_id)
+        if kind is K.BACKWARD:
+            return _per_stage(self.backward, stage_id)
+        if kind is K.RECOMPUTE:
+            return _per_stage(self.forward if self.recompute is None else self.recompute, stage_id)
+        if kind in (K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+            backward = _per_stage(self.backward, stage_id)
+            weight = backward / 2 if self.weight_grad is None else _per_stage(self.weight_grad,
+                                                                             stage_id)
+            return weight if kind is K.BACKWARD_WEIGHT else backward - weight
+        if kind in (K.REDUCE_TIED_GRADS, K.REDUCE_GRADS, K.OPTIMIZER_STEP):
             return self.step
         return 0.0
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Activation memory of one micro-batch per stage (any unit; a scalar applies to all).
+
+    Attributes:
+        full: what a forward keeps for backward without recomputation.
+        kept: what it keeps when the stage recomputes that micro-batch (its checkpointed
+            blocks keep only their inputs); the `recompute` action adds back ``full - kept``
+            until the backward frees it all. Default: `full` (nothing saved).
+    """
+
+    full: float | Sequence[float] = 1.0
+    kept: float | Sequence[float] | None = None
+
+    def of(self, stage_id: int, recomputed: bool) -> tuple[float, float]:
+        """(bytes the forward keeps, bytes the recomputation adds) on `stage_id`."""
+        full = _per_stage(self.full, stage_id)
+        if not recomputed or self.kept is None:
+            return full, 0.0
+        kept = _per_stage(self.kept, stage_id)
+        return kept, full - kept
 
 
 @dataclass(frozen=True)
@@ -59,10 +97,20 @@ class Event:
 
 @dataclass
 class SimulationResult:
+    """`peak_activations`: most micro-batches in flight per stage (forward done, memory not yet
+    freed by its backward); `peak_memory`: the most activation memory per stage
+    (`MemoryModel` units)."""
+
     makespan: float
     busy: list[float]
     peak_activations: list[int]
     events: list[Event] = field(repr=False)
+    peak_memory: list[float] = field(default_factory=list)
+
+    @property
+    def idle_per_stage(self) -> list[float]:
+        """Time each stage spends not computing (the bubble, in time units)."""
+        return [self.makespan - b for b in self.busy]
 
     @property
     def bubble_per_stage(self) -> list[float]:
@@ -95,7 +143,8 @@ def _peers(edges: Iterable[Edge], num_stages: int) -> tuple[list[list[int]], lis
 
 
 def replay(schedule: Schedule, costs: CostModel | None = None,
-           edges: Iterable[Edge] | None = None) -> SimulationResult:
+           edges: Iterable[Edge] | None = None,
+           memory: MemoryModel | None = None) -> SimulationResult:
     """Execute `schedule` in simulated time.
 
     Args:
@@ -103,6 +152,8 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
         costs: durations; default forward 1, backward 2, no p2p or step time.
         edges: activation edges ``(src_stage, dst_stage)``; default the chain s -> s+1.
             Gradients flow along the same edges reversed.
+        memory: activation memory per micro-batch; default 1 (then `peak_memory` equals
+            `peak_activations`).
 
     Raises:
         ScheduleError: a receive waits for a send that never comes, or the replay deadlocks.
@@ -117,6 +168,12 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
     pointer = [0] * num_stages
     in_flight = [0] * num_stages
     peak = [0] * num_stages
+    memory = memory or MemoryModel()
+    recomputed = {(s, a.microbatch_id) for s, actions in enumerate(schedule) for a in actions
+                  if a.kind is K.RECOMPUTE}
+    held: dict[tuple[int, int], float] = {}
+    live = [0.0] * num_stages
+    peak_memory = [0.0] * num_stages
     events: list[Event] = []
 
     def needed(stage_id: int, action: Action) -> list[tuple[str, int, int, int]]:
@@ -144,13 +201,22 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
                 elif action.kind is K.SEND_GRAD:
                     for src in upstream[s]:
                         arrivals[("grad", s, src, action.microbatch_id)] = end + costs.p2p
-                elif action.kind is K.FORWARD:
-                    in_flight[s] += 1
-                    peak[s] = max(peak[s], in_flight[s])
+                elif action.kind in COMPUTE_KINDS:
                     busy[s] += end - start
-                elif action.kind is K.BACKWARD:
-                    in_flight[s] -= 1
-                    busy[s] += end - start
+                    key = (s, action.microbatch_id)
+                    kept, extra = memory.of(s, key in recomputed)
+                    if action.kind is K.FORWARD:
+                        in_flight[s] += 1
+                        peak[s] = max(peak[s], in_flight[s])
+                        held[key] = kept
+                        live[s] += kept
+                    elif action.kind is K.RECOMPUTE:
+                        held[key] += extra
+                        live[s] += extra
+                    elif action.kind in FREEING_KINDS:
+                        in_flight[s] -= 1
+                        live[s] -= held.pop(key)
+                    peak_memory[s] = max(peak_memory[s], live[s])
                 events.append(Event(s, action, start, end))
                 clock[s] = end
                 pointer[s] += 1
@@ -165,10 +231,11 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
                               for kind, src, dst, mb in sorted(arrivals))
         raise ScheduleError(f"sends without a matching receive: {unmatched}")
     return SimulationResult(makespan=max(clock, default=0.0), busy=busy,
-                            peak_activations=peak, events=events)
+                            peak_activations=peak, events=events, peak_memory=peak_memory)
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None,
-             edges: Iterable[Edge] | None = None) -> SimulationResult:
-    """Makespan, per-stage bubble fraction and peak in-flight activations of `schedule`."""
-    return replay(schedule, costs, edges)
+             edges: Iterable[Edge] | None = None,
+             memory: MemoryModel | None = None) -> SimulationResult:
+    """Makespan, per-stage bubble, peak in-flight activations and memory of `schedule`."""
+    return replay(schedule, costs, edges, memory)

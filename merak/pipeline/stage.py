@@ -40,6 +40,16 @@ def _outputs_of(result: object, names: tuple[str, ...], module_name: str) -> lis
     return [result]
 
 
+def block_names(split: PipelineSplit, stage_id: int) -> list[str]:
+    """The module names of the blocks stage `stage_id` runs, in order: the repeated blocks an
+    automatic split found (``model.layers.3``), or the pieces of a manual split."""
+    found = getattr(split, "blocks_of_stage", None)
+    if found:
+        return list(found[stage_id])
+    return [split.pieces[i].module for i in split.piece_ids(stage_id)
+            if not split.pieces[i].flat]
+
+
 class PipelineStage(nn.Module):
     """Runs the pieces of one stage on a dict of values keyed by `ValueKey`."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from merak.pipeline.actions import STEP_KINDS, Action, ActionKind, Schedule
+from merak.pipeline.actions import BACKWARD_KINDS, STEP_KINDS, Action, ActionKind, Schedule
 from merak.pipeline.simulator import Edge, ScheduleError, _peers, chain_edges, replay
 
 K = ActionKind
@@ -20,8 +20,9 @@ class ValidationReport:
 
 def _check_stage_order(stage_id: int, actions: list[Action], num_microbatches: int,
                        has_upstream: bool, has_downstream: bool) -> None:
-    """Per micro-batch: load/recv before forward before send; recv-grad before backward before
-    send-grad; forward before backward; each exactly once; per-step actions after all of it."""
+    """Per micro-batch: load/recv before forward before send; forward before recompute before
+    backward; recv-grad before backward (or backward_input) before send-grad; backward_input
+    before backward_weight; each exactly once; per-step actions after all of it."""
     position: dict[tuple[ActionKind, int | None], int] = {}
     for index, action in enumerate(actions):
         key = (action.kind, action.microbatch_id)
@@ -35,21 +36,29 @@ def _check_stage_order(stage_id: int, actions: list[Action], num_microbatches: i
                 action.microbatch_id is not None and 0 <= action.microbatch_id < num_microbatches):
             raise ScheduleError(f"stage {stage_id}: {action} names no micro-batch in "
                                 f"0..{num_microbatches - 1}")
-    required = [K.LOAD, K.FORWARD, K.BACKWARD]
+    split = any(a.kind is K.BACKWARD_INPUT for a in actions)
+    grad = K.BACKWARD_INPUT if split else K.BACKWARD  # the action that makes input gradients
+    required = [K.LOAD, K.FORWARD, *([K.BACKWARD_INPUT, K.BACKWARD_WEIGHT] if split
+                                     else [K.BACKWARD])]
     required += [K.RECV_ACT, K.SEND_GRAD] if has_upstream else []
     required += [K.SEND_ACT, K.RECV_GRAD] if has_downstream else []
     order = [(K.LOAD, K.FORWARD), (K.RECV_ACT, K.FORWARD), (K.FORWARD, K.SEND_ACT),
-             (K.FORWARD, K.BACKWARD), (K.RECV_GRAD, K.BACKWARD), (K.BACKWARD, K.SEND_GRAD)]
+             (K.FORWARD, K.RECOMPUTE), (K.RECOMPUTE, grad), (K.FORWARD, grad),
+             (K.RECV_GRAD, grad), (grad, K.SEND_GRAD), (K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)]
     for mb in range(num_microbatches):
         for kind in required:
             if (kind, mb) not in position:
                 raise ScheduleError(f"stage {stage_id}: micro-batch {mb} has no {kind.value}")
+        if split and (K.BACKWARD, mb) in position:
+            raise ScheduleError(f"stage {stage_id}: micro-batch {mb} has both backward and "
+                                f"backward_input; a stage splits every backward or none")
         for first, then in order:
             a, b = position.get((first, mb)), position.get((then, mb))
             if a is not None and b is not None and a > b:
                 raise ScheduleError(f"stage {stage_id}: micro-batch {mb}: {then.value} "
                                     f"(#{b}) comes before {first.value} (#{a})")
-    last_backward = max(position[(K.BACKWARD, mb)] for mb in range(num_microbatches))
+    last_backward = max(position[(kind, mb)] for mb in range(num_microbatches)
+                        for kind in required if kind in BACKWARD_KINDS)
     for kind in STEP_KINDS:
         at = position.get((kind, None))
         if at is None:

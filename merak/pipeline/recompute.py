@@ -1,0 +1,227 @@
+"""Activation recomputation of a stage's eager blocks, as a schedulable action.
+
+`torch.utils.checkpoint` recomputes inside the backward, so a schedule cannot move the
+recomputation elsewhere (Merak's `pre_recompute_1f1b` runs it while the output gradient is still
+in flight). This module keeps the autograd graph of a checkpointed block but drops the tensors it
+saves for backward (a saved-tensor pack hook stores a small handle instead). The `recompute`
+action reruns the block on its kept inputs under the same RNG state and collects the tensors the
+rerun saves, in the same order; the backward then unpacks the handles into them. Gradients flow
+through the one original graph, so results equal those without recomputation.
+
+A chunk of `checkpoint_num_layers` consecutive blocks keeps only the first block's inputs: later
+blocks of the chunk read the (recomputed) output of the block before them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from merak.pipeline.memory import ActivationMeter
+
+
+@dataclass
+class _BlockCall:
+    """One checkpointed call of one block for one micro-batch."""
+
+    block: nn.Module
+    first: bool                    # the first block of its chunk
+    args: Any                      # pytree of the call's args/kwargs; earlier outputs as _FromBlock
+    rng: tuple                     # RNG states at the call
+    num_saved: int = 0             # tensors the forward saved for backward (handles handed out)
+    saved: list[torch.Tensor] | None = None  # the rerun's saved tensors, once recomputed
+    outputs: Any = None            # the rerun's outputs (for the next block of the chunk)
+
+
+@dataclass(frozen=True)
+class _FromBlock:
+    """Placeholder in a block's args: leaf `leaf` of the output of call `call` of the chunk."""
+
+    call: int
+    leaf: int
+
+
+@dataclass
+class _MicroBatchRecord:
+    calls: list[_BlockCall] = field(default_factory=list)
+    tokens: list[Any] = field(default_factory=list)  # meter tokens of the kept inputs
+    recomputed: bool = False
+
+
+def checkpointed_blocks(num_blocks: int, ratio: float, chunk: int) -> list[list[int]]:
+    """The chunks of block indices a stage recomputes: the first ``round(ratio * num_blocks)``
+    blocks, in chunks of `chunk` consecutive blocks."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"a recomputation ratio must lie in [0, 1], got {ratio}")
+    count = round(ratio * num_blocks)
+    return [list(range(i, min(i + chunk, count))) for i in range(0, count, chunk)]
+
+
+class BlockRecomputation:
+    """Checkpoints chunks of `blocks` and recomputes them when the schedule says so.
+
+    Args:
+        blocks: the stage's eager blocks, in call order.
+        chunks: lists of indices into `blocks` (see `checkpointed_blocks`).
+        device: the stage's device (its RNG state is saved with the CPU one).
+        tp_rng: the model's `TPRandomState`, whose per-rank stream is also replayed.
+        meter: counts the kept inputs and recomputed tensors as activations.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], chunks: Sequence[Sequence[int]],
+                 device: torch.device, tp_rng: Any = None, meter: ActivationMeter | None = None):
+        self.device, self.tp_rng, self.meter = device, tp_rng, meter
+        self.current: int | None = None         # micro-batch whose forward is running
+        self._records: dict[int, _MicroBatchRecord] = {}
+        self._outputs: list[Any] = []           # outputs of the chunk's calls in this forward
+        self._recomputing: list[torch.Tensor] | None = None
+        self.num_blocks = sum(len(c) for c in chunks)
+        self._restore: list[Callable[[], None]] = []
+        for chunk in chunks:
+            for position, index in enumerate(chunk):
+                self._wrap(blocks[index], first=position == 0)
+
+    @property
+    def active(self) -> bool:
+        return self.num_blocks > 0
+
+    def _wrap(self, block: nn.Module, first: bool) -> None:
+        original = block.forward
+        this = weakref.proxy(self)
+
+        def forward(*args, **kwargs):
+            return this._call(block, original, first, args, kwargs)
+
+        block.forward = forward
+        self._restore.append(lambda: delattr(block, "forward"))
+
+    def remove(self) -> None:
+        """Give the blocks their own forward back."""
+        for restore in self._restore:
+            restore()
+        self._restore = []
+
+    # -- forward --------------------------------------------------------------------------------
+    def begin_forward(self, mb: int) -> None:
+        self.current = mb if torch.is_grad_enabled() else None
+        if self.current is not None:
+            self._records[mb] = _MicroBatchRecord()
+        self._outputs = []
+
+    def end_forward(self) -> None:
+        self.current, self._outputs = None, []
+
+    def _call(self, block: nn.Module, original: Callable, first: bool, args: tuple,
+              kwargs: dict) -> Any:
+        if self._recomputing is not None:  # a rerun: collect what the block saves
+            saved = self._recomputing
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: saved.append(t) or len(saved) - 1, lambda i: saved[i]):
+                return original(*args, **kwargs)
+        if self.current is None:  # eval, or outside the interpreter
+            return original(*args, **kwargs)
+        record = self._records[self.current]
+        if first:
+            self._outputs = []
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        produced = {id(t): (c, i) for c, out in enumerate(self._outputs)
+                    for i, t in enumerate(pytree.tree_leaves(out)) if isinstance(t, torch.Tensor)}
+        kept = [_FromBlock(*produced[id(x)]) if id(x) in produced else x for x in leaves]
+        for x in kept:
+            if isinstance(x, torch.Tensor) and self.meter is not None:
+                record.tokens.append(self.meter.hold(x))
+        call = _BlockCall(block, first, pytree.tree_unflatten(kept, spec), self._rng_state())
+        record.calls.append(call)
+        index = len(record.calls) - 1
+        mb = self.current
+
+        def pack(_: torch.Tensor) -> tuple[int, int, int]:
+            call.num_saved += 1
+            return mb, index, call.num_saved - 1
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            out = original(*args, **kwargs)
+        self._outputs.append(out)
+        return out
+
+    def _unpack(self, handle: tuple[int, int, int]) -> torch.Tensor:
+        mb, index, position = handle
+        record = self._records.get(mb)
+        if record is None or not record.recomputed:
+            raise RuntimeError(f"micro-batch {mb}: backward reached a checkpointed block that "
+                               f"was not recomputed; the schedule must place 'recompute' of "
+                               f"this micro-batch before its backward")
+        return record.calls[index].saved[position]
+
+    # -- recompute ------------------------------------------------------------------------------
+    def recompute(self, mb: int, autocast: Any = None) -> None:
+        """Rerun micro-batch `mb`'s checkpointed block calls; their saved tensors are kept for
+        its backward."""
+        record = self._records.get(mb)
+        if record is None:
+            raise RuntimeError(f"recompute of micro-batch {mb}, whose forward did not run with "
+                               f"recomputation")
+        chunk_outputs: list[Any] = []
+        current = self._rng_state()
+        try:
+            for call in record.calls:
+                leaves, spec = pytree.tree_flatten(call.args)
+                if call.first:
+                    chunk_outputs = []
+                leaves = [self._detached(chunk_outputs, x) for x in leaves]
+                args, kwargs = pytree.tree_unflatten(leaves, spec)
+                self._set_rng_state(call.rng)
+                call.saved = []
+                self._recomputing = call.saved
+                try:
+                    with torch.enable_grad(), (autocast or nullcontext()):
+                        out = call.block(*args, **kwargs)
+                finally:
+                    self._recomputing = None
+                if len(call.saved) != call.num_saved:
+                    raise RuntimeError(f"micro-batch {mb}: the recomputed block saved "
+                                       f"{len(call.saved)} tensors for backward, its forward "
+                                       f"{call.num_saved}; the block's forward must not depend "
+                                       f"on state that changes between calls")
+                chunk_outputs.append(out)
+                if self.meter is not None:
+                    record.tokens += [self.meter.hold(t) for t in call.saved]
+        finally:
+            self._set_rng_state(current)
+        record.recomputed = True
+
+    @staticmethod
+    def _detached(chunk_outputs: list[Any], x: Any) -> Any:
+        if isinstance(x, _FromBlock):
+            x = pytree.tree_leaves(chunk_outputs[x.call])[x.leaf]
+        if isinstance(x, torch.Tensor):
+            return x.detach().requires_grad_(x.requires_grad)
+        return x
+
+    def release(self, mb: int) -> None:
+        """Forget micro-batch `mb` (after its backward)."""
+        record = self._records.pop(mb, None)
+        if record is not None and self.meter is not None:
+            for token in record.tokens:
+                self.meter.release(token)
+
+    # -- RNG ------------------------------------------------------------------------------------
+    def _rng_state(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        own = self.tp_rng.own if self.tp_rng is not None else None
+        return torch.get_rng_state(), cuda, own
+
+    def _set_rng_state(self, state: tuple) -> None:
+        cpu, cuda, own = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+        if self.tp_rng is not None:
+            self.tp_rng.own = own
