@@ -1,0 +1,141 @@
+"""`merak simulate`: replay a schedule (or compare every schedule) against a cost model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from merak.pipeline.schedules import NEEDS_RECOMPUTE, SCHEDULES, make_schedule
+from merak.pipeline.simulator import CostModel, MemoryModel, SimulationResult, simulate
+from merak.pipeline.timeline import TimelineEvent, save_chrome_trace, save_png
+from merak.pipeline.validate import validate_schedule
+
+PER_STAGE = ("forward_cost", "backward_cost", "recompute_cost", "weight_grad_cost",
+             "activation_memory", "kept_memory")
+
+
+def _values(text: str) -> float | list[float]:
+    """One number for every stage, or a comma-separated number per stage."""
+    values = [float(v) for v in text.split(",")]
+    return values[0] if len(values) == 1 else values
+
+
+def add_simulate(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "simulate", help="replay a schedule against a cost model",
+        description="Validate a schedule, replay it against per-stage costs and print makespan, "
+                    "bubble per stage, peak in-flight micro-batches and peak activation memory. "
+                    "Costs and memories take one value or one per stage (comma-separated).")
+    parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    parser.add_argument("--stages", type=int, required=True)
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--forward-cost", type=_values, default=1.0)
+    parser.add_argument("--backward-cost", type=_values, default=2.0,
+                        help="input- plus weight-gradient time")
+    parser.add_argument("--recompute-cost", type=_values, default=None,
+                        help="turns recomputation on (every stage) with this rerun time")
+    parser.add_argument("--weight-grad-cost", type=_values, default=None,
+                        help="the weight-gradient part of the backward, for zero_bubble "
+                             "(default: half the backward)")
+    parser.add_argument("--p2p-cost", type=float, default=0.0)
+    parser.add_argument("--activation-memory", type=_values, default=1.0,
+                        help="activation memory one micro-batch keeps for backward")
+    parser.add_argument("--kept-memory", type=_values, default=None,
+                        help="what it keeps when recomputed (default: a quarter of "
+                             "--activation-memory)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--compare", metavar="DIR",
+                        help="simulate every schedule: print a table and write DIR/<name>.png")
+    parser.add_argument("--png", help="write the simulated timeline picture here")
+    parser.add_argument("--trace", help="write the simulated timeline as Chrome trace JSON here")
+    parser.set_defaults(run=run_simulate)
+
+
+def _models(args: argparse.Namespace) -> tuple[CostModel, MemoryModel]:
+    for name in PER_STAGE:
+        value = getattr(args, name)
+        if isinstance(value, list) and len(value) != args.stages:
+            raise SystemExit(f"--{name.replace('_', '-')} has {len(value)} values for "
+                             f"{args.stages} stages")
+    kept = args.kept_memory
+    if kept is None:
+        full = args.activation_memory
+        kept = [f / 4 for f in full] if isinstance(full, list) else full / 4
+    costs = CostModel(forward=args.forward_cost, backward=args.backward_cost,
+                      recompute=args.recompute_cost, weight_grad=args.weight_grad_cost,
+                      p2p=args.p2p_cost)
+    return costs, MemoryModel(full=args.activation_memory, kept=kept)
+
+
+def _run_one(name: str, args: argparse.Namespace) -> SimulationResult:
+    try:
+        schedule = make_schedule(name, args.stages, args.microbatches,
+                                 recompute=args.recompute_cost is not None)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    validate_schedule(schedule, args.microbatches)
+    costs, memory = _models(args)
+    return simulate(schedule, costs, memory=memory)
+
+
+def _summary(result: SimulationResult) -> dict:
+    return {"makespan": result.makespan, "bubble": result.bubble,
+            "idle": result.idle_per_stage, "peak_activations": result.peak_activations,
+            "peak_memory": result.peak_memory}
+
+
+def _events(result: SimulationResult) -> list[TimelineEvent]:
+    return [TimelineEvent(e.stage_id, e.action.name, e.action.microbatch_id, e.start, e.end)
+            for e in result.events]
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _compare(args)
+    result = _run_one(args.schedule, args)
+    if args.json:
+        print(json.dumps(_summary(result)))
+    else:
+        print(f"schedule {args.schedule}: {args.stages} stages x {args.microbatches} "
+              f"micro-batches")
+        print(f"makespan            {result.makespan:.4f}")
+        print(f"bubble (mean)       {result.bubble:.4f}")
+        print("stage  busy       idle       bubble   peak_activations  peak_memory")
+        for s in range(args.stages):
+            print(f"{s:5d}  {result.busy[s]:9.4f}  {result.idle_per_stage[s]:9.4f}  "
+                  f"{result.bubble_per_stage[s]:.4f}   {result.peak_activations[s]:16d}  "
+                  f"{result.peak_memory[s]:.4f}")
+    if args.png:
+        path = save_png(_events(result), args.png, title=f"{args.schedule} (simulated)",
+                        row_label="stage", time_unit="s")
+        print(f"timeline picture    {path}")
+    if args.trace:
+        print(f"chrome trace        "
+              f"{save_chrome_trace(_events(result), args.trace, row_label='stage')}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    out = Path(args.compare)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in SCHEDULES if args.recompute_cost is not None or n not in NEEDS_RECOMPUTE]
+    results = {name: _run_one(name, args) for name in names}
+    if args.json:
+        print(json.dumps({name: _summary(r) for name, r in results.items()}))
+    else:
+        recompute = "with" if args.recompute_cost is not None else "without"
+        print(f"{args.stages} stages x {args.microbatches} micro-batches, {recompute} "
+              f"recomputation")
+        print(f"{'schedule':24s} {'makespan':>9s} {'idle/stage':>10s} {'bubble':>7s}  "
+              f"peak in-flight   peak memory")
+        for name, r in results.items():
+            idle = sum(r.idle_per_stage) / len(r.idle_per_stage)
+            print(f"{name:24s} {r.makespan:9.3f} {idle:10.3f} {r.bubble:7.4f}  "
+                  f"{r.peak_activations!s:15s}  {[round(m, 3) for m in r.peak_memory]}")
+    for name, r in results.items():
+        save_png(_events(r), out / f"{name}.png", title=f"{name} (simulated)",
+                 row_label="stage", time_unit="s")
+    if not args.json:
+        print(f"timeline pictures   {out}/<schedule>.png")
+    return 0
