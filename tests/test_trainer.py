@@ -76,6 +76,13 @@ def test_arguments_parse_from_the_command_line():
     ({"energy_gpu": "simulated", "energy_plan": "p.json", "pfo_server_url": "http://x"},
      "choose one of"),
     ({"simulated_gpu": "{}"}, "only applies with energy_gpu='simulated'"),
+    ({"checkpoint_num_layers": 2}, "checkpoint_num_layers only applies with activation_"),
+    ({"activation_checkpoint_ratio": [0.5]}, "only applies with activation_checkpointing"),
+    ({"train_schedule": "shifted_critical_path"}, "set activation_checkpointing=True"),
+    ({"activation_checkpointing": True, "activation_checkpoint_ratio": [1.5]}, r"in \[0, 1\]"),
+    ({"activation_checkpointing": True, "activation_memory_budget": [0.0]}, "positive MiB"),
+    ({"activation_checkpointing": True, "activation_checkpoint_ratio": [0.5],
+      "activation_memory_budget": [10.0]}, "not both"),
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -83,10 +90,11 @@ def test_bad_values_name_the_field(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"train_schedule": "zero_bubble"}, {"activation_checkpointing": True},
+    {"train_schedule": "interleaved_1f1b"},
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
-    {"checkpoint_num_layers": 2}, {"text_generation": True}, {"lora_config": "{}"},
-    {"tp_overlapping_level": 1},
+    {"text_generation": True}, {"lora_config": "{}"}, {"tp_overlapping_level": 1},
+    {"energy_gpu": "simulated", "activation_checkpointing": True},
+    {"energy_gpu": "simulated", "train_schedule": "zero_bubble"},
     {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},
     {"gradient_checkpointing": True}, {"torch_compile": True},
     {"label_smoothing_factor": 0.1},
@@ -105,7 +113,9 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "prescale_gradients", "gradient_predivide_factor", "save", "finetune", "no_save_rng",
            "no_save_optim", "no_load_rng", "no_load_optim", "loss_scale",
            "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-           "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url"}
+           "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url",
+           "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
+           "activation_memory_budget"}
 
 
 def _other_value(value):
@@ -124,11 +134,9 @@ def test_every_other_merak_field_refuses_a_non_default_value():
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     defaults = MerakArguments(output_dir="out")
     for f in dataclasses.fields(MerakArguments):
-        if f.name in WORKING or f.name in inherited and f.name != "activation_checkpointing":
+        if f.name in WORKING or f.name in inherited:
             continue
         value = _other_value(getattr(defaults, f.name))
-        if f.name == "activation_checkpoint_ratio":
-            value = [0.5]
         with pytest.raises(NotSupportedYetError):
             MerakArguments(output_dir="out", **{f.name: value})
 

@@ -17,11 +17,12 @@ from merak.pipeline.cpu_threads import IdleCoreLending
 from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.memory import ActivationMeter
 from merak.pipeline.p2p import Pending, StageComm
-from merak.pipeline.recompute import BlockRecomputation, checkpointed_blocks
+from merak.pipeline.recompute import BlockRecomputation
 from merak.pipeline.schedules import forward_block, make_schedule
 from merak.pipeline.split import ValueKey
 from merak.pipeline.split_backward import backward_input, backward_weight
 from merak.pipeline.stage import PipelineStage, block_names
+from merak.pipeline.stage_aware import stage_chunks
 from merak.pipeline.validate import validate_schedule
 
 K = ActionKind
@@ -97,24 +98,6 @@ class PipelineInterpreter:
         if stage.stage_id != ctx.stage_id:
             raise ValueError(f"stage {stage.stage_id} given to rank {ctx.rank}, which runs "
                              f"stage {ctx.stage_id}")
-        chunks = self._checkpoint_chunks(split, recompute_ratio, checkpoint_num_layers)
-        if isinstance(schedule, str):
-            schedule = make_schedule(schedule, split.num_stages, num_microbatches,
-                                     recompute=[bool(c) for c in chunks])
-        validate_schedule(schedule, num_microbatches, edges=split.edges or None)
-        for s, actions in enumerate(schedule):  # every rank checks every stage: same error
-            if not any(a.kind is K.RECOMPUTE for a in actions):
-                chunks[s] = []  # the schedule keeps this stage's activations (last_no_recompute)
-            elif not chunks[s]:
-                raise ValueError(f"the schedule recomputes on stage {s}, which checkpoints no "
-                                 f"blocks; raise its recompute_ratio or drop its recompute "
-                                 f"actions")
-        self.meter = ActivationMeter(list(stage.parameters()) + list(stage.buffers())) \
-            if measure_activations else None
-        self.activation_peak: int | None = None
-        blocks = [stage.get_submodule(n) for n in block_names(split, ctx.stage_id)]
-        self.recompute = BlockRecomputation(blocks, chunks[ctx.stage_id], ctx.device, tp_rng,
-                                            self.meter)
         self.stage, self.ctx, self.optimizer = stage, ctx, optimizer
         self.autocast_dtype = autocast_dtype
         self.loss_scale = 1.0  # set by an fp16 loss scaler
@@ -122,12 +105,16 @@ class PipelineInterpreter:
         self.skip_optimizer_step = False  # set before the step by a hook (fp16 overflow)
         self.split = split
         self.num_microbatches = num_microbatches
-        self.actions: list[Action] = schedule[ctx.stage_id]
         self.hooks = list(hooks)
         single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == str(ctx.world_size)
-        if lend_idle_cores and ctx.device.type == "cpu" and single_host and ctx.pp > 1:
-            self.hooks.insert(0, IdleCoreLending(schedule, ctx.stage_id, ctx.dp * ctx.tp,
-                                                 split.edges))
+        self._lend = lend_idle_cores and ctx.device.type == "cpu" and single_host and ctx.pp > 1
+        self._schedule_spec, self.tp_rng = schedule, tp_rng
+        self._blocks = [stage.get_submodule(n) for n in block_names(split, ctx.stage_id)]
+        self.meter = ActivationMeter(list(stage.parameters()) + list(stage.buffers())) \
+            if measure_activations else None
+        self.activation_peak: int | None = None
+        self.recompute = BlockRecomputation([], [], ctx.device)
+        self.set_recomputation(recompute_ratio, checkpoint_num_layers)
         self.comm = StageComm(ctx, split, ctx.stage_id, p2p_timeout_s)
         self.batch_keys = split.batch_inputs(ctx.stage_id)
         self.grad_averager = GradientAverager(stage.parameters(), ctx.dp_group, bucket_bytes,
@@ -147,18 +134,53 @@ class PipelineInterpreter:
             K.OPTIMIZER_STEP: self._optimizer_step,
         }
 
-    @staticmethod
-    def _checkpoint_chunks(split, ratio: float | Sequence[float],
-                           chunk: int) -> list[list[list[int]]]:
-        """Per stage, the chunks of block indices it recomputes."""
-        counts = [len(block_names(split, s)) for s in range(split.num_stages)]
-        ratios = [float(ratio)] * len(counts) if isinstance(ratio, (int, float)) else list(ratio)
-        if len(ratios) != len(counts):
-            raise ValueError(f"recompute_ratio has {len(ratios)} values for {len(counts)} "
-                             f"stages; give one per stage or a single value")
-        if chunk < 1:
-            raise ValueError(f"checkpoint_num_layers must be >= 1, got {chunk}")
-        return [checkpointed_blocks(n, r, chunk) for n, r in zip(counts, ratios)]
+    def set_recomputation(self, ratio: float | Sequence[float], checkpoint_num_layers: int = 1,
+                          schedule: str | Schedule | None = None) -> None:
+        """(Re)build the schedule (`schedule`, or the current one) and the block recomputation
+        for per-stage `ratio` (see the class doc); every rank calls it alike, between steps."""
+        split, ctx = self.split, self.ctx
+        chunks = stage_chunks(split, ratio, checkpoint_num_layers)
+        self._schedule_spec = schedule = schedule or self._schedule_spec
+        if isinstance(schedule, str):
+            schedule = make_schedule(schedule, split.num_stages, self.num_microbatches,
+                                     recompute=[bool(c) for c in chunks])
+        validate_schedule(schedule, self.num_microbatches, edges=split.edges or None)
+        for s, actions in enumerate(schedule):  # every rank checks every stage: same error
+            if not any(a.kind is K.RECOMPUTE for a in actions):
+                chunks[s] = []  # the schedule keeps this stage's activations (last_no_recompute)
+            elif not chunks[s]:
+                raise ValueError(f"the schedule recomputes on stage {s}, which checkpoints no "
+                                 f"blocks; raise its recompute_ratio or drop its recompute "
+                                 f"actions")
+        self.recompute.remove()
+        self.recompute = BlockRecomputation(self._blocks, chunks[ctx.stage_id], ctx.device,
+                                            self.tp_rng, self.meter)
+        self.chunks, self.schedule = chunks, schedule
+        self.actions: list[Action] = schedule[ctx.stage_id]
+        self.hooks = [h for h in self.hooks if not isinstance(h, IdleCoreLending)]
+        if self._lend:
+            self.hooks.insert(0, IdleCoreLending(schedule, ctx.stage_id, ctx.dp * ctx.tp,
+                                                 split.edges))
+
+    def measure_forward(self, batch: dict[str, torch.Tensor] | None,
+                        chunks: Sequence[Sequence[int]]) -> int:
+        """Activation bytes micro-batch 0's forward keeps on this stage for backward when it
+        checkpoints the blocks in `chunks`; a collective (every rank calls it: the micro-batch
+        moves through the pipeline). Draws random numbers as a forward does."""
+        meter = self.meter
+        self.recompute.remove()
+        self.meter = ActivationMeter(list(self.stage.parameters()) + list(self.stage.buffers()))
+        self.recompute = BlockRecomputation(self._blocks, chunks, self.ctx.device, self.tp_rng,
+                                            self.meter)
+        try:
+            self._run(forward_block(self.ctx.stage_id, self.ctx.pp, 0), batch,
+                      self.num_microbatches, hooks=())
+            return self.meter.peak
+        finally:
+            self.recompute.remove()
+            self.meter = meter
+            self.recompute = BlockRecomputation(self._blocks, self.chunks[self.ctx.stage_id],
+                                                self.ctx.device, self.tp_rng, meter)
 
     def _build_tied_groups(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
         """One process group per set of stages sharing weights, per (dp, tp) coordinate.
@@ -189,6 +211,8 @@ class PipelineInterpreter:
         micro-batches and dp ranks), on every rank.
         """
         loss = self._run(self.actions, batch, self.num_microbatches, self.hooks)
+        if self.meter is not None:
+            self.activation_peak = self.meter.peak
         self.global_step += 1
         return loss
 
@@ -237,8 +261,6 @@ class PipelineInterpreter:
             for hook in hooks:
                 hook.on_instruction_end(action.name, action)
         self.comm.finish_step()
-        if self.meter is not None and hooks:
-            self.activation_peak = self.meter.peak
         loss = self._step_loss()
         for hook in hooks:
             hook.on_step_end(self.global_step)

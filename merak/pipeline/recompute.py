@@ -55,12 +55,17 @@ class _MicroBatchRecord:
     recomputed: bool = False
 
 
-def checkpointed_blocks(num_blocks: int, ratio: float, chunk: int) -> list[list[int]]:
-    """The chunks of block indices a stage recomputes: the first ``round(ratio * num_blocks)``
-    blocks, in chunks of `chunk` consecutive blocks."""
+def recomputed_count(num_blocks: int, ratio: float) -> int:
+    """How many of `num_blocks` blocks `ratio` recomputes (rounded half up)."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"a recomputation ratio must lie in [0, 1], got {ratio}")
-    count = round(ratio * num_blocks)
+    return int(ratio * num_blocks + 0.5)
+
+
+def checkpointed_blocks(num_blocks: int, ratio: float, chunk: int) -> list[list[int]]:
+    """The chunks of block indices a stage recomputes: the first
+    `recomputed_count(num_blocks, ratio)` blocks, in chunks of `chunk` consecutive blocks."""
+    count = recomputed_count(num_blocks, ratio)
     return [list(range(i, min(i + chunk, count))) for i in range(0, count, chunk)]
 
 
@@ -137,7 +142,7 @@ class BlockRecomputation:
         for x in kept:
             if isinstance(x, torch.Tensor) and self.meter is not None:
                 record.tokens.append(self.meter.hold(x))
-        call = _BlockCall(block, first, pytree.tree_unflatten(kept, spec), self._rng_state())
+        call = _BlockCall(block, first, pytree.tree_unflatten(kept, spec), self.rng_state())
         record.calls.append(call)
         index = len(record.calls) - 1
         mb = self.current
@@ -169,7 +174,7 @@ class BlockRecomputation:
             raise RuntimeError(f"recompute of micro-batch {mb}, whose forward did not run with "
                                f"recomputation")
         chunk_outputs: list[Any] = []
-        current = self._rng_state()
+        current = self.rng_state()
         try:
             for call in record.calls:
                 leaves, spec = pytree.tree_flatten(call.args)
@@ -177,7 +182,7 @@ class BlockRecomputation:
                     chunk_outputs = []
                 leaves = [self._detached(chunk_outputs, x) for x in leaves]
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
-                self._set_rng_state(call.rng)
+                self.set_rng_state(call.rng)
                 call.saved = []
                 self._recomputing = call.saved
                 try:
@@ -194,7 +199,7 @@ class BlockRecomputation:
                 if self.meter is not None:
                     record.tokens += [self.meter.hold(t) for t in call.saved]
         finally:
-            self._set_rng_state(current)
+            self.set_rng_state(current)
         record.recomputed = True
 
     @staticmethod
@@ -213,12 +218,12 @@ class BlockRecomputation:
                 self.meter.release(token)
 
     # -- RNG ------------------------------------------------------------------------------------
-    def _rng_state(self) -> tuple:
+    def rng_state(self) -> tuple:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         own = self.tp_rng.own if self.tp_rng is not None else None
         return torch.get_rng_state(), cuda, own
 
-    def _set_rng_state(self, state: tuple) -> None:
+    def set_rng_state(self, state: tuple) -> None:
         cpu, cuda, own = state
         torch.set_rng_state(cpu)
         if cuda is not None:

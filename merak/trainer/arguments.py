@@ -16,15 +16,14 @@ from transformers import TrainingArguments
 
 from merak.partition import assign
 from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
-from merak.pipeline.schedules import SCHEDULES
+from merak.pipeline.schedules import NEEDS_RECOMPUTE, SCHEDULES
 
 
 class NotSupportedYetError(ValueError):
     """A field asks for a feature Merak does not have yet."""
 
 
-MERAK_SCHEDULES_LATER = ("pre_recompute_1f1b", "last_no_recompute_1f1b",
-                         "shifted_critical_path", "interleaved_1f1b", "zero_bubble")
+MERAK_SCHEDULES_LATER = ("interleaved_1f1b",)
 
 # inherited HF fields MerakTrainer honours; any other HF field must keep its HF default
 _HONOURED = frozenset({
@@ -86,13 +85,21 @@ class MerakArguments(TrainingArguments):
         "help": "model inputs to trace and feed (default: every key of a batch)"})
     no_tie_modules: bool = field(default=False, metadata={
         "help": "do not sum gradients of weights shared across stages"})
-    # ---- recomputation (issue 7)
+    # ---- recomputation
     activation_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute activations of the blocks in backward"})
+        "help": "recompute the activations of blocks before their backward (every block of "
+                "every stage unless activation_checkpoint_ratio or activation_memory_budget "
+                "says otherwise)"})
     checkpoint_num_layers: int = field(default=1, metadata={
-        "help": "blocks per checkpointed chunk"})
+        "help": "consecutive blocks per checkpointed chunk (only its input is kept)"})
     activation_checkpoint_ratio: list[float] | None = field(default=None, metadata={
-        "help": "per-stage fraction of blocks recomputed"})
+        "help": "fraction of each stage's blocks recomputed: one value per stage, or one value "
+                "for the first stage, later stages then recomputing the least that keeps their "
+                "peak activation memory at or below the first's (stage-aware)"})
+    activation_memory_budget: list[float] | None = field(default=None, metadata={
+        "help": "MiB of activations per stage (one value for all, or one per stage): each "
+                "stage recomputes the fewest blocks whose predicted peak fits (measured "
+                "per-block bytes replayed through the schedule)"})
     # ---- runtime
     wall_clock_breakdown: bool = field(default=False, metadata={
         "help": "log the time of each instruction kind per step"})
@@ -186,6 +193,7 @@ class MerakArguments(TrainingArguments):
             if getattr(self, name) < 1:
                 raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
         self._check_energy()
+        self._check_recomputation()
         if self.eval_iters is not None and self.eval_iters < 1:
             raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
                              f"{self.eval_iters}")
@@ -212,11 +220,36 @@ class MerakArguments(TrainingArguments):
             raise ValueError("MerakArguments.simulated_gpu only applies with "
                              "energy_gpu='simulated'")
 
+    def _check_recomputation(self) -> None:
+        shaped = [n for n in ("activation_checkpoint_ratio", "activation_memory_budget")
+                  if getattr(self, n) is not None]
+        if not self.activation_checkpointing:
+            extra = shaped + ["checkpoint_num_layers"] * (self.checkpoint_num_layers != 1)
+            if extra:
+                raise ValueError(f"MerakArguments.{extra[0]} only applies with "
+                                 f"activation_checkpointing=True")
+            if self.train_schedule in NEEDS_RECOMPUTE:
+                raise ValueError(f"MerakArguments.train_schedule={self.train_schedule!r} "
+                                 f"reorders recomputation; set activation_checkpointing=True")
+        if len(shaped) > 1:
+            raise ValueError("MerakArguments: give activation_checkpoint_ratio (fractions) or "
+                             "activation_memory_budget (MiB), not both")
+        for ratio in self.activation_checkpoint_ratio or ():
+            if not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"MerakArguments.activation_checkpoint_ratio values must lie in "
+                                 f"[0, 1], got {ratio}")
+        if any(b <= 0 for b in self.activation_memory_budget or ()):
+            raise ValueError("MerakArguments.activation_memory_budget values must be positive "
+                             "MiB")
+        if self.energy_gpu and (self.activation_checkpointing
+                                or self.train_schedule == "zero_bubble"):
+            raise NotSupportedYetError(
+                "MerakArguments.energy_gpu with activation_checkpointing or "
+                "train_schedule='zero_bubble' is not supported yet: the energy planner profiles "
+                "forward and backward instructions only")
+
     def _check_not_landed(self) -> None:
         later = {
-            "activation_checkpointing": "activation recomputation (issue 7)",
-            "checkpoint_num_layers": "activation recomputation (issue 7)",
-            "activation_checkpoint_ratio": "stage-aware recomputation (issue 7)",
             "tp_overlapping_level": "sub-pipelined tensor parallelism (issue 7)",
             "dealloc_pipeoutput": "deallocating pipeline outputs",
             "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "

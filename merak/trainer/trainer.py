@@ -33,7 +33,7 @@ from transformers.trainer_utils import (
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
 from merak.pipeline.interpreter import PipelineInterpreter
-from merak.trainer import checkpoint
+from merak.trainer import checkpoint, recomputation
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.data import StageBatches, model_input_filter
 from merak.trainer.grad_norm import GradNormClipper
@@ -127,7 +127,10 @@ class MerakTrainer(Trainer):
             bucket_bytes=args.zero_reduce_bucket_size * 4,
             autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             grad_predivide=self.ctx.dp if args.prescale_gradients
-            else args.gradient_predivide_factor)
+            else args.gradient_predivide_factor,
+            recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp),
+            checkpoint_num_layers=args.checkpoint_num_layers,
+            tp_rng=getattr(self._user_model, "merak_tp_rng", None))
         self.scaler = None
         if args.fp16:  # unscale and check for overflow before clipping
             self.scaler = LossScaler(
@@ -157,6 +160,7 @@ class MerakTrainer(Trainer):
         set_seed(args.seed)
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._build(self._example(self.train_dataset, mbs))
+        recomputation.plan(self.engine, args, self._example(self.train_dataset, mbs * m))
         data = self._batches(self.train_dataset, mbs, m)
         steps_per_epoch = data.steps_per_epoch
         max_steps = args.max_steps if args.max_steps > 0 else \

@@ -6,12 +6,20 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
+import transformers as tf
 from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
-from hf_models import FAMILIES, batch
+from hf_models import FAMILIES, LLAMA_LIKE, VOCAB, batch
 
 import merak
 from merak.partition.auto import auto_split
 from merak.partition.meta import materialize_
+from merak.pipeline.stage_aware import (
+    choose_ratios,
+    measure_kept,
+    predict_peaks,
+    stage_aware_ratios,
+)
 
 STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 4, 2, 0.05, 1234
 FAMILY_NAMES = ("llama", "gpt2")
@@ -33,7 +41,7 @@ VARIANTS = {
 
 def scenario_names(world_size: int) -> list[str]:
     return [f"{family}-pp{world_size}-{variant}" for family in FAMILY_NAMES
-            for variant in VARIANTS]
+            for variant in VARIANTS] + [f"llama-pp{world_size}-stage-aware-memory"]
 
 
 class _Family:
@@ -92,6 +100,51 @@ class _Family:
             assert_close(param.detach(), self.final[name], f"{variant}: {name} after training")
 
 
+def stage_aware_memory() -> None:
+    """Stage-aware and budgeted recomputation: each stage's measured peak activation bytes over a
+    1F1B step within 10% of the simulator's prediction; no stage above the first; budgets met."""
+    pp, m = int(os.environ["WORLD_SIZE"]), 8
+    ctx = merak.init(dp=1, tp=1, pp=pp)
+    config = tf.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=4 * pp, **LLAMA_LIKE)
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_config(config)
+    split = auto_split(model, batch("llama", 0, ROWS), pp)
+    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    materialize_(stage)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
+                                       m, p2p_timeout_s=120, measure_activations=True)
+    data, edges = batch("llama", 0, ROWS * m), split.edges or None
+    kept = measure_kept(engine, data, 1)
+    least = predict_peaks("1f1b", m, kept, [1.0] * pp, edges)
+    most = predict_peaks("1f1b", m, kept, [0.0] * pp, edges)
+    budget = [(lo + hi) / 2 for lo, hi in zip(least, most)]
+    report = []
+    try:
+        for mode in ("stage-aware", "budget"):
+            ratios = stage_aware_ratios("1f1b", m, kept, 0.5, edges) if mode == "stage-aware" \
+                else choose_ratios("1f1b", m, kept, budget, edges)
+            engine.set_recomputation(ratios, 1)
+            engine.train_step(data)
+            measured = [0] * pp
+            dist.all_gather_object(measured, engine.activation_peak)
+            predicted = predict_peaks("1f1b", m, kept, ratios, edges)
+            report.append(f"{mode}: ratios {ratios} predicted {[int(p) for p in predicted]} "
+                          f"measured {measured}")
+            for s, (actual, expected) in enumerate(zip(measured, predicted)):
+                assert abs(actual - expected) <= 0.1 * expected, \
+                    f"{mode}: stage {s} measured {actual} bytes, predicted {expected:.0f}"
+            if mode == "stage-aware":
+                assert max(measured[1:]) <= measured[0], "a stage peaks above the first"
+                assert ratios[-1] < ratios[0] and ratios == sorted(ratios, reverse=True), ratios
+            else:
+                assert all(a <= b * 1.1 for a, b in zip(measured, budget)), (measured, budget)
+                assert 0 < sum(ratios) < pp, f"the budget should need some recomputation {ratios}"
+    finally:
+        engine.recompute.remove()
+        if ctx.rank == 0:
+            print("\n".join(report), flush=True)
+
+
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     families: dict[str, _Family] = {}
@@ -103,7 +156,9 @@ def main() -> None:
             families[family].check(variant)
         return run
 
-    run_scenarios({f"{f}-pp{world}-{v}": scenario(f, v) for f in FAMILY_NAMES for v in VARIANTS})
+    scenarios = {f"{f}-pp{world}-{v}": scenario(f, v) for f in FAMILY_NAMES for v in VARIANTS}
+    scenarios[f"llama-pp{world}-stage-aware-memory"] = stage_aware_memory
+    run_scenarios(scenarios)
 
 
 if __name__ == "__main__":

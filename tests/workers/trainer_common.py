@@ -11,7 +11,14 @@ FAMILIES = ("llama", "gpt2")
 # run -> (family, fields for both trainers, MerakArguments-only fields)
 RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
         "llama-bf16": ("llama", {"bf16": True}, {}), "gpt2-bf16": ("gpt2", {"bf16": True}, {}),
-        "llama-zero1": ("llama", {}, {"zero_stage": 1, "prescale_gradients": True})}
+        "llama-zero1": ("llama", {}, {"zero_stage": 1, "prescale_gradients": True}),
+        # recomputation through MerakArguments: stage-aware ratios planned from a measurement
+        "llama-shifted-stage-aware": ("llama", {}, {
+            "train_schedule": "shifted_critical_path", "activation_checkpointing": True,
+            "activation_checkpoint_ratio": [0.5]}),
+        "gpt2-zero-bubble-recompute": ("gpt2", {}, {
+            "train_schedule": "zero_bubble", "activation_checkpointing": True,
+            "checkpoint_num_layers": 2})}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,

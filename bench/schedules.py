@@ -1,0 +1,127 @@
+"""Tokens/s of every pipeline schedule in one 4-rank CPU run, against the simulator's ordering.
+
+    .venv/bin/python bench/schedules.py             # 4 ranks (pp=4), a few minutes on 2 cores
+
+Launches itself under torchrun (`--nproc` ranks, pp = that number, CPU/gloo). A Llama-style
+model (`--layers` blocks, hidden `--hidden`) is auto-split into pp stages and trained with SGD on
+`--microbatches` micro-batches of `--micro-batch-size` x `--seq-len` tokens. One interpreter
+switches between schedules (`set_recomputation(ratio, schedule=...)`): the recomputation
+schedules recompute every block of every stage (1f1b with recomputation is their baseline);
+1f1b and zero_bubble run without. After one warm-up step each, 3 timed runs: in each, every
+schedule runs `--steps` steps, in an order that rotates from run to run. Rank 0 prints, per
+schedule, the median tokens/s over the 3 runs, its ratio to 1f1b with recomputation measured in
+this same launch, and the simulator's makespan for the issue's costs (forward 1, backward 2,
+recomputation 1) for comparison of the orderings.
+
+Ranks share the machine's cores (4 ranks on 2 cores: stages that the simulator runs in parallel
+here compete for cores, and idle-core lending gives a lone stage the idle ones), so expect
+smaller differences than the simulator's: read the ordering and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+RUNS = 3
+# name, schedule, recompute every block
+VARIANTS = [("1f1b+recompute", "1f1b", True), ("pre_recompute_1f1b", "pre_recompute_1f1b", True),
+            ("last_no_recompute_1f1b", "last_no_recompute_1f1b", True),
+            ("shifted_critical_path", "shifted_critical_path", True),
+            ("1f1b", "1f1b", False), ("zero_bubble", "zero_bubble", False)]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers as tf
+
+    import merak
+    from merak.partition.auto import auto_split
+    from merak.partition.meta import materialize_
+    from merak.pipeline.schedules import make_schedule
+    from merak.pipeline.simulator import CostModel, simulate
+
+    ctx = merak.init(dp=1, tp=1, pp=args.nproc)
+    config = tf.LlamaConfig(vocab_size=1024, hidden_size=args.hidden,
+                            intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                            num_attention_heads=8, num_key_value_heads=8,
+                            max_position_embeddings=args.seq_len)
+    rows = args.micro_batch_size * args.microbatches
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1024, (rows, args.seq_len), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    torch.manual_seed(0)
+    with merak.init_empty_weights():
+        model = tf.LlamaForCausalLM(config)
+    split = auto_split(model, {k: v[:args.micro_batch_size] for k, v in batch.items()}, ctx.pp)
+    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    materialize_(stage)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=1e-4),
+                                       args.microbatches)
+    tokens = rows * args.seq_len
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in VARIANTS}
+
+    def run(name: str, schedule: str, recompute: bool, steps: int) -> float:
+        engine.set_recomputation(1.0 if recompute else 0.0, schedule=schedule)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.train_step(batch)
+        dist.barrier()
+        return steps * tokens / (time.perf_counter() - start)
+
+    for variant in VARIANTS:  # warm-up
+        run(*variant, steps=1)
+    for r in range(RUNS):
+        for i in range(len(VARIANTS)):
+            name, schedule, recompute = VARIANTS[(i + r) % len(VARIANTS)]
+            rates[name].append(run(name, schedule, recompute, args.steps))
+    engine.recompute.remove()
+    if ctx.rank == 0:
+        costs = CostModel(forward=1, backward=2, recompute=1)
+        base = statistics.median(rates["1f1b+recompute"])
+        print(f"{ctx.pp} stages x {args.microbatches} micro-batches, {args.layers} Llama blocks "
+              f"(hidden {args.hidden}), {tokens} tokens per step, median of {RUNS} runs x "
+              f"{args.steps} steps")
+        print(f"{'schedule':24s} {'tokens/s':>9s} {'min':>8s} {'max':>8s} {'vs 1f1b+rc':>10s}"
+              f" {'simulated makespan (f1 b2 r1)':>30s}")
+        for name, schedule, recompute in VARIANTS:
+            span = simulate(make_schedule(schedule, ctx.pp, args.microbatches, recompute),
+                            costs).makespan
+            median = statistics.median(rates[name])
+            print(f"{name:24s} {median:9.1f} {min(rates[name]):8.1f} {max(rates[name]):8.1f} "
+                  f"{median / base:10.3f} {span:30.0f}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        rank_main(args)
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+           __file__, "--worker", *sys.argv[1:]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    raise SystemExit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()

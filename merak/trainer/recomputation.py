@@ -1,0 +1,72 @@
+"""`MerakArguments`' recomputation fields turned into per-stage ratios for the interpreter.
+
+* ``activation_checkpointing`` alone: every block of every stage.
+* ``activation_checkpoint_ratio`` with one value per stage: those fractions.
+* ``activation_checkpoint_ratio`` with one value: the first stage's fraction; the later stages
+  recompute the least that keeps their peak at or below the first's (stage-aware).
+* ``activation_memory_budget``: each stage the least that fits its budget.
+
+The last two are planned from a measurement (`merak.pipeline.stage_aware`) once a batch exists;
+until then the interpreter recomputes every block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from merak.pipeline.stage_aware import (
+    choose_ratios,
+    measure_kept,
+    predict_peaks,
+    stage_aware_ratios,
+)
+
+
+def _planned(args, pp: int) -> bool:
+    ratio = args.activation_checkpoint_ratio
+    return args.activation_checkpointing and pp > 1 and (
+        args.activation_memory_budget is not None or (ratio is not None and len(ratio) == 1))
+
+
+def initial_ratio(args, pp: int) -> float | list[float]:
+    """The per-stage recompute ratio to build the interpreter with."""
+    if not args.activation_checkpointing:
+        return 0.0
+    ratio = args.activation_checkpoint_ratio
+    if _planned(args, pp) or ratio is None:
+        return 1.0
+    if len(ratio) == 1:
+        return ratio[0]
+    if len(ratio) != pp:
+        raise ValueError(f"MerakArguments.activation_checkpoint_ratio has {len(ratio)} values for "
+                         f"{pp} pipeline stages; give one per stage, or one for the first stage "
+                         f"(stage-aware)")
+    return list(ratio)
+
+
+def plan(engine, args, batch: dict[str, torch.Tensor]) -> list[float] | None:
+    """For the planned modes, measure (`batch`: one step of micro-batches), choose the ratios,
+    apply them to `engine` and return them with a log line; None for the other modes."""
+    pp = engine.ctx.pp
+    if not _planned(args, pp):
+        return None
+    chunk, m = args.checkpoint_num_layers, engine.num_microbatches
+    schedule, edges = args.train_schedule, engine.split.edges or None
+    kept = measure_kept(engine, batch, chunk)
+    if args.activation_memory_budget is not None:
+        budget = [b * 2**20 for b in args.activation_memory_budget]
+        if len(budget) == 1:
+            budget *= pp
+        if len(budget) != pp:
+            raise ValueError(f"MerakArguments.activation_memory_budget has {len(budget)} values "
+                             f"for {pp} pipeline stages; give one for all or one per stage")
+        ratios = choose_ratios(schedule, m, kept, budget, edges)
+    else:
+        ratios = stage_aware_ratios(schedule, m, kept, args.activation_checkpoint_ratio[0], edges)
+    engine.set_recomputation(ratios, chunk)
+    if engine.ctx.rank == 0:
+        peaks = predict_peaks(schedule, m, kept, ratios, edges)
+        print("recomputation per stage: " + ", ".join(
+            f"stage {s} {r:.2f} of {k.num_blocks} blocks (peak {p / 2**20:.2f} MiB)"
+            for s, (r, k, p) in enumerate(zip(ratios, kept, peaks))), flush=True)
+    return ratios

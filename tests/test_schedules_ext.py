@@ -1,0 +1,170 @@
+"""Recomputation as an action, Merak's 1F1B variants, zero bubble and stage-aware recomputation:
+schedules as data, the simulator's time and memory model and the CLI, in one process; the same
+schedules trained in real pipelines (workers/schedule_parity.py, pp 2 and 4)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_harness import cached_launcher, check
+from hf_models import CustomMLP, batch
+from schedule_parity import scenario_names
+
+from merak import Action, ActionKind, CostModel, ScheduleError, make_schedule, simulate
+from merak.pipeline.recompute import BlockRecomputation, checkpointed_blocks
+from merak.pipeline.simulator import MemoryModel
+from merak.pipeline.stage_aware import KeptBytes, choose_ratios, predict_peaks, stage_aware_ratios
+from merak.pipeline.validate import validate_schedule
+
+K = ActionKind
+MERAK = ("pre_recompute_1f1b", "last_no_recompute_1f1b", "shifted_critical_path")
+WORLD_SIZES = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return cached_launcher("schedule_parity.py", tmp_path_factory)
+
+
+@pytest.mark.parametrize("world_size,scenario",
+                         [(w, s) for w in WORLD_SIZES for s in scenario_names(w)])
+def test_every_schedule_trains_like_the_single_process_model(launches, world_size, scenario):
+    check(*launches(world_size), scenario)
+
+
+@pytest.mark.parametrize("name", [*MERAK, "zero_bubble", "1f1b", "ds_default"])
+def test_every_size_validates_within_1f1b_memory(name):
+    for p in range(1, 7):
+        for m in range(1, 13):
+            recompute = name in MERAK or (p + m) % 2 == 0  # with and without recomputation
+            report = validate_schedule(make_schedule(name, p, m, recompute=recompute), m)
+            one_f = [min(p - s, m) for s in range(p)]
+            if name == "zero_bubble":  # ZB-H1: weight gradients wait, within 1F1B's peak
+                assert max(report.peak_activations) == max(one_f)
+            elif name != "ds_default":
+                assert report.peak_activations == one_f
+
+
+def test_merak_orderings_in_the_simulator():
+    """4 stages, 8 micro-batches, forward 1, backward 2, recomputation 1 (the issue's check)."""
+    costs = CostModel(forward=1, backward=2, recompute=1)
+    span = {name: simulate(make_schedule(name, 4, 8, recompute=True), costs).makespan
+            for name in ("1f1b", *MERAK)}
+    assert span["1f1b"] > span["pre_recompute_1f1b"] > span["shifted_critical_path"]
+    assert span["1f1b"] > span["last_no_recompute_1f1b"] > span["shifted_critical_path"]
+    assert span == {"1f1b": 44, "pre_recompute_1f1b": 41, "last_no_recompute_1f1b": 42,
+                    "shifted_critical_path": 39}
+
+
+def test_zero_bubble_idles_a_third_of_1f1b():
+    costs = CostModel(forward=1, backward=2, weight_grad=1)  # F = input grad = weight grad
+    one_f = simulate(make_schedule("1f1b", 4, 8), costs).idle_per_stage
+    zero = simulate(make_schedule("zero_bubble", 4, 8), costs).idle_per_stage
+    assert sum(zero) <= sum(one_f) / 3
+    assert zero == [3.0] * 4 and one_f == [9.0] * 4
+
+
+def test_recomputation_places_and_the_memory_model():
+    pre = make_schedule("pre_recompute_1f1b", 3, 4, recompute=True)
+    stage0 = pre[0]
+    assert stage0.index(Action(K.RECOMPUTE, 0)) < stage0.index(Action(K.RECV_GRAD, 0))
+    last = make_schedule("last_no_recompute_1f1b", 3, 4, recompute=True)
+    assert not any(a.kind is K.RECOMPUTE for a in last[-1])
+    plain = make_schedule("1f1b", 3, 4, recompute=True)
+    assert plain[1].index(Action(K.RECV_GRAD, 0)) < plain[1].index(Action(K.RECOMPUTE, 0))
+    result = simulate(plain, memory=MemoryModel(full=8.0, kept=2.0))
+    # stage s: one micro-batch whole (recomputed for its backward), the others kept
+    assert result.peak_memory == [8 + 2 * 2, 8 + 2 * 1, 8.0]
+    with pytest.raises(ValueError, match="activation_checkpointing=True"):
+        make_schedule("shifted_critical_path", 3, 4)
+
+
+def test_orders_of_the_new_actions_are_checked():
+    schedule = make_schedule("1f1b", 2, 2, recompute=True)
+    stage = schedule[0]
+    r, b = stage.index(Action(K.RECOMPUTE, 0)), stage.index(Action(K.BACKWARD, 0))
+    stage[r], stage[b] = stage[b], stage[r]
+    with pytest.raises(ScheduleError, match="micro-batch 0"):
+        validate_schedule(schedule, 2)
+    zb = make_schedule("zero_bubble", 2, 2)
+    stage = zb[1]
+    i, w = stage.index(Action(K.BACKWARD_INPUT, 0)), stage.index(Action(K.BACKWARD_WEIGHT, 0))
+    stage[i], stage[w] = stage[w], stage[i]
+    with pytest.raises(ScheduleError, match="micro-batch 0"):
+        validate_schedule(zb, 2)
+
+
+def _simulate_cli(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "merak", "simulate", "--stages", "4",
+                           "--microbatches", "8", *args],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_cli_json_and_compare(tmp_path):
+    one = json.loads(_simulate_cli("--recompute-cost", "1", "--json"))
+    assert one["makespan"] == 44 and one["peak_activations"] == [4, 3, 2, 1]
+    assert one["peak_memory"] == [1.75, 1.5, 1.25, 1.0]  # kept memory: a quarter by default
+    zb = json.loads(_simulate_cli("--schedule", "zero_bubble", "--weight-grad-cost", "1",
+                                  "--json"))
+    assert zb["idle"] == [3.0] * 4
+    out = _simulate_cli("--recompute-cost", "1", "--compare", str(tmp_path))
+    for name in ("1f1b", *MERAK, "zero_bubble"):
+        assert name in out and (tmp_path / f"{name}.png").stat().st_size > 1000
+    table = json.loads(_simulate_cli("--recompute-cost", "1", "--compare", str(tmp_path),
+                                     "--json", "--forward-cost", "1,1,1,2"))
+    assert table["shifted_critical_path"]["makespan"] < table["1f1b"]["makespan"]
+
+
+# -- stage-aware recomputation on a synthetic memory profile --------------------------------------
+# 4 stages of 4 blocks: each block keeps 10 bytes, its input 1; 4 more bytes outside the blocks
+KEPT = [KeptBytes(tuple(44 - 9 * k for k in range(5)))] * 4
+
+
+def test_stage_aware_ratios_fall_with_the_stage():
+    ratios = stage_aware_ratios("1f1b", 8, KEPT, 1.0)
+    peaks = predict_peaks("1f1b", 8, KEPT, ratios)
+    assert ratios[0] == 1.0 and ratios == sorted(ratios, reverse=True) and ratios[-1] == 0.0
+    assert max(peaks[1:]) <= peaks[0]
+    # each later stage recomputes the least it can: one block fewer would exceed the first
+    for s in range(1, 3):
+        fewer = list(ratios)
+        fewer[s] -= 0.25
+        assert predict_peaks("1f1b", 8, KEPT, fewer)[s] > peaks[0]
+
+
+def test_budget_mode_picks_the_least_recomputation_or_says_why_not():
+    ratios = choose_ratios("1f1b", 8, KEPT, [100.0] * 4)
+    assert all(p <= 100 for p in predict_peaks("1f1b", 8, KEPT, ratios))
+    assert ratios == [0.75, 0.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="stage 0 needs .* above its budget"):
+        choose_ratios("1f1b", 8, KEPT, [40.0] * 4)
+
+
+# -- block recomputation in one process -----------------------------------------------------------
+def test_recomputed_blocks_give_the_same_gradients_and_demand_their_rerun():
+    torch.manual_seed(0)
+    model = CustomMLP(depth=5)
+    data = batch("mlp", 0, 4)
+    model(**data).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    assert checkpointed_blocks(5, 0.8, 3) == [[0, 1, 2], [3]]
+    recompute = BlockRecomputation(list(model.blocks), [[0, 1, 2], [3]], torch.device("cpu"))
+    try:
+        recompute.begin_forward(0)
+        loss = model(**data)
+        recompute.end_forward()
+        with pytest.raises(RuntimeError, match="was not recomputed"):
+            loss.backward(retain_graph=True)
+        model.zero_grad()
+        recompute.recompute(0)
+        loss.backward()
+    finally:
+        recompute.remove()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], msg=name)
+    assert "forward" not in vars(model.blocks[0])  # the block's own forward is back
