@@ -36,7 +36,7 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                 ctx: ParallelContext | None = None, *, parallel_vocab: bool = False,
                 sequence_parallel: bool = False, sequence_dim: int = 1,
-                checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
+                tp_overlapping_level: int = 0, checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
                 **split_options) -> PipelineStage:
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
 
@@ -45,6 +45,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         example_inputs: one micro-batch of keyword inputs (with ``labels`` for the loss).
         ctx: the parallel context (default: the one from `merak.init`).
         parallel_vocab, sequence_parallel, sequence_dim: see `apply_tensor_parallel`.
+        tp_overlapping_level: sub-pipelined TP (`apply_tensor_parallel`'s `overlap_level`).
         checkpoint: an HF safetensors file or directory to load this rank's shard from;
             default: initialize as the seeded single-process model would.
         checkpoint_prefix: a prefix of `model`'s parameter names that the checkpoint's names
@@ -61,7 +62,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         aliases = {n: [strip(n), *map(strip, aliases.get(n, []))]
                    for n, _ in model.named_parameters(remove_duplicate=False)}
     apply_tensor_parallel(model, ctx, parallel_vocab=parallel_vocab,
-                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                          overlap_level=tp_overlapping_level)
     split: AutoSplit = auto_split(model, example_inputs, ctx.pp,
                                   device=split_options.pop("device", ctx.device), **split_options)
     stage = PipelineStage(split.container, split, ctx.stage_id)

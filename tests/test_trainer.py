@@ -92,7 +92,7 @@ def test_bad_values_name_the_field(kwargs, message):
 @pytest.mark.parametrize("kwargs", [
     {"train_schedule": "interleaved_1f1b"},
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
-    {"text_generation": True}, {"lora_config": "{}"}, {"tp_overlapping_level": 1},
+    {"text_generation": True}, {"lora_config": "{}"},
     {"energy_gpu": "simulated", "activation_checkpointing": True},
     {"energy_gpu": "simulated", "train_schedule": "zero_bubble"},
     {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},
@@ -115,7 +115,7 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
            "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url",
            "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
-           "activation_memory_budget"}
+           "activation_memory_budget", "tp_overlapping_level"}
 
 
 def _other_value(value):

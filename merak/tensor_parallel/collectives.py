@@ -27,6 +27,19 @@ def _skip(group: dist.ProcessGroup | None) -> bool:
     return group is None or tracing() or dist.get_world_size(group) == 1
 
 
+def communicates(group: dist.ProcessGroup | None) -> bool:
+    """True when the collectives over `group` really communicate (not while tracing, not over
+    one rank or no group)."""
+    return not _skip(group)
+
+
+def all_reduce_async(x: torch.Tensor, group) -> tuple[torch.Tensor, dist.Work]:
+    """Start summing `x` over `group` in place of a contiguous copy; returns (that buffer, the
+    `Work` to wait on before reading it). For `merak.tensor_parallel.overlap`."""
+    x = x.contiguous()
+    return x, dist.all_reduce(x, group=group, async_op=True)
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)

@@ -100,6 +100,8 @@ class _TPMixin:
     tp_group: dist.ProcessGroup | None
     sequence_parallel: bool = False
     sequence_dim: int = 1
+    # sub-pipelined TP: a `merak.tensor_parallel.overlap.LayerOverlap`, set by `set_tp_overlap`
+    tp_overlap = None
 
 
 def is_tensor_parallel(module: nn.Module) -> bool:
@@ -112,9 +114,13 @@ class ColumnParallel(_TPMixin):
     gather_output: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:
-            x = copy_to_tp(x, self.tp_group)
-        y = super().forward(x)
+        overlap = self.tp_overlap
+        if overlap is not None and overlap.applies(self.tp_group):
+            y = overlap.column(self, x, super().forward)
+        else:
+            if not self.sequence_parallel:
+                x = copy_to_tp(x, self.tp_group)
+            y = super().forward(x)
         return gather_from_tp(y, -1, self.tp_group) if self.gather_output else y
 
 
@@ -127,11 +133,13 @@ class RowParallel(_TPMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, -1, self.tp_group)
-        y = self._partial(x)
-        if self.sequence_parallel:
-            y = reduce_scatter_sequence(y, self.sequence_dim, self.tp_group)
+        overlap = self.tp_overlap
+        if overlap is not None and overlap.applies(self.tp_group):
+            y = overlap.row(self, x)  # partial products summed over ranks, chunk by chunk
+        elif self.sequence_parallel:
+            y = reduce_scatter_sequence(self._partial(x), self.sequence_dim, self.tp_group)
         else:
-            y = reduce_from_tp(y, self.tp_group)
+            y = reduce_from_tp(self._partial(x), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 

@@ -250,7 +250,6 @@ class MerakArguments(TrainingArguments):
 
     def _check_not_landed(self) -> None:
         later = {
-            "tp_overlapping_level": "sub-pipelined tensor parallelism (issue 7)",
             "dealloc_pipeoutput": "deallocating pipeline outputs",
             "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "
                                           "each updated shard whole)",

@@ -18,7 +18,8 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
             "activation_checkpoint_ratio": [0.5]}),
         "gpt2-zero-bubble-recompute": ("gpt2", {}, {
             "train_schedule": "zero_bubble", "activation_checkpointing": True,
-            "checkpoint_num_layers": 2})}
+            "checkpoint_num_layers": 2}),
+        "llama-tp-overlap-2": ("llama", {}, {"tp_overlapping_level": 2})}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,
