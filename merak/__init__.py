@@ -7,6 +7,9 @@ from merak.partition.checkpoint import load_safetensors_
 from merak.partition.meta import init_empty_weights, materialize_
 from merak.pipeline.actions import Action, ActionKind, Schedule
 from merak.pipeline.hooks import InstructionHook
+from merak.pipeline.interleaved import InterleavedSchedule, interleaved_1f1b
+from merak.pipeline.interleaved_runtime import InterleavedInterpreter
+from merak.pipeline.interleaved_stage import InterleavedStage, parallelize_interleaved
 from merak.pipeline.interpreter import PipelineInterpreter
 from merak.pipeline.p2p import P2PTimeoutError
 from merak.pipeline.schedules import SCHEDULES, make_schedule
@@ -30,6 +33,9 @@ __all__ = [
     "AutoSplit",
     "CostModel",
     "InstructionHook",
+    "InterleavedInterpreter",
+    "InterleavedSchedule",
+    "InterleavedStage",
     "MerakArguments",
     "MerakTrainer",
     "NotSupportedYetError",
@@ -50,11 +56,13 @@ __all__ = [
     "get_context",
     "init",
     "init_empty_weights",
+    "interleaved_1f1b",
     "load_safetensors_",
     "make_schedule",
     "manual_split",
     "materialize_",
     "parallelize",
+    "parallelize_interleaved",
     "set_tp_layer_lists",
     "simulate",
     "validate_schedule",

@@ -75,6 +75,17 @@ class StageComm:
         self.send_meta: dict[int, list[TensorMeta]] = {}   # dst stage -> metas, this step
         self.pending_sends: list[Pending] = []
 
+    # -- tags ---------------------------------------------------------------------------------
+    def tag(self, peer_stage: int, microbatch_id: int, is_grad: bool, slot: int) -> int:
+        """The tag of one tensor exchanged with `peer_stage`. Stages on different ranks need no
+        more; a subclass widens it where one rank pair carries several stage pairs (interleaved
+        virtual stages)."""
+        return _tag(microbatch_id, is_grad, slot)
+
+    def meta_tag(self, peer_stage: int) -> int:
+        """The tag of the shape handshake with `peer_stage`."""
+        return _META_TAG
+
     # -- waiting ------------------------------------------------------------------------------
     def wait(self, work, peer_rank: int, what: str) -> None:
         try:
@@ -113,11 +124,12 @@ class StageComm:
                          for t, k in zip(outgoing, keys)]
                 self.send_meta[dst] = metas
                 meta = _encode_meta(metas)
-                ops.append(dist.P2POp(dist.isend, meta, peer, tag=_META_TAG))
+                ops.append(dist.P2POp(dist.isend, meta, peer, tag=self.meta_tag(dst)))
                 tensors.append(meta)
                 peers.append(peer)
             for slot, tensor in enumerate(outgoing):
-                ops.append(dist.P2POp(dist.isend, tensor, peer, tag=_tag(microbatch_id, False, slot)))
+                ops.append(dist.P2POp(dist.isend, tensor, peer,
+                                      tag=self.tag(dst, microbatch_id, False, slot)))
                 tensors.append(tensor)
                 peers.append(peer)
         self._post_sends(ops, tensors, peers, f"send_act of micro-batch {microbatch_id}")
@@ -135,14 +147,15 @@ class StageComm:
             if src not in self.recv_meta:
                 meta = torch.empty(len(self.recv_plan[src]) * _META_WIDTH, dtype=torch.int64)
                 peer = self.ctx.stage_rank(src)
-                self.wait(dist.irecv(meta, peer, tag=_META_TAG), peer, what + " (shapes)")
+                self.wait(dist.irecv(meta, peer, tag=self.meta_tag(src)), peer, what + " (shapes)")
                 self.recv_meta[src] = _decode_meta(meta)
         ops, tensors, peers = [], [], []
         for src, metas in self.recv_meta.items():
             peer = self.ctx.stage_rank(src)
             for slot, meta in enumerate(metas):
                 buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.ctx.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=_tag(microbatch_id, False, slot)))
+                ops.append(dist.P2POp(dist.irecv, buffer, peer,
+                                      tag=self.tag(src, microbatch_id, False, slot)))
                 tensors.append(buffer)
                 peers.append(peer)
         return Pending(_post(ops), tensors, peers, what)
@@ -164,7 +177,8 @@ class StageComm:
             for slot, (key, meta) in enumerate(zip(keys, self.recv_meta[src])):
                 if meta.requires_grad:
                     grad = grads[key].contiguous()
-                    ops.append(dist.P2POp(dist.isend, grad, peer, tag=_tag(microbatch_id, True, slot)))
+                    ops.append(dist.P2POp(dist.isend, grad, peer,
+                                          tag=self.tag(src, microbatch_id, True, slot)))
                     tensors.append(grad)
                     peers.append(peer)
         self._post_sends(ops, tensors, peers, f"send_grad of micro-batch {microbatch_id}")
@@ -176,7 +190,8 @@ class StageComm:
             for slot, meta in enumerate(metas):
                 if meta.requires_grad:
                     buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.ctx.device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=_tag(microbatch_id, True, slot)))
+                    ops.append(dist.P2POp(dist.irecv, buffer, peer,
+                                          tag=self.tag(dst, microbatch_id, True, slot)))
                     tensors.append(buffer)
                     peers.append(peer)
         return Pending(_post(ops), tensors, peers, f"recv_grad of micro-batch {microbatch_id}")

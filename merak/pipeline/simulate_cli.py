@@ -6,6 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+from merak.pipeline.interleaved import (
+    INTERLEAVED_SCHEDULES,
+    simulate_interleaved,
+    validate_interleaved,
+)
 from merak.pipeline.schedules import NEEDS_RECOMPUTE, SCHEDULES, make_schedule
 from merak.pipeline.simulator import CostModel, MemoryModel, SimulationResult, simulate
 from merak.pipeline.timeline import TimelineEvent, save_chrome_trace, save_png
@@ -27,8 +32,13 @@ def add_simulate(subparsers) -> None:
         description="Validate a schedule, replay it against per-stage costs and print makespan, "
                     "bubble per stage, peak in-flight micro-batches and peak activation memory. "
                     "Costs and memories take one value or one per stage (comma-separated).")
-    parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    parser.add_argument("--schedule", default="1f1b",
+                        choices=sorted(SCHEDULES) + sorted(INTERLEAVED_SCHEDULES))
     parser.add_argument("--stages", type=int, required=True)
+    parser.add_argument("--interleave", type=int, default=1, metavar="V",
+                        help="model chunks per stage for interleaved_1f1b (costs and memories "
+                             "stay per stage; each chunk takes 1/V); --compare includes "
+                             "interleaved_1f1b when V > 1")
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--forward-cost", type=_values, default=1.0)
     parser.add_argument("--backward-cost", type=_values, default=2.0,
@@ -69,6 +79,16 @@ def _models(args: argparse.Namespace) -> tuple[CostModel, MemoryModel]:
 
 
 def _run_one(name: str, args: argparse.Namespace) -> SimulationResult:
+    if name in INTERLEAVED_SCHEDULES:
+        try:
+            schedule = INTERLEAVED_SCHEDULES[name](args.stages, args.microbatches,
+                                                   args.interleave,
+                                                   recompute=args.recompute_cost is not None)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        validate_interleaved(schedule)
+        costs, memory = _models(args)
+        return simulate_interleaved(schedule, costs, memory=memory)
     try:
         schedule = make_schedule(name, args.stages, args.microbatches,
                                  recompute=args.recompute_cost is not None)
@@ -97,8 +117,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_summary(result)))
     else:
+        chunks = f", {args.interleave} chunks each" if args.schedule in INTERLEAVED_SCHEDULES \
+            else ""
         print(f"schedule {args.schedule}: {args.stages} stages x {args.microbatches} "
-              f"micro-batches")
+              f"micro-batches{chunks}")
         print(f"makespan            {result.makespan:.4f}")
         print(f"bubble (mean)       {result.bubble:.4f}")
         print("stage  busy       idle       bubble   peak_activations  peak_memory")
@@ -120,6 +142,7 @@ def _compare(args: argparse.Namespace) -> int:
     out = Path(args.compare)
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in SCHEDULES if args.recompute_cost is not None or n not in NEEDS_RECOMPUTE]
+    names += list(INTERLEAVED_SCHEDULES) if args.interleave > 1 else []
     results = {name: _run_one(name, args) for name in names}
     if args.json:
         print(json.dumps({name: _summary(r) for name, r in results.items()}))

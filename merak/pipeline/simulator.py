@@ -89,10 +89,14 @@ class MemoryModel:
 
 @dataclass(frozen=True)
 class Event:
+    """`stage_id` is the device's row (the stage, or the rank of an interleaved schedule);
+    `virtual_stage` the stage whose action it is (None for per-step actions)."""
+
     stage_id: int
     action: Action
     start: float
     end: float
+    virtual_stage: int | None = None
 
 
 @dataclass
@@ -158,22 +162,36 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
     Raises:
         ScheduleError: a receive waits for a send that never comes, or the replay deadlocks.
     """
+    programs = [[(s, a) for a in actions] for s, actions in enumerate(schedule)]
+    return replay_programs(programs, len(schedule), costs, edges, memory)
+
+
+Program = Sequence[tuple[int | None, Action]]
+"""What one device runs: ``(stage_id, action)`` pairs in order; None marks a per-step action."""
+
+
+def replay_programs(programs: Sequence[Program], num_stages: int,
+                    costs: CostModel | None = None, edges: Iterable[Edge] | None = None,
+                    memory: MemoryModel | None = None) -> SimulationResult:
+    """`replay` for devices that each run the actions of one or more stages, serialized in the
+    order of their program (interleaved schedules: a rank hosts several virtual stages). Costs,
+    memories and edges are per stage; busy time, idle time and peaks are per device."""
     costs = costs or CostModel()
-    num_stages = len(schedule)
+    num_lanes = len(programs)
     upstream, downstream = _peers(chain_edges(num_stages) if edges is None else edges, num_stages)
     # message key (kind, src, dst, microbatch) -> arrival time
     arrivals: dict[tuple[str, int, int, int], float] = {}
-    clock = [0.0] * num_stages
-    busy = [0.0] * num_stages
-    pointer = [0] * num_stages
-    in_flight = [0] * num_stages
-    peak = [0] * num_stages
+    clock = [0.0] * num_lanes
+    busy = [0.0] * num_lanes
+    pointer = [0] * num_lanes
+    in_flight = [0] * num_lanes
+    peak = [0] * num_lanes
     memory = memory or MemoryModel()
-    recomputed = {(s, a.microbatch_id) for s, actions in enumerate(schedule) for a in actions
+    recomputed = {(s, a.microbatch_id) for program in programs for s, a in program
                   if a.kind is K.RECOMPUTE}
     held: dict[tuple[int, int], float] = {}
-    live = [0.0] * num_stages
-    peak_memory = [0.0] * num_stages
+    live = [0.0] * num_lanes
+    peak_memory = [0.0] * num_lanes
     events: list[Event] = []
 
     def needed(stage_id: int, action: Action) -> list[tuple[str, int, int, int]]:
@@ -187,13 +205,14 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
     progress = True
     while progress:
         progress = False
-        for s in range(num_stages):
-            while pointer[s] < len(schedule[s]):
-                action = schedule[s][pointer[s]]
+        for lane in range(num_lanes):
+            while pointer[lane] < len(programs[lane]):
+                s, action = programs[lane][pointer[lane]]
+                s = lane if s is None else s
                 keys = needed(s, action)
                 if any(key not in arrivals for key in keys):
                     break
-                start = clock[s]
+                start = clock[lane]
                 end = max([start + costs.duration(s, action)] + [arrivals.pop(k) for k in keys])
                 if action.kind is K.SEND_ACT:
                     for dst in downstream[s]:
@@ -202,29 +221,29 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
                     for src in upstream[s]:
                         arrivals[("grad", s, src, action.microbatch_id)] = end + costs.p2p
                 elif action.kind in COMPUTE_KINDS:
-                    busy[s] += end - start
+                    busy[lane] += end - start
                     key = (s, action.microbatch_id)
                     kept, extra = memory.of(s, key in recomputed)
                     if action.kind is K.FORWARD:
-                        in_flight[s] += 1
-                        peak[s] = max(peak[s], in_flight[s])
+                        in_flight[lane] += 1
+                        peak[lane] = max(peak[lane], in_flight[lane])
                         held[key] = kept
-                        live[s] += kept
+                        live[lane] += kept
                     elif action.kind is K.RECOMPUTE:
                         held[key] += extra
-                        live[s] += extra
+                        live[lane] += extra
                     elif action.kind in FREEING_KINDS:
-                        in_flight[s] -= 1
-                        live[s] -= held.pop(key)
-                    peak_memory[s] = max(peak_memory[s], live[s])
-                events.append(Event(s, action, start, end))
-                clock[s] = end
-                pointer[s] += 1
+                        in_flight[lane] -= 1
+                        live[lane] -= held.pop(key)
+                    peak_memory[lane] = max(peak_memory[lane], live[lane])
+                events.append(Event(lane, action, start, end, s))
+                clock[lane] = end
+                pointer[lane] += 1
                 progress = True
-    stuck = [s for s in range(num_stages) if pointer[s] < len(schedule[s])]
+    stuck = [lane for lane in range(num_lanes) if pointer[lane] < len(programs[lane])]
     if stuck:
-        waits = ", ".join(f"stage {s} at {schedule[s][pointer[s]]} (action #{pointer[s]})"
-                          for s in stuck)
+        waits = ", ".join(_where(lane, num_lanes, num_stages, programs[lane], pointer[lane])
+                          for lane in stuck)
         raise ScheduleError(f"schedule deadlocks: no stage can proceed; blocked: {waits}")
     if arrivals:
         unmatched = ", ".join(f"{kind} {src}->{dst} micro-batch {mb}"
@@ -232,6 +251,13 @@ def replay(schedule: Schedule, costs: CostModel | None = None,
         raise ScheduleError(f"sends without a matching receive: {unmatched}")
     return SimulationResult(makespan=max(clock, default=0.0), busy=busy,
                             peak_activations=peak, events=events, peak_memory=peak_memory)
+
+
+def _where(lane: int, num_lanes: int, num_stages: int, program: Program, index: int) -> str:
+    stage_id, action = program[index]
+    if num_lanes == num_stages:
+        return f"stage {lane} at {action} (action #{index})"
+    return f"rank {lane} at {action} of virtual stage {stage_id} (action #{index})"
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None,

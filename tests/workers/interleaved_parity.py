@@ -1,0 +1,108 @@
+"""Interleaved 1F1B (2 chunks per rank) trains an auto-split HF model exactly like the
+single-process model: losses, every gradient, final weights, and the eval loss (see
+test_interleaved)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers as tf
+from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
+from hf_models import LLAMA_LIKE, VOCAB, batch
+
+import merak
+from merak.pipeline.interleaved_runtime import InterleavedInterpreter
+from merak.pipeline.interleaved_stage import parallelize_interleaved
+
+STEPS, ROWS, LR, SEED, CHUNKS = 3, 2, 0.05, 1234, 2
+FAMILY_NAMES = ("llama", "gpt2")
+VARIANTS = {"interleaved": {}, "interleaved-recompute": {"recompute_ratio": 1.0}}
+
+
+def make_model(family: str, num_layers: int):
+    if family == "llama":
+        config = tf.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=num_layers, **LLAMA_LIKE)
+    else:  # GPT-2 ties its embedding (chunk 0 of rank 0) and head (last chunk of the last rank)
+        config = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=num_layers, n_head=4,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                               eos_token_id=0)
+    return tf.AutoModelForCausalLM.from_config(config)
+
+
+def scenario_names(world_size: int) -> list[str]:
+    return [f"{family}-pp{world_size}-{variant}" for family in FAMILY_NAMES
+            for variant in VARIANTS]
+
+
+class _Family:
+    """One family's chunks, initial weights and single-process reference, built once."""
+
+    def __init__(self, family: str, pp: int):
+        self.family, self.ctx = family, merak.init(dp=1, tp=1, pp=pp)
+        self.microbatches, num_layers = 2 * pp, pp * CHUNKS  # one block per virtual stage
+        torch.manual_seed(SEED)
+        with merak.init_empty_weights():
+            model = make_model(family, num_layers)
+        self.stage = parallelize_interleaved(model, batch(family, 0, ROWS), CHUNKS, self.ctx)
+        self.initial = {k: v.clone() for k, v in self.stage.state_dict().items()}
+        torch.manual_seed(SEED)
+        reference = make_model(family, num_layers)
+        params = dict(reference.named_parameters())
+        optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+        self.losses, self.grads = [], []
+        for step in range(STEPS):
+            out = reference(**batch(family, step, ROWS * self.microbatches))
+            out.loss.backward()
+            self.losses.append(out.loss.item())
+            self.grads.append({n: p.grad.clone() for n, p in params.items()})
+            optimizer.step()
+            optimizer.zero_grad()
+        self.final = {n: p.detach().clone() for n, p in params.items()}
+        reference.eval()
+        with torch.no_grad():
+            self.eval_loss = reference(**batch(family, 99, ROWS * self.microbatches)).loss.item()
+
+    def check(self, variant: str) -> None:
+        self.stage.load_state_dict(self.initial)
+        snapshot = GradSnapshot(self.stage)
+        engine = InterleavedInterpreter(
+            self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
+            self.microbatches, hooks=[snapshot], p2p_timeout_s=120, **VARIANTS[variant])
+        try:
+            kinds = {a.kind.value for _, a in engine.program}
+            assert ("recompute" in kinds) == ("recompute" in variant), f"{variant}: {kinds}"
+            losses = [engine.train_step(batch(self.family, step, ROWS * self.microbatches))
+                      for step in range(STEPS)]
+            eval_loss = engine.eval_step(batch(self.family, 99, ROWS * self.microbatches))
+        finally:
+            for recompute in engine.recompute:
+                recompute.remove()
+        for step in range(STEPS):
+            assert_close(torch.tensor(losses[step]), torch.tensor(self.losses[step]),
+                         f"{variant}: loss of step {step}")
+            for name, grad in snapshot.grads[step].items():
+                assert_close_grad(grad, self.grads[step][name], f"{variant}: step {step} {name}")
+        own = dict(self.stage.named_parameters())
+        assert set(snapshot.grads[0]) == set(own), f"{variant}: parameters without gradient"
+        for name, param in own.items():
+            assert_close(param.detach(), self.final[name], f"{variant}: {name} after training")
+        assert_close(torch.tensor(eval_loss), torch.tensor(self.eval_loss), f"{variant}: eval")
+
+
+def main() -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    families: dict[str, _Family] = {}
+
+    def scenario(family: str, variant: str):
+        def run() -> None:
+            if family not in families:
+                families[family] = _Family(family, world)
+            families[family].check(variant)
+        return run
+
+    run_scenarios({f"{f}-pp{world}-{v}": scenario(f, v) for f in FAMILY_NAMES for v in VARIANTS})
+
+
+if __name__ == "__main__":
+    main()
