@@ -9,7 +9,7 @@ from merak.pipeline.actions import Action, ActionKind, Schedule
 from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.interleaved import InterleavedSchedule, interleaved_1f1b
 from merak.pipeline.interleaved_runtime import InterleavedInterpreter
-from merak.pipeline.interleaved_stage import InterleavedStage, parallelize_interleaved
+from merak.pipeline.interleaved_stage import InterleavedStage
 from merak.pipeline.interpreter import PipelineInterpreter
 from merak.pipeline.p2p import P2PTimeoutError
 from merak.pipeline.schedules import SCHEDULES, make_schedule
@@ -62,7 +62,6 @@ __all__ = [
     "manual_split",
     "materialize_",
     "parallelize",
-    "parallelize_interleaved",
     "set_tp_layer_lists",
     "simulate",
     "validate_schedule",

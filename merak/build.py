@@ -20,6 +20,7 @@ from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.partition.auto import AutoSplit, auto_split
 from merak.partition.checkpoint import load_safetensors_
 from merak.partition.meta import materialize_
+from merak.pipeline.interleaved_stage import InterleavedStage, interleaved_stage
 from merak.pipeline.stage import PipelineStage
 from merak.tensor_parallel.apply import apply_tensor_parallel
 
@@ -36,8 +37,8 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                 ctx: ParallelContext | None = None, *, parallel_vocab: bool = False,
                 sequence_parallel: bool = False, sequence_dim: int = 1,
-                tp_overlapping_level: int = 0, checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
-                **split_options) -> PipelineStage:
+                tp_overlapping_level: int = 0, num_model_chunks: int = 1, checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
+                **split_options) -> PipelineStage | InterleavedStage:
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
 
     Args:
@@ -46,6 +47,9 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         ctx: the parallel context (default: the one from `merak.init`).
         parallel_vocab, sequence_parallel, sequence_dim: see `apply_tensor_parallel`.
         tp_overlapping_level: sub-pipelined TP (`apply_tensor_parallel`'s `overlap_level`).
+        num_model_chunks: above 1, for interleaved schedules: the model is split into
+            ``ctx.pp * num_model_chunks`` virtual stages and this rank's chunks are built and
+            materialized together (tied weights within the rank stay one parameter).
         checkpoint: an HF safetensors file or directory to load this rank's shard from;
             default: initialize as the seeded single-process model would.
         checkpoint_prefix: a prefix of `model`'s parameter names that the checkpoint's names
@@ -53,7 +57,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         split_options: passed to `merak.auto_split` (partition_method, split_method, ...).
 
     Returns:
-        The `PipelineStage` (its ``split`` is the `AutoSplit`), ready for `PipelineInterpreter`.
+        The `PipelineStage` (its ``split`` is the `AutoSplit`), ready for `PipelineInterpreter`;
+        with chunks, the `InterleavedStage`, ready for `InterleavedInterpreter`.
     """
     ctx = ctx or get_context()
     aliases = tied_aliases(model)
@@ -64,9 +69,14 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     apply_tensor_parallel(model, ctx, parallel_vocab=parallel_vocab,
                           sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                           overlap_level=tp_overlapping_level)
-    split: AutoSplit = auto_split(model, example_inputs, ctx.pp,
+    if num_model_chunks < 1:
+        raise ValueError(f"num_model_chunks must be >= 1, got {num_model_chunks}")
+    split: AutoSplit = auto_split(model, example_inputs, ctx.pp * num_model_chunks,
                                   device=split_options.pop("device", ctx.device), **split_options)
-    stage = PipelineStage(split.container, split, ctx.stage_id)
+    if num_model_chunks > 1:
+        stage = interleaved_stage(split, split.container, ctx, num_model_chunks)
+    else:
+        stage = PipelineStage(split.container, split, ctx.stage_id)
     if checkpoint is None:
         materialize_(stage, ctx.device)
     else:

@@ -77,6 +77,8 @@ def test_arguments_parse_from_the_command_line():
      "choose one of"),
     ({"simulated_gpu": "{}"}, "only applies with energy_gpu='simulated'"),
     ({"checkpoint_num_layers": 2}, "checkpoint_num_layers only applies with activation_"),
+    ({"num_model_chunks": 3}, "num_model_chunks only applies with"),
+    ({"train_schedule": "interleaved_1f1b", "num_model_chunks": 1}, "must be >= 2"),
     ({"activation_checkpoint_ratio": [0.5]}, "only applies with activation_checkpointing"),
     ({"train_schedule": "shifted_critical_path"}, "set activation_checkpointing=True"),
     ({"activation_checkpointing": True, "activation_checkpoint_ratio": [1.5]}, r"in \[0, 1\]"),
@@ -90,7 +92,9 @@ def test_bad_values_name_the_field(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"train_schedule": "interleaved_1f1b"},
+    {"train_schedule": "interleaved_1f1b", "activation_checkpointing": True,
+     "activation_checkpoint_ratio": [0.5]},
+    {"energy_gpu": "simulated", "train_schedule": "interleaved_1f1b"},
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
     {"text_generation": True}, {"lora_config": "{}"},
     {"energy_gpu": "simulated", "activation_checkpointing": True},
@@ -115,7 +119,7 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
            "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url",
            "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
-           "activation_memory_budget", "tp_overlapping_level"}
+           "activation_memory_budget", "tp_overlapping_level", "num_model_chunks"}
 
 
 def _other_value(value):

@@ -152,7 +152,7 @@ class InterleavedInterpreter:
     """Executes one rank's program of an interleaved schedule, one step per `train_step()`.
 
     Args:
-        stage: this rank's chunks: an `InterleavedStage` (`parallelize_interleaved`) or the
+        stage: this rank's chunks: an `InterleavedStage` (`merak.parallelize(..., num_model_chunks=v)`) or the
             `PipelineStage`s of virtual stages ``c * pp + pp_rank`` in chunk order, of one split
             into ``ctx.pp * num_chunks`` virtual stages.
         ctx: the parallel context (real ranks: ``ctx.pp`` pipeline ranks, at least 2).

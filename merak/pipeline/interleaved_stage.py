@@ -9,19 +9,12 @@ optimizer, gradient clipping and checkpoints see one module, as with one stage p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
-import torch
 from torch import nn
 
-from merak.build import tied_aliases
-from merak.distributed.parallel_context import ParallelContext, get_context
-from merak.partition.auto import auto_split
-from merak.partition.checkpoint import load_safetensors_
-from merak.partition.meta import materialize_
+from merak.distributed.parallel_context import ParallelContext
 from merak.pipeline.split import PipelineSplit
 from merak.pipeline.stage import PipelineStage
-from merak.tensor_parallel.apply import apply_tensor_parallel
 
 
 def chunk_stage_ids(num_ranks: int, num_chunks: int, pp_rank: int) -> list[int]:
@@ -95,34 +88,3 @@ def interleaved_stage(split: PipelineSplit, container: nn.Module, ctx: ParallelC
                          f"chunks over pp={ctx.pp} needs {ctx.pp * num_chunks}")
     return InterleavedStage([PipelineStage(container, split, s)
                              for s in chunk_stage_ids(ctx.pp, num_chunks, ctx.pp_rank)])
-
-
-def parallelize_interleaved(model: nn.Module, example_inputs: dict[str, torch.Tensor],
-                            num_chunks: int, ctx: ParallelContext | None = None, *,
-                            parallel_vocab: bool = False, sequence_parallel: bool = False,
-                            sequence_dim: int = 1, checkpoint: str | Path | None = None,
-                            checkpoint_prefix: str = "", **split_options) -> InterleavedStage:
-    """`merak.parallelize` for interleaved schedules: the same build order, with the model split
-    into ``ctx.pp * num_chunks`` virtual stages and this rank's `num_chunks` of them
-    materialized together (so tied weights within the rank stay one parameter).
-
-    Returns:
-        The `InterleavedStage`, ready for `InterleavedInterpreter`.
-    """
-    ctx = ctx or get_context()
-    aliases = tied_aliases(model)
-    if checkpoint_prefix:
-        strip = lambda n: n.removeprefix(checkpoint_prefix)
-        aliases = {n: [strip(n), *map(strip, aliases.get(n, []))]
-                   for n, _ in model.named_parameters(remove_duplicate=False)}
-    apply_tensor_parallel(model, ctx, parallel_vocab=parallel_vocab,
-                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
-    split = auto_split(model, example_inputs, ctx.pp * num_chunks,
-                       device=split_options.pop("device", ctx.device), **split_options)
-    stage = interleaved_stage(split, split.container, ctx, num_chunks)
-    if checkpoint is None:
-        materialize_(stage, ctx.device)
-    else:
-        materialize_(stage, ctx.device, initialize=False)
-        load_safetensors_(stage, checkpoint, aliases=aliases)
-    return stage

@@ -16,6 +16,7 @@ from transformers import TrainingArguments
 
 from merak.partition import assign
 from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
+from merak.pipeline.interleaved import INTERLEAVED_SCHEDULES
 from merak.pipeline.schedules import NEEDS_RECOMPUTE, SCHEDULES
 
 
@@ -23,7 +24,6 @@ class NotSupportedYetError(ValueError):
     """A field asks for a feature Merak does not have yet."""
 
 
-MERAK_SCHEDULES_LATER = ("interleaved_1f1b",)
 
 # inherited HF fields MerakTrainer honours; any other HF field must keep its HF default
 _HONOURED = frozenset({
@@ -70,7 +70,10 @@ class MerakArguments(TrainingArguments):
 
     # ---- pipeline schedule and partitioning
     train_schedule: str = field(default="1f1b", metadata={
-        "help": f"pipeline schedule: {sorted(SCHEDULES)}"})
+        "help": f"pipeline schedule: {sorted(SCHEDULES) + sorted(INTERLEAVED_SCHEDULES)}"})
+    num_model_chunks: int = field(default=2, metadata={
+        "help": "model chunks per pipeline rank for train_schedule='interleaved_1f1b' (the model "
+                "is split into pp x this many virtual stages)"})
     partition_method: str = field(default="uniform", metadata={
         "help": f"stage assignment: {list(assign.PARTITION_METHODS)}"})
     split_method: str = field(default="farthest_min_deps", metadata={
@@ -174,7 +177,7 @@ class MerakArguments(TrainingArguments):
 
     def _check_choices(self) -> None:
         choices = {
-            "train_schedule": (*SCHEDULES, *MERAK_SCHEDULES_LATER),
+            "train_schedule": (*SCHEDULES, *INTERLEAVED_SCHEDULES),
             "partition_method": assign.PARTITION_METHODS,
             "split_method": SPLIT_METHODS, "trace_method": TRACE_METHODS,
             "zero_stage": (0, 1, 2, 3), "tp_overlapping_level": (0, 1, 2),
@@ -189,7 +192,7 @@ class MerakArguments(TrainingArguments):
             raise ValueError("MerakArguments.split_method='layer_split' needs "
                              "custom_split_points")
         for name in ("checkpoint_num_layers", "out_seq_length", "loss_scale_window",
-                     "hysteresis"):
+                     "hysteresis", "num_model_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
         self._check_energy()
@@ -241,12 +244,12 @@ class MerakArguments(TrainingArguments):
         if any(b <= 0 for b in self.activation_memory_budget or ()):
             raise ValueError("MerakArguments.activation_memory_budget values must be positive "
                              "MiB")
-        if self.energy_gpu and (self.activation_checkpointing
-                                or self.train_schedule == "zero_bubble"):
+        if self.energy_gpu and (self.activation_checkpointing or self.train_schedule in (
+                "zero_bubble", *INTERLEAVED_SCHEDULES)):
             raise NotSupportedYetError(
-                "MerakArguments.energy_gpu with activation_checkpointing or "
-                "train_schedule='zero_bubble' is not supported yet: the energy planner profiles "
-                "forward and backward instructions only")
+                f"MerakArguments.energy_gpu with activation_checkpointing or "
+                f"train_schedule={self.train_schedule!r} is not supported yet: the energy planner "
+                f"profiles the forward and backward instructions of one stage per rank only")
 
     def _check_not_landed(self) -> None:
         later = {
@@ -278,9 +281,20 @@ class MerakArguments(TrainingArguments):
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ValueError("MerakArguments: prescale_gradients divides by dp before the "
                              "all-reduce; do not also set gradient_predivide_factor")
-        if self.train_schedule in MERAK_SCHEDULES_LATER:
-            raise NotSupportedYetError(f"MerakArguments.train_schedule={self.train_schedule!r} "
-                                       f"is not supported yet; use one of {sorted(SCHEDULES)}")
+        interleaved = self.train_schedule in INTERLEAVED_SCHEDULES
+        if not interleaved and self.num_model_chunks != 2:
+            raise ValueError("MerakArguments.num_model_chunks only applies with "
+                             "train_schedule='interleaved_1f1b'")
+        if interleaved and self.num_model_chunks < 2:
+            raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
+                             "(1 chunk per rank is train_schedule='1f1b')")
+        planned = self.activation_memory_budget is not None or \
+            len(self.activation_checkpoint_ratio or ()) == 1
+        if interleaved and planned:
+            raise NotSupportedYetError(
+                "MerakArguments: stage-aware recomputation (one activation_checkpoint_ratio, or "
+                "activation_memory_budget) with interleaved_1f1b is not supported yet; give one "
+                "ratio per virtual stage (pp x num_model_chunks values)")
         if self.save and str(self.save_strategy).lower().endswith("no"):
             self.save_strategy = "steps"
         if str(self.save_strategy).lower().split(".")[-1] not in ("no", "steps"):

@@ -3,7 +3,7 @@ compute on the whole model in one process.
 
 Each logical parameter is counted once: a tensor-parallel shard contributes its own squares;
 a parameter replicated over the tp ranks contributes 1/tp on each; a weight tied across k
-stages contributes 1/k on each; dp replicas hold identical (already averaged) gradients, so the
+ranks contributes 1/k on each; dp replicas hold identical (already averaged) gradients, so the
 world-wide sum is divided by dp.
 """
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from merak.distributed.parallel_context import ParallelContext
 from merak.pipeline.hooks import InstructionHook
+from merak.pipeline.interleaved_stage import InterleavedStage
 from merak.pipeline.stage import PipelineStage
 
 
@@ -21,10 +22,13 @@ class GradNormClipper(InstructionHook):
     """Before each optimizer step: compute the global gradient norm (``last_norm``) and, with
     `max_norm` > 0, scale every gradient by ``min(1, max_norm / (norm + 1e-6))``."""
 
-    def __init__(self, stage: PipelineStage, ctx: ParallelContext, max_norm: float):
+    def __init__(self, stage: PipelineStage | InterleavedStage, ctx: ParallelContext,
+                 max_norm: float):
         self.ctx, self.max_norm = ctx, max_norm
-        tied = {name: len(t.stages) for t in stage.split.tied_weights
-                for s, name in t.names if s == ctx.stage_id}
+        own = set(getattr(stage, "stage_ids", [ctx.stage_id]))  # an interleaved rank's chunks
+        # a tied weight is one parameter per rank: count the ranks holding it
+        tied = {name: len({s % ctx.pp for s in t.stages}) for t in stage.split.tied_weights
+                for s, name in t.names if s in own}
         self.weighted: list[tuple[torch.nn.Parameter, float]] = []
         for name, param in stage.named_parameters():
             weight = 1.0 / tied.get(name, 1)

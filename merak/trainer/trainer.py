@@ -32,6 +32,8 @@ from transformers.trainer_utils import (
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
+from merak.pipeline.interleaved import INTERLEAVED_SCHEDULES
+from merak.pipeline.interleaved_runtime import InterleavedInterpreter
 from merak.pipeline.interpreter import PipelineInterpreter
 from merak.trainer import checkpoint, recomputation
 from merak.trainer.arguments import MerakArguments
@@ -97,8 +99,11 @@ class MerakTrainer(Trainer):
         self._wrapped_loss = loss_fn is not None
         if loss_fn is not None:
             model = with_loss(model, loss_fn, list(example))
+        interleaved = args.train_schedule in INTERLEAVED_SCHEDULES
+        chunks = args.num_model_chunks if interleaved else 1
         self.stage = parallelize(
-            model, example, self.ctx, checkpoint=pretrained_checkpoint(self._user_model),
+            model, example, self.ctx, num_model_chunks=chunks,
+            checkpoint=pretrained_checkpoint(self._user_model),
             checkpoint_prefix="model." if self._wrapped_loss else "",
             parallel_vocab=args.parallel_vocab,
             sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
@@ -121,14 +126,14 @@ class MerakTrainer(Trainer):
             self.energy = TrainerEnergy(args, self.ctx, args.gradient_accumulation_steps)
             if not args.energy_profile:  # the profiler brings its own hook
                 hooks.append(self.energy.hook)
-        self.engine = PipelineInterpreter(
+        self.engine = (InterleavedInterpreter if interleaved else PipelineInterpreter)(
             self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
             schedule=args.train_schedule, hooks=hooks,
             bucket_bytes=args.zero_reduce_bucket_size * 4,
             autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             grad_predivide=self.ctx.dp if args.prescale_gradients
             else args.gradient_predivide_factor,
-            recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp),
+            recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp * chunks),
             checkpoint_num_layers=args.checkpoint_num_layers,
             tp_rng=getattr(self._user_model, "merak_tp_rng", None))
         self.scaler = None

@@ -13,7 +13,6 @@ from hf_models import LLAMA_LIKE, VOCAB, batch
 
 import merak
 from merak.pipeline.interleaved_runtime import InterleavedInterpreter
-from merak.pipeline.interleaved_stage import parallelize_interleaved
 
 STEPS, ROWS, LR, SEED, CHUNKS = 3, 2, 0.05, 1234, 2
 FAMILY_NAMES = ("llama", "gpt2")
@@ -44,7 +43,8 @@ class _Family:
         torch.manual_seed(SEED)
         with merak.init_empty_weights():
             model = make_model(family, num_layers)
-        self.stage = parallelize_interleaved(model, batch(family, 0, ROWS), CHUNKS, self.ctx)
+        self.stage = merak.parallelize(model, batch(family, 0, ROWS), self.ctx,
+                                       num_model_chunks=CHUNKS)
         self.initial = {k: v.clone() for k, v in self.stage.state_dict().items()}
         torch.manual_seed(SEED)
         reference = make_model(family, num_layers)

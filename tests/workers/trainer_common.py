@@ -19,7 +19,9 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
         "gpt2-zero-bubble-recompute": ("gpt2", {}, {
             "train_schedule": "zero_bubble", "activation_checkpointing": True,
             "checkpoint_num_layers": 2}),
-        "llama-tp-overlap-2": ("llama", {}, {"tp_overlapping_level": 2})}
+        "llama-tp-overlap-2": ("llama", {}, {"tp_overlapping_level": 2}),
+        "llama-deep-interleaved": ("llama-deep", {}, {
+            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2})}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,
@@ -42,6 +44,9 @@ def eval_set():
 
 
 def build(family: str):
+    """A model of `family` (``llama-deep``: `build_deep_llama`)."""
+    if family == "llama-deep":
+        return build_deep_llama()
     torch.manual_seed(SEED)
     model = TP_FAMILIES[family]()
     # GPT2LMHeadModel's name matches no HF loss type, so HF Trainer would count position 0's
