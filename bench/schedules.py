@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/schedules.py             # 4 ranks (pp=4), a few minutes on 2 cores
 
-Launches itself under torchrun (`--nproc` ranks, pp = that number, CPU/gloo). A Llama-style
+Launches itself under torchrun (`--ranks` ranks, pp = that number, CPU/gloo). A Llama-style
 model (`--layers` blocks, hidden `--hidden`) is auto-split into pp stages and trained with SGD on
 `--microbatches` micro-batches of `--micro-batch-size` x `--seq-len` tokens. One interpreter
 switches between schedules (`set_recomputation(ratio, schedule=...)`): the recomputation
 schedules recompute every block of every stage (1f1b with recomputation is their baseline);
-1f1b and zero_bubble run without. After one warm-up step each, 3 timed runs: in each, every
+1f1b and zero_bubble run without, and interleaved_1f1b runs a second copy of the model split into
+2 chunks per rank (`InterleavedInterpreter`). After one warm-up step each, 3 timed runs: in each, every
 schedule runs `--steps` steps, in an order that rotates from run to run. Rank 0 prints, per
 schedule, the median tokens/s over the 3 runs, its ratio to 1f1b with recomputation measured in
 this same launch, and the simulator's makespan for the issue's costs (forward 1, backward 2,
@@ -32,12 +33,13 @@ RUNS = 3
 VARIANTS = [("1f1b+recompute", "1f1b", True), ("pre_recompute_1f1b", "pre_recompute_1f1b", True),
             ("last_no_recompute_1f1b", "last_no_recompute_1f1b", True),
             ("shifted_critical_path", "shifted_critical_path", True),
-            ("1f1b", "1f1b", False), ("zero_bubble", "zero_bubble", False)]
+            ("1f1b", "1f1b", False), ("zero_bubble", "zero_bubble", False),
+            ("interleaved_1f1b (v=2)", "interleaved_1f1b", False)]
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -54,12 +56,11 @@ def rank_main(args: argparse.Namespace) -> None:
     import transformers as tf
 
     import merak
-    from merak.partition.auto import auto_split
-    from merak.partition.meta import materialize_
+    from merak.pipeline.interleaved import INTERLEAVED_SCHEDULES, simulate_interleaved
     from merak.pipeline.schedules import make_schedule
     from merak.pipeline.simulator import CostModel, simulate
 
-    ctx = merak.init(dp=1, tp=1, pp=args.nproc)
+    ctx = merak.init(dp=1, tp=1, pp=args.ranks)
     config = tf.LlamaConfig(vocab_size=1024, hidden_size=args.hidden,
                             intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                             num_attention_heads=8, num_key_value_heads=8,
@@ -68,23 +69,27 @@ def rank_main(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1024, (rows, args.seq_len), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    torch.manual_seed(0)
-    with merak.init_empty_weights():
-        model = tf.LlamaForCausalLM(config)
-    split = auto_split(model, {k: v[:args.micro_batch_size] for k, v in batch.items()}, ctx.pp)
-    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
-    materialize_(stage)
-    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=1e-4),
-                                       args.microbatches)
+    example = {k: v[:args.micro_batch_size] for k, v in batch.items()}
+    stages = []
+    for chunks in (1, 2):
+        torch.manual_seed(0)
+        with merak.init_empty_weights():
+            model = tf.LlamaForCausalLM(config)
+        stages.append(merak.parallelize(model, example, ctx, num_model_chunks=chunks))
+    sgd = lambda stage: torch.optim.SGD(stage.parameters(), lr=1e-4)
+    engine = merak.PipelineInterpreter(stages[0], ctx, sgd(stages[0]), args.microbatches)
+    interleaved = merak.InterleavedInterpreter(stages[1], ctx, sgd(stages[1]), args.microbatches)
     tokens = rows * args.seq_len
     rates: dict[str, list[float]] = {name: [] for name, _, _ in VARIANTS}
 
     def run(name: str, schedule: str, recompute: bool, steps: int) -> float:
-        engine.set_recomputation(1.0 if recompute else 0.0, schedule=schedule)
+        runner = interleaved if schedule in INTERLEAVED_SCHEDULES else engine
+        if runner is engine:
+            engine.set_recomputation(1.0 if recompute else 0.0, schedule=schedule)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(steps):
-            engine.train_step(batch)
+            runner.train_step(batch)
         dist.barrier()
         return steps * tokens / (time.perf_counter() - start)
 
@@ -104,8 +109,10 @@ def rank_main(args: argparse.Namespace) -> None:
         print(f"{'schedule':24s} {'tokens/s':>9s} {'min':>8s} {'max':>8s} {'vs 1f1b+rc':>10s}"
               f" {'simulated makespan (f1 b2 r1)':>30s}")
         for name, schedule, recompute in VARIANTS:
-            span = simulate(make_schedule(schedule, ctx.pp, args.microbatches, recompute),
-                            costs).makespan
+            span = simulate_interleaved(interleaved.schedule, costs).makespan \
+                if schedule in INTERLEAVED_SCHEDULES else \
+                simulate(make_schedule(schedule, ctx.pp, args.microbatches, recompute),
+                         costs).makespan
             median = statistics.median(rates[name])
             print(f"{name:24s} {median:9.1f} {min(rates[name]):8.1f} {max(rates[name]):8.1f} "
                   f"{median / base:10.3f} {span:30.0f}")
@@ -117,7 +124,7 @@ def main() -> None:
     if args.worker:
         rank_main(args)
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
            __file__, "--worker", *sys.argv[1:]]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     raise SystemExit(subprocess.call(cmd, env=env))

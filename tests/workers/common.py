@@ -6,8 +6,9 @@ import argparse
 import json
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,22 @@ def run_scenarios(scenarios: dict[str, Scenario]) -> None:
         path.write_text(json.dumps(results, indent=1))
         dist.barrier()
     dist.destroy_process_group()
+
+
+def family_scenarios(build: Callable[[str], Any], families: Iterable[str],
+                     variants: Iterable[str], world_size: int) -> dict[str, Scenario]:
+    """``{family}-pp{world_size}-{variant}`` -> ``build(family).check(variant)``, each family
+    built once, when its first scenario runs."""
+    built: dict[str, Any] = {}
+
+    def scenario(family: str, variant: str) -> Scenario:
+        def run() -> None:
+            if family not in built:
+                built[family] = build(family)
+            built[family].check(variant)
+        return run
+
+    return {f"{f}-pp{world_size}-{v}": scenario(f, v) for f in families for v in variants}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

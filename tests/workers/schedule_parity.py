@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 import transformers as tf
-from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
+from common import GradSnapshot, assert_close, assert_close_grad, family_scenarios, run_scenarios
 from hf_models import FAMILIES, LLAMA_LIKE, VOCAB, batch
 
 import merak
@@ -147,16 +147,7 @@ def stage_aware_memory() -> None:
 
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
-    families: dict[str, _Family] = {}
-
-    def scenario(family: str, variant: str):
-        def run() -> None:
-            if family not in families:
-                families[family] = _Family(family, world)
-            families[family].check(variant)
-        return run
-
-    scenarios = {f"{f}-pp{world}-{v}": scenario(f, v) for f in FAMILY_NAMES for v in VARIANTS}
+    scenarios = family_scenarios(lambda f: _Family(f, world), FAMILY_NAMES, VARIANTS, world)
     scenarios[f"llama-pp{world}-stage-aware-memory"] = stage_aware_memory
     run_scenarios(scenarios)
 
