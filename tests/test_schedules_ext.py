@@ -5,8 +5,6 @@ schedules trained in real pipelines (workers/schedule_parity.py, pp 2 and 4)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from hf_models import CustomMLP, batch
 from schedule_parity import scenario_names
 
 from merak import Action, ActionKind, CostModel, ScheduleError, make_schedule, simulate
+from merak.cli import main
 from merak.pipeline.recompute import BlockRecomputation, checkpointed_blocks
 from merak.pipeline.simulator import MemoryModel
 from merak.pipeline.stage_aware import KeptBytes, choose_ratios, predict_peaks, stage_aware_ratios
@@ -98,13 +97,11 @@ def test_orders_of_the_new_actions_are_checked():
         validate_schedule(zb, 2)
 
 
-def _simulate_cli(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "merak", "simulate", "--stages", "4",
-                           "--microbatches", "8", *args],
-                          capture_output=True, text=True, check=True).stdout
+def test_cli_json_and_compare(tmp_path, capsys):
+    def _simulate_cli(*args: str) -> str:  # in process (test_schedules runs it as a command)
+        assert main(["simulate", "--stages", "4", "--microbatches", "8", *args]) == 0
+        return capsys.readouterr().out
 
-
-def test_cli_json_and_compare(tmp_path):
     one = json.loads(_simulate_cli("--recompute-cost", "1", "--json"))
     assert one["makespan"] == 44 and one["peak_activations"] == [4, 3, 2, 1]
     assert one["peak_memory"] == [1.75, 1.5, 1.25, 1.0]  # kept memory: a quarter by default
