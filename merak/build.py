@@ -37,7 +37,8 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                 ctx: ParallelContext | None = None, *, parallel_vocab: bool = False,
                 sequence_parallel: bool = False, sequence_dim: int = 1,
-                tp_overlapping_level: int = 0, num_model_chunks: int = 1, checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
+                tp_overlapping_level: int = 0, num_model_chunks: int = 1,
+                checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
                 **split_options) -> PipelineStage | InterleavedStage:
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
 

@@ -107,7 +107,8 @@ class MerakTrainer(Trainer):
             checkpoint_prefix="model." if self._wrapped_loss else "",
             parallel_vocab=args.parallel_vocab,
             sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
-            tp_overlapping_level=args.tp_overlapping_level, trace_method=args.trace_method, split_method=args.split_method,
+            tp_overlapping_level=args.tp_overlapping_level,
+            trace_method=args.trace_method, split_method=args.split_method,
             partition_method=args.partition_method, custom_partition=args.custom_partition,
             custom_split_points=args.custom_split_points, leaf_modules=self.leaf_modules,
             no_tie_modules=args.no_tie_modules)
