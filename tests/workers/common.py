@@ -83,3 +83,20 @@ class GradSnapshot(merak.InstructionHook):
         if name == "optimizer_step":
             self.grads.append({n: p.grad.clone() for n, p in self.stage.named_parameters()
                                if p.grad is not None})
+
+
+def assert_trained_like(what: str, losses: list[float], snapshot: GradSnapshot,
+                        stage: torch.nn.Module,
+                        ref_losses: list[float], ref_grads: list[dict[str, torch.Tensor]],
+                        ref_final: dict[str, torch.Tensor]) -> None:
+    """Each step's loss and every gradient `snapshot` took equal the single-process reference's;
+    every parameter of `stage` got a gradient and ends equal to the reference's."""
+    for step, loss in enumerate(losses):
+        assert_close(torch.tensor(loss), torch.tensor(ref_losses[step]),
+                     f"{what}: loss of step {step}")
+        for name, grad in snapshot.grads[step].items():
+            assert_close_grad(grad, ref_grads[step][name], f"{what}: step {step} {name}")
+    own = dict(stage.named_parameters())
+    assert set(snapshot.grads[0]) == set(own), f"{what}: parameters without gradient"
+    for name, param in own.items():
+        assert_close(param.detach(), ref_final[name], f"{what}: {name} after training")

@@ -8,7 +8,13 @@ import os
 
 import torch
 import transformers as tf
-from common import GradSnapshot, assert_close, assert_close_grad, family_scenarios, run_scenarios
+from common import (
+    GradSnapshot,
+    assert_close,
+    assert_trained_like,
+    family_scenarios,
+    run_scenarios,
+)
 from hf_models import LLAMA_LIKE, VOCAB, batch
 
 import merak
@@ -78,15 +84,8 @@ class _Family:
         finally:
             for recompute in engine.recompute:
                 recompute.remove()
-        for step in range(STEPS):
-            assert_close(torch.tensor(losses[step]), torch.tensor(self.losses[step]),
-                         f"{variant}: loss of step {step}")
-            for name, grad in snapshot.grads[step].items():
-                assert_close_grad(grad, self.grads[step][name], f"{variant}: step {step} {name}")
-        own = dict(self.stage.named_parameters())
-        assert set(snapshot.grads[0]) == set(own), f"{variant}: parameters without gradient"
-        for name, param in own.items():
-            assert_close(param.detach(), self.final[name], f"{variant}: {name} after training")
+        assert_trained_like(variant, losses, snapshot, self.stage, self.losses, self.grads,
+                            self.final)
         assert_close(torch.tensor(eval_loss), torch.tensor(self.eval_loss), f"{variant}: eval")
 
 

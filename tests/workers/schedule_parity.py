@@ -8,7 +8,12 @@ import os
 import torch
 import torch.distributed as dist
 import transformers as tf
-from common import GradSnapshot, assert_close, assert_close_grad, family_scenarios, run_scenarios
+from common import (
+    GradSnapshot,
+    assert_trained_like,
+    family_scenarios,
+    run_scenarios,
+)
 from hf_models import FAMILIES, LLAMA_LIKE, VOCAB, batch
 
 import merak
@@ -89,15 +94,8 @@ class _Family:
                       for step in range(STEPS)]
         finally:
             engine.recompute.remove()
-        for step in range(STEPS):
-            assert_close(torch.tensor(losses[step]), torch.tensor(self.losses[step]),
-                         f"{variant}: loss of step {step}")
-            for name, grad in snapshot.grads[step].items():
-                assert_close_grad(grad, self.grads[step][name], f"{variant}: step {step} {name}")
-        own = dict(self.stage.named_parameters())
-        assert set(snapshot.grads[0]) == set(own), f"{variant}: parameters without gradient"
-        for name, param in own.items():
-            assert_close(param.detach(), self.final[name], f"{variant}: {name} after training")
+        assert_trained_like(variant, losses, snapshot, self.stage, self.losses, self.grads,
+                            self.final)
 
 
 def stage_aware_memory() -> None:
