@@ -82,7 +82,7 @@ def rank_main(args: argparse.Namespace) -> None:
     tokens = rows * args.seq_len
     rates: dict[str, list[float]] = {name: [] for name, _, _ in VARIANTS}
 
-    def run(name: str, schedule: str, recompute: bool, steps: int) -> float:
+    def run(schedule: str, recompute: bool, steps: int) -> float:
         runner = interleaved if schedule in INTERLEAVED_SCHEDULES else engine
         if runner is engine:
             engine.set_recomputation(1.0 if recompute else 0.0, schedule=schedule)
@@ -93,12 +93,12 @@ def rank_main(args: argparse.Namespace) -> None:
         dist.barrier()
         return steps * tokens / (time.perf_counter() - start)
 
-    for variant in VARIANTS:  # warm-up
-        run(*variant, steps=1)
+    for _, schedule, recompute in VARIANTS:  # warm-up
+        run(schedule, recompute, steps=1)
     for r in range(RUNS):
         for i in range(len(VARIANTS)):
             name, schedule, recompute = VARIANTS[(i + r) % len(VARIANTS)]
-            rates[name].append(run(name, schedule, recompute, args.steps))
+            rates[name].append(run(schedule, recompute, args.steps))
     engine.recompute.remove()
     if ctx.rank == 0:
         costs = CostModel(forward=1, backward=2, recompute=1)

@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
+from merak.data_parallel.grad_sync import GradientAverager
 from merak.distributed.parallel_context import ParallelContext
-from merak.pipeline.actions import COMPUTE_KINDS, Action, ActionKind
+from merak.pipeline.actions import Action, ActionKind
 from merak.pipeline.hooks import InstructionHook
 from merak.pipeline.interleaved import (
     INTERLEAVED_SCHEDULES,
@@ -27,11 +26,12 @@ from merak.pipeline.interleaved import (
     validate_interleaved,
 )
 from merak.pipeline.interleaved_stage import InterleavedStage
-from merak.pipeline.interpreter import PipelineInterpreter, _MicroBatchState, split_microbatches
+from merak.pipeline.interpreter import PipelineInterpreter
 from merak.pipeline.p2p import _MAX_SLOTS, _META_TAG, StageComm, _tag
 from merak.pipeline.schedules import forward_block
 from merak.pipeline.stage import PipelineStage
 from merak.pipeline.stage_aware import stage_chunks
+from merak.pipeline.step_tail import StepTail, TiedGroups, step_loss, tied_weight_groups
 
 K = ActionKind
 
@@ -111,12 +111,12 @@ class _ChunkInterpreter(PipelineInterpreter):
     """The interpreter of one chunk, driven one action at a time by `InterleavedInterpreter`
     (which also owns the per-step tail: no tied-weight groups here)."""
 
+    _comm_class = VirtualStageComm
+
     def __init__(self, stage: PipelineStage, ctx: VirtualStageContext,
-                 optimizer: torch.optim.Optimizer, num_microbatches: int, *,
-                 p2p_timeout_s: float, **options):
-        super().__init__(stage, ctx, optimizer, num_microbatches, p2p_timeout_s=p2p_timeout_s,
-                         lend_idle_cores=False, **options)
-        self.comm = VirtualStageComm(ctx, self.split, ctx.stage_id, p2p_timeout_s)
+                 optimizer: torch.optim.Optimizer, num_microbatches: int, **options):
+        super().__init__(stage, ctx, optimizer, num_microbatches, lend_idle_cores=False,
+                         **options)
 
     def _build_tied_groups(self) -> list:
         return []
@@ -125,18 +125,14 @@ class _ChunkInterpreter(PipelineInterpreter):
               num_microbatches: int, loss_scale: float) -> None:
         """Start a step (or an evaluation) running `actions`, this chunk's part of it."""
         self.loss_scale = loss_scale
-        self._microbatches = split_microbatches(batch or {}, num_microbatches, self.batch_keys)
-        self._state = [_MicroBatchState() for _ in range(num_microbatches)]
-        self._pending, self._losses, self._run_actions, self._next = {}, [], actions, 0
-        self.comm.start_step()
+        self._begin(actions, batch, num_microbatches)
+        self._next = 0
 
     def execute(self, action: Action) -> None:
         """Run the next action of this chunk (the rank program keeps each chunk's order)."""
         index = self._next
         assert self._run_actions[index] == action, (self._run_actions[index], action)
-        if action.kind in COMPUTE_KINDS:
-            self._prefetch_receives(index)
-        self._handlers[action.kind](action.microbatch_id)
+        self._execute(index, action, hooks=())
         self._next += 1
 
     def end(self) -> list[torch.Tensor]:
@@ -148,12 +144,13 @@ class _ChunkInterpreter(PipelineInterpreter):
 
 
 
-class InterleavedInterpreter:
+class InterleavedInterpreter(StepTail):
     """Executes one rank's program of an interleaved schedule, one step per `train_step()`.
 
     Args:
-        stage: this rank's chunks: an `InterleavedStage` (`merak.parallelize(..., num_model_chunks=v)`) or the
-            `PipelineStage`s of virtual stages ``c * pp + pp_rank`` in chunk order, of one split
+        stage: this rank's chunks: an `InterleavedStage`
+            (``merak.parallelize(..., num_model_chunks=v)``) or the `PipelineStage`s of virtual
+            stages ``c * pp + pp_rank`` in chunk order, of one split
             into ``ctx.pp * num_chunks`` virtual stages.
         ctx: the parallel context (real ranks: ``ctx.pp`` pipeline ranks, at least 2).
         optimizer: built over every chunk's parameters (``stage.parameters()``).
@@ -230,9 +227,9 @@ class InterleavedInterpreter:
         """Each chunk's `BlockRecomputation` (``remove()`` them to unwrap the blocks)."""
         return [c.recompute for c in self.chunks]
 
-    def _build_tied_groups(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
-        """One process group per set of ranks sharing weights, per (dp, tp) coordinate. Copies
-        on two chunks of one rank are one parameter (`InterleavedStage`): autograd sums them."""
+    def _build_tied_groups(self) -> TiedGroups:
+        """Weights tied across ranks, grouped by the ranks sharing them. Copies on two chunks of
+        one rank are one parameter (`InterleavedStage`): autograd sums them."""
         ctx, p = self.ctx, self.ctx.pp
         by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
         for tied in self.split.tied_weights:
@@ -244,18 +241,8 @@ class InterleavedInterpreter:
                                  f"rank {ctx.rank}; materialize the rank's chunks together "
                                  f"(materialize_(InterleavedStage(...)))")
             params += [q for q in mine.values() if all(q is not r for r in params)]
-        groups = []
-        for pp_ranks, params in by_ranks.items():
-            if len(pp_ranks) < 2:
-                continue
-            for dp_rank in range(ctx.dp):
-                for tp_rank in range(ctx.tp):
-                    ranks = [ctx.rank_of(pp_rank=r, dp_rank=dp_rank, tp_rank=tp_rank)
-                             for r in pp_ranks]
-                    group = dist.new_group(ranks)
-                    if ctx.rank in ranks:
-                        groups.append((group, params))
-        return groups
+        return tied_weight_groups(ctx, {ranks: params for ranks, params in by_ranks.items()
+                                        if len(ranks) > 1})
 
     # -- the step -----------------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor] | None) -> float:
@@ -312,34 +299,7 @@ class InterleavedInterpreter:
                 hook.on_instruction_end(action.name, action)
         self.virtual_stage = None
         losses = [loss for chunk in self.chunks for loss in chunk.end()]
-        loss = self._step_loss(losses)
+        loss = step_loss(self.ctx, losses)
         for hook in hooks:
             hook.on_step_end(self.global_step)
         return loss
-
-    def _step_loss(self, losses: list[torch.Tensor]) -> float:
-        ctx = self.ctx
-        local = torch.zeros(1, dtype=torch.float64)
-        if losses and ctx.tp_rank == 0:
-            local += torch.stack(losses).double().mean().cpu()
-        if ctx.world_size > 1:
-            dist.all_reduce(local)
-        return local.item() / ctx.dp
-
-    # -- the per-step tail, once per rank -----------------------------------------------------
-    def _reduce_tied_grads(self) -> None:
-        for group, params in self._tied:
-            finish_all_reduce(params, *launch_all_reduce(params, group))
-
-    def _reduce_grads(self) -> None:
-        if self._tp_partial and self.ctx.tp > 1:
-            finish_all_reduce(self._tp_partial,
-                              *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
-        self.grad_averager.average()
-
-    def _optimizer_step(self) -> None:
-        if self.skip_optimizer_step:
-            self.skip_optimizer_step = False
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)

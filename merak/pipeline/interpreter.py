@@ -8,9 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
+from merak.data_parallel.grad_sync import GradientAverager
 from merak.distributed.parallel_context import ParallelContext
 from merak.pipeline.actions import COMPUTE_KINDS, RECV_KINDS, Action, ActionKind, Schedule
 from merak.pipeline.cpu_threads import IdleCoreLending
@@ -23,6 +22,7 @@ from merak.pipeline.split import ValueKey
 from merak.pipeline.split_backward import backward_input, backward_weight
 from merak.pipeline.stage import PipelineStage, block_names
 from merak.pipeline.stage_aware import stage_chunks
+from merak.pipeline.step_tail import StepTail, TiedGroups, step_loss, tied_weight_groups
 from merak.pipeline.validate import validate_schedule
 
 K = ActionKind
@@ -57,7 +57,7 @@ class _MicroBatchState:
     weight_grads: object = None  # what `backward_weight` needs, between the two halves
 
 
-class PipelineInterpreter:
+class PipelineInterpreter(StepTail):
     """Executes one stage's schedule, one training step per `train_step()` call.
 
     Args:
@@ -83,6 +83,8 @@ class PipelineInterpreter:
             ``activation_peak`` then holds the last step's peak (`ActivationMeter`).
         tp_rng: the model's `TPRandomState`, replayed by recomputation with the default RNG.
     """
+
+    _comm_class = StageComm  # a subclass may widen its tags (interleaved chunks)
 
     def __init__(self, stage: PipelineStage, ctx: ParallelContext,
                  optimizer: torch.optim.Optimizer, num_microbatches: int,
@@ -115,7 +117,7 @@ class PipelineInterpreter:
         self.activation_peak: int | None = None
         self.recompute = BlockRecomputation([], [], ctx.device)
         self.set_recomputation(recompute_ratio, checkpoint_num_layers)
-        self.comm = StageComm(ctx, split, ctx.stage_id, p2p_timeout_s)
+        self.comm = self._comm_class(ctx, split, ctx.stage_id, p2p_timeout_s)
         self.batch_keys = split.batch_inputs(ctx.stage_id)
         self.grad_averager = GradientAverager(stage.parameters(), ctx.dp_group, bucket_bytes,
                                               grad_predivide)
@@ -182,26 +184,14 @@ class PipelineInterpreter:
             self.recompute = BlockRecomputation(self._blocks, self.chunks[self.ctx.stage_id],
                                                 self.ctx.device, self.tp_rng, meter)
 
-    def _build_tied_groups(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
-        """One process group per set of stages sharing weights, per (dp, tp) coordinate.
-
-        Every rank creates every group in the same order (torch.distributed requires it)."""
-        ctx = self.ctx
+    def _build_tied_groups(self) -> TiedGroups:
+        """This stage's weights tied to other stages, grouped by the stages sharing them."""
         params = dict(self.stage.named_parameters())
-        by_stages: dict[tuple[int, ...], list[str]] = {}
+        by_stages: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
         for tied in self.split.tied_weights:
-            names = by_stages.setdefault(tied.stages, [])
-            names += [n for s, n in tied.names if s == ctx.stage_id]
-        groups = []
-        for stages, names in by_stages.items():
-            for dp_rank in range(ctx.dp):
-                for tp_rank in range(ctx.tp):
-                    ranks = [ctx.rank_of(pp_rank=s, dp_rank=dp_rank, tp_rank=tp_rank)
-                             for s in stages]
-                    group = dist.new_group(ranks)
-                    if ctx.rank in ranks:
-                        groups.append((group, [params[n] for n in names]))
-        return groups
+            by_stages.setdefault(tied.stages, []).extend(
+                params[n] for s, n in tied.names if s == self.ctx.stage_id)
+        return tied_weight_groups(self.ctx, by_stages)
 
     # -- the step -----------------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor] | None) -> float:
@@ -239,6 +229,23 @@ class PipelineInterpreter:
 
     def _run(self, actions: list[Action], batch: dict[str, torch.Tensor] | None,
              num_microbatches: int, hooks: Sequence[InstructionHook]) -> float:
+        self._begin(actions, batch, num_microbatches)
+        if self.meter is not None:
+            self.meter.reset_peak()
+        for hook in hooks:
+            hook.on_step_begin(self.global_step)
+        for index, action in enumerate(actions):
+            self._execute(index, action, hooks)
+        self.comm.finish_step()
+        loss = step_loss(self.ctx, self._losses)
+        for hook in hooks:
+            hook.on_step_end(self.global_step)
+        self._state = []
+        return loss
+
+    def _begin(self, actions: list[Action], batch: dict[str, torch.Tensor] | None,
+               num_microbatches: int) -> None:
+        """Set up the state of a step (or an evaluation) that runs `actions`."""
         if self.batch_keys and batch is None:
             raise ValueError(f"stage {self.ctx.stage_id} reads {self.batch_keys} from the "
                              f"batch but got batch=None")
@@ -248,24 +255,16 @@ class PipelineInterpreter:
         self._losses: list[torch.Tensor] = []
         self._run_actions = actions
         self.comm.start_step()
-        if self.meter is not None:
-            self.meter.reset_peak()
+
+    def _execute(self, index: int, action: Action, hooks: Sequence[InstructionHook]) -> None:
+        """Run ``actions[index]`` of the step, its receives prefetched, between the hooks."""
+        if action.kind in COMPUTE_KINDS:
+            self._prefetch_receives(index)
         for hook in hooks:
-            hook.on_step_begin(self.global_step)
-        for index, action in enumerate(actions):
-            if action.kind in COMPUTE_KINDS:
-                self._prefetch_receives(index)
-            for hook in hooks:
-                hook.on_instruction_begin(action.name, action)
-            self._handlers[action.kind](action.microbatch_id)
-            for hook in hooks:
-                hook.on_instruction_end(action.name, action)
-        self.comm.finish_step()
-        loss = self._step_loss()
+            hook.on_instruction_begin(action.name, action)
+        self._handlers[action.kind](action.microbatch_id)
         for hook in hooks:
-            hook.on_step_end(self.global_step)
-        self._state = []
-        return loss
+            hook.on_instruction_end(action.name, action)
 
     def _prefetch_receives(self, index: int) -> None:
         """Post the receives between this compute action and the next, so their data arrives
@@ -282,15 +281,6 @@ class PipelineInterpreter:
         if action.kind is K.RECV_ACT:
             return self.comm.post_recv_activations(action.microbatch_id)
         return self.comm.post_recv_gradients(action.microbatch_id)
-
-    def _step_loss(self) -> float:
-        ctx = self.ctx
-        local = torch.zeros(1, dtype=torch.float64)
-        if self._losses and ctx.tp_rank == 0:
-            local += torch.stack(self._losses).double().mean().cpu()
-        if ctx.world_size > 1:
-            dist.all_reduce(local)
-        return local.item() / ctx.dp
 
     # -- handlers -----------------------------------------------------------------------------
     def _load(self, mb: int) -> None:
@@ -384,20 +374,3 @@ class PipelineInterpreter:
     def _send_grad(self, mb: int) -> None:
         self.comm.send_gradients(mb, self._state[mb].input_grads)
         self._state[mb].input_grads = {}
-
-    def _reduce_tied_grads(self, _: None) -> None:
-        for group, params in self._tied:
-            finish_all_reduce(params, *launch_all_reduce(params, group))
-
-    def _reduce_grads(self, _: None) -> None:
-        if self._tp_partial and self.ctx.tp > 1:
-            finish_all_reduce(self._tp_partial,
-                              *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
-        self.grad_averager.average()
-
-    def _optimizer_step(self, _: None) -> None:
-        if self.skip_optimizer_step:
-            self.skip_optimizer_step = False
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)

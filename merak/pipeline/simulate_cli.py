@@ -78,24 +78,20 @@ def _models(args: argparse.Namespace) -> tuple[CostModel, MemoryModel]:
     return costs, MemoryModel(full=args.activation_memory, kept=kept)
 
 
-def _run_one(name: str, args: argparse.Namespace) -> SimulationResult:
-    if name in INTERLEAVED_SCHEDULES:
-        try:
-            schedule = INTERLEAVED_SCHEDULES[name](args.stages, args.microbatches,
-                                                   args.interleave,
-                                                   recompute=args.recompute_cost is not None)
-        except ValueError as error:
-            raise SystemExit(str(error)) from None
-        validate_interleaved(schedule)
-        costs, memory = _models(args)
-        return simulate_interleaved(schedule, costs, memory=memory)
+def _run_one(name: str, args: argparse.Namespace, costs: CostModel,
+             memory: MemoryModel) -> SimulationResult:
+    recompute = args.recompute_cost is not None
+    interleaved = name in INTERLEAVED_SCHEDULES
     try:
-        schedule = make_schedule(name, args.stages, args.microbatches,
-                                 recompute=args.recompute_cost is not None)
+        schedule = INTERLEAVED_SCHEDULES[name](args.stages, args.microbatches, args.interleave,
+                                               recompute=recompute) if interleaved else \
+            make_schedule(name, args.stages, args.microbatches, recompute=recompute)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    if interleaved:
+        validate_interleaved(schedule)
+        return simulate_interleaved(schedule, costs, memory=memory)
     validate_schedule(schedule, args.microbatches)
-    costs, memory = _models(args)
     return simulate(schedule, costs, memory=memory)
 
 
@@ -113,7 +109,7 @@ def _events(result: SimulationResult) -> list[TimelineEvent]:
 def run_simulate(args: argparse.Namespace) -> int:
     if args.compare:
         return _compare(args)
-    result = _run_one(args.schedule, args)
+    result = _run_one(args.schedule, args, *_models(args))
     if args.json:
         print(json.dumps(_summary(result)))
     else:
@@ -143,7 +139,8 @@ def _compare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in SCHEDULES if args.recompute_cost is not None or n not in NEEDS_RECOMPUTE]
     names += list(INTERLEAVED_SCHEDULES) if args.interleave > 1 else []
-    results = {name: _run_one(name, args) for name in names}
+    models = _models(args)
+    results = {name: _run_one(name, args, *models) for name in names}
     if args.json:
         print(json.dumps({name: _summary(r) for name, r in results.items()}))
     else:

@@ -196,7 +196,7 @@ class MerakArguments(TrainingArguments):
             if getattr(self, name) < 1:
                 raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
         self._check_energy()
-        self._check_recomputation()
+        self._check_schedule_and_recomputation()
         if self.eval_iters is not None and self.eval_iters < 1:
             raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
                              f"{self.eval_iters}")
@@ -223,7 +223,15 @@ class MerakArguments(TrainingArguments):
             raise ValueError("MerakArguments.simulated_gpu only applies with "
                              "energy_gpu='simulated'")
 
-    def _check_recomputation(self) -> None:
+    @property
+    def plans_recomputation(self) -> bool:
+        """Recomputation chosen from a measurement (`merak.trainer.recomputation`): one
+        activation_checkpoint_ratio (stage-aware) or activation_memory_budget."""
+        return self.activation_checkpointing and (
+            self.activation_memory_budget is not None
+            or len(self.activation_checkpoint_ratio or ()) == 1)
+
+    def _check_schedule_and_recomputation(self) -> None:
         shaped = [n for n in ("activation_checkpoint_ratio", "activation_memory_budget")
                   if getattr(self, n) is not None]
         if not self.activation_checkpointing:
@@ -244,6 +252,18 @@ class MerakArguments(TrainingArguments):
         if any(b <= 0 for b in self.activation_memory_budget or ()):
             raise ValueError("MerakArguments.activation_memory_budget values must be positive "
                              "MiB")
+        interleaved = self.train_schedule in INTERLEAVED_SCHEDULES
+        if not interleaved and self.num_model_chunks != 2:
+            raise ValueError("MerakArguments.num_model_chunks only applies with "
+                             "train_schedule='interleaved_1f1b'")
+        if interleaved and self.num_model_chunks < 2:
+            raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
+                             "(1 chunk per rank is train_schedule='1f1b')")
+        if interleaved and self.plans_recomputation:
+            raise NotSupportedYetError(
+                "MerakArguments: stage-aware recomputation (one activation_checkpoint_ratio, or "
+                "activation_memory_budget) with interleaved_1f1b is not supported yet; give one "
+                "ratio per virtual stage (pp x num_model_chunks values)")
         if self.energy_gpu and (self.activation_checkpointing or self.train_schedule in (
                 "zero_bubble", *INTERLEAVED_SCHEDULES)):
             raise NotSupportedYetError(
@@ -281,20 +301,6 @@ class MerakArguments(TrainingArguments):
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ValueError("MerakArguments: prescale_gradients divides by dp before the "
                              "all-reduce; do not also set gradient_predivide_factor")
-        interleaved = self.train_schedule in INTERLEAVED_SCHEDULES
-        if not interleaved and self.num_model_chunks != 2:
-            raise ValueError("MerakArguments.num_model_chunks only applies with "
-                             "train_schedule='interleaved_1f1b'")
-        if interleaved and self.num_model_chunks < 2:
-            raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
-                             "(1 chunk per rank is train_schedule='1f1b')")
-        planned = self.activation_memory_budget is not None or \
-            len(self.activation_checkpoint_ratio or ()) == 1
-        if interleaved and planned:
-            raise NotSupportedYetError(
-                "MerakArguments: stage-aware recomputation (one activation_checkpoint_ratio, or "
-                "activation_memory_budget) with interleaved_1f1b is not supported yet; give one "
-                "ratio per virtual stage (pp x num_model_chunks values)")
         if self.save and str(self.save_strategy).lower().endswith("no"):
             self.save_strategy = "steps"
         if str(self.save_strategy).lower().split(".")[-1] not in ("no", "steps"):

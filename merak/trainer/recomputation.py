@@ -23,9 +23,7 @@ from merak.pipeline.stage_aware import (
 
 
 def _planned(args, pp: int) -> bool:
-    ratio = args.activation_checkpoint_ratio
-    return args.activation_checkpointing and pp > 1 and (
-        args.activation_memory_budget is not None or (ratio is not None and len(ratio) == 1))
+    return args.plans_recomputation and pp > 1
 
 
 def initial_ratio(args, pp: int) -> float | list[float]:

@@ -85,6 +85,23 @@ class GradSnapshot(merak.InstructionHook):
                                if p.grad is not None})
 
 
+def train_reference(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], lr: float,
+                    ) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Train the single-process `model` with SGD, one step per batch: each step's loss and
+    gradients, and the final parameters (for `assert_trained_like`)."""
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for data in batches:
+        out = model(**data)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        grads.append({n: p.grad.clone() for n, p in params.items()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in params.items()}
+
+
 def assert_trained_like(what: str, losses: list[float], snapshot: GradSnapshot,
                         stage: torch.nn.Module,
                         ref_losses: list[float], ref_grads: list[dict[str, torch.Tensor]],

@@ -14,6 +14,7 @@ from common import (
     assert_trained_like,
     family_scenarios,
     run_scenarios,
+    train_reference,
 )
 from hf_models import LLAMA_LIKE, VOCAB, batch
 
@@ -54,17 +55,9 @@ class _Family:
         self.initial = {k: v.clone() for k, v in self.stage.state_dict().items()}
         torch.manual_seed(SEED)
         reference = make_model(family, num_layers)
-        params = dict(reference.named_parameters())
-        optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-        self.losses, self.grads = [], []
-        for step in range(STEPS):
-            out = reference(**batch(family, step, ROWS * self.microbatches))
-            out.loss.backward()
-            self.losses.append(out.loss.item())
-            self.grads.append({n: p.grad.clone() for n, p in params.items()})
-            optimizer.step()
-            optimizer.zero_grad()
-        self.final = {n: p.detach().clone() for n, p in params.items()}
+        self.losses, self.grads, self.final = train_reference(
+            reference, [batch(family, step, ROWS * self.microbatches) for step in range(STEPS)],
+            LR)
         reference.eval()
         with torch.no_grad():
             self.eval_loss = reference(**batch(family, 99, ROWS * self.microbatches)).loss.item()

@@ -13,6 +13,7 @@ from common import (
     assert_trained_like,
     family_scenarios,
     run_scenarios,
+    train_reference,
 )
 from hf_models import FAMILIES, LLAMA_LIKE, VOCAB, batch
 
@@ -63,17 +64,9 @@ class _Family:
         self.initial = {k: v.clone() for k, v in self.stage.state_dict().items()}
         torch.manual_seed(SEED)
         reference = FAMILIES[family]()
-        params = dict(reference.named_parameters())
-        optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-        self.losses, self.grads = [], []
-        for step in range(STEPS):
-            out = reference(**batch(family, step, ROWS * MICROBATCHES))
-            out.loss.backward()
-            self.losses.append(out.loss.item())
-            self.grads.append({n: p.grad.clone() for n, p in params.items()})
-            optimizer.step()
-            optimizer.zero_grad()
-        self.final = {n: p.detach().clone() for n, p in params.items()}
+        self.losses, self.grads, self.final = train_reference(
+            reference, [batch(family, step, ROWS * MICROBATCHES) for step in range(STEPS)],
+            LR)
 
     def check(self, variant: str) -> None:
         options = dict(VARIANTS[variant])
@@ -89,7 +82,8 @@ class _Family:
             kinds = {a.kind.value for a in engine.actions}
             if options.get("recompute_ratio") == 1.0 and variant != "1f1b-recompute" and \
                     not self.ctx.is_last_stage:
-                assert "recompute" in kinds, f"{variant}: stage {self.ctx.stage_id} never recomputes"
+                assert "recompute" in kinds, \
+                    f"{variant}: stage {self.ctx.stage_id} never recomputes"
             losses = [engine.train_step(batch(self.family, step, ROWS * MICROBATCHES))
                       for step in range(STEPS)]
         finally:

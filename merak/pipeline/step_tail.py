@@ -1,0 +1,75 @@
+"""What every interpreter does once per step after its last backward, whatever runs the
+micro-batches (one stage per rank, or an interleaved rank's chunks): sum weights tied across
+pipeline ranks, average gradients over data parallelism, step the optimizer, report the loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
+from merak.distributed.parallel_context import ParallelContext
+
+TiedGroups = list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]
+
+
+def tied_weight_groups(ctx: ParallelContext,
+                       params_by_pp_ranks: Mapping[tuple[int, ...], list[torch.nn.Parameter]],
+                       ) -> TiedGroups:
+    """One process group per set of pipeline ranks sharing weights, per (dp, tp) coordinate,
+    with this rank's parameters of that set. Every rank creates every group in the same order
+    (torch.distributed requires it), so every rank passes the same keys in the same order."""
+    groups = []
+    for pp_ranks, params in params_by_pp_ranks.items():
+        for dp_rank in range(ctx.dp):
+            for tp_rank in range(ctx.tp):
+                ranks = [ctx.rank_of(pp_rank=r, dp_rank=dp_rank, tp_rank=tp_rank)
+                         for r in pp_ranks]
+                group = dist.new_group(ranks)
+                if ctx.rank in ranks:
+                    groups.append((group, params))
+    return groups
+
+
+def step_loss(ctx: ParallelContext, losses: Sequence[torch.Tensor]) -> float:
+    """The step's loss on every rank: the mean of the last stage's micro-batch losses, averaged
+    over the dp ranks (counted once per TP group)."""
+    local = torch.zeros(1, dtype=torch.float64)
+    if losses and ctx.tp_rank == 0:
+        local += torch.stack(list(losses)).double().mean().cpu()
+    if ctx.world_size > 1:
+        dist.all_reduce(local)
+    return local.item() / ctx.dp
+
+
+class StepTail:
+    """The per-step actions (`reduce_tied_grads`, `reduce_grads`, `optimizer_step`) of an
+    interpreter holding ``ctx``, ``optimizer``, ``grad_averager`` (`GradientAverager`),
+    ``_tied`` (`tied_weight_groups`), ``_tp_partial`` (replicated parameters that saw only this
+    TP rank's share) and ``skip_optimizer_step`` (set by an fp16 loss scaler)."""
+
+    ctx: ParallelContext
+    optimizer: torch.optim.Optimizer
+    grad_averager: GradientAverager
+    _tied: TiedGroups
+    _tp_partial: list[torch.nn.Parameter]
+    skip_optimizer_step: bool
+
+    def _reduce_tied_grads(self, _: None = None) -> None:
+        for group, params in self._tied:
+            finish_all_reduce(params, *launch_all_reduce(params, group))
+
+    def _reduce_grads(self, _: None = None) -> None:
+        if self._tp_partial and self.ctx.tp > 1:
+            finish_all_reduce(self._tp_partial,
+                              *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
+        self.grad_averager.average()
+
+    def _optimizer_step(self, _: None = None) -> None:
+        if self.skip_optimizer_step:
+            self.skip_optimizer_step = False
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
