@@ -2,22 +2,18 @@
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import ParallelContext, get_context, init
+from merak.materialize.meta import init_empty_weights, materialize_
+from merak.materialize.safetensors import load_safetensors_
 from merak.partition.auto import AutoSplit, auto_split
-from merak.partition.checkpoint import load_safetensors_
-from merak.partition.meta import init_empty_weights, materialize_
-from merak.pipeline.actions import Action, ActionKind, Schedule
-from merak.pipeline.hooks import InstructionHook
-from merak.pipeline.interleaved import InterleavedSchedule, interleaved_1f1b
-from merak.pipeline.interleaved_runtime import InterleavedInterpreter
-from merak.pipeline.interleaved_stage import InterleavedStage
-from merak.pipeline.interpreter import PipelineInterpreter
-from merak.pipeline.p2p import P2PTimeoutError
-from merak.pipeline.schedules import SCHEDULES, make_schedule
-from merak.pipeline.simulator import CostModel, ScheduleError, SimulationResult, simulate
-from merak.pipeline.split import Piece, PipelineSplit, TiedWeight, manual_split
-from merak.pipeline.stage import PipelineStage
-from merak.pipeline.timeline import TimelineRecorder
-from merak.pipeline.validate import validate_schedule
+from merak.runtime.hooks import InstructionHook, TimelineRecorder
+from merak.runtime.interpreter import PipelineInterpreter
+from merak.runtime.p2p import P2PTimeoutError
+from merak.runtime.split import Piece, PipelineSplit, TiedWeight, manual_split
+from merak.runtime.stage import InterleavedStage, PipelineStage
+from merak.schedule.actions import Action, ActionKind, Schedule
+from merak.schedule.registry import SCHEDULES, ScheduleInfo, make_schedule
+from merak.schedule.simulator import CostModel, ScheduleError, SimulationResult, simulate
+from merak.schedule.validate import validate_schedule
 from merak.tensor_parallel.apply import apply_tensor_parallel
 from merak.tensor_parallel.layers import vocab_parallel_cross_entropy
 from merak.tensor_parallel.plans import TPPlan, set_tp_layer_lists
@@ -33,8 +29,6 @@ __all__ = [
     "AutoSplit",
     "CostModel",
     "InstructionHook",
-    "InterleavedInterpreter",
-    "InterleavedSchedule",
     "InterleavedStage",
     "MerakArguments",
     "MerakTrainer",
@@ -47,6 +41,7 @@ __all__ = [
     "PipelineStage",
     "Schedule",
     "ScheduleError",
+    "ScheduleInfo",
     "SimulationResult",
     "TPPlan",
     "TiedWeight",
@@ -56,7 +51,6 @@ __all__ = [
     "get_context",
     "init",
     "init_empty_weights",
-    "interleaved_1f1b",
     "load_safetensors_",
     "make_schedule",
     "manual_split",

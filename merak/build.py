@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext, get_context
+from merak.materialize.meta import materialize_
+from merak.materialize.safetensors import load_safetensors_
 from merak.partition.auto import AutoSplit, auto_split
-from merak.partition.checkpoint import load_safetensors_
-from merak.partition.meta import materialize_
-from merak.pipeline.interleaved_stage import InterleavedStage, interleaved_stage
-from merak.pipeline.stage import PipelineStage
+from merak.runtime.stage import InterleavedStage, interleaved_stage
+from merak.runtime.stage import PipelineStage
 from merak.tensor_parallel.apply import apply_tensor_parallel
+from merak.tensor_parallel.plans import TPPlan
 
 
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -35,9 +36,9 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
-                ctx: ParallelContext | None = None, *, parallel_vocab: bool = False,
-                sequence_parallel: bool = False, sequence_dim: int = 1,
-                tp_overlapping_level: int = 0, num_model_chunks: int = 1,
+                ctx: ParallelContext | None = None, *, tp_plan: TPPlan | dict | None = None,
+                parallel_vocab: bool = False, sequence_parallel: bool = False,
+                sequence_dim: int = 1, tp_overlapping_level: int = 0, num_model_chunks: int = 1,
                 checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
                 **split_options) -> PipelineStage | InterleavedStage:
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
@@ -46,6 +47,9 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         model: an HF or plain model, ideally built inside `merak.init_empty_weights()`.
         example_inputs: one micro-batch of keyword inputs (with ``labels`` for the loss).
         ctx: the parallel context (default: the one from `merak.init`).
+        tp_plan: the tensor-parallel plan (a `TPPlan`, or a dict of `merak.set_tp_layer_lists`'
+            arguments); default: the one `set_tp_layer_lists` recorded on `ctx`, else the
+            model family's, else the config's ``base_model_tp_plan``.
         parallel_vocab, sequence_parallel, sequence_dim: see `apply_tensor_parallel`.
         tp_overlapping_level: sub-pipelined TP (`apply_tensor_parallel`'s `overlap_level`).
         num_model_chunks: above 1, for interleaved schedules: the model is split into
@@ -67,7 +71,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         strip = lambda n: n.removeprefix(checkpoint_prefix)
         aliases = {n: [strip(n), *map(strip, aliases.get(n, []))]
                    for n, _ in model.named_parameters(remove_duplicate=False)}
-    apply_tensor_parallel(model, ctx, parallel_vocab=parallel_vocab,
+    apply_tensor_parallel(model, ctx, plan=tp_plan, parallel_vocab=parallel_vocab,
                           sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                           overlap_level=tp_overlapping_level)
     if num_model_chunks < 1:

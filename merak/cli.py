@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from merak.energy.cli import add_energy
-from merak.pipeline.simulate_cli import add_simulate
+from merak.schedule.simulate_cli import add_simulate
 
 
 def _add_export(subparsers) -> None:

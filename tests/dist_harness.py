@@ -27,7 +27,9 @@ def launch(worker: str, nproc: int, out_dir: Path, timeout_s: int = 900,
     """Run ``workers/<worker>`` on `nproc` ranks. Returns (scenario -> errors, launcher output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", str(WORKERS / worker), "--out", str(out_dir), *args]
+    # every distributed test runs under NCCL's point-to-point rules unless told otherwise
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("MERAK_NCCL_P2P_RULES", "1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
                           check=False)  # a failed launch still reports per-scenario results
     output = proc.stdout + proc.stderr

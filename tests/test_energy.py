@@ -1,10 +1,13 @@
-"""Perseus energy planning: the planner on the reference synthetic GPU (FINDINGS.md), plan-file
-validation, the GPU backends (simulated; NVML mocked), and profile -> plan -> deploy end to end
-on 4 gloo ranks with simulated GPUs."""
+"""Perseus energy planning: the planner on the reference synthetic GPU (FINDINGS.md), its DAG
+against the simulator for every registered schedule, plan-file validation, the GPU backends
+(simulated; NVML mocked), and profile -> plan -> deploy end to end on 4 gloo ranks with
+simulated GPUs for 1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path. (The
+precise measured-vs-predicted figures of the end-to-end run: bench/energy_e2e.py.)"""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -14,7 +17,7 @@ from dist_harness import cached_launcher, check
 
 from merak.energy.deploy import ClockPlanHook
 from merak.energy.gpu import NVMLGPU, SimulatedGPU, SyntheticGPUModel
-from merak.energy.plan_file import PlanError, check_plan
+from merak.energy.plan_file import PlanError, check_plan, expected_instructions
 from merak.energy.planner import EnergyPlanner
 from merak.energy.profile_data import (
     aggregate,
@@ -23,8 +26,23 @@ from merak.energy.profile_data import (
     synthetic_profile,
     write_profile,
 )
-from merak.pipeline.actions import Action, ActionKind
-from merak.pipeline.schedules import make_schedule
+from merak.schedule.actions import Action, ActionKind
+from merak.schedule.registry import SCHEDULES, make_schedule
+
+SMALL = SyntheticGPUModel(clock_step=90)  # 6 clocks: frontiers in a second
+
+
+def _schedule(name: str, ranks: int = 4, microbatches: int = 4):
+    info = SCHEDULES[name]
+    return make_schedule(name, ranks, microbatches,
+                         stages_per_rank=2 if info.several_stages_per_rank else 1,
+                         recompute=info.needs_recompute)
+
+
+def _planner(schedule, model=SMALL, gpus_per_rank: int = 1) -> EnergyPlanner:
+    profiles, p2p = aggregate(synthetic_profile(model, schedule.num_ranks, gpus_per_rank,
+                                                chunks=schedule.stages_per_rank))
+    return EnergyPlanner(schedule, profiles, p2p)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +85,49 @@ def test_planner_times_equal_the_simulator(reference):
         assert point.time_s == pytest.approx(planner.simulated(point.plan), rel=1e-12)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_planner_dag_replays_the_simulator_for_every_schedule(name):
+    """Every compute action of every rank's program is an instruction (recompute and the split
+    backward halves included); the DAG's longest path is the simulated iteration exactly, for
+    any clocks."""
+    schedule = _schedule(name, microbatches=8)
+    planner = _planner(schedule)
+    assert planner.compute == [(r, a) for r in range(4) for a in schedule.compute_actions(r)]
+    kinds = {a.kind for _, a in planner.compute}
+    assert (ActionKind.RECOMPUTE in kinds) == SCHEDULES[name].needs_recompute
+    assert (ActionKind.BACKWARD_WEIGHT in kinds) == SCHEDULES[name].splits_backward
+    rnd = random.Random(name)
+    for _ in range(4):
+        plan = {key: rnd.choice(list(planner.clocks(*key))) for key in planner.compute}
+        assert planner.evaluate(plan)[0] == pytest.approx(planner.simulated(plan), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["zero_bubble", "interleaved_1f1b", "shifted_critical_path"])
+def test_every_schedule_gets_a_plan_in_its_program_order(name):
+    schedule = _schedule(name)
+    planner = _planner(schedule, gpus_per_rank=2)
+    base_time, base_energy = planner.evaluate(planner.max_clock_plan())
+    chosen = planner.choose(planner.frontier(coarse=4, window=6), base_time)
+    assert chosen.time_s <= base_time * (1 + 1e-9) and chosen.energy_j < base_energy * 0.97
+    schedules = planner.schedules(chosen.plan)
+    assert [s["rank"] for s in schedules] == list(range(8))
+    for entry in schedules:
+        names = [n for n, _ in entry["frequencies"]]
+        assert names == expected_instructions(schedule, entry["rank"] // 2)
+    assert len(check_plan(schedules, 8, lambda r: r // 2, schedule, SMALL.clocks())) == 8
+    with pytest.raises(PlanError, match="instruction order differs"):
+        check_plan(schedules, 8, lambda r: r // 2, make_schedule("1f1b", 4, 4), SMALL.clocks())
+
+
+def test_planner_names_instructions_the_profile_lacks():
+    profiles, p2p = aggregate(synthetic_profile(SMALL, 2, instructions=("forward", "backward")))
+    with pytest.raises(ValueError, match=r"rank 0 runs \['backward_input', 'backward_weight'\] "
+                                         r"instructions, which the profile lacks"):
+        EnergyPlanner(make_schedule("zero_bubble", 2, 4), profiles, p2p)
+    with pytest.raises(ValueError, match="the profile has 2 pipeline ranks, the schedule 4"):
+        EnergyPlanner(make_schedule("1f1b", 4, 4), profiles, p2p)
+
+
 def test_coarse_to_fine_keeps_the_default_plan(reference):
     planner, (base_time, base_energy), points = reference
     fine = planner.choose(points, base_time)
@@ -77,7 +138,7 @@ def test_coarse_to_fine_keeps_the_default_plan(reference):
 
 
 def test_profile_round_trip_and_cleaning(tmp_path):
-    rows = synthetic_profile(SyntheticGPUModel(clock_step=90), 2, gpus_per_stage=2)
+    rows = synthetic_profile(SyntheticGPUModel(clock_step=90), 2, gpus_per_rank=2)
     path = write_profile(rows, tmp_path / "p.csv")
     profiles, p2p = aggregate(read_profile(path))
     assert p2p == pytest.approx(75.0) and [p.ranks for p in profiles] == [[0, 1], [2, 3]]
@@ -127,12 +188,12 @@ class _FakeClock:
 def test_simulated_gpu_times_and_charges_the_model():
     clock = _FakeClock()
     model = SyntheticGPUModel(switch_latency_s=0.01)
-    gpu = SimulatedGPU(model, num_stages=2, clock=clock, sleep=clock.sleep)
-    hook = ClockPlanHook(gpu, [("forward", 1050), ("backward", 1410)], stage_id=0)
+    gpu = SimulatedGPU(model, num_ranks=2, clock=clock, sleep=clock.sleep)
+    hook = ClockPlanHook(gpu, [("forward", 1050), ("backward", 1410)], pp_rank=0)
     hook.on_step_begin(0)
     clock.now += 0.5  # blocked on p2p
     for name, mb in (("forward", 0), ("backward", 0)):
-        action = Action(ActionKind(name), mb)
+        action = Action(ActionKind(name), 0, mb)
         hook.on_instruction_begin(name, action)
         clock.now += 0.001  # the real CPU work, shorter than the model's
         hook.on_instruction_end(name, action)
@@ -143,9 +204,30 @@ def test_simulated_gpu_times_and_charges_the_model():
     assert clock.now == pytest.approx(0.5 + 0.01 + fwd + 0.01 + bwd)
     hook.on_step_begin(1)
     with pytest.raises(PlanError, match="instruction 0 of the step is backward"):
-        hook.on_instruction_begin("backward", Action(ActionKind.BACKWARD, 0))
+        hook.on_instruction_begin("backward", Action(ActionKind.BACKWARD, 0, 0))
     with pytest.raises(ValueError, match="1234 MHz is not a supported clock"):
         gpu.set_clock(1234)
+
+
+def test_simulated_gpu_times_every_instruction_kind_and_chunk():
+    model = SyntheticGPUModel()
+    forward = model.reference_time("forward", 0, 4)
+    assert forward == pytest.approx(0.04)
+    assert model.reference_time("recompute", 0, 4) == forward
+    assert model.reference_time("backward", 0, 4) == pytest.approx(2 * forward)
+    for half in ("backward_input", "backward_weight"):
+        assert model.reference_time(half, 0, 4) == pytest.approx(forward)
+    assert model.reference_time("forward", 3, 4) == pytest.approx(1.15 * forward)  # the head
+    assert model.reference_time("backward", 1, 4, chunks=2) == pytest.approx(forward)
+    with pytest.raises(ValueError, match="compute instructions only, not 'send_act'"):
+        model.reference_time("send_act", 0, 4)
+    clock = _FakeClock()
+    gpu = SimulatedGPU(model, num_ranks=4, chunks=2, clock=clock, sleep=clock.sleep)
+    gpu.set_clock(1050)
+    gpu.instruction_begin("backward_weight", 3)
+    gpu.instruction_end("backward_weight", 3)
+    assert clock.now == pytest.approx(model.time("backward_weight", 3, 4, 1050, chunks=2))
+    assert clock.now == pytest.approx(0.04 * 1.15 / 2 * model.slowdown(1050))
 
 
 def test_nvml_backend_with_a_mocked_nvml():
@@ -181,6 +263,28 @@ def test_plan_command_writes_plan_and_picture(tmp_path):
     assert (tmp_path / "plan.png").stat().st_size > 0
 
 
+def test_plan_command_interleave_and_recompute(tmp_path, capsys):
+    from merak.cli import main
+
+    profile = write_profile(synthetic_profile(SMALL, 2, chunks=2), tmp_path / "p.csv")
+    out = tmp_path / "plan.json"
+    assert main(["energy", "plan", str(profile), "--schedule", "interleaved_1f1b",
+                 "--interleave", "2", "--stages", "2", "--microbatches", "4",
+                 "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert [n for n, _ in plan["schedules"][1]["frequencies"]] == expected_instructions(
+        make_schedule("interleaved_1f1b", 2, 4, stages_per_rank=2), 1)
+    assert plan["meta"]["interleave"] == 2 and "energy saved" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="turn on activation checkpointing"):
+        main(["energy", "plan", str(profile), "--schedule", "shifted_critical_path",
+              "--stages", "2", "--microbatches", "4", "--out", str(out)])
+    assert main(["energy", "plan", str(profile), "--schedule", "shifted_critical_path",
+                 "--recompute", "1,0", "--stages", "2", "--microbatches", "4",
+                 "--out", str(out)]) == 0
+    names = {n for s in json.loads(out.read_text())["schedules"] for n, _ in s["frequencies"]}
+    assert names == {"forward", "recompute", "backward"}
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     return cached_launcher("energy_e2e.py", tmp_path_factory)
@@ -197,7 +301,7 @@ if sys.argv[1] == "python":
 from merak.energy.gpu import SyntheticGPUModel
 from merak.energy.planner import EnergyPlanner
 from merak.energy.profile_data import aggregate, synthetic_profile
-from merak.pipeline.schedules import make_schedule
+from merak.schedule.registry import make_schedule
 profiles, p2p = aggregate(synthetic_profile(SyntheticGPUModel(clock_step=90), 2))
 planner = EnergyPlanner(make_schedule("1f1b", 2, 3), profiles, p2p)
 planner.fast = sys.argv[1] != "lowtime"  # lowtime's own critical DAGs

@@ -120,7 +120,7 @@ def test_trainer_energy_modes(trainer_runs, scenario):
 def test_energy_gpu_choices_are_checked():
     from merak.energy.session import make_gpu
 
-    gpu = make_gpu("simulated", '{"forward_s": 0.01, "clock_step": 90}', num_stages=2)
+    gpu = make_gpu("simulated", '{"forward_s": 0.01, "clock_step": 90}', num_ranks=2)
     assert gpu.supported_clocks()[:2] == [1410, 1320] and gpu.model.forward_s == 0.01
     with pytest.raises(ValueError, match="simulated_gpu is not JSON"):
         make_gpu("simulated", "{forward_s: 1}", 2)

@@ -1,9 +1,11 @@
-"""Interleaved 1F1B: the schedule as data (generation, validation, simulation, CLI), and the
-runtime on CPU/gloo against the single-process model (workers/interleaved_parity.py: one
-torchrun launch per world size, pp 2 and 4, 2 chunks per rank, Llama and GPT-2, 3 steps)."""
+"""Interleaved 1F1B: the schedule as data (generation, validation, simulation, CLI), stage-aware
+recomputation over a rank's several stages, and the runtime on CPU/gloo against the
+single-process model (workers/interleaved_parity.py: one torchrun launch per world size, pp 2
+and 4, 2 chunks per rank, Llama and GPT-2, 3 steps)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,23 +14,23 @@ import pytest
 from dist_harness import cached_launcher, check
 from interleaved_parity import scenario_names
 
-from merak import Action, ActionKind, CostModel, ScheduleError, make_schedule, simulate
+from merak import Action, ActionKind, CostModel, Schedule, ScheduleError, make_schedule, simulate
 from merak.cli import main as cli_main
-from merak.pipeline.interleaved import (
-    InterleavedSchedule,
-    interleaved_1f1b,
-    simulate_interleaved,
-    validate_interleaved,
-)
+from merak.recompute.stage_aware import KeptBytes, choose_ratios, predict_peaks, stage_aware_ratios
+from merak.schedule.validate import validate_schedule
 
 K = ActionKind
 WORLD_SIZES = (2, 4)
 
 
+def interleaved(p: int, m: int, v: int, recompute=False) -> Schedule:
+    return make_schedule("interleaved_1f1b", p, m, stages_per_rank=v, recompute=recompute)
+
+
 def test_bubble_is_half_of_1f1b_with_two_chunks():
     costs = CostModel(forward=1.0, backward=2.0)
     one_f = simulate(make_schedule("1f1b", 4, 8), costs)
-    inter = simulate_interleaved(interleaved_1f1b(4, 8, 2), costs)
+    inter = simulate(interleaved(4, 8, 2), costs)
     ratios = [i / o for i, o in zip(inter.idle_per_stage, one_f.idle_per_stage)]
     print(f"\n1f1b idle per rank {one_f.idle_per_stage} (makespan {one_f.makespan}); "
           f"interleaved v=2 idle per rank {inter.idle_per_stage} (makespan {inter.makespan}); "
@@ -43,109 +45,166 @@ def test_bubble_is_half_of_1f1b_with_two_chunks():
                                    (3, 9, 3)])
 def test_idle_closed_form(p, m, v):
     """Each rank idles (p - 1)(f + b) / v: 1F1B's bubble, v-fold smaller."""
-    result = simulate_interleaved(interleaved_1f1b(p, m, v), CostModel(forward=1.0, backward=2.0))
+    result = simulate(interleaved(p, m, v), CostModel(forward=1.0, backward=2.0))
     assert result.idle_per_stage == pytest.approx([(p - 1) * 3.0 / v] * p)
 
 
-@pytest.mark.parametrize("p", range(1, 7))
+@pytest.mark.parametrize("p", range(2, 7))
 @pytest.mark.parametrize("v", [2, 3, 4])
 def test_every_size_validates(p, v):
     for m in range(p, 4 * p + 1, p):
-        report = validate_interleaved(interleaved_1f1b(p, m, v))
+        schedule = interleaved(p, m, v)
+        report = validate_schedule(schedule)
+        assert (report.num_ranks, report.num_microbatches) == (p, m)
+        assert all(n > 0 for n in report.num_groups)
         # Megatron's warm-up, 2 (p - r - 1) + (v - 1) p forwards, plus the steady state's one
-        assert report.peak_activations == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
-                                           for r in range(p)]
+        assert simulate(schedule).peak_activations == \
+            [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
 
 
 def test_programs_are_the_virtual_stages_merged():
-    schedule = interleaved_1f1b(2, 4, 2)
-    assert schedule.num_stages == 4
-    virtual = schedule.virtual
+    schedule = interleaved(2, 4, 2)
+    assert (schedule.num_ranks, schedule.stages_per_rank, schedule.num_stages) == (2, 2, 4)
     assert [schedule.rank_of(k) for k in range(4)] == [0, 1, 0, 1]
-    assert virtual[3][:3] == [Action(K.LOAD, 0), Action(K.RECV_ACT, 0), Action(K.FORWARD, 0)]
-    assert Action(K.SEND_ACT, 0) not in virtual[3]  # the last virtual stage computes the loss
-    assert Action(K.SEND_ACT, 0) in virtual[1]  # rank 1's first chunk sends to rank 0's second
+    assert schedule.stages_of(0) == [0, 2] and schedule.stages_of(1) == [1, 3]
+    last = schedule.stage_actions(3)
+    assert [(a.kind, a.microbatch_id) for a in last[:3]] == \
+        [(K.LOAD, 0), (K.RECV_ACT, 0), (K.FORWARD, 0)]
+    assert (last[1].peer, last[1].peer_stage) == (0, 2)  # from rank 0's second chunk
+    assert not any(a.kind is K.SEND_ACT for a in last)  # the last stage computes the loss
+    sends = [a for a in schedule.stage_actions(1) if a.kind is K.SEND_ACT]
+    # rank 1's first chunk sends to rank 0's second
+    assert sends and all((a.peer, a.peer_stage) == (0, 2) for a in sends)
     for rank, program in enumerate(schedule.programs):
-        assert [a for s, a in program if s is None] == virtual[0][-3:]  # the tail, once
-        assert {s for s, _ in program if s is not None} == {rank, rank + 2}
+        tail = [a for a in program if a.stage_id is None]  # the step tail, once, last
+        assert tail == list(program[-3:]) == [Action(K.REDUCE_TIED_GRADS),
+                                              Action(K.REDUCE_GRADS),
+                                              Action(K.OPTIMIZER_STEP)]
+        assert {a.stage_id for a in program if a.stage_id is not None} == {rank, rank + 2}
     assert "forward[0]@2" in schedule.format()
 
 
 @pytest.mark.parametrize("p,m,v,match", [(4, 6, 2, "multiple of the pipeline ranks"),
                                          (4, 8, 1, "use 1f1b"), (2, 4, 0, ">= 2"),
-                                         (0, 4, 2, "num_stages")])
+                                         (0, 4, 2, "num_stages"),
+                                         (1, 4, 2, ">= 2 pipeline ranks")])
 def test_bad_sizes_are_rejected(p, m, v, match):
     with pytest.raises(ValueError, match=match):
-        interleaved_1f1b(p, m, v)
+        interleaved(p, m, v)
 
 
-def _edit(schedule: InterleavedSchedule, rank: int, program) -> InterleavedSchedule:
+def test_other_schedules_run_one_stage_per_rank():
+    with pytest.raises(ValueError, match="needs interleaved_1f1b"):
+        make_schedule("1f1b", 2, 4, stages_per_rank=2)
+
+
+def _edit(schedule: Schedule, rank: int, program) -> Schedule:
     programs = list(schedule.programs)
     programs[rank] = tuple(program)
-    return InterleavedSchedule(schedule.num_ranks, schedule.num_chunks,
-                               schedule.num_microbatches, tuple(programs))
+    return dataclasses.replace(schedule, programs=tuple(programs))
+
+
+def _find(program, kind: ActionKind, stage_id: int, microbatch_id: int) -> int:
+    return next(i for i, a in enumerate(program) if (a.kind, a.stage_id, a.microbatch_id)
+                == (kind, stage_id, microbatch_id))
 
 
 def test_broken_programs_are_rejected():
-    schedule = interleaved_1f1b(2, 2, 2)
+    schedule = interleaved(2, 2, 2)
+    validate_schedule(schedule)
     program = list(schedule.programs[0])
     # rank 0 waits for its second chunk's gradient before running its first chunk's forwards
-    first_forward = program.index((0, Action(K.FORWARD, 0)))
-    grad = program.index((2, Action(K.RECV_GRAD, 0)))
-    deadlocked = [program[grad]] + program[:grad] + program[grad + 1:]
+    grad = _find(program, K.RECV_GRAD, 2, 0)
+    first = dataclasses.replace(program[grad], group=-1)  # a group of its own, posted first
+    deadlocked = [first] + program[:grad] + program[grad + 1:]
     with pytest.raises(ScheduleError, match="deadlock"):
-        validate_interleaved(_edit(schedule, 0, deadlocked))
+        validate_schedule(_edit(schedule, 0, deadlocked))
     foreign = list(program)
-    foreign[first_forward] = (1, Action(K.FORWARD, 0))
-    with pytest.raises(ScheduleError, match="other ranks"):
-        validate_interleaved(_edit(schedule, 0, foreign))
+    foreign[_find(program, K.FORWARD, 0, 0)] = Action(K.FORWARD, 1, 0)
+    with pytest.raises(ScheduleError, match="lives on rank 1"):
+        validate_schedule(_edit(schedule, 0, foreign))
     with pytest.raises(ScheduleError, match="step tail"):
-        validate_interleaved(_edit(schedule, 0, program[-1:] + program[:-1]))
+        validate_schedule(_edit(schedule, 0, program[-1:] + program[:-1]))
+
+
+def test_one_rank_pair_carries_several_stage_pairs_in_one_order():
+    """p=2, v=3: stages 0->1, 2->3, 4->5 all go rank 0 -> 1 (and 1->2, 3->4 rank 1 -> 0).
+    NCCL ignores tags, so both sides must post the messages of a rank pair in the same order:
+    the validator's replay pairs them in posting order and the schedule passes; swapping two
+    sends to one peer within a group would swap tensors, and is rejected."""
+    p, v, m = 2, 3, 4
+    schedule = interleaved(p, m, v)
+    validate_schedule(schedule)
+    for src, dst in ((0, 1), (1, 0)):
+        sent = [a.message for a in schedule.programs[src]
+                if a.kind in (K.SEND_ACT, K.SEND_GRAD) and a.peer == dst]
+        received = [a.message for a in schedule.programs[dst]
+                    if a.kind in (K.RECV_ACT, K.RECV_GRAD) and a.peer == src]
+        assert sent == received and len(set(sent)) == len(sent)
+        assert {(s, d) for _, s, d, _ in sent} == \
+            {e for e in schedule.edges if e[0] % p == src or e[1] % p == src}
+    program = list(schedule.programs[0])
+    for _, actions in schedule.groups(0):  # the first group sending twice to rank 1
+        sends = [a for a in actions if a.kind in (K.SEND_ACT, K.SEND_GRAD)]
+        if len(sends) >= 2:
+            break
+    i, j = program.index(sends[0]), program.index(sends[1])
+    program[i], program[j] = program[j], program[i]
+    with pytest.raises(ScheduleError, match="NCCL would pair them"):
+        validate_schedule(_edit(schedule, 0, program))
 
 
 def test_recomputation_adds_reruns_to_the_chunks_that_checkpoint():
     flags = [True, False, True, False]
-    schedule = interleaved_1f1b(2, 2, 2, recompute=flags)
-    validate_interleaved(schedule)
-    assert [any(a.kind is K.RECOMPUTE for a in actions) for actions in schedule.virtual] == flags
+    schedule = interleaved(2, 2, 2, recompute=flags)
+    validate_schedule(schedule)
+    assert [any(a.kind is K.RECOMPUTE for a in schedule.stage_actions(s))
+            for s in range(4)] == flags
     costs = CostModel(forward=1.0, backward=2.0, recompute=1.0)
-    assert simulate_interleaved(schedule, costs).makespan > \
-        simulate_interleaved(interleaved_1f1b(2, 2, 2), costs).makespan
+    assert simulate(schedule, costs).makespan > simulate(interleaved(2, 2, 2), costs).makespan
 
 
-def test_tags_tell_apart_the_virtual_stage_pairs_of_one_rank_pair():
-    """p=2, v=3: stages 0->1, 2->3, 4->5 all go rank 0 -> 1 (and 1->2, 3->4 rank 1 -> 0)."""
-    from types import SimpleNamespace
+# -- stage-aware recomputation over a rank's several stages (synthetic memory profile) ------------
+# 2 ranks x 2 chunks = 4 stages of 4 blocks: each block keeps 10 bytes, its input 1; 4 bytes
+# outside the blocks; the last stage 16 bytes more (a head)
+KEPT = [KeptBytes(tuple(44 - 9 * k for k in range(5)))] * 3 + \
+    [KeptBytes(tuple(60 - 9 * k for k in range(5)))]
 
-    from torch import nn
 
-    from merak import Piece, manual_split
-    from merak.pipeline.interleaved_runtime import VirtualStageComm, VirtualStageContext
+def test_stage_aware_ratios_with_two_stages_per_rank():
+    m = 8
+    ratios = stage_aware_ratios("interleaved_1f1b", 2, m, KEPT, 0.5)
+    peaks = predict_peaks("interleaved_1f1b", 2, m, KEPT, ratios)
+    assert len(ratios) == 4 and len(peaks) == 2  # per stage, per rank
+    assert ratios[0] == ratios[2] == 0.5  # the first rank's stages, as given
+    assert peaks[1] <= peaks[0]
+    for s in (1, 3):  # rank 1's stages recompute the least that keeps it within rank 0's peak
+        if ratios[s] > 0:
+            fewer = list(ratios)
+            fewer[s] -= 0.25
+            assert predict_peaks("interleaved_1f1b", 2, m, KEPT, fewer)[1] > peaks[0]
+    everything = predict_peaks("interleaved_1f1b", 2, m, KEPT, [1.0] * 4)
+    nothing = predict_peaks("interleaved_1f1b", 2, m, KEPT, [0.0] * 4)
+    assert all(lo < p < hi for lo, p, hi in zip(everything, peaks, nothing)), \
+        (everything, peaks, nothing)
 
-    p, v, m = 2, 3, 4
-    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(p * v)])
-    pieces = [Piece(str(i), ["x"], ["x"]) for i in range(p * v)]
-    split = manual_split(model, pieces, num_stages=p * v, output="x")
-    base = SimpleNamespace(pp=p, rank_of=lambda pp_rank, dp_rank=None, tp_rank=None: pp_rank)
-    comms = [VirtualStageComm(VirtualStageContext(base, k, v), split, k, 10.0)
-             for k in range(p * v)]
-    seen: dict[tuple[int, int, int], tuple] = {}  # (src rank, dst rank, tag) -> message
-    for k, comm in enumerate(comms):
-        for peer in (k - 1, k + 1):
-            if not 0 <= peer < p * v:
-                continue
-            assert comm.ctx.stage_rank(peer) == peer % p
-            is_grad = peer < k  # gradients go upstream
-            for mb in range(m):
-                tag = comm.tag(peer, mb, is_grad, 0)
-                # the receiver computes the same tag for the same message
-                assert comms[peer].tag(k, mb, is_grad, 0) == tag
-                key = (k % p, peer % p, tag)
-                assert key not in seen, (key, seen.get(key), (k, peer, mb))
-                seen[key] = (k, peer, mb)
-            meta = (k % p, peer % p, comm.meta_tag(peer))
-            assert meta not in seen
-            seen[meta] = (k, peer)
+
+def test_budget_mode_with_two_stages_per_rank():
+    m = 8
+    everything = predict_peaks("interleaved_1f1b", 2, m, KEPT, [1.0] * 4)
+    nothing = predict_peaks("interleaved_1f1b", 2, m, KEPT, [0.0] * 4)
+    budget = [(lo + hi) / 2 for lo, hi in zip(everything, nothing)]
+    ratios = choose_ratios("interleaved_1f1b", 2, m, KEPT, budget)
+    peaks = predict_peaks("interleaved_1f1b", 2, m, KEPT, ratios)
+    assert all(p <= b for p, b in zip(peaks, budget)), (peaks, budget)
+    assert 0 < sum(ratios) < 4, ratios
+    for s in range(4):  # the earlier stage of a rank settles first: one block fewer breaks it
+        if ratios[s] > 0 and all(r == 1.0 for r in ratios[s + 2::2]):
+            fewer = list(ratios)
+            fewer[s] -= 0.25
+            assert predict_peaks("interleaved_1f1b", 2, m, KEPT, fewer)[s % 2] > budget[s % 2]
+    with pytest.raises(ValueError, match="stage 0 needs .* above its budget"):
+        choose_ratios("interleaved_1f1b", 2, m, KEPT, [everything[0] - 1, everything[1]])
 
 
 ARGS = ["simulate", "--stages", "4", "--microbatches", "8", "--json"]

@@ -15,9 +15,9 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from merak.partition.checkpoint import load_safetensors_
-from merak.partition.meta import init_empty_weights, materialize_
-from merak.pipeline.stage import _attach
+from merak.materialize.meta import init_empty_weights, materialize_
+from merak.materialize.safetensors import load_safetensors_
+from merak.runtime.stage import _attach
 
 CONFIGS = {
     "llama": lambda: AutoModelForCausalLM.from_config(LlamaConfig(
@@ -185,3 +185,106 @@ def test_missing_tensor_and_wrong_shape_are_named(tmp_path):
         load_safetensors_(layer, tmp_path)
     with pytest.raises(ValueError, match=r"shape \[2, 3\]"):
         load_safetensors_(nn.Linear(2, 3, bias=False), tmp_path)
+
+
+# ----------------------------------------------------------------- stages move whole (auto split)
+def _every_tensor(*roots: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(where, tensor): every parameter, buffer and tensor attribute of every module under
+    `roots`."""
+    found = []
+    for r, root in enumerate(roots):
+        for name, sub in root.named_modules(remove_duplicate=False):
+            for attr, value in [*sub._parameters.items(), *sub._buffers.items(),
+                                *vars(sub).items()]:
+                if isinstance(value, torch.Tensor):
+                    found.append((f"root {r} {type(root).__name__}: {name}.{attr}", value))
+    return found
+
+
+def test_auto_split_llama_stages_materialize_whole_on_the_device():
+    import merak
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    with merak.init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    device = torch.device("cpu")
+    split = merak.auto_split(model, inputs, 2, device=device)
+    stages = [merak.PipelineStage(split.container, split, s) for s in range(2)]
+    for stage in stages:
+        assert merak.materialize_(stage, device)
+    for s, stage in enumerate(stages):  # the stage graph itself is run, not registered
+        tensors = _every_tensor(stage, split.stage_graph(s))
+        assert any("inv_freq" in where for where, _ in tensors)
+        for where, tensor in tensors:
+            assert not tensor.is_meta, where
+            assert tensor.device == device, f"{where} is on {tensor.device}"
+    # parameters, buffers and graph constants kept their values: the model's loss
+    torch.testing.assert_close(split(**inputs).loss, reference(**inputs).loss)
+
+
+class _WithConstant(nn.Module):
+    """Repeated blocks, and a tensor made in forward: a constant at the stage graph's root."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 7)
+
+    def forward(self, x, labels):
+        h = self.proj(x) * torch.tensor([0.25, 0.5]).sum()
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _unregistered_case(case: str):
+    """A stage whose module tree misses tensors it runs with: the root constants of its flat
+    graph piece, or the rotary table of an interleaved stage's second chunk. Returns the stage
+    and the roots that hold everything it runs."""
+    import merak
+
+    with init_empty_weights():
+        model = CONFIGS["llama"]() if case == "interleaved" else _WithConstant()
+    if case == "interleaved":
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+        split = merak.auto_split(model, {"input_ids": ids, "labels": ids}, 2)
+        chunks = [merak.PipelineStage(split.container, split, s) for s in range(2)]
+        stage = merak.InterleavedStage(chunks)
+        return stage, [stage, *chunks, split.stage_graph(0), split.stage_graph(1)]
+    inputs = {"x": torch.randn(2, 6, 12), "labels": torch.randint(0, 7, (2, 6))}
+    split = merak.auto_split(model, inputs, 2, trace_method=case)
+    stage = merak.PipelineStage(split.container, split, 0)
+    return stage, [stage, split.stage_graph(0)]
+
+
+@pytest.mark.parametrize("case", ["interleaved", "export", "fx"])
+def test_materialize_reaches_what_the_stage_runs_but_does_not_register(case):
+    stage, roots = _unregistered_case(case)
+    buffers = {id(b) for m in stage.modules() for b in m._buffers.values() if b is not None}
+    hidden = [w for w, t in _every_tensor(*roots) if not isinstance(t, nn.Parameter)
+              and id(t) not in buffers]
+    assert hidden or case == "interleaved"  # interleaved: one tensor, two holders
+    # a buffer or constant on the meta device shows whether materialize_ reached it
+    for root in roots:
+        for sub in root.modules():
+            for name, buffer in list(sub._buffers.items()):
+                sub._buffers[name] = buffer.to("meta")
+    expected = "inv_freq" if case == "interleaved" else \
+        "_tensor_constant0" if case == "fx" else "lifted_tensor_0"
+    with pytest.raises(ValueError, match=expected):
+        materialize_(stage)  # initialize: a meta buffer has no recorded value
+    stage, roots = _unregistered_case(case)
+    for root in roots:
+        for sub in root.modules():
+            for name, buffer in list(sub._buffers.items()):
+                sub._buffers[name] = buffer.to("meta")
+    materialize_(stage, "cpu", initialize=False)  # for a checkpoint: storage everywhere
+    for where, tensor in _every_tensor(*roots):
+        assert tensor.device == torch.device("cpu"), where

@@ -4,6 +4,7 @@ schedules trained in real pipelines (workers/schedule_parity.py, pp 2 and 4)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,12 +13,12 @@ from dist_harness import cached_launcher, check
 from hf_models import CustomMLP, batch
 from schedule_parity import scenario_names
 
-from merak import Action, ActionKind, CostModel, ScheduleError, make_schedule, simulate
+from merak import ActionKind, CostModel, Schedule, ScheduleError, make_schedule, simulate
 from merak.cli import main
-from merak.pipeline.recompute import BlockRecomputation, checkpointed_blocks
-from merak.pipeline.simulator import MemoryModel
-from merak.pipeline.stage_aware import KeptBytes, choose_ratios, predict_peaks, stage_aware_ratios
-from merak.pipeline.validate import validate_schedule
+from merak.recompute.blocks import BlockRecomputation, checkpointed_blocks
+from merak.recompute.stage_aware import KeptBytes, choose_ratios, predict_peaks, stage_aware_ratios
+from merak.schedule.simulator import MemoryModel
+from merak.schedule.validate import validate_schedule
 
 K = ActionKind
 MERAK = ("pre_recompute_1f1b", "last_no_recompute_1f1b", "shifted_critical_path")
@@ -35,17 +36,37 @@ def test_every_schedule_trains_like_the_single_process_model(launches, world_siz
     check(*launches(world_size), scenario)
 
 
+def _at(actions, kind: ActionKind, microbatch_id: int) -> int:
+    """Index of the `kind` action of micro-batch `microbatch_id` in `actions`."""
+    return next(i for i, a in enumerate(actions)
+                if a.kind is kind and a.microbatch_id == microbatch_id)
+
+
+def _swapped(schedule: Schedule, rank: int, i: int, j: int) -> Schedule:
+    """`schedule` with actions `i` and `j` of rank `rank`'s program swapped."""
+    program = list(schedule.programs[rank])
+    program[i], program[j] = program[j], program[i]
+    programs = list(schedule.programs)
+    programs[rank] = tuple(program)
+    return dataclasses.replace(schedule, programs=tuple(programs))
+
+
 @pytest.mark.parametrize("name", [*MERAK, "zero_bubble", "1f1b", "ds_default"])
 def test_every_size_validates_within_1f1b_memory(name):
     for p in range(1, 7):
         for m in range(1, 13):
             recompute = name in MERAK or (p + m) % 2 == 0  # with and without recomputation
-            report = validate_schedule(make_schedule(name, p, m, recompute=recompute), m)
+            schedule = make_schedule(name, p, m, recompute=recompute)
+            report = validate_schedule(schedule)
+            assert (report.num_ranks, report.num_microbatches) == (p, m)
+            peaks = simulate(schedule).peak_activations
             one_f = [min(p - s, m) for s in range(p)]
             if name == "zero_bubble":  # ZB-H1: weight gradients wait, within 1F1B's peak
-                assert max(report.peak_activations) == max(one_f)
+                assert max(peaks) == max(one_f)
             elif name != "ds_default":
-                assert report.peak_activations == one_f
+                assert peaks == one_f
+            else:  # GPipe holds every micro-batch
+                assert peaks == [m] * p
 
 
 def test_merak_orderings_in_the_simulator():
@@ -69,12 +90,14 @@ def test_zero_bubble_idles_a_third_of_1f1b():
 
 def test_recomputation_places_and_the_memory_model():
     pre = make_schedule("pre_recompute_1f1b", 3, 4, recompute=True)
-    stage0 = pre[0]
-    assert stage0.index(Action(K.RECOMPUTE, 0)) < stage0.index(Action(K.RECV_GRAD, 0))
+    stage0 = pre.stage_actions(0)
+    assert _at(stage0, K.RECOMPUTE, 0) < _at(stage0, K.RECV_GRAD, 0)
     last = make_schedule("last_no_recompute_1f1b", 3, 4, recompute=True)
-    assert not any(a.kind is K.RECOMPUTE for a in last[-1])
+    assert not any(a.kind is K.RECOMPUTE for a in last.stage_actions(2))
+    assert all(any(a.kind is K.RECOMPUTE for a in last.stage_actions(s)) for s in (0, 1))
     plain = make_schedule("1f1b", 3, 4, recompute=True)
-    assert plain[1].index(Action(K.RECV_GRAD, 0)) < plain[1].index(Action(K.RECOMPUTE, 0))
+    stage1 = plain.stage_actions(1)
+    assert _at(stage1, K.RECV_GRAD, 0) < _at(stage1, K.RECOMPUTE, 0)
     result = simulate(plain, memory=MemoryModel(full=8.0, kept=2.0))
     # stage s: one micro-batch whole (recomputed for its backward), the others kept
     assert result.peak_memory == [8 + 2 * 2, 8 + 2 * 1, 8.0]
@@ -84,17 +107,18 @@ def test_recomputation_places_and_the_memory_model():
 
 def test_orders_of_the_new_actions_are_checked():
     schedule = make_schedule("1f1b", 2, 2, recompute=True)
-    stage = schedule[0]
-    r, b = stage.index(Action(K.RECOMPUTE, 0)), stage.index(Action(K.BACKWARD, 0))
-    stage[r], stage[b] = stage[b], stage[r]
-    with pytest.raises(ScheduleError, match="micro-batch 0"):
-        validate_schedule(schedule, 2)
+    validate_schedule(schedule)
+    program = schedule.programs[0]
+    swapped = _swapped(schedule, 0, _at(program, K.RECOMPUTE, 0), _at(program, K.BACKWARD, 0))
+    with pytest.raises(ScheduleError, match="stage 0: micro-batch 0: backward .* recompute"):
+        validate_schedule(swapped)
     zb = make_schedule("zero_bubble", 2, 2)
-    stage = zb[1]
-    i, w = stage.index(Action(K.BACKWARD_INPUT, 0)), stage.index(Action(K.BACKWARD_WEIGHT, 0))
-    stage[i], stage[w] = stage[w], stage[i]
-    with pytest.raises(ScheduleError, match="micro-batch 0"):
-        validate_schedule(zb, 2)
+    validate_schedule(zb)
+    program = zb.programs[1]
+    swapped = _swapped(zb, 1, _at(program, K.BACKWARD_INPUT, 0),
+                       _at(program, K.BACKWARD_WEIGHT, 0))
+    with pytest.raises(ScheduleError, match="stage 1: micro-batch 0: backward_weight"):
+        validate_schedule(swapped)
 
 
 def test_cli_json_and_compare(tmp_path, capsys):
@@ -122,23 +146,23 @@ KEPT = [KeptBytes(tuple(44 - 9 * k for k in range(5)))] * 4
 
 
 def test_stage_aware_ratios_fall_with_the_stage():
-    ratios = stage_aware_ratios("1f1b", 8, KEPT, 1.0)
-    peaks = predict_peaks("1f1b", 8, KEPT, ratios)
+    ratios = stage_aware_ratios("1f1b", 4, 8, KEPT, 1.0)
+    peaks = predict_peaks("1f1b", 4, 8, KEPT, ratios)
     assert ratios[0] == 1.0 and ratios == sorted(ratios, reverse=True) and ratios[-1] == 0.0
     assert max(peaks[1:]) <= peaks[0]
     # each later stage recomputes the least it can: one block fewer would exceed the first
     for s in range(1, 3):
         fewer = list(ratios)
         fewer[s] -= 0.25
-        assert predict_peaks("1f1b", 8, KEPT, fewer)[s] > peaks[0]
+        assert predict_peaks("1f1b", 4, 8, KEPT, fewer)[s] > peaks[0]
 
 
 def test_budget_mode_picks_the_least_recomputation_or_says_why_not():
-    ratios = choose_ratios("1f1b", 8, KEPT, [100.0] * 4)
-    assert all(p <= 100 for p in predict_peaks("1f1b", 8, KEPT, ratios))
+    ratios = choose_ratios("1f1b", 4, 8, KEPT, [100.0] * 4)
+    assert all(p <= 100 for p in predict_peaks("1f1b", 4, 8, KEPT, ratios))
     assert ratios == [0.75, 0.5, 0.0, 0.0]
     with pytest.raises(ValueError, match="stage 0 needs .* above its budget"):
-        choose_ratios("1f1b", 8, KEPT, [40.0] * 4)
+        choose_ratios("1f1b", 4, 8, KEPT, [40.0] * 4)
 
 
 # -- block recomputation in one process -----------------------------------------------------------

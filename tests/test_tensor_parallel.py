@@ -4,6 +4,7 @@ loading, a custom plan, and dp x tp x pp on 8 ranks; plus plan validation in one
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +16,10 @@ from tp_models import TP_FAMILIES
 from tp_parity import scenario_names
 
 import merak
+import merak.build
+from merak.distributed.parallel_context import get_context, set_default_tp_plan
 from merak.tensor_parallel.layers import ShardSpec, shard_parameter
-from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan
+from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan, plan_for
 
 WORLD_SIZES = (2, 4, 8)
 
@@ -89,6 +92,62 @@ def test_unsupported_variants_say_so():
     with pytest.raises(ValueError, match="parallel_vocab found none"):
         merak.apply_tensor_parallel(CustomMLP(), _ctx(2), parallel_vocab=True,
                                     plan=TPPlan(column=("fc1",), row=("fc2",)))
+
+
+def test_an_explicit_plan_wins_over_the_registered_one(monkeypatch):
+    """Plan lookup: the explicit plan, else the one `set_tp_layer_lists` recorded on the
+    job's immutable context, else the family's; `parallelize` hands `tp_plan` through."""
+    ctx = merak.init(dp=1, tp=1, pp=1)
+    try:
+        registered = merak.set_tp_layer_lists(col_para_list=["nothing"])  # matches no module
+        default = get_context()
+        assert default.tp_plan is registered and ctx.tp_plan is None  # replaced, not mutated
+        assert default == ctx and not hasattr(default, "settings")
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            default.tp_plan = None
+        explicit = TPPlan(column=("fc1",), row=("fc2",), source="explicit")
+        assert plan_for(CustomMLP(), default) is registered
+        assert plan_for(CustomMLP(), ctx) is registered  # a context taken before the call
+        assert plan_for(CustomMLP(), default, explicit) is explicit
+        assert plan_for(CustomMLP(), default, {"row_para_list": ["fc2"]}).row == ("fc2",)
+        with merak.init_empty_weights():
+            llama = TP_FAMILIES["llama"]()
+        assert plan_for(llama, default) is registered  # over the family's
+        assert plan_for(llama, _ctx(2)) is FAMILY_PLANS["llama"]  # not that job's context
+
+        tp2 = SimpleNamespace(tp=2, tp_rank=0, tp_group=None, tp_plan=registered)
+        assert merak.apply_tensor_parallel(CustomMLP(), tp2, plan=explicit).merak_tp.plan \
+            is explicit
+        with pytest.raises(ValueError, match="matched no module"):  # the registered plan
+            merak.apply_tensor_parallel(CustomMLP(), tp2)
+        with pytest.raises(ValueError, match="tp plan key 'rows'"):  # checked even at tp=1
+            merak.parallelize(CustomMLP(), {}, ctx, tp_plan={"rows": ["fc2"]})
+        seen = {}
+
+        def fake_apply(model, context, **options):
+            seen.update(options, context=context)
+            raise InterruptedError
+
+        monkeypatch.setattr(merak.build, "apply_tensor_parallel", fake_apply)
+        with pytest.raises(InterruptedError):
+            merak.parallelize(CustomMLP(), {}, default, tp_plan=explicit)
+        assert seen["plan"] is explicit and seen["context"] is default
+    finally:
+        set_default_tp_plan(None)
+
+
+def test_set_tp_layer_lists_needs_a_context_and_names_bad_arguments(monkeypatch):
+    from merak.distributed import parallel_context
+
+    monkeypatch.setattr(parallel_context, "_default_context", None)
+    with pytest.raises(RuntimeError, match="call merak.init.* or give the plan explicitly"):
+        merak.set_tp_layer_lists(col_para_list=["fc1"])
+    for kwargs, message in [({"col_para_list": "fc1"}, "col_para_list must be a list"),
+                            ({"input_output_mapping": [(1, 4, "column")]}, "'col' or 'row'"),
+                            ({"weight_change_list": [("bias", "0")]}, "weight_change_list"),
+                            ({"tp_attr_list": ["num_heads"]}, "nothing would be split")]:
+        with pytest.raises(ValueError, match=message):
+            merak.set_tp_layer_lists(**kwargs)
 
 
 def test_a_plan_matching_nothing_is_an_error():

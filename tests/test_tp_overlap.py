@@ -49,8 +49,8 @@ def _tp_model(family: str = "llama", materialize: bool = False, **tp_options):
 @pytest.mark.parametrize("kwargs,message", [
     ({"level": 3}, "tp_overlapping_level must be one of"),
     ({"level": -1}, "tp_overlapping_level must be one of"),
-    ({"level": 1, "num_chunks": 1}, "num_chunks .* must be an int >= 2"),
-    ({"level": 2, "num_chunks": 2.0}, "num_chunks .* must be an int >= 2"),
+    ({"level": 1, "num_sub_batches": 1}, "num_sub_batches .* must be an int >= 2"),
+    ({"level": 2, "num_sub_batches": 2.0}, "num_sub_batches .* must be an int >= 2"),
     ({"level": 1, "dim": -1}, "dim=-1"),
     ({"level": 2, "dim": 1}, "level 2 splits whole sequences"),
 ])
@@ -70,7 +70,8 @@ def test_models_it_cannot_overlap_say_why():
     with merak.init_empty_weights():
         model = TP_FAMILIES["llama"]()
     for options, message in [({"overlap_level": 3}, "must be one of"),
-                             ({"overlap_level": 1, "overlap_chunks": 1}, "must be an int >= 2"),
+                             ({"overlap_level": 1, "overlap_sub_batches": 1},
+                              "must be an int >= 2"),
                              ({"overlap_level": 2, "sequence_parallel": True},
                               "do not support sequence parallelism")]:
         with pytest.raises(ValueError, match=message):  # before the model is converted
@@ -84,14 +85,14 @@ def test_models_it_cannot_overlap_say_why():
 
 
 def test_level_0_restores_the_layers_and_blocks():
-    model = _tp_model("gpt2", overlap_level=2, overlap_chunks=4)
+    model = _tp_model("gpt2", overlap_level=2, overlap_sub_batches=4)
     block = model.transformer.h[1]
     assert type(block).__name__ == "TPOverlapGPT2Block"
     assert isinstance(block, tf.models.gpt2.modeling_gpt2.GPT2Block)
     assert block.attn.c_proj.tp_overlap.interleaver is block.tp_overlap_block[2]
     set_tp_overlap(model, 1, 3)
     assert type(block) is tf.models.gpt2.modeling_gpt2.GPT2Block
-    assert block.mlp.c_fc.tp_overlap.num_chunks == 3
+    assert block.mlp.c_fc.tp_overlap.num_sub_batches == 3
     set_tp_overlap(model, 0)
     assert type(block) is tf.models.gpt2.modeling_gpt2.GPT2Block
     assert all("tp_overlap" not in vars(m) and "tp_overlap_block" not in vars(m)
@@ -116,7 +117,8 @@ def test_level_2_block_split_matches_the_whole_block():
     torch.testing.assert_close(split_loss, loss, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(ValueError, match=r"block model.layers.0 into num_chunks=2 .* divisible"):
+    with pytest.raises(ValueError,
+                       match=r"block model.layers.0 into num_sub_batches=2 .* divisible"):
         model(**{**batch("llama", 0, 3), "use_cache": False})
 
 

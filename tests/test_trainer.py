@@ -57,6 +57,11 @@ def test_arguments_parse_from_the_command_line():
          "--custom_partition", "0", "2", "4", "--partition_method", "custom"])
     assert args.train_schedule == "ds_default" and args.parallel_vocab
     assert args.custom_partition == [0, 2, 4]
+    (args,) = HfArgumentParser(MerakArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--tp_plan",
+         '{"col_para_list": ["fc1"], "input_output_mapping": [[2, 1, "row"]]}'])
+    assert args.tp_plan.column == ("fc1",) and args.tp_plan.io_mapping == ((2, 1, "row"),)
+    json.loads(args.to_json_string())  # still serializable (for the report_to loggers)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -85,6 +90,13 @@ def test_arguments_parse_from_the_command_line():
     ({"activation_checkpointing": True, "activation_memory_budget": [0.0]}, "positive MiB"),
     ({"activation_checkpointing": True, "activation_checkpoint_ratio": [0.5],
       "activation_memory_budget": [10.0]}, "not both"),
+    ({"tp_plan": {"col_para_list": ["fc1"], "rows": ["fc2"]}},
+     r"MerakArguments.tp_plan: tp plan key 'rows' is not one of \['col_para_list'"),
+    ({"tp_plan": {"col_para_list": "fc1"}}, "tp_plan: col_para_list must be a list"),
+    ({"tp_plan": {"input_output_mapping": [[1, 4]]}}, "tp_plan: input_output_mapping entries"),
+    ({"tp_plan": {"tp_attr_list": ["num_heads"]}}, "tp_plan: .* nothing would be split"),
+    ({"tp_plan": "{not json"}, "tp_plan='{not json' is not a JSON object"),
+    ({"tp_plan": ["fc1"]}, "tp_plan: a tp plan is a merak.TPPlan or a dict"),
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -119,7 +131,7 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
            "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url",
            "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
-           "activation_memory_budget", "tp_overlapping_level", "num_model_chunks"}
+           "activation_memory_budget", "tp_overlapping_level", "num_model_chunks", "tp_plan"}
 
 
 def _other_value(value):
@@ -204,6 +216,42 @@ def test_loss_fn_replaces_the_models_own_loss():
     assert expected.item() == pytest.approx(2 * reference(**batch).loss.item(), rel=1e-5)
 
 
+def test_an_explicit_tp_plan_reaches_parallelize(monkeypatch):
+    """MerakArguments(tp_plan=dict) becomes a TPPlan, which MerakTrainer hands to
+    parallelize over the one set_tp_layer_lists recorded."""
+    import torch
+    from trainer_common import train_set
+
+    import merak
+    import merak.trainer.trainer as trainer_module
+    from merak.distributed.parallel_context import set_default_tp_plan
+
+    merak.init(dp=1, tp=1, pp=1)
+    try:
+        merak.set_tp_layer_lists(col_para_list=["registered"])
+        args = MerakArguments(output_dir="out", max_steps=1, report_to="none", use_cpu=True,
+                              tp_plan={"col_para_list": ["mlp.up_proj"],
+                                       "row_para_list": ["mlp.down_proj"]})
+        assert isinstance(args.tp_plan, merak.TPPlan)
+        assert args.tp_plan.column == ("mlp.up_proj",)
+        seen = {}
+
+        def fake_parallelize(model, example, ctx, **options):
+            seen.update(options)
+            raise InterruptedError
+
+        monkeypatch.setattr(trainer_module, "parallelize", fake_parallelize)
+        with merak.init_empty_weights():
+            model = build("llama")
+        trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        with pytest.raises(InterruptedError):
+            trainer._build({"input_ids": ids, "labels": ids})
+        assert seen["tp_plan"] is args.tp_plan
+    finally:
+        set_default_tp_plan(None)
+
+
 def test_loss_scaler_window_static_scale_and_floor():
     from types import SimpleNamespace
 
@@ -252,7 +300,8 @@ def test_checkpoint_flags_without_optimizer_or_rng(tmp_path):
         return merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
 
     trainer(save=True, no_save_optim=True, no_save_rng=True, max_steps=2).train()
-    state = torch.load(tmp_path / "checkpoint-2" / "rank0.pt", weights_only=False)
+    state = torch.load(tmp_path / "checkpoint-2" / "rank0.pt", map_location="cpu",
+                       weights_only=False)
     assert "optimizer" not in state and "rng" not in state and "scheduler" in state
     with pytest.raises(KeyError, match="no_load_optim=True"):
         trainer(max_steps=3).train(resume_from_checkpoint=True)

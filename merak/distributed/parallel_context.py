@@ -11,13 +11,20 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+if TYPE_CHECKING:
+    from merak.tensor_parallel.plans import TPPlan
+
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+# "1", "true", "yes" or "on": point-to-point follows NCCL's rules on any backend (`init`)
+NCCL_P2P_RULES_ENV = "MERAK_NCCL_P2P_RULES"
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 # The one piece of module-level state Merak keeps: the context built by the last `init()`.
 _default_context: ParallelContext | None = None
@@ -39,8 +46,12 @@ class ParallelContext:
     backend: str
     device: torch.device
     mesh: DeviceMesh
-    # what the user registered for this job, e.g. the TP plan of `merak.set_tp_layer_lists`
-    settings: dict = field(default_factory=dict, compare=False, repr=False)
+    # the TP plan `merak.set_tp_layer_lists` recorded for this job (`set_default_tp_plan`)
+    tp_plan: TPPlan | None = field(default=None, compare=False, repr=False)
+    # point-to-point follows NCCL's rules on any backend (tags dropped, one ordered stream per
+    # rank, batch groups as the only concurrency); always on with NCCL, and the CPU test suite
+    # turns it on (MERAK_NCCL_P2P_RULES=1) so that gloo runs catch what would hang on NCCL
+    nccl_p2p_rules: bool = False
 
     @property
     def dp_rank(self) -> int:
@@ -113,20 +124,61 @@ def _check_degrees(dp: int, tp: int, pp: int) -> None:
             raise ValueError(f"merak.init: {name} must be positive, got {name}={value}")
 
 
-def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+def local_device_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device a process with `local_rank` uses when it sees `device_count` devices:
+    ``local_rank % device_count`` (a launcher that gives each process one GPU through
+    CUDA_VISIBLE_DEVICES leaves every process device 0)."""
+    if device_count < 1:
+        raise RuntimeError(f"LOCAL_RANK {local_rank} needs a CUDA device, but none is visible; "
+                           f"check CUDA_VISIBLE_DEVICES or use backend='gloo'")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK must be >= 0, got {local_rank}")
+    return local_rank % device_count
+
+
+def _is_nccl(backend: str) -> bool:
+    """NCCL alone, or in a per-device backend string such as ``cpu:gloo,cuda:nccl``."""
+    return "nccl" in str(backend).lower()
+
+
+def env_flag(name: str) -> bool:
+    """Whether environment variable `name` is "1", "true", "yes" or "on" (any case)."""
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def resolve_nccl_p2p_rules(backend: str, requested: bool | None) -> bool:
+    """`init`'s ``nccl_p2p_rules``: always on with NCCL; otherwise `requested`, or when that is
+    None the environment variable MERAK_NCCL_P2P_RULES."""
+    if _is_nccl(backend):
+        return True
+    return env_flag(NCCL_P2P_RULES_ENV) if requested is None else bool(requested)
+
+
+def _local_device(backend: str) -> torch.device:
+    if not _is_nccl(backend):
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_device_index(local_rank, torch.cuda.device_count()))
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta,
+                        device_id: torch.device | None = None) -> None:
+    """`device_id` (NCCL): bind the group to this device, which makes NCCL create its
+    communicator now rather than at the first collective."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         return
     # Launched without torchrun: a one-process group, so single-process runs use the same code.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, timeout=timeout)
+                            rank=0, world_size=1, timeout=timeout, device_id=device_id)
 
 
 def init(dp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None, *,
-         timeout: datetime.timedelta | float = 600.0) -> ParallelContext:
+         timeout: datetime.timedelta | float = 600.0,
+         nccl_p2p_rules: bool | None = None) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh.
 
     Args:
@@ -137,6 +189,15 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None, *,
             An explicit value is always honoured.
         timeout: collective timeout (seconds or timedelta) used when this call creates the
             process group.
+        nccl_p2p_rules: make point-to-point follow NCCL's rules on any backend (tags dropped,
+            one ordered stream per rank, batch groups as the only concurrency), so that a gloo
+            run fails where an NCCL run would hang; the CPU test suite turns it on. Always True
+            with NCCL. None: from the environment variable MERAK_NCCL_P2P_RULES ("1", "true",
+            "yes", "on").
+
+    With NCCL, this process uses CUDA device ``LOCAL_RANK % torch.cuda.device_count()`` (so a
+    process that sees one GPU uses it whatever its local rank), made current before the process
+    group is created with it as ``device_id`` (NCCL initializes eagerly).
 
     Returns:
         The `ParallelContext`; it also becomes the default returned by `get_context()`.
@@ -154,24 +215,23 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None, *,
                              f"is already initialized with {dist.get_backend()!r}; drop the "
                              f"backend argument or initialize with {backend!r}")
         backend = dist.get_backend()
-    else:
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        _init_process_group(backend, timeout)
+    elif backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = _local_device(backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        _init_process_group(backend, timeout, device_id=device if _is_nccl(backend) else None)
     world_size = dist.get_world_size()
     if dp * tp * pp != world_size:
         raise ValueError(
             f"merak.init: dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} but the world size "
             f"is {world_size}; choose degrees whose product is {world_size} or launch "
             f"{dp * tp * pp} processes (torchrun --nproc_per_node {dp * tp * pp})")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
     context = ParallelContext(dp=dp, tp=tp, pp=pp, rank=dist.get_rank(), world_size=world_size,
-                              backend=backend, device=device, mesh=mesh)
+                              backend=backend, device=device, mesh=mesh,
+                              nccl_p2p_rules=resolve_nccl_p2p_rules(backend, nccl_p2p_rules))
     _default_context = context
     return context
 
@@ -180,4 +240,17 @@ def get_context() -> ParallelContext:
     """The context built by the last `merak.init()`."""
     if _default_context is None:
         raise RuntimeError("merak has no parallel context yet: call merak.init(dp=, tp=, pp=) first")
+    return _default_context
+
+
+def set_default_tp_plan(plan: TPPlan | None) -> ParallelContext:
+    """Replace the default context (`get_context()`) by a copy whose ``tp_plan`` is `plan`;
+    `merak.set_tp_layer_lists` records its plan this way. Contexts are immutable: one handed
+    out earlier keeps its own ``tp_plan``. Returns the new default.
+
+    Raises:
+        RuntimeError: `merak.init()` was not called yet.
+    """
+    global _default_context
+    _default_context = replace(get_context(), tp_plan=plan)
     return _default_context

@@ -8,7 +8,7 @@ import argparse
 import time
 from pathlib import Path
 
-from merak.pipeline.schedules import SCHEDULES, make_schedule
+from merak.schedule.registry import SCHEDULES, make_schedule
 
 
 def add_energy(subparsers) -> None:
@@ -20,9 +20,18 @@ def add_energy(subparsers) -> None:
                     "frontier with lowtime and write the chosen per-rank clock plan as JSON, "
                     "with a PNG of the frontier.")
     plan.add_argument("profile", help="the CSV `merak energy profile` wrote")
-    plan.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
-    plan.add_argument("--stages", type=int, required=True)
+    plan.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
+                      help="; ".join(f"{name}: {info.summary}" for name, info in
+                                     sorted(SCHEDULES.items())))
+    plan.add_argument("--stages", type=int, required=True, help="pipeline ranks (pp)")
     plan.add_argument("--microbatches", type=int, required=True)
+    plan.add_argument("--interleave", type=int, default=1, metavar="V",
+                      help="model chunks per pipeline rank (interleaved_1f1b: "
+                           "MerakArguments.num_model_chunks)")
+    plan.add_argument("--recompute", nargs="?", const="all", default=None, metavar="FLAGS",
+                      help="the job checkpoints activations (activation_checkpointing; needed by "
+                           "the schedules that reorder recomputation): every stage, or one 0/1 "
+                           "flag per stage, comma-separated (stages x interleave values)")
     plan.add_argument("--p2p-power", type=float, default=None,
                       help="watts a GPU draws blocked on p2p (default: the profile's p2p rows)")
     choice = plan.add_mutually_exclusive_group()
@@ -72,13 +81,18 @@ def _plan(args: argparse.Namespace) -> int:
 
     profiles, measured_p2p = aggregate(read_profile(args.profile))
     if len(profiles) != args.stages:
-        raise SystemExit(f"{args.profile} profiles {len(profiles)} stages, not --stages "
+        raise SystemExit(f"{args.profile} profiles {len(profiles)} pipeline ranks, not --stages "
                          f"{args.stages}")
     p2p_power = args.p2p_power if args.p2p_power is not None else measured_p2p
     if p2p_power is None:
         raise SystemExit("the profile has no p2p rows: give --p2p-power W")
-    planner = EnergyPlanner(make_schedule(args.schedule, args.stages, args.microbatches),
-                            profiles, p2p_power, unit_time=args.unit_time)
+    try:
+        recompute = recompute_flags(args.recompute)
+        schedule = make_schedule(args.schedule, args.stages, args.microbatches,
+                                 stages_per_rank=args.interleave, recompute=recompute)
+        planner = EnergyPlanner(schedule, profiles, p2p_power, unit_time=args.unit_time)
+    except ValueError as error:
+        raise SystemExit(f"merak energy plan: {error}") from None
     start = time.perf_counter()
     base_time, base_energy = planner.evaluate(planner.max_clock_plan())
     limit = planner.time_limit(base_time, args.target_time, args.max_slowdown)
@@ -89,7 +103,8 @@ def _plan(args: argparse.Namespace) -> int:
                     {"time_s": chosen.time_s, "energy_j": chosen.energy_j},
                     {"time_s": base_time, "energy_j": base_energy},
                     {"schedule": args.schedule, "stages": args.stages,
-                     "microbatches": args.microbatches, "p2p_power_w": p2p_power})
+                     "microbatches": args.microbatches, "interleave": args.interleave,
+                     "recompute": recompute, "p2p_power_w": p2p_power})
     png = save_frontier_png(points, chosen, (base_time, base_energy), out.with_suffix(".png"))
     print(f"all max clocks   {base_time:.4f} s  {base_energy:.1f} J")
     print(f"chosen plan      {chosen.time_s:.4f} s  {chosen.energy_j:.1f} J  "
@@ -97,6 +112,18 @@ def _plan(args: argparse.Namespace) -> int:
           f"energy saved)")
     print(f"frontier         {len(points)} points in {took:.1f} s; plan {out}, picture {png}")
     return 0
+
+
+def recompute_flags(value: str | None) -> bool | list[bool]:
+    """``--recompute``: absent (False), bare (True: every stage) or per-stage 0/1 flags."""
+    if value is None or value == "all":
+        return value is not None
+    try:
+        flags = [bool(int(f)) for f in value.split(",")]
+    except ValueError:
+        raise ValueError(f"--recompute takes comma-separated 0/1 flags, one per stage, got "
+                         f"{value!r}") from None
+    return flags
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """Run a frequency plan from the interpreter's instruction hooks, and measure every step.
 
-`ClockPlanHook` sets the GPU clock before each forward / backward from this rank's
-FrequencySchedule, checking the instruction name matches (as Zeus's client does) and that the
-step consumed the schedule exactly once. With a constant clock it is the measurement baseline.
+`ClockPlanHook` sets the GPU clock before each compute instruction (forward, backward,
+recompute, backward_input, backward_weight) from this rank's FrequencySchedule, checking the
+instruction name matches (as Zeus's client does) and that the step consumed the schedule exactly
+once. With a constant clock it is the measurement baseline.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 from merak.energy.gpu import GPUControl
 from merak.energy.plan_file import PlanError
 from merak.energy.profile_data import COMPUTE
-from merak.pipeline.actions import Action
-from merak.pipeline.hooks import InstructionHook
+from merak.schedule.actions import Action
+from merak.runtime.hooks import InstructionHook
 
 
 @dataclass
@@ -29,16 +30,17 @@ class ClockPlanHook(InstructionHook):
 
     Args:
         gpu: the `GPUControl` of this rank.
-        frequencies: this rank's schedule, in execution order; None runs every instruction at
+        frequencies: this rank's schedule, in program order; None runs every instruction at
             the highest clock (the baseline).
-        stage_id: this rank's pipeline stage (the simulated GPU times instructions by stage).
+        pp_rank: this rank's pipeline rank (the simulated GPU times instructions by rank).
     """
 
     def __init__(self, gpu: GPUControl, frequencies: list[tuple[str, int]] | None,
-                 stage_id: int):
-        self.gpu, self.frequencies, self.stage_id = gpu, frequencies, stage_id
+                 pp_rank: int):
+        self.gpu, self.frequencies, self.pp_rank = gpu, frequencies, pp_rank
         self.max_clock = max(gpu.supported_clocks())
         self.steps: list[StepMeasurement] = []
+        self.consumed: list[int] = []  # compute instructions each step ran (the plan's length)
         self._cursor = 0
         self._start = self._energy = 0.0
 
@@ -52,23 +54,24 @@ class ClockPlanHook(InstructionHook):
         mhz = self.max_clock
         if self.frequencies is not None:
             if self._cursor >= len(self.frequencies):
-                raise PlanError(f"stage {self.stage_id} runs more compute instructions per step "
-                                f"than its plan has ({len(self.frequencies)})")
+                raise PlanError(f"pipeline rank {self.pp_rank} runs more compute instructions "
+                                f"per step than its plan has ({len(self.frequencies)})")
             planned, mhz = self.frequencies[self._cursor]
             if planned != name:
-                raise PlanError(f"stage {self.stage_id}: instruction {self._cursor} of the step "
-                                f"is {name} ({action}), the plan says {planned}")
+                raise PlanError(f"pipeline rank {self.pp_rank}: instruction {self._cursor} of "
+                                f"the step is {name} ({action}), the plan says {planned}")
         self._cursor += 1
         self.gpu.set_clock(mhz)
-        self.gpu.instruction_begin(name, self.stage_id)
+        self.gpu.instruction_begin(name, self.pp_rank)
 
     def on_instruction_end(self, name: str, action: Action) -> None:
         if name in COMPUTE:
-            self.gpu.instruction_end(name, self.stage_id)
+            self.gpu.instruction_end(name, self.pp_rank)
 
     def on_step_end(self, step: int) -> None:
         if self.frequencies is not None and self._cursor != len(self.frequencies):
-            raise PlanError(f"stage {self.stage_id} ran {self._cursor} compute instructions "
-                            f"this step, its plan has {len(self.frequencies)}")
+            raise PlanError(f"pipeline rank {self.pp_rank} ran {self._cursor} compute "
+                            f"instructions this step, its plan has {len(self.frequencies)}")
+        self.consumed.append(self._cursor)
         self.steps.append(StepMeasurement(step, time.perf_counter() - self._start,
                                           self.gpu.energy_j() - self._energy))

@@ -4,11 +4,11 @@
 and unlocking the SM clock, and a cumulative energy counter in joules.
 
 `SimulatedGPU` stands in for a GPU on CPU machines. Each compute instruction has a reference
-duration at the highest clock (`SyntheticGPUModel.reference_time`); the simulated GPU makes the
-instruction really take that duration scaled by the clock's slowdown, sleeping after the real
-(much shorter) CPU work, and charges the clock's power for it. Time outside instructions is
-charged at the blocked-on-p2p power. So iteration time and energy are measured on the wall clock,
-not assumed.
+duration at the highest clock (`SyntheticGPUModel.reference_time`, by instruction kind and
+pipeline rank); the simulated GPU makes the instruction really take that duration scaled by the
+clock's slowdown, sleeping after the real (much shorter) CPU work, and charges the clock's power
+for it. Time outside instructions is charged at the blocked-on-p2p power. So iteration time and
+energy are measured on the wall clock, not assumed.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ class GPUControl(ABC):
         """Energy drawn since an arbitrary origin, in joules."""
 
     # Instruction brackets: a real GPU needs none; the simulated one does its timing here.
-    def instruction_begin(self, name: str, stage_id: int) -> None:
-        """A compute instruction (`forward`, `backward`) is about to run."""
+    def instruction_begin(self, name: str, pp_rank: int) -> None:
+        """A compute instruction (`forward`, `backward`, `recompute`, `backward_input`,
+        `backward_weight`) of pipeline rank `pp_rank` is about to run."""
 
-    def instruction_end(self, name: str, stage_id: int) -> None:
+    def instruction_end(self, name: str, pp_rank: int) -> None:
         """The compute instruction started by `instruction_begin` has finished."""
 
     def check_clock(self, mhz: int) -> None:
@@ -58,6 +59,12 @@ class SyntheticGPUModel:
 
     time(f) = reference_time * (compute_share * max_clock / f + (1 - compute_share))
     power(f) = static_w + dynamic_w * (f / max_clock) ** 3
+
+    Reference times at max_clock, per micro-batch of a pipeline rank: `forward_s` for a forward
+    (and a recompute, which reruns it), ``backward_ratio * forward_s`` for a backward, half of
+    that for each of `backward_input` and `backward_weight` (zero-bubble's split backward); the
+    last rank's are `last_stage_factor` longer (head and loss). A rank hosting `chunks` model
+    chunks (interleaved schedules) spends 1/chunks of that on each chunk's instruction.
     """
 
     max_clock: int = 1410
@@ -81,25 +88,41 @@ class SyntheticGPUModel:
     def power(self, mhz: float) -> float:
         return self.static_w + self.dynamic_w * (mhz / self.max_clock) ** 3
 
-    def reference_time(self, instruction: str, stage_id: int, num_stages: int) -> float:
-        base = self.forward_s * (self.backward_ratio if instruction == "backward" else 1.0)
-        return base * (self.last_stage_factor if stage_id == num_stages - 1 else 1.0)
+    def reference_time(self, instruction: str, pp_rank: int, num_ranks: int,
+                       chunks: int = 1) -> float:
+        try:
+            factor = {"forward": 1.0, "recompute": 1.0, "backward": self.backward_ratio,
+                      "backward_input": self.backward_ratio / 2,
+                      "backward_weight": self.backward_ratio / 2}[instruction]
+        except KeyError:
+            raise ValueError(f"the synthetic GPU times compute instructions only, not "
+                             f"{instruction!r}") from None
+        last = self.last_stage_factor if pp_rank == num_ranks - 1 else 1.0
+        return self.forward_s * factor * last / chunks
 
-    def time(self, instruction: str, stage_id: int, num_stages: int, mhz: float) -> float:
-        return self.reference_time(instruction, stage_id, num_stages) * self.slowdown(mhz)
+    def time(self, instruction: str, pp_rank: int, num_ranks: int, mhz: float,
+             chunks: int = 1) -> float:
+        return self.reference_time(instruction, pp_rank, num_ranks, chunks) * self.slowdown(mhz)
 
-    def energy(self, instruction: str, stage_id: int, num_stages: int, mhz: float) -> float:
-        return self.time(instruction, stage_id, num_stages, mhz) * self.power(mhz)
+    def energy(self, instruction: str, pp_rank: int, num_ranks: int, mhz: float,
+               chunks: int = 1) -> float:
+        return self.time(instruction, pp_rank, num_ranks, mhz, chunks) * self.power(mhz)
 
 
 class SimulatedGPU(GPUControl):
-    """A GPU following `model`, timed on the wall clock (see the module docstring)."""
+    """A GPU following `model`, timed on the wall clock (see the module docstring).
 
-    def __init__(self, model: SyntheticGPUModel | None = None, num_stages: int = 1,
-                 clock: Callable[[], float] = time.perf_counter,
+    Args:
+        num_ranks: pipeline ranks of the job (the last one computes the head).
+        chunks: model chunks per rank (interleaved schedules; each chunk's instruction takes
+            1/chunks of the rank's).
+    """
+
+    def __init__(self, model: SyntheticGPUModel | None = None, num_ranks: int = 1,
+                 chunks: int = 1, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep):
         self.model = model or SyntheticGPUModel()
-        self.num_stages = num_stages
+        self.num_ranks, self.chunks = num_ranks, chunks
         self._now, self._sleep = clock, sleep
         self.clock_mhz = self.model.max_clock
         self._energy = 0.0
@@ -127,12 +150,13 @@ class SimulatedGPU(GPUControl):
             self._charge_idle(self._now())
         return self._energy
 
-    def instruction_begin(self, name: str, stage_id: int) -> None:
+    def instruction_begin(self, name: str, pp_rank: int) -> None:
         start = self._now()
         self._charge_idle(start)
-        self._running = (start, self.model.time(name, stage_id, self.num_stages, self.clock_mhz))
+        self._running = (start, self.model.time(name, pp_rank, self.num_ranks, self.clock_mhz,
+                                                self.chunks))
 
-    def instruction_end(self, name: str, stage_id: int) -> None:
+    def instruction_end(self, name: str, pp_rank: int) -> None:
         if self._running is None:
             raise RuntimeError(f"instruction_end({name!r}) without instruction_begin")
         start, duration = self._running
@@ -176,10 +200,10 @@ class NVMLGPU(GPUControl):
         return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0  # mJ -> J
 
     # kernels are asynchronous: the clock must change between instructions, not under them
-    def instruction_begin(self, name: str, stage_id: int) -> None:
+    def instruction_begin(self, name: str, pp_rank: int) -> None:
         _synchronize()
 
-    def instruction_end(self, name: str, stage_id: int) -> None:
+    def instruction_end(self, name: str, pp_rank: int) -> None:
         _synchronize()
 
 

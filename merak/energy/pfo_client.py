@@ -95,7 +95,7 @@ def join_job(client: PFOClient, ctx, clocks: list[int], metadata: str | None = N
     dist.broadcast_object_list(shared, src=0)
     job_id = shared[0]
     _on_every_rank(ctx, lambda: client.register_rank(job_id, RankInfo(
-        rank=ctx.rank, dp_rank=ctx.dp_rank, pp_rank=ctx.stage_id, tp_rank=ctx.tp_rank,
+        rank=ctx.rank, dp_rank=ctx.dp_rank, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank,
         available_frequencies=clocks)))
     return job_id
 

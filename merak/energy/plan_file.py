@@ -1,8 +1,10 @@
 """The plan file: ``{"predicted": {...}, "baseline": {...}, "schedules": [...]}``.
 
 ``schedules`` holds one Zeus-style FrequencySchedule per rank,
-``{"rank": r, "frequencies": [["forward", 1410], ["backward", 1215], ...]}``, in execution
-order. `check_plan` rejects a plan that does not fit the job before training starts.
+``{"rank": r, "frequencies": [["forward", 1410], ["backward", 1215], ...]}``: the compute
+instructions of the rank's pipeline program in program order (`expected_instructions`; with
+several model chunks per rank, every chunk's). `check_plan` rejects a plan that does not fit the
+job before training starts.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from merak.pipeline.actions import COMPUTE_KINDS, Schedule
+from merak.schedule.actions import COMPUTE_KINDS, Schedule
 
 
 class PlanError(ValueError):
@@ -41,21 +43,20 @@ def load_plan(path: str | Path) -> dict:
     return body
 
 
-def expected_instructions(schedule: Schedule, stage_id: int) -> list[str]:
-    """The compute instructions stage `stage_id` runs per step, in order."""
-    return [a.kind.value for a in schedule[stage_id]
-            if a.kind in COMPUTE_KINDS]
+def expected_instructions(schedule: Schedule, pp_rank: int) -> list[str]:
+    """The compute instructions pipeline rank `pp_rank` runs per step, in program order."""
+    return [a.name for a in schedule.compute_actions(pp_rank)]
 
 
-def check_plan(schedules: list[dict], world_size: int, stage_of_rank, schedule: Schedule,
+def check_plan(schedules: list[dict], world_size: int, pp_rank_of, schedule: Schedule,
                supported_clocks: list[int]) -> dict[int, list[tuple[str, int]]]:
     """Validate the per-rank schedules of a plan against the job; returns rank -> frequencies.
 
     Args:
         schedules: the plan's ``schedules``.
         world_size: ranks in the job; the plan must have exactly one schedule per rank.
-        stage_of_rank: rank -> pipeline stage.
-        schedule: the action lists the interpreter will run.
+        pp_rank_of: global rank -> pipeline rank.
+        schedule: the programs the interpreter will run (``engine.schedule``).
         supported_clocks: the GPU's clocks (MHz).
     """
     by_rank: dict[int, list[tuple[str, int]]] = {}
@@ -72,7 +73,7 @@ def check_plan(schedules: list[dict], world_size: int, stage_of_rank, schedule: 
                         f"{world_size} ranks (0..{world_size - 1}); plan for this job's layout")
     clocks = set(supported_clocks)
     for rank, freqs in by_rank.items():
-        expected = expected_instructions(schedule, stage_of_rank(rank))
+        expected = expected_instructions(schedule, pp_rank_of(rank))
         names = [name for name, _ in freqs]
         if names != expected:
             where = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b),
@@ -81,7 +82,10 @@ def check_plan(schedules: list[dict], world_size: int, stage_of_rank, schedule: 
                             f"schedule at position {where} (plan {names[where:where + 3]}, "
                             f"schedule {expected[where:where + 3]}; {len(names)} vs "
                             f"{len(expected)} instructions); plan with the same --schedule, "
-                            f"--stages and --microbatches as training")
+                            f"--stages, --microbatches, --interleave and --recompute as "
+                            f"training ({schedule.name}: {schedule.num_ranks} ranks x "
+                            f"{schedule.stages_per_rank} chunks, {schedule.num_microbatches} "
+                            f"micro-batches)")
         unknown = sorted({mhz for _, mhz in freqs} - clocks)
         if unknown:
             raise PlanError(f"rank {rank}: clocks {unknown} MHz are not supported by this GPU "

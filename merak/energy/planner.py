@@ -1,11 +1,18 @@
 """Plan a GPU clock per pipeline instruction: the iteration-time / energy frontier (Perseus).
 
-The DAG is built from our own schedule generator, the very action lists the interpreter runs, so
-the plan's instruction order always matches execution. Each forward / backward is a lowtime
-`Operation` whose options are the profiled clocks of its stage. Lowtime's Phillips-Dessouky
-solver walks the frontier from the slowest plan to the fastest, one time unit per iteration
-(optionally coarse to fine: a coarse walk, then a fine one around the point that matters);
-every point is then re-timed exactly with our simulator and scored on total energy:
+The DAG is built from the schedule's own per-rank programs (`merak.schedule.actions.Schedule`,
+the very programs the interpreter runs), so the plan's instruction order always matches
+execution. Every compute action of every rank's program (forward, backward, recompute,
+backward_input, backward_weight) is a lowtime `Operation` keyed ``(pp_rank, action)``, whose
+options are the profiled clocks of its rank and kind. Its dependencies are those of the
+simulator's replay (`merak.schedule.simulator`): program order on a rank, and through the
+rank's posting groups of sends and receives (a group starts once it is posted and the rank's
+previous group finished; it finishes once every transfer's peer group started; the host waits
+for a group that receives), so that with free communication a plan's longest path is exactly its
+simulated iteration time. Lowtime's Phillips-Dessouky solver walks the frontier from the slowest
+plan to the fastest, one time unit per iteration (optionally coarse to fine: a coarse walk, then
+a fine one around the point that matters); every point is then re-timed exactly over the DAG and
+scored on total energy:
 
     energy = sum of instruction energies + p2p_power * sum over GPUs of their idle time
 
@@ -16,7 +23,6 @@ solver minimizes that total (a GPU computing draws its instruction's energy inst
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -25,12 +31,13 @@ from lowtime.cost_model import ExponentialModel
 from lowtime.graph_utils import add_sink_node, add_source_node
 from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operation, OperationSpec
 
-from merak.energy.profile_data import StageProfile
+from merak.energy.profile_data import RankProfile
 from merak.energy.solver import fast_critical_dag, phillips_dessouky
-from merak.pipeline.actions import COMPUTE_KINDS, Action, ActionKind, Schedule
-from merak.pipeline.simulator import simulate
+from merak.schedule.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Schedule
+from merak.schedule.simulator import simulate
 
-Plan = dict[tuple[int, Action], int]  # (stage, compute action) -> MHz
+Key = tuple[int, Action]  # (pipeline rank, compute action of its program)
+Plan = dict[Key, int]     # -> MHz
 
 
 @dataclass
@@ -44,42 +51,106 @@ class FrontierPoint:
 class PlanCosts:
     """Simulator costs of a plan: each compute action takes its clock's profiled time."""
 
-    times: dict[tuple[int, Action], float]
+    times: dict[Key, float]
     p2p: float = 0.0
 
-    def duration(self, stage_id: int, action: Action) -> float:
-        return self.times.get((stage_id, action), 0.0)
+    def duration(self, rank: int, action: Action) -> float:
+        return self.times.get((rank, action), 0.0)
+
+
+def compute_dependencies(schedule: Schedule) -> tuple[list[Key], list[tuple[Key, Key]]]:
+    """Every rank's compute actions in program order, and the dependencies between them: the
+    simulator's replay with free communication (see the module docstring), its posting groups
+    contracted away and the result transitively reduced."""
+    dag = nx.DiGraph()
+    senders: dict[tuple, tuple] = {}    # message -> the group that sends it
+    receivers: dict[tuple, tuple] = {}  # message -> the group that receives it
+    compute: list[Key] = []
+    for rank, program in enumerate(schedule.programs):
+        host = last_group = None  # what the host clock waits on; the stream's last group
+        for action in program:
+            if action.group is not None:
+                start, end = ("start", rank, action.group), ("end", rank, action.group)
+                if start not in dag:
+                    dag.add_edge(start, end)
+                    for before in (host, last_group):
+                        if before is not None:
+                            dag.add_edge(before, start)
+                    last_group = end
+                if action.kind in RECV_KINDS:
+                    receivers[action.message] = (rank, action.group)
+                    host = end
+                elif action.kind in SEND_KINDS:
+                    senders[action.message] = (rank, action.group)
+            elif action.kind in COMPUTE_KINDS:
+                node = (rank, action)
+                dag.add_node(node)
+                if host is not None:
+                    dag.add_edge(host, node)
+                host = node
+                compute.append(node)
+    for message, (rank, group) in senders.items():
+        peer, peer_group = receivers[message]
+        dag.add_edge(("start", rank, group), ("end", peer, peer_group))
+        dag.add_edge(("start", peer, peer_group), ("end", rank, group))
+    is_compute = set(compute)
+    frontier: dict = {}  # node -> the compute actions it waits on (through groups only)
+    contracted = nx.DiGraph()
+    contracted.add_nodes_from(compute)
+    for node in nx.topological_sort(dag):
+        waits = set().union(*(frontier[p] for p in dag.predecessors(node)))
+        if node in is_compute:
+            contracted.add_edges_from((p, node) for p in waits)
+            frontier[node] = {node}
+        else:
+            frontier[node] = waits
+    reduced = nx.transitive_reduction(contracted)
+    index = {key: i for i, key in enumerate(compute)}  # an order independent of hashing
+    return compute, sorted(reduced.edges, key=lambda e: (index[e[0]], index[e[1]]))
 
 
 class EnergyPlanner:
-    """Frontier and plan choice for `schedule` over the stage `profiles`.
+    """Frontier and plan choice for `schedule` over the per-rank `profiles`.
 
     Args:
-        schedule: the action lists (``make_schedule(name, stages, microbatches)``).
-        profiles: one `StageProfile` per stage (`merak.energy.profile_data.aggregate`).
+        schedule: the programs (`merak.schedule.registry.make_schedule`, or the interpreter's
+            own ``engine.schedule``).
+        profiles: one `RankProfile` per pipeline rank (`merak.energy.profile_data.aggregate`),
+            with every instruction kind the rank's program runs.
         p2p_power: watts one GPU draws while blocked on communication.
         unit_time: the solver's time quantum in seconds (default: 1 ms, or 1/20 of the
             shortest instruction where that is finer).
     """
 
-    def __init__(self, schedule: Schedule, profiles: list[StageProfile], p2p_power: float,
+    def __init__(self, schedule: Schedule, profiles: list[RankProfile], p2p_power: float,
                  unit_time: float | None = None):
-        if len(profiles) != len(schedule):
-            raise ValueError(f"the profile has {len(profiles)} stages, the schedule "
-                             f"{len(schedule)}; profile the same pipeline you plan for")
+        if len(profiles) != schedule.num_ranks:
+            raise ValueError(f"the profile has {len(profiles)} pipeline ranks, the schedule "
+                             f"{schedule.num_ranks}; profile the same pipeline you plan for")
         self.schedule, self.profiles, self.p2p_power = schedule, profiles, p2p_power
+        self.compute, self._edges = compute_dependencies(schedule)
+        for rank in range(schedule.num_ranks):
+            needed = sorted({a.name for a in schedule.compute_actions(rank)})
+            missing = [k for k in needed if k not in profiles[rank].options]
+            if missing:
+                raise ValueError(f"pipeline rank {rank} runs {missing} instructions, which the "
+                                 f"profile lacks (it has {sorted(profiles[rank].options)}); "
+                                 f"profile with the schedule you plan for (train_schedule, "
+                                 f"activation_checkpointing, num_model_chunks)")
         self.gpus = [len(p.ranks) for p in profiles]
-        self.shortest_s = min(min(t for t, _ in opts.values())
-                              for p in profiles for opts in p.options.values())
+        self.shortest_s = min(self.option(r, a, mhz)[0] for r, a in self.compute
+                              for mhz in self.clocks(r, a))
         self.unit_time = unit_time or min(1e-3, self.shortest_s / 20)
-        self.compute = [(s, a) for s, actions in enumerate(schedule) for a in actions
-                        if a.kind in COMPUTE_KINDS]
-        self._order: list[tuple[tuple[int, Action], list[int]]] | None = None
+        self._order: list[tuple[Key, list[int]]] | None = None
         self.fast = True  # lowtime's solver with `CriticalDAG` (False: lowtime's own, to check)
 
     # -- exact scoring ------------------------------------------------------------------------
-    def option(self, stage: int, action: Action, mhz: int) -> tuple[float, float]:
-        return self.profiles[stage].options[action.kind.value][mhz]
+    def option(self, rank: int, action: Action, mhz: int) -> tuple[float, float]:
+        return self.profiles[rank].options[action.kind.value][mhz]
+
+    def clocks(self, rank: int, action: Action) -> dict[int, tuple[float, float]]:
+        """Clock -> (time, energy) of `action` on pipeline rank `rank`, highest clock first."""
+        return self.profiles[rank].options[action.kind.value]
 
     def evaluate(self, plan: Plan) -> tuple[float, float]:
         """(iteration time, total energy) of `plan`: the longest path through the instruction
@@ -91,7 +162,7 @@ class EnergyPlanner:
             index = {n: i for i, n in enumerate(nodes)}
             self._order = [(key_of[n], [index[p] for p in dag.predecessors(n) if p in index])
                            for n in nodes]
-        finish, busy, compute = [], [0.0] * len(self.schedule), 0.0
+        finish, busy, compute = [], [0.0] * self.schedule.num_ranks, 0.0
         for key, preds in self._order:
             time_s, energy_j = self.option(*key, plan[key])
             finish.append(max((finish[p] for p in preds), default=0.0) + time_s)
@@ -107,60 +178,49 @@ class EnergyPlanner:
         return simulate(self.schedule, PlanCosts(times)).makespan
 
     def max_clock_plan(self) -> Plan:
-        return {(s, a): max(self.profiles[s].options[a.kind.value]) for s, a in self.compute}
+        return {(r, a): max(self.clocks(r, a)) for r, a in self.compute}
 
     def physical_limit(self) -> tuple[float, float]:
         """(time, energy) with every instruction at its own most energy-efficient clock,
         ignoring iteration time."""
         plan = {}
-        for s, a in self.compute:
-            options = self.profiles[s].options[a.kind.value]
-            plan[(s, a)] = min(options, key=lambda f, o=options: o[f][1])
+        for r, a in self.compute:
+            options = self.clocks(r, a)
+            plan[(r, a)] = min(options, key=lambda f, o=options: o[f][1])
         return self.evaluate(plan)
 
     # -- the frontier -------------------------------------------------------------------------
-    def _candidates(self, stage: int, instruction: str, clocks, unit_time: float
+    def _candidates(self, rank: int, instruction: str, clocks, unit_time: float
                     ) -> CandidateExecutionOptions:
-        options, gpus = self.profiles[stage].options[instruction], self.gpus[stage]
+        options, gpus = self.profiles[rank].options[instruction], self.gpus[rank]
         return CandidateExecutionOptions(options=[
             ExecutionOption(real_time=options[mhz][0], unit_time=unit_time,
                             cost=options[mhz][1] - self.p2p_power * gpus * options[mhz][0],
                             knob=mhz)
             for mhz in clocks])
 
-    def _spec(self, stage: int, instruction: str, clocks: tuple[int, ...],
+    def _spec(self, rank: int, instruction: str, clocks: tuple[int, ...],
               unit_time: float) -> OperationSpec:
         """The solver's operation: `clocks` to choose from, costs fitted over all clocks (a
         window of a few clocks is too few points to fit)."""
-        every = self._candidates(stage, instruction, self.profiles[stage].options[instruction],
+        every = self._candidates(rank, instruction, self.profiles[rank].options[instruction],
                                  unit_time)
-        return OperationSpec(options=self._candidates(stage, instruction, clocks, unit_time),
+        return OperationSpec(options=self._candidates(rank, instruction, clocks, unit_time),
                              cost_model=ExponentialModel(every))
 
-    def _dag(self) -> tuple[nx.DiGraph, dict[int, tuple[int, Action]]]:
+    def _dag(self) -> tuple[nx.DiGraph, dict[int, Key]]:
         """The instruction DAG (nodes 1.. are compute actions, 0 and the last are the source
-        and sink) and node -> (stage, action); the solver's operations are added by the
+        and sink) and node -> (rank, action); the solver's operations are added by the
         caller."""
-        dag, node_of, key_of = nx.DiGraph(), {}, {}
-        for node, (stage, action) in enumerate(self.compute, start=1):
-            dag.add_node(node)
-            node_of[(stage, action)] = node
-            key_of[node] = (stage, action)
-        for stage, actions in enumerate(self.schedule):  # program order within a stage
-            own = [a for a in actions if (stage, a) in node_of]
-            for a, b in itertools.pairwise(own):
-                dag.add_edge(node_of[(stage, a)], node_of[(stage, b)])
-        for (stage, action), node in node_of.items():  # data dependencies between stages
-            mb = action.microbatch_id
-            if action.kind is ActionKind.FORWARD and stage + 1 < len(self.schedule):
-                dag.add_edge(node, node_of[(stage + 1, Action(ActionKind.FORWARD, mb))])
-            if action.kind is ActionKind.BACKWARD and stage > 0:
-                dag.add_edge(node, node_of[(stage - 1, Action(ActionKind.BACKWARD, mb))])
+        dag = nx.DiGraph()
+        node_of = {key: node for node, key in enumerate(self.compute, start=1)}
+        dag.add_nodes_from(node_of.values())
+        dag.add_edges_from((node_of[a], node_of[b]) for a, b in self._edges)
         source, sink = 0, len(self.compute) + 1
         add_source_node(dag, source)
         add_sink_node(dag, sink)
         dag.graph["source_node"], dag.graph["sink_node"] = source, sink
-        return dag, key_of
+        return dag, {node: key for key, node in node_of.items()}
 
     def _walk(self, unit_time: float, windows: dict[tuple[int, Action], tuple[int, ...]] | None
               = None) -> list[Plan]:
@@ -168,12 +228,11 @@ class EnergyPlanner:
         and each instruction's clocks restricted to `windows` (default: all its clocks)."""
         dag, key_of = self._dag()
         specs: dict[tuple, OperationSpec] = {}
-        for node, (stage, action) in key_of.items():
-            clocks = windows[(stage, action)] if windows else \
-                tuple(self.profiles[stage].options[action.kind.value])
-            key = (stage, action.kind.value, clocks)
+        for node, (rank, action) in key_of.items():
+            clocks = windows[(rank, action)] if windows else tuple(self.clocks(rank, action))
+            key = (rank, action.kind.value, clocks)
             if key not in specs:
-                specs[key] = self._spec(stage, action.kind.value, clocks, unit_time)
+                specs[key] = self._spec(rank, action.kind.value, clocks, unit_time)
             dag.nodes[node]["op"] = Operation(spec=specs[key])
         read = lambda: {key_of[n]: dag.nodes[n]["op"].assigned_knob for n in key_of}
         plans = [read()]
@@ -188,7 +247,7 @@ class EnergyPlanner:
                 ) -> list[FrontierPoint]:
         """Every distinct plan of `scored` and `plans`, scored once (`scored` keeps them)."""
         for plan in plans:
-            signature = tuple(sorted((s, str(a), f) for (s, a), f in plan.items()))
+            signature = tuple(sorted((r, str(a), f) for (r, a), f in plan.items()))
             if signature not in scored:
                 scored[signature] = FrontierPoint(*self.evaluate(plan), plan)
         return sorted(scored.values(), key=lambda p: (p.time_s, p.energy_j))
@@ -216,10 +275,10 @@ class EnergyPlanner:
             rough = self.choose(points, base_time,
                                 target_time=focus_time if focus_time is not None else base_time)
             windows = {}
-            for stage, action in self.compute:
-                clocks = list(self.profiles[stage].options[action.kind.value])  # high to low
-                at = clocks.index(rough.plan[(stage, action)])
-                windows[(stage, action)] = tuple(clocks[max(0, at - window):at + window + 1])
+            for key in self.compute:
+                clocks = list(self.clocks(*key))  # high to low
+                at = clocks.index(rough.plan[key])
+                windows[key] = tuple(clocks[max(0, at - window):at + window + 1])
             fine = self._walk(self.unit_time, windows)
             points = self._points(fine + [self.fit(fine[-1], base_time)], scored)
         return points
@@ -242,10 +301,10 @@ class EnergyPlanner:
             raised = False
             for node in nx.dag_longest_path(dag, weight="weight"):
                 if node in key_of:
-                    stage, action = key_of[node]
-                    top = max(self.profiles[stage].options[action.kind.value])
-                    raised |= plan[(stage, action)] != top
-                    plan[(stage, action)] = top
+                    key = key_of[node]
+                    top = max(self.clocks(*key))
+                    raised |= plan[key] != top
+                    plan[key] = top
             if not raised:  # the critical path is at max clocks already
                 break
         return plan
@@ -275,10 +334,11 @@ class EnergyPlanner:
         return min(allowed, key=lambda p: (p.energy_j, p.time_s))
 
     def schedules(self, plan: Plan) -> list[dict]:
-        """One Zeus-style FrequencySchedule per rank, in execution order."""
+        """One Zeus-style FrequencySchedule per GPU: its pipeline rank's compute instructions in
+        program order (`merak.energy.plan_file.expected_instructions`)."""
         result = []
         for profile in self.profiles:
-            freqs = [[a.kind.value, plan[(profile.stage, a)]]
-                     for a in self.schedule[profile.stage] if (profile.stage, a) in plan]
+            freqs = [[a.name, plan[(profile.pp_rank, a)]]
+                     for a in self.schedule.compute_actions(profile.pp_rank)]
             result += [{"rank": r, "frequencies": freqs} for r in profile.ranks]
         return sorted(result, key=lambda s: s["rank"])

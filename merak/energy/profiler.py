@@ -1,8 +1,10 @@
 """Profile time and energy of every compute instruction at each GPU clock, during training.
 
 One training step per clock, highest first, after warm-up steps at the highest clock: every
-forward and backward of the step runs at that clock and is measured (wall time, energy-counter
-delta); the time between them, when the stage is blocked on communication, gives the p2p power.
+compute instruction of the step (forward, backward, recompute, backward_input, backward_weight)
+runs at that clock and is measured (wall time, energy-counter delta), averaged per instruction
+kind (a rank's model chunks alike); the time between them, when the rank is blocked on
+communication, gives the p2p power.
 Profiling stops early once the mean instruction energy has risen for `patience` clocks in a row
 on every rank (lower clocks only get slower and costlier from there).
 """
@@ -18,15 +20,15 @@ import torch.distributed as dist
 
 from merak.energy.gpu import GPUControl
 from merak.energy.profile_data import COMPUTE, ProfileRow
-from merak.pipeline.actions import Action
-from merak.pipeline.hooks import InstructionHook
+from merak.schedule.actions import Action
+from merak.runtime.hooks import InstructionHook
 
 
 class ClockProfiler(InstructionHook):
     """Measures each compute instruction at the clock `clock` (set before each step)."""
 
-    def __init__(self, gpu: GPUControl, stage_id: int):
-        self.gpu, self.stage_id = gpu, stage_id
+    def __init__(self, gpu: GPUControl, pp_rank: int):
+        self.gpu, self.pp_rank = gpu, pp_rank
         self.clock: int | None = None  # None: warm-up, nothing recorded
         self.samples: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
         self.blocked = [0.0, 0.0]  # seconds, joules between instructions
@@ -44,13 +46,13 @@ class ClockProfiler(InstructionHook):
         if self._idle_since is not None and self.clock is not None:
             self.blocked[0] += now - self._idle_since[0]
             self.blocked[1] += energy - self._idle_since[1]
-        self.gpu.instruction_begin(name, self.stage_id)
+        self.gpu.instruction_begin(name, self.pp_rank)
         self._begin, self._energy = now, energy
 
     def on_instruction_end(self, name: str, action: Action) -> None:
         if name not in COMPUTE:
             return
-        self.gpu.instruction_end(name, self.stage_id)
+        self.gpu.instruction_end(name, self.pp_rank)
         now, energy = time.perf_counter(), self.gpu.energy_j()
         if self.clock is not None:
             self.samples[(name, self.clock)].append((now - self._begin, energy - self._energy))
@@ -61,7 +63,7 @@ class ClockProfiler(InstructionHook):
         return sum(values) / len(values)
 
     def rows(self, rank: int, dp_rank: int, pp_rank: int, tp_rank: int) -> list[ProfileRow]:
-        where = (rank, dp_rank, pp_rank, tp_rank, self.stage_id)
+        where = (rank, dp_rank, pp_rank, tp_rank, pp_rank)
         rows = []
         for (name, clock), samples in sorted(self.samples.items(), key=lambda kv: (kv[0][0],
                                                                                  -kv[0][1])):
@@ -88,13 +90,13 @@ def profile_clocks(step: Callable[[], None], profiler: ClockProfiler, ctx,
         energy = profiler.mean_energy(clock)
         rising = rising + 1 if previous is not None and energy > previous else 0
         previous = energy
-        done = torch.tensor([int(rising >= patience)])
+        done = torch.tensor([int(rising >= patience)], device=ctx.device)  # NCCL: no CPU tensors
         if ctx.world_size > 1:
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item():
             break
     profiler.gpu.reset_clock()
-    rows = profiler.rows(ctx.rank, ctx.dp_rank, ctx.stage_id, ctx.tp_rank)
+    rows = profiler.rows(ctx.rank, ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
     if ctx.world_size == 1:
         return rows
     gathered: list[list[ProfileRow]] = [None] * ctx.world_size  # type: ignore[list-item]

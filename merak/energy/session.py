@@ -1,15 +1,17 @@
 """Energy in `MerakTrainer`: measure every step, profile clocks, or train under a clock plan.
 
 `TrainerEnergy` is built from `MerakArguments` (`energy_gpu`, `simulated_gpu`,
-`energy_profile`, `energy_plan`, `pfo_server_url`):
+`energy_profile`, `energy_plan`, `pfo_server_url`) before the interpreter, and `attach`ed to it
+once its schedule is final (after the recomputation planning), before the first step:
 
 - always: one `ClockPlanHook` per rank measures each step's time and GPU energy; the trainer
   logs their means and rank 0 writes ``output_dir/energy_steps.csv`` (iteration time: the
   slowest rank; energy: every GPU), which `merak energy report` compares with a baseline;
 - `energy_profile`: `profile()` runs the clock profiler over training steps and writes its CSV;
-- `energy_plan` / `pfo_server_url`: the hook follows the plan, checked against this job before
-  the first step; with a Perseus server each window of logged steps is reported back and the
-  next schedule fetched (a Zeus server may hand out a new one).
+- `energy_plan` / `pfo_server_url`: the hook follows the plan, checked against the programs the
+  interpreter runs (``engine.schedule``: any registered schedule, recomputation, split backward
+  and model chunks included) before the first step; with a Perseus server each window of logged
+  steps is reported back and the next schedule fetched (a Zeus server may hand out a new one).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import torch.distributed as dist
 from merak.energy.deploy import ClockPlanHook
 from merak.energy.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel
 from merak.energy.plan_file import check_plan, load_plan
-from merak.pipeline.schedules import make_schedule
+from merak.schedule.actions import ActionKind, Schedule
+from merak.schedule.registry import SCHEDULES, make_schedule
 
 STEPS_FILE = "energy_steps.csv"
 
 
-def make_gpu(kind: str, simulated: str | None, num_stages: int) -> GPUControl:
-    """The `energy_gpu` backend of this rank."""
+def make_gpu(kind: str, simulated: str | None, num_ranks: int, chunks: int = 1) -> GPUControl:
+    """The `energy_gpu` backend of this rank (`num_ranks` pipeline ranks, `chunks` model chunks
+    per rank: the simulated GPU's instruction times)."""
     if kind == "nvml":
         if not torch.cuda.is_available():
             raise RuntimeError("energy_gpu='nvml' needs a CUDA GPU; on a CPU machine use "
@@ -49,19 +53,44 @@ def make_gpu(kind: str, simulated: str | None, num_stages: int) -> GPUControl:
         if unknown:
             raise ValueError(f"simulated_gpu sets unknown fields {unknown}; the model has "
                              f"{sorted(known)}")
-    return SimulatedGPU(SyntheticGPUModel(**overrides), num_stages=num_stages)
+    return SimulatedGPU(SyntheticGPUModel(**overrides), num_ranks=num_ranks, chunks=chunks)
+
+
+def plan_arguments(schedule: Schedule) -> list[str]:
+    """The `merak energy plan` options that rebuild `schedule`'s programs (with chain edges):
+    ``--schedule``, ``--stages``, ``--microbatches``, ``--interleave`` and ``--recompute``
+    (bare when every stage recomputes, else one 0/1 flag per stage)."""
+    args = ["--schedule", schedule.name, "--stages", str(schedule.num_ranks),
+            "--microbatches", str(schedule.num_microbatches)]
+    if schedule.stages_per_rank > 1:
+        args += ["--interleave", str(schedule.stages_per_rank)]
+    flags = [any(a.kind is ActionKind.RECOMPUTE for a in schedule.stage_actions(s))
+             for s in range(schedule.num_stages)]
+    if any(flags):
+        every = make_schedule(schedule.name, schedule.num_ranks, schedule.num_microbatches,
+                              stages_per_rank=schedule.stages_per_rank, recompute=True)
+        same = [every.compute_actions(r) == schedule.compute_actions(r)
+                for r in range(schedule.num_ranks)]
+        args += ["--recompute"] if all(same) else \
+            ["--recompute", ",".join(str(int(f)) for f in flags)]
+    return args
 
 
 class TrainerEnergy:
-    def __init__(self, args, ctx, num_microbatches: int):
+    """The trainer's energy side (see the module docstring): build it with the arguments, put
+    `hook` among the interpreter's hooks (not in profile mode), then `attach(engine)`."""
+
+    def __init__(self, args, ctx, num_microbatches: int | None = None):
         self.args, self.ctx = args, ctx
-        self.gpu = make_gpu(args.energy_gpu, args.simulated_gpu, ctx.pp)
-        self.schedule = make_schedule(args.train_schedule, ctx.pp, num_microbatches)
+        info = SCHEDULES[args.train_schedule]
+        chunks = args.num_model_chunks if info.several_stages_per_rank else 1
+        self.gpu = make_gpu(args.energy_gpu, args.simulated_gpu, ctx.pp, chunks)
+        self.schedule: Schedule | None = None  # the interpreter's, from `attach`
         self.source = "all-max"
         self.client = self.job_id = None
-        frequencies = None
+        self._plan: list[dict] | None = None
         if args.energy_plan:
-            frequencies = self._check(load_plan(args.energy_plan)["schedules"])
+            self._plan = load_plan(args.energy_plan)["schedules"]  # unreadable: fail early
             self.source = args.energy_plan
         elif args.pfo_server_url:
             from merak.energy.pfo_client import PFOClient, join_job
@@ -69,11 +98,20 @@ class TrainerEnergy:
             self.client = PFOClient(args.pfo_server_url)
             self.job_id = join_job(self.client, ctx, self.gpu.supported_clocks(),
                                    metadata=Path(args.output_dir).name)
-            frequencies = self._fetch()
             self.source = f"{args.pfo_server_url} job {self.job_id}"
-        self.hook = ClockPlanHook(self.gpu, frequencies, ctx.stage_id)
+        self.hook = ClockPlanHook(self.gpu, None, ctx.pp_rank)
         self.steps: list[tuple[int, float, float]] = []  # (step, time of the slowest, all GPUs)
         self._window: list[tuple[int, float, float]] = []  # this rank's own, not yet gathered
+
+    def attach(self, engine) -> None:
+        """Take the interpreter's schedule (``engine.schedule``, final: after any recomputation
+        planning) and check the plan against it; every rank calls it before the first step
+        (with a Perseus server it is a collective)."""
+        self.schedule = engine.schedule
+        if self._plan is not None:
+            self.hook.frequencies = self._check(self._plan)
+        elif self.client is not None:
+            self.hook.frequencies = self._fetch()
 
     def _check(self, schedules: list[dict]) -> list[tuple[str, int]]:
         ranks_per_stage = self.ctx.dp * self.ctx.tp
@@ -93,7 +131,8 @@ class TrainerEnergy:
         from merak.energy.profile_data import write_profile
         from merak.energy.profiler import ClockProfiler, profile_clocks
 
-        profiler = ClockProfiler(self.gpu, self.ctx.stage_id)
+        self.schedule = engine.schedule
+        profiler = ClockProfiler(self.gpu, self.ctx.pp_rank)
         engine.hooks.append(profiler)
         try:
             rows = profile_clocks(lambda: engine.train_step(next_batch()), profiler, self.ctx)
@@ -104,9 +143,16 @@ class TrainerEnergy:
             write_profile(rows, path)
         return path, len({r.frequency for r in rows if r.instruction == "forward"})
 
+    def plan_command(self, profile: str | Path) -> str:
+        """The `merak energy plan` command for `profile` that plans this job's schedule."""
+        return " ".join(["merak energy plan", str(profile), *plan_arguments(self.schedule)])
+
     # ---------------------------------------------------------------- training
     def step_done(self, step: int) -> None:
         """Keep the step the hook just measured (this rank's own, until the next gather)."""
+        if self.schedule is None:
+            raise RuntimeError("TrainerEnergy.attach(engine) must run before the first step "
+                               "(it checks the clock plan against the interpreter's schedule)")
         mine = self.hook.steps[-1]
         self._window.append((step, mine.time_s, mine.energy_j))
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from merak.pipeline.split import Piece
+from merak.runtime.split import Piece
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,1 @@
-"""Automatic pipeline partitioning: meta-device build, tracing, graph sharding, stage assignment."""
+"""Automatic pipeline partitioning: tracing, graph sharding, stage assignment."""

@@ -12,11 +12,11 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from merak.materialize.meta import has_meta_parameters
 from merak.partition import assign
 from merak.partition.graph_rewrite import find_blocks, set_graph_device, within
 from merak.partition.graph_split import split_model
-from merak.partition.meta import has_meta_parameters
-from merak.pipeline.split import Piece, PipelineSplit, find_tied_weights
+from merak.runtime.split import Piece, PipelineSplit, find_tied_weights
 
 TRACE_METHODS = ("export", "fx", "dynamo")
 SPLIT_METHODS = ("farthest_min_deps", "nearest_min_deps", "layer_split")

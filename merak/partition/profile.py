@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak.materialize.meta import has_meta_parameters
 from merak.partition.graph_rewrite import prepare_inputs
-from merak.partition.meta import has_meta_parameters
 
 
 def _time_fwd_bwd(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> float:

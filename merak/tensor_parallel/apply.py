@@ -9,6 +9,7 @@ repeated blocks (embedding, LM head) as opaque eager calls.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -17,7 +18,8 @@ from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.partition.graph_rewrite import find_blocks, within
 from merak.tensor_parallel import layers
 from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
-from merak.tensor_parallel.plans import DIVISIBLE_CONFIG_ATTRS, TPPlan, matches, plan_for
+from merak.tensor_parallel.plans import (DIVISIBLE_CONFIG_ATTRS, TPPlan, as_tp_plan, matches,
+                                         plan_for)
 from merak.tensor_parallel.rng import install_tp_rng
 from merak.tensor_parallel.sequence import enable_sequence_parallel
 
@@ -55,22 +57,27 @@ def _divide_attr(module: nn.Module, name: str, attr: str, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, *,
-                          plan: TPPlan | None = None, parallel_vocab: bool = False,
+                          plan: TPPlan | Mapping | None = None, parallel_vocab: bool = False,
                           sequence_parallel: bool = False, sequence_dim: int = 1,
-                          overlap_level: int = 0, overlap_chunks: int = 2) -> nn.Module:
+                          overlap_level: int = 0, overlap_sub_batches: int = 2) -> nn.Module:
     """Shard `model` for this rank's place in the TP group of `ctx` (default: `merak.init`'s).
 
-    `overlap_level` and `overlap_chunks` (sub-pipelined TP, ``tp_overlapping_level``) are passed
-    to `merak.tensor_parallel.overlap.set_tp_overlap` once the model is converted.
+    The plan is `plan` when given (a `TPPlan`, or a dict of `merak.set_tp_layer_lists`'
+    arguments), else the one `set_tp_layer_lists` recorded for the job (``ctx.tp_plan``), else
+    the family's, else the config's ``base_model_tp_plan`` (`plans.plan_for`).
+
+    `overlap_level` and `overlap_sub_batches` (sub-pipelined TP, ``tp_overlapping_level``) are
+    passed to `merak.tensor_parallel.overlap.set_tp_overlap` once the model is converted.
 
     Raises:
         ValueError: tp does not divide a head count or size (the error names the attribute), the
-            model has no plan (the error names `merak.set_tp_layer_lists`), sequence
-            parallelism is asked for a family whose plan does not support it, or the overlap
-            arguments are invalid (level not 0-2, overlap_chunks < 2, with sequence parallelism
-            or tp=1); checked before the model is touched.
+            model has no plan (the error names `merak.set_tp_layer_lists`), `plan` is invalid,
+            sequence parallelism is asked for a family whose plan does not support it, or the
+            overlap arguments are invalid (level not 0-2, overlap_sub_batches < 2, with
+            sequence parallelism or tp=1); checked before the model is touched.
     """
-    check_overlap_args(overlap_level, overlap_chunks, sequence_parallel=sequence_parallel)
+    check_overlap_args(overlap_level, overlap_sub_batches, sequence_parallel=sequence_parallel)
+    plan = as_tp_plan(plan)
     ctx = ctx or get_context()
     if getattr(model, "merak_tp", None) is not None:
         raise ValueError("this model is already tensor-parallel")
@@ -83,7 +90,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
             raise ValueError("overlap_level overlaps tensor-parallel all-reduces and needs "
                              "tp > 1; set overlap_level=0")
         return model  # parallel_vocab over one rank is the plain vocabulary
-    plan = plan or plan_for(model)
+    plan = plan_for(model, ctx, plan)
     _check_divisible(model, tp, parallel_vocab)
     config = getattr(model, "config", None)
     reason = plan.unsupported(config) if plan.unsupported else None
@@ -110,7 +117,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
         enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
     model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel)
     if overlap_level:
-        set_tp_overlap(model, overlap_level, overlap_chunks)
+        set_tp_overlap(model, overlap_level, overlap_sub_batches)
     return model
 
 

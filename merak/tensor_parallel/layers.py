@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from merak.partition.meta import RECORD_ATTR, storage_key
+from merak.materialize.meta import RECORD_ATTR, storage_key
 from merak.tensor_parallel.collectives import (
     copy_to_tp,
     gather_from_tp,
@@ -135,7 +135,7 @@ class RowParallel(_TPMixin):
             x = scatter_to_tp(x, -1, self.tp_group)
         overlap = self.tp_overlap
         if overlap is not None and overlap.applies(self.tp_group):
-            y = overlap.row(self, x)  # partial products summed over ranks, chunk by chunk
+            y = overlap.row(self, x)  # partial products summed over ranks, per sub-batch
         elif self.sequence_parallel:
             y = reduce_scatter_sequence(self._partial(x), self.sequence_dim, self.tp_group)
         else:

@@ -2,23 +2,24 @@
 
 A Megatron pair (column-parallel -> row-parallel) all-reduces once in forward (the row layer's
 partial sums) and once in backward (the column layer's input gradient). Level 0 waits for each
-where it happens. Here the micro-batch is cut into `num_chunks` sub-micro-batches (along `dim`,
-the batch by default) so that an all-reduce of one runs (``async_op=True``) while the next one
-computes. What overlaps with what, honestly:
+where it happens. Here the micro-batch is cut into `num_sub_batches` sub-batches (equal slices
+along `dim`, the batch by default) so that an all-reduce of one runs (``async_op=True``) while
+the next one computes. What overlaps with what, honestly:
 
 Level 1, inside each TP layer (every column and row layer of the model):
-  * forward, row layer: the all-reduce of chunk k's partial product overlaps the matmul of chunk
-    k+1; the last chunk's all-reduce is exposed.
+  * forward, row layer: the all-reduce of sub-batch k's partial product overlaps the matmul of
+    sub-batch k+1; the last sub-batch's all-reduce is exposed.
   * backward, column layer (the backward of its input copy is the all-reduce of the input
-    gradient): chunk k's input-gradient all-reduce overlaps chunk k+1's input-gradient matmul,
-    and the last ones overlap the weight- and bias-gradient matmuls (over the whole micro-batch).
+    gradient): sub-batch k's input-gradient all-reduce overlaps sub-batch k+1's input-gradient
+    matmul, and the last ones overlap the weight- and bias-gradient matmuls (over the whole
+    micro-batch).
   * the column forward and the row backward have no communication; they run as at level 0.
   No random draws move, so level 1 equals level 0 even with dropout.
 
 Level 2, across a block's attention and MLP (each repeated block that holds a row layer): the
-block input is split into `num_chunks` sub-batches that run the block's own, unchanged forward as
-coroutines; each yields right after launching a row layer's all-reduce. With two sub-batches
-A and B of a Llama or GPT-2 block::
+block input is split into `num_sub_batches` sub-batches that run the block's own, unchanged
+forward as coroutines; each yields right after launching a row layer's all-reduce. With two
+sub-batches A and B of a Llama or GPT-2 block::
 
     A: norm, attention, o_proj partial -> all-reduce(A.attn) started, yield
     B: norm, attention, o_proj partial -> all-reduce(B.attn) started   [overlaps A.attn's]
@@ -87,14 +88,14 @@ def _weight_grad(grad: torch.Tensor, x: torch.Tensor, transposed: bool) -> torch
 
 class _ColumnLinear(torch.autograd.Function):
     """The local linear map (no forward communication); backward all-reduces the input gradient
-    chunk by chunk while computing the next chunk's and then the weight gradient."""
+    sub-batch by sub-batch while computing the next sub-batch's and then the weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear, transposed, group, num_chunks, dim):
+    def forward(ctx, x, weight, bias, linear, transposed, group, num_sub_batches, dim):
         dtype = _compute_dtype(x)
         ctx.save_for_backward(_cast(x, dtype), weight)
-        ctx.dtype, ctx.transposed, ctx.group, ctx.num_chunks, ctx.dim = (
-            dtype, transposed, group, num_chunks, dim)
+        ctx.dtype, ctx.transposed, ctx.group, ctx.num_sub_batches, ctx.dim = (
+            dtype, transposed, group, num_sub_batches, dim)
         return linear(x)  # the layer's own forward, under the caller's autocast
 
     @staticmethod
@@ -105,7 +106,7 @@ class _ColumnLinear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         pending = []
         if ctx.needs_input_grad[0]:
-            for g in grad.chunk(ctx.num_chunks, ctx.dim):
+            for g in grad.chunk(ctx.num_sub_batches, ctx.dim):
                 pending.append(all_reduce_async(_input_grad(g, w, ctx.transposed), ctx.group))
         if ctx.needs_input_grad[1]:  # these matmuls overlap the all-reduces in flight
             grad_w = _weight_grad(grad, x, ctx.transposed).to(weight.dtype)
@@ -119,16 +120,17 @@ class _ColumnLinear(torch.autograd.Function):
 
 
 class _RowLinear(torch.autograd.Function):
-    """Sum of the ranks' partial products, all-reduced chunk by chunk while the next chunk's
-    product is computed (and, in a level-2 block, while the other sub-batches run: `switch`).
-    Backward has no communication."""
+    """Sum of the ranks' partial products, all-reduced sub-batch by sub-batch while the next
+    sub-batch's product is computed (and, in a level-2 block, while the other sub-batches of the
+    block run: `switch`). Backward has no communication."""
 
     @staticmethod
-    def forward(ctx, x, weight, partial, transposed, group, num_chunks, dim, switch):
+    def forward(ctx, x, weight, partial, transposed, group, num_sub_batches, dim, switch):
         dtype = _compute_dtype(x)
         ctx.save_for_backward(_cast(x, dtype), weight)
         ctx.dtype, ctx.transposed = dtype, transposed
-        pending = [all_reduce_async(partial(chunk), group) for chunk in x.chunk(num_chunks, dim)]
+        pending = [all_reduce_async(partial(sub_batch), group)
+                   for sub_batch in x.chunk(num_sub_batches, dim)]
         if switch is not None:
             switch()
         for _, work in pending:
@@ -150,11 +152,12 @@ class _RowLinear(torch.autograd.Function):
 # ------------------------------------------------------------------ per layer / per block
 @dataclass(frozen=True)
 class LayerOverlap:
-    """How one TP layer sub-pipelines: `num_chunks` chunks along `dim`. In a level-2 block
-    (`interleaver` set): one chunk per sub-batch and a yield after starting the all-reduce while
-    the block interleaves its sub-batches, `num_chunks` chunks (level 1) when it runs whole."""
+    """How one TP layer sub-pipelines: `num_sub_batches` sub-batches along `dim`. In a level-2
+    block (`interleaver` set): each call is already one of the block's sub-batches, so it runs
+    whole and yields after starting its all-reduce while the block interleaves its sub-batches;
+    `num_sub_batches` sub-batches (level 1) when the block runs whole."""
 
-    num_chunks: int
+    num_sub_batches: int
     dim: int
     name: str
     interleaver: Interleaver | None = None
@@ -163,41 +166,43 @@ class LayerOverlap:
         return communicates(group) and not torch.compiler.is_compiling()
 
     def _plan(self, x: torch.Tensor) -> tuple[int, Callable | None]:
-        """(chunks, yield point or None) for this call; checks that `x` splits evenly."""
+        """(sub-batches, yield point or None) for this call; checks that `x` splits evenly."""
         if self.interleaver is not None and self.interleaver.running():
             return 1, self.interleaver.switch
         if not 0 <= self.dim < x.dim() - 1:
             raise ValueError(f"tp overlap splits dimension {self.dim} of the input of {self.name}"
                              f", which has shape {list(x.shape)}; choose dim=0 (batch) or a "
                              f"dimension before the features")
-        if x.shape[self.dim] % self.num_chunks:
+        if x.shape[self.dim] % self.num_sub_batches:
             raise ValueError(
                 f"tp overlap cannot split dimension {self.dim} (size {x.shape[self.dim]}) of the "
-                f"input of {self.name} into num_chunks={self.num_chunks} equal sub-micro-batches;"
-                f" use a micro-batch size divisible by {self.num_chunks} or a num_chunks that "
-                f"divides {x.shape[self.dim]}")
-        return self.num_chunks, None
+                f"input of {self.name} into num_sub_batches={self.num_sub_batches} equal "
+                f"sub-batches; use a micro-batch size divisible by {self.num_sub_batches} or a "
+                f"num_sub_batches that divides {x.shape[self.dim]}")
+        return self.num_sub_batches, None
 
     def column(self, module: nn.Module, x: torch.Tensor, linear: Callable) -> torch.Tensor:
-        """The column layer's output: its own forward, input-gradient all-reduce chunked."""
-        num_chunks, _ = self._plan(x)  # its forward does not communicate: nothing to yield
+        """The column layer's output: its own forward, input-gradient all-reduce per
+        sub-batch."""
+        num_sub_batches, _ = self._plan(x)  # its forward does not communicate: nothing to yield
         return _ColumnLinear.apply(x, module.weight, module.bias, linear,
-                                   isinstance(module, Conv1D), module.tp_group, num_chunks,
+                                   isinstance(module, Conv1D), module.tp_group, num_sub_batches,
                                    self.dim)
 
     def row(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The row layer's partial products summed over the TP ranks (no bias), chunk by chunk."""
-        num_chunks, switch = self._plan(x)
+        """The row layer's partial products summed over the TP ranks (no bias), sub-batch by
+        sub-batch."""
+        num_sub_batches, switch = self._plan(x)
         return _RowLinear.apply(x, module.weight, module._partial, isinstance(module, Conv1D),
-                                module.tp_group, num_chunks, self.dim, switch)
+                                module.tp_group, num_sub_batches, self.dim, switch)
 
 
 class _OverlappedBlock:
     """Mixin for a block class: level 2 (the module docstring). ``self.tp_overlap_block`` holds
-    (num_chunks, name, interleaver)."""
+    (num_sub_batches, name, interleaver)."""
 
     def forward(self, *args, **kwargs):
-        num_chunks, name, interleaver = self.tp_overlap_block
+        num_sub_batches, name, interleaver = self.tp_overlap_block
         base = super().forward
         leaves, spec = pytree.tree_flatten((args, kwargs))
         hidden = args[0] if args else kwargs.get("hidden_states")
@@ -206,16 +211,18 @@ class _OverlappedBlock:
                 or _saved_tensor_hooks_active()):
             return base(*args, **kwargs)  # its TP layers sub-pipeline as at level 1
         rows = hidden.shape[0]
-        if rows % num_chunks:
+        if rows % num_sub_batches:
             raise ValueError(f"tp overlap level 2 cannot split the batch (dim 0, size {rows}) "
-                             f"of the input of block {name} into num_chunks={num_chunks} "
-                             f"sub-batches; use a micro-batch size divisible by {num_chunks} or "
-                             f"a num_chunks that divides {rows}")
-        pieces = [x.chunk(num_chunks) if _batched(x, rows) else [x] * num_chunks for x in leaves]
-        calls = [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(num_chunks)]
+                             f"of the input of block {name} into num_sub_batches="
+                             f"{num_sub_batches} sub-batches; use a micro-batch size divisible "
+                             f"by {num_sub_batches} or a num_sub_batches that divides {rows}")
+        pieces = [x.chunk(num_sub_batches) if _batched(x, rows) else [x] * num_sub_batches
+                  for x in leaves]
+        calls = [pytree.tree_unflatten([p[i] for p in pieces], spec)
+                 for i in range(num_sub_batches)]
         outs = interleaver.run(base, calls, hidden.device)
         flat = [pytree.tree_flatten(o) for o in outs]
-        merged = [torch.cat(parts) if _batched(parts[0], rows // num_chunks) else parts[0]
+        merged = [torch.cat(parts) if _batched(parts[0], rows // num_sub_batches) else parts[0]
                   for parts in zip(*(f[0] for f in flat), strict=True)]
         return pytree.tree_unflatten(merged, flat[0][1])
 
@@ -253,24 +260,26 @@ def _restore(model: nn.Module) -> None:
             del module.tp_overlap_block
 
 
-def check_overlap_args(level: int, num_chunks: int, dim: int = 0,
+def check_overlap_args(level: int, num_sub_batches: int, dim: int = 0,
                        sequence_parallel: bool = False) -> None:
     """Raise ValueError for arguments `set_tp_overlap` rejects (before converting a model)."""
     if level not in LEVELS or isinstance(level, bool):
         raise ValueError(f"tp_overlapping_level must be one of {LEVELS} (level: meaning), got "
                          f"{level!r}")
-    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 2:
-        raise ValueError(f"num_chunks is the number of sub-micro-batches and must be an int >= 2,"
-                         f" got {num_chunks!r}")
+    if not isinstance(num_sub_batches, int) or isinstance(num_sub_batches, bool) \
+            or num_sub_batches < 2:
+        raise ValueError(f"num_sub_batches is the number of sub-batches per micro-batch and must "
+                         f"be an int >= 2, got {num_sub_batches!r}")
     if not isinstance(dim, int) or dim < 0 or (level == 2 and dim != 0):
-        raise ValueError(f"dim={dim!r}: sub-micro-batches split dim 0 (batch) or, at level 1 "
+        raise ValueError(f"dim={dim!r}: sub-batches split dim 0 (batch) or, at level 1 "
                          f"only, a later non-negative dimension such as the sequence (level 2 "
                          f"splits whole sequences: attention mixes positions)")
     if level and sequence_parallel:
         raise ValueError(_NO_SEQUENCE_PARALLEL)
 
 
-def set_tp_overlap(model: nn.Module, level: int, num_chunks: int = 2, *, dim: int = 0) -> None:
+def set_tp_overlap(model: nn.Module, level: int, num_sub_batches: int = 2, *,
+                   dim: int = 0) -> None:
     """Sub-pipelined tensor parallelism (``tp_overlapping_level``) for a tensor-parallel model.
 
     Call it on a model that `apply_tensor_parallel` converted (before or after the pipeline
@@ -279,21 +288,21 @@ def set_tp_overlap(model: nn.Module, level: int, num_chunks: int = 2, *, dim: in
 
     Args:
         model: the converted model (or its `PipelineStage`).
-        level: 0 off; 1 every TP layer overlaps its all-reduces with the next sub-micro-batch's
+        level: 0 off; 1 every TP layer overlaps its all-reduces with the next sub-batch's
             matmuls; 2 each block interleaves its sub-batches across attention and MLP (the
             module docstring says what overlaps with what).
-        num_chunks: sub-micro-batches per micro-batch (>= 2); must divide the micro-batch size
+        num_sub_batches: sub-batches per micro-batch (>= 2); must divide the micro-batch size
             (or, at level 1 with ``dim=1``, the sequence length).
-        dim: the dimension split into sub-micro-batches: 0 (batch); level 1 also accepts the
+        dim: the dimension split into sub-batches: 0 (batch); level 1 also accepts the
             sequence dimension (linear layers act per token), level 2 only 0.
 
     Raises:
-        ValueError: a level other than 0, 1, 2; num_chunks < 2; dim < 0 or level 2 with a dim
+        ValueError: a level other than 0, 1, 2; num_sub_batches < 2; dim < 0 or level 2 with a dim
             other than 0; a model without TP layers (tp=1) or with sequence parallelism at
             levels 1-2; no block holding a row-parallel layer at level 2. At run time, a
-            micro-batch whose split dimension `num_chunks` does not divide.
+            micro-batch whose split dimension `num_sub_batches` does not divide.
     """
-    check_overlap_args(level, num_chunks, dim)
+    check_overlap_args(level, num_sub_batches, dim)
     _restore(model)
     layers = [(n, m) for n, m in model.named_modules()
               if isinstance(m, (ColumnParallel, RowParallel))]
@@ -316,10 +325,10 @@ def set_tp_overlap(model: nn.Module, level: int, num_chunks: int = 2, *, dim: in
         if cls not in classes:
             classes[cls] = type(f"TPOverlap{cls.__name__}", (_OverlappedBlock, cls), {})
         block._tp_overlap_base_class, block.__class__ = cls, classes[cls]
-        block.tp_overlap_block = (num_chunks, block_name, interleaver)
+        block.tp_overlap_block = (num_sub_batches, block_name, interleaver)
         for name, module in block.named_modules(prefix=block_name):
             if isinstance(module, (ColumnParallel, RowParallel)):
-                module.tp_overlap = LayerOverlap(num_chunks, 0, name, interleaver)
+                module.tp_overlap = LayerOverlap(num_sub_batches, 0, name, interleaver)
     for name, module in layers:
         if "tp_overlap" not in vars(module):  # level 1, or outside the level-2 blocks
-            module.tp_overlap = LayerOverlap(num_chunks, dim, name)
+            module.tp_overlap = LayerOverlap(num_sub_batches, dim, name)

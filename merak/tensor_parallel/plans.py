@@ -9,14 +9,12 @@ embedding and LM head are handled by ``parallel_vocab``.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from merak.distributed.parallel_context import get_context
-
-_PLAN_KEY = "tp_plan"
+from merak.distributed.parallel_context import get_context, set_default_tp_plan
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -147,12 +145,94 @@ DIVISIBLE_CONFIG_ATTRS = ("num_attention_heads", "num_key_value_heads", "hidden_
                           "intermediate_size", "ffn_dim", "d_ff", "n_inner")
 
 
+# the arguments of `set_tp_layer_lists`: also the keys of a dict given as ``tp_plan``
+LAYER_LIST_KEYS = ("col_para_list", "row_para_list", "input_output_mapping",
+                   "weight_change_list", "tp_attr_list")
+
+
+def _names(key: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) \
+            or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"{key} must be a list of module or attribute names, got {value!r}")
+    return tuple(value)
+
+
+def _entries(key: str, value: object, kinds: tuple[type, ...]) -> tuple[tuple, ...]:
+    if value is None:
+        return ()
+    shape = "(" + ", ".join(k.__name__ for k in kinds) + ")"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{key} must be a list of {shape} entries, got {value!r}")
+    entries = []
+    for entry in value:
+        if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) \
+                or len(entry) != len(kinds) or any(
+                    isinstance(v, bool) or not isinstance(v, k) for v, k in zip(entry, kinds)):
+            raise ValueError(f"{key} entries are {shape}, got {entry!r}")
+        entries.append(tuple(entry))
+    return tuple(entries)
+
+
+def tp_plan_from_layer_lists(col_para_list: Sequence[str] | None = None,
+                             row_para_list: Sequence[str] | None = None,
+                             input_output_mapping: Sequence[tuple[int, int, str]] | None = None,
+                             weight_change_list: Sequence[tuple[str, int]] | None = None,
+                             tp_attr_list: Sequence[str] | None = None) -> TPPlan:
+    """The `TPPlan` that `set_tp_layer_lists` describes (its Args), validated, not recorded
+    anywhere.
+
+    Raises:
+        ValueError: an argument of the wrong shape (the error names it), a style other than
+            'col' or 'row', or nothing that would be split.
+    """
+    mapping = _entries("input_output_mapping", input_output_mapping, (int, int, str))
+    for in_ratio, out_ratio, style in mapping:
+        if style not in ("col", "row"):
+            raise ValueError(f"input_output_mapping styles are 'col' or 'row', got {style!r}")
+        if in_ratio <= 0 or out_ratio <= 0:
+            raise ValueError(f"input_output_mapping ratios must be positive, got "
+                             f"{(in_ratio, out_ratio, style)!r}")
+    changes = _entries("weight_change_list", weight_change_list, (str, int))
+    plan = TPPlan(column=_names("col_para_list", col_para_list),
+                  row=_names("row_para_list", row_para_list), io_mapping=mapping,
+                  head_sharded={(n if n.endswith((".weight", ".bias")) else n + ".weight"): d
+                                for n, d in changes},
+                  divide_anywhere=_names("tp_attr_list", tp_attr_list),
+                  source="set_tp_layer_lists")
+    if not (plan.column or plan.row or plan.io_mapping):
+        raise ValueError("a set_tp_layer_lists plan needs col_para_list, row_para_list or "
+                         "input_output_mapping: nothing would be split")
+    return plan
+
+
+def as_tp_plan(value: TPPlan | Mapping | None) -> TPPlan | None:
+    """`value` as a `TPPlan`: None and plans as they are; a mapping whose keys are the arguments
+    of `set_tp_layer_lists` (`LAYER_LIST_KEYS`) through `tp_plan_from_layer_lists`.
+
+    Raises:
+        ValueError: another type, a key that is not one of `LAYER_LIST_KEYS` (the error names
+            it), or a value `tp_plan_from_layer_lists` rejects.
+    """
+    if value is None or isinstance(value, TPPlan):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"a tp plan is a merak.TPPlan or a dict with the keys "
+                         f"{list(LAYER_LIST_KEYS)}, got {type(value).__name__}")
+    for key in value:
+        if key not in LAYER_LIST_KEYS:
+            raise ValueError(f"tp plan key {key!r} is not one of {list(LAYER_LIST_KEYS)} (the "
+                             f"arguments of merak.set_tp_layer_lists)")
+    return tp_plan_from_layer_lists(**value)
+
+
 def set_tp_layer_lists(col_para_list: Sequence[str] | None = None,
                        row_para_list: Sequence[str] | None = None,
                        input_output_mapping: Sequence[tuple[int, int, str]] | None = None,
                        weight_change_list: Sequence[tuple[str, int]] | None = None,
                        tp_attr_list: Sequence[str] | None = None) -> TPPlan:
-    """Register the tensor-parallel plan for a model that has none in `FAMILY_PLANS`.
+    """Describe the tensor-parallel plan of a model that has none in `FAMILY_PLANS`.
 
     Args:
         col_para_list: names (or suffixes / globs) of linear layers made column-parallel.
@@ -164,21 +244,41 @@ def set_tp_layer_lists(col_para_list: Sequence[str] | None = None,
         tp_attr_list: attribute names (e.g. ``num_heads``) divided by the TP degree in every
             module of the blocks that has them.
 
-    The plan applies to the job of the last `merak.init()` and is returned.
+    Returns the plan; pass it as ``merak.parallelize(..., tp_plan=)`` or
+    ``MerakArguments(tp_plan=)`` (a dict with these argument names as keys works there too).
+    For old scripts that ignore it, the plan is also recorded, as ``tp_plan``, on the context
+    of the last `merak.init()` (`set_default_tp_plan`): it applies to that job when no plan is
+    given explicitly.
+
+    Raises:
+        ValueError: see `tp_plan_from_layer_lists`.
+        RuntimeError: `merak.init()` was not called yet.
     """
-    for style in (s for _, _, s in input_output_mapping or ()):
-        if style not in ("col", "row"):
-            raise ValueError(f"input_output_mapping styles are 'col' or 'row', got {style!r}")
-    plan = TPPlan(column=tuple(col_para_list or ()), row=tuple(row_para_list or ()),
-                  io_mapping=tuple(tuple(m) for m in input_output_mapping or ()),
-                  head_sharded={(n if n.endswith((".weight", ".bias")) else n + ".weight"): d
-                                for n, d in weight_change_list or ()},
-                  divide_anywhere=tuple(tp_attr_list or ()), source="set_tp_layer_lists")
-    if not (plan.column or plan.row or plan.io_mapping):
-        raise ValueError("set_tp_layer_lists needs col_para_list, row_para_list or "
-                         "input_output_mapping: nothing would be split")
-    get_context().settings[_PLAN_KEY] = plan
+    plan = tp_plan_from_layer_lists(col_para_list, row_para_list, input_output_mapping,
+                                    weight_change_list, tp_attr_list)
+    try:
+        set_default_tp_plan(plan)
+    except RuntimeError:
+        raise RuntimeError(
+            "merak.set_tp_layer_lists records its plan on the context of merak.init(): call "
+            "merak.init(dp=, tp=, pp=) first, or give the plan explicitly "
+            "(merak.parallelize(..., tp_plan=) / MerakArguments(tp_plan=))") from None
     return plan
+
+
+def registered_plan(ctx: object) -> TPPlan | None:
+    """The plan `set_tp_layer_lists` recorded for the job of `ctx`: ``ctx.tp_plan``; for a
+    context that `merak.init()` returned before that call (the same device mesh), the one on
+    the default context that replaced it."""
+    plan = getattr(ctx, "tp_plan", None)
+    if plan is not None:
+        return plan
+    try:
+        default = get_context()
+    except RuntimeError:
+        return None
+    mesh = getattr(ctx, "mesh", None)
+    return default.tp_plan if mesh is not None and default.mesh is mesh else None
 
 
 def _from_config_plan(config) -> TPPlan | None:
@@ -192,15 +292,17 @@ def _from_config_plan(config) -> TPPlan | None:
                   source="base_model_tp_plan")
 
 
-def plan_for(model: nn.Module) -> TPPlan:
-    """The registered plan, else the family's table entry, else the config's
-    ``base_model_tp_plan``; otherwise an error naming `merak.set_tp_layer_lists`."""
-    try:
-        registered = get_context().settings.get(_PLAN_KEY)
-    except RuntimeError:
-        registered = None
-    if registered is not None:
-        return registered
+def plan_for(model: nn.Module, ctx: object = None,
+             plan: TPPlan | Mapping | None = None) -> TPPlan:
+    """The plan to shard `model` with: `plan` when given (see `as_tp_plan`), else the one
+    recorded by `merak.set_tp_layer_lists` for the job of `ctx` (`registered_plan`), else the
+    family's table entry, else the config's ``base_model_tp_plan``; otherwise an error naming
+    `merak.set_tp_layer_lists`."""
+    chosen = as_tp_plan(plan)
+    if chosen is None and ctx is not None:
+        chosen = registered_plan(ctx)
+    if chosen is not None:
+        return chosen
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILY_PLANS:
@@ -211,4 +313,4 @@ def plan_for(model: nn.Module) -> TPPlan:
     raise ValueError(f"no tensor-parallel plan for {type(model).__name__} (model_type "
                      f"{model_type!r}; plans exist for {sorted(FAMILY_PLANS)}): describe its "
                      f"layers with merak.set_tp_layer_lists(col_para_list=[...], "
-                     f"row_para_list=[...], tp_attr_list=[...]) or use tp=1")
+                     f"row_para_list=[...], tp_attr_list=[...]) or a tp_plan, or use tp=1")

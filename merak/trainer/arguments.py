@@ -9,6 +9,7 @@ the ones it does). Bad values raise `ValueError` naming the field and the allowe
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +17,8 @@ from transformers import TrainingArguments
 
 from merak.partition import assign
 from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
-from merak.pipeline.interleaved import INTERLEAVED_SCHEDULES
-from merak.pipeline.schedules import NEEDS_RECOMPUTE, SCHEDULES
+from merak.schedule.registry import SCHEDULES
+from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
 
 
 class NotSupportedYetError(ValueError):
@@ -70,7 +71,7 @@ class MerakArguments(TrainingArguments):
 
     # ---- pipeline schedule and partitioning
     train_schedule: str = field(default="1f1b", metadata={
-        "help": f"pipeline schedule: {sorted(SCHEDULES) + sorted(INTERLEAVED_SCHEDULES)}"})
+        "help": f"pipeline schedule: {sorted(SCHEDULES)}"})
     num_model_chunks: int = field(default=2, metadata={
         "help": "model chunks per pipeline rank for train_schedule='interleaved_1f1b' (the model "
                 "is split into pp x this many virtual stages)"})
@@ -119,6 +120,11 @@ class MerakArguments(TrainingArguments):
     zero_reduce_bucket_size: int = field(default=500_000_000, metadata={
         "help": "gradient all-reduce bucket, elements"})
     # ---- tensor parallelism
+    tp_plan: dict | str | TPPlan | None = field(default=None, metadata={
+        "help": f"the tensor-parallel plan, for a model without one of its own: a merak.TPPlan "
+                f"or a dict (JSON on the command line) with keys among {list(LAYER_LIST_KEYS)} "
+                f"(merak.set_tp_layer_lists' arguments); becomes a TPPlan. Default: the plan "
+                f"set_tp_layer_lists recorded, else the model family's"})
     parallel_vocab: bool = field(default=False, metadata={
         "help": "split the embedding and LM head by vocabulary across TP ranks"})
     sequence_parallel: bool = field(default=False, metadata={
@@ -170,6 +176,7 @@ class MerakArguments(TrainingArguments):
                 "http://127.0.0.1:7787 (`merak energy serve`)"})
 
     def __post_init__(self) -> None:
+        self._check_tp_plan()
         self._check_choices()
         self._check_not_landed()
         self._check_inherited()
@@ -177,7 +184,7 @@ class MerakArguments(TrainingArguments):
 
     def _check_choices(self) -> None:
         choices = {
-            "train_schedule": (*SCHEDULES, *INTERLEAVED_SCHEDULES),
+            "train_schedule": tuple(SCHEDULES),
             "partition_method": assign.PARTITION_METHODS,
             "split_method": SPLIT_METHODS, "trace_method": TRACE_METHODS,
             "zero_stage": (0, 1, 2, 3), "tp_overlapping_level": (0, 1, 2),
@@ -206,6 +213,25 @@ class MerakArguments(TrainingArguments):
         if self.sequence_dim not in (0, 1):
             raise ValueError(f"MerakArguments.sequence_dim must be 0 or 1, got "
                              f"{self.sequence_dim}")
+
+    def _check_tp_plan(self) -> None:
+        value = self.tp_plan
+        if isinstance(value, str):  # from the command line
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"MerakArguments.tp_plan={self.tp_plan!r} is not a JSON object "
+                                 f"({error})") from None
+        try:
+            self.tp_plan = as_tp_plan(value)
+        except ValueError as error:
+            raise ValueError(f"MerakArguments.tp_plan: {error}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        serialized = super().to_dict()
+        if isinstance(self.tp_plan, TPPlan):  # JSON-friendly (its fields may hold functions)
+            serialized["tp_plan"] = repr(self.tp_plan)
+        return serialized
 
     def _check_energy(self) -> None:
         if self.energy_gpu not in (None, "nvml", "simulated"):
@@ -239,7 +265,7 @@ class MerakArguments(TrainingArguments):
             if extra:
                 raise ValueError(f"MerakArguments.{extra[0]} only applies with "
                                  f"activation_checkpointing=True")
-            if self.train_schedule in NEEDS_RECOMPUTE:
+            if SCHEDULES[self.train_schedule].needs_recompute:
                 raise ValueError(f"MerakArguments.train_schedule={self.train_schedule!r} "
                                  f"reorders recomputation; set activation_checkpointing=True")
         if len(shaped) > 1:
@@ -252,20 +278,15 @@ class MerakArguments(TrainingArguments):
         if any(b <= 0 for b in self.activation_memory_budget or ()):
             raise ValueError("MerakArguments.activation_memory_budget values must be positive "
                              "MiB")
-        interleaved = self.train_schedule in INTERLEAVED_SCHEDULES
+        interleaved = SCHEDULES[self.train_schedule].several_stages_per_rank
         if not interleaved and self.num_model_chunks != 2:
             raise ValueError("MerakArguments.num_model_chunks only applies with "
                              "train_schedule='interleaved_1f1b'")
         if interleaved and self.num_model_chunks < 2:
             raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
                              "(1 chunk per rank is train_schedule='1f1b')")
-        if interleaved and self.plans_recomputation:
-            raise NotSupportedYetError(
-                "MerakArguments: stage-aware recomputation (one activation_checkpoint_ratio, or "
-                "activation_memory_budget) with interleaved_1f1b is not supported yet; give one "
-                "ratio per virtual stage (pp x num_model_chunks values)")
         if self.energy_gpu and (self.activation_checkpointing or self.train_schedule in (
-                "zero_bubble", *INTERLEAVED_SCHEDULES)):
+                "zero_bubble", "interleaved_1f1b")):
             raise NotSupportedYetError(
                 f"MerakArguments.energy_gpu with activation_checkpointing or "
                 f"train_schedule={self.train_schedule!r} is not supported yet: the energy planner "

@@ -177,5 +177,8 @@ def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool
             if not same and spec is not None:
                 value = spec.take(value)
             param.copy_(value)
-    state = torch.load(path / f"rank{ctx.rank if same else 0}.pt", weights_only=False)
+    # CPU first: the file may come from another device index or a GPU-less job; the optimizer
+    # moves its state onto the parameters when it loads it
+    state = torch.load(path / f"rank{ctx.rank if same else 0}.pt", map_location="cpu",
+                       weights_only=False)
     return state, same

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from merak.distributed.parallel_context import ParallelContext
-from merak.pipeline.hooks import InstructionHook
-from merak.pipeline.interleaved_stage import InterleavedStage
-from merak.pipeline.stage import PipelineStage
+from merak.runtime.hooks import InstructionHook
+from merak.runtime.stage import InterleavedStage
+from merak.runtime.stage import PipelineStage
 
 
 class GradNormClipper(InstructionHook):

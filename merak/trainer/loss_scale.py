@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from merak.distributed.parallel_context import ParallelContext
-from merak.pipeline.hooks import InstructionHook
+from merak.runtime.hooks import InstructionHook
 
 
 class LossScaler(InstructionHook):

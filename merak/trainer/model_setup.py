@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from merak.partition.checkpoint import INDEX_FILE, SINGLE_FILE
+from merak.materialize.safetensors import INDEX_FILE, SINGLE_FILE
 
 
 def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:

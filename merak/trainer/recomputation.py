@@ -6,7 +6,7 @@
   recompute the least that keeps their peak at or below the first's (stage-aware).
 * ``activation_memory_budget``: each stage the least that fits its budget.
 
-The last two are planned from a measurement (`merak.pipeline.stage_aware`) once a batch exists;
+The last two are planned from a measurement (`merak.recompute.stage_aware`) once a batch exists;
 until then the interpreter recomputes every block.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from merak.pipeline.stage_aware import (
+from merak.recompute.stage_aware import (
     choose_ratios,
     measure_kept,
     predict_peaks,
@@ -48,9 +48,9 @@ def plan(engine, args, batch: dict[str, torch.Tensor]) -> list[float] | None:
     pp = engine.ctx.pp
     if not _planned(args, pp):
         return None
-    chunk, m = args.checkpoint_num_layers, engine.num_microbatches
+    segment, m = args.checkpoint_num_layers, engine.num_microbatches
     schedule, edges = args.train_schedule, engine.split.edges or None
-    kept = measure_kept(engine, batch, chunk)
+    kept = measure_kept(engine, batch, segment)
     if args.activation_memory_budget is not None:
         budget = [b * 2**20 for b in args.activation_memory_budget]
         if len(budget) == 1:
@@ -58,13 +58,15 @@ def plan(engine, args, batch: dict[str, torch.Tensor]) -> list[float] | None:
         if len(budget) != pp:
             raise ValueError(f"MerakArguments.activation_memory_budget has {len(budget)} values "
                              f"for {pp} pipeline stages; give one for all or one per stage")
-        ratios = choose_ratios(schedule, m, kept, budget, edges)
+        ratios = choose_ratios(schedule, pp, m, kept, budget, edges)
     else:
-        ratios = stage_aware_ratios(schedule, m, kept, args.activation_checkpoint_ratio[0], edges)
-    engine.set_recomputation(ratios, chunk)
+        ratios = stage_aware_ratios(schedule, pp, m, kept, args.activation_checkpoint_ratio[0],
+                                    edges)
+    engine.set_recomputation(ratios, segment)
     if engine.ctx.rank == 0:
-        peaks = predict_peaks(schedule, m, kept, ratios, edges)
+        peaks = predict_peaks(schedule, pp, m, kept, ratios, edges)
         print("recomputation per stage: " + ", ".join(
-            f"stage {s} {r:.2f} of {k.num_blocks} blocks (peak {p / 2**20:.2f} MiB)"
-            for s, (r, k, p) in enumerate(zip(ratios, kept, peaks))), flush=True)
+            f"stage {s} {r:.2f} of {k.num_blocks} blocks" for s, (r, k) in
+            enumerate(zip(ratios, kept))) + "; peak per rank " + ", ".join(
+            f"{p / 2**20:.2f} MiB" for p in peaks), flush=True)
     return ratios

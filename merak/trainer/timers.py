@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from merak.pipeline.hooks import InstructionHook
+from merak.runtime.hooks import InstructionHook
 
 
 class WallClockBreakdown(InstructionHook):

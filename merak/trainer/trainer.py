@@ -32,9 +32,8 @@ from transformers.trainer_utils import (
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
-from merak.pipeline.interleaved import INTERLEAVED_SCHEDULES
-from merak.pipeline.interleaved_runtime import InterleavedInterpreter
-from merak.pipeline.interpreter import PipelineInterpreter
+from merak.runtime.interpreter import PipelineInterpreter
+from merak.schedule.registry import SCHEDULES
 from merak.trainer import checkpoint, recomputation
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.data import StageBatches, model_input_filter
@@ -99,13 +98,13 @@ class MerakTrainer(Trainer):
         self._wrapped_loss = loss_fn is not None
         if loss_fn is not None:
             model = with_loss(model, loss_fn, list(example))
-        interleaved = args.train_schedule in INTERLEAVED_SCHEDULES
+        interleaved = SCHEDULES[args.train_schedule].several_stages_per_rank
         chunks = args.num_model_chunks if interleaved else 1
         self.stage = parallelize(
             model, example, self.ctx, num_model_chunks=chunks,
             checkpoint=pretrained_checkpoint(self._user_model),
             checkpoint_prefix="model." if self._wrapped_loss else "",
-            parallel_vocab=args.parallel_vocab,
+            tp_plan=args.tp_plan, parallel_vocab=args.parallel_vocab,
             sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
             tp_overlapping_level=args.tp_overlapping_level,
             trace_method=args.trace_method, split_method=args.split_method,
@@ -127,7 +126,7 @@ class MerakTrainer(Trainer):
             self.energy = TrainerEnergy(args, self.ctx, args.gradient_accumulation_steps)
             if not args.energy_profile:  # the profiler brings its own hook
                 hooks.append(self.energy.hook)
-        self.engine = (InterleavedInterpreter if interleaved else PipelineInterpreter)(
+        self.engine = PipelineInterpreter(
             self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
             schedule=args.train_schedule, hooks=hooks,
             bucket_bytes=args.zero_reduce_bucket_size * 4,
@@ -135,7 +134,7 @@ class MerakTrainer(Trainer):
             grad_predivide=self.ctx.dp if args.prescale_gradients
             else args.gradient_predivide_factor,
             recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp * chunks),
-            checkpoint_num_layers=args.checkpoint_num_layers,
+            segment_size=args.checkpoint_num_layers,
             tp_rng=getattr(self._user_model, "merak_tp_rng", None))
         self.scaler = None
         if args.fp16:  # unscale and check for overflow before clipping
@@ -167,6 +166,8 @@ class MerakTrainer(Trainer):
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._build(self._example(self.train_dataset, mbs))
         recomputation.plan(self.engine, args, self._example(self.train_dataset, mbs * m))
+        if self.energy is not None:  # the clock plan must fit the schedule that runs
+            self.energy.attach(self.engine)
         data = self._batches(self.train_dataset, mbs, m)
         steps_per_epoch = data.steps_per_epoch
         max_steps = args.max_steps if args.max_steps > 0 else \
@@ -260,10 +261,8 @@ class MerakTrainer(Trainer):
         metrics = {"train_runtime": round(time.perf_counter() - start, 4),
                    "profiled_clocks": clocks}
         if self.is_world_process_zero():
-            print(f"energy profile: {path} ({clocks} clocks); plan with `merak energy plan "
-                  f"{path} --stages {self.ctx.pp} --microbatches "
-                  f"{self.args.gradient_accumulation_steps} --schedule "
-                  f"{self.args.train_schedule}`")
+            print(f"energy profile: {path} ({clocks} clocks); plan with "
+                  f"`{self.energy.plan_command(path)}`")
         return TrainOutput(0, float("nan"), metrics)
 
     # ---------------------------------------------------------------- checkpoints
@@ -376,8 +375,8 @@ class MerakTrainer(Trainer):
         metrics = {f"{prefix}_loss": sum(losses) / len(losses),
                    f"{prefix}_runtime": round(runtime, 4),
                    f"{prefix}_steps": len(losses)}
-        preds = torch.cat(logits).float().numpy() if predictions else None
-        label_ids = torch.cat(labels).numpy() if predictions else None
+        preds = torch.cat(logits).float().cpu().numpy() if predictions else None
+        label_ids = torch.cat(labels).cpu().numpy() if predictions else None
         if predictions and self.compute_metrics is not None:
             computed = self.compute_metrics(EvalPrediction(predictions=preds, label_ids=label_ids))
             metrics.update({f"{prefix}_{k}": v for k, v in computed.items()})
@@ -386,8 +385,13 @@ class MerakTrainer(Trainer):
 
     def _gather_from_last_stages(self, mine):
         """(logits, labels) of a global batch, on every rank: each last-stage rank's share,
-        in dp order (tp ranks of a last stage hold the same values)."""
+        in dp order (tp ranks of a last stage hold the same values). The shares travel and
+        come back as CPU tensors (`all_gather_object` pickles them; on NCCL it stages the bytes
+        through the current CUDA device, so a CUDA tensor would unpickle onto the sender's
+        device index)."""
         parts = [None] * self.ctx.world_size
+        if mine is not None:
+            mine = tuple(t.detach().cpu() for t in mine)
         dist.all_gather_object(parts, mine if self.ctx.tp_rank == 0 else None)
         shares = [p for p in parts if p is not None]  # ranks are ordered by dp within a stage
         return torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])

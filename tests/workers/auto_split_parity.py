@@ -10,8 +10,8 @@ from common import GradSnapshot, assert_close, run_scenarios
 from hf_models import FAMILIES, batch
 
 import merak
+from merak.materialize.meta import materialize_
 from merak.partition.auto import auto_split
-from merak.partition.meta import materialize_
 
 STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 2, 2, 0.05, 4321
 

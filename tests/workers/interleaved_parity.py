@@ -1,6 +1,7 @@
 """Interleaved 1F1B (2 chunks per rank) trains an auto-split HF model exactly like the
-single-process model: losses, every gradient, final weights, and the eval loss (see
-test_interleaved)."""
+single-process model: losses, every gradient, final weights, and the eval loss; with
+recomputation everywhere, and with stage-aware recomputation (per-stage ratios from measured
+activation bytes, the ranks' stages settled together) (see test_interleaved)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from common import (
 from hf_models import LLAMA_LIKE, VOCAB, batch
 
 import merak
-from merak.pipeline.interleaved_runtime import InterleavedInterpreter
+from merak.recompute.stage_aware import measure_kept, predict_peaks, stage_aware_ratios
 
 STEPS, ROWS, LR, SEED, CHUNKS = 3, 2, 0.05, 1234, 2
 FAMILY_NAMES = ("llama", "gpt2")
-VARIANTS = {"interleaved": {}, "interleaved-recompute": {"recompute_ratio": 1.0}}
+# name -> interpreter options ("stage-aware": per-stage ratios from `stage_aware_ratios`, the
+# first rank's stages recomputing everything)
+VARIANTS = {"interleaved": {}, "interleaved-recompute": {"recompute_ratio": 1.0},
+            "interleaved-stage-aware": {"recompute_ratio": "stage-aware"}}
 
 
 def make_model(family: str, num_layers: int):
@@ -62,21 +66,49 @@ class _Family:
         with torch.no_grad():
             self.eval_loss = reference(**batch(family, 99, ROWS * self.microbatches)).loss.item()
 
+    def _stage_aware(self, engine: merak.PipelineInterpreter) -> list[float]:
+        """Per-stage ratios from this model's measured activation bytes, installed in
+        `engine`; checks what the ratios promise."""
+        pp, m, split = self.ctx.pp, self.microbatches, engine.split
+        edges = split.edges or None
+        kept = measure_kept(engine, batch(self.family, 0, ROWS * m), 1)
+        assert len(kept) == pp * CHUNKS, kept
+        ratios = stage_aware_ratios("interleaved_1f1b", pp, m, kept, 1.0, edges)
+        assert all(ratios[s] == 1.0 for s in range(0, pp * CHUNKS, pp)), ratios
+        peaks = predict_peaks("interleaved_1f1b", pp, m, kept, ratios, edges)
+        assert max(peaks[1:]) <= peaks[0], (ratios, peaks)
+        engine.set_recomputation(ratios, 1)
+        assert [bool(s) for s in engine.segments] == [r > 0 for r in ratios], \
+            (engine.segments, ratios)
+        return ratios
+
     def check(self, variant: str) -> None:
+        options = dict(VARIANTS[variant])
+        stage_aware = options.get("recompute_ratio") == "stage-aware"
+        if stage_aware:
+            options.pop("recompute_ratio")
         self.stage.load_state_dict(self.initial)
         snapshot = GradSnapshot(self.stage)
-        engine = InterleavedInterpreter(
+        engine = merak.PipelineInterpreter(
             self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
-            self.microbatches, hooks=[snapshot], p2p_timeout_s=120, **VARIANTS[variant])
+            self.microbatches, schedule="interleaved_1f1b", hooks=[snapshot], p2p_timeout_s=120,
+            **options)
         try:
-            kinds = {a.kind.value for _, a in engine.program}
-            assert ("recompute" in kinds) == ("recompute" in variant), f"{variant}: {kinds}"
+            assert engine.schedule.name == "interleaved_1f1b"
+            assert sorted(engine.runners) == list(range(self.ctx.pp_rank,
+                                                        self.ctx.pp * CHUNKS, self.ctx.pp))
+            if stage_aware:
+                ratios = self._stage_aware(engine)
+                expected = {s for s in engine.runners if ratios[s] > 0}
+            else:
+                expected = set(engine.runners) if "recompute" in variant else set()
+            recomputing = {a.stage_id for a in engine.program if a.kind is merak.ActionKind.RECOMPUTE}
+            assert recomputing == expected, f"{variant}: {recomputing} != {expected}"
             losses = [engine.train_step(batch(self.family, step, ROWS * self.microbatches))
                       for step in range(STEPS)]
             eval_loss = engine.eval_step(batch(self.family, 99, ROWS * self.microbatches))
         finally:
-            for recompute in engine.recompute:
-                recompute.remove()
+            engine.remove_recomputation()
         assert_trained_like(variant, losses, snapshot, self.stage, self.losses, self.grads,
                             self.final)
         assert_close(torch.tensor(eval_loss), torch.tensor(self.eval_loss), f"{variant}: eval")

@@ -18,9 +18,9 @@ from common import (
 from hf_models import FAMILIES, LLAMA_LIKE, VOCAB, batch
 
 import merak
+from merak.materialize.meta import materialize_
 from merak.partition.auto import auto_split
-from merak.partition.meta import materialize_
-from merak.pipeline.stage_aware import (
+from merak.recompute.stage_aware import (
     choose_ratios,
     measure_kept,
     predict_peaks,

@@ -1,7 +1,7 @@
 """Sub-pipelined TP (`set_tp_overlap`) at tp=2: levels 1 and 2 against level 0 on the same
 weights, 3 SGD steps (the loss and every gradient of each step), on tiny Llama and GPT-2 models;
 through `merak.parallelize` and the 1f1b interpreter too; dropout draws unchanged at level 1; and
-the run-time error for a micro-batch the sub-micro-batches do not divide (see test_tp_overlap)."""
+the run-time error for a micro-batch the sub-batches do not divide (see test_tp_overlap)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hf_models import VOCAB
 from tp_models import TP_FAMILIES, tp_batch
 
 import merak
-from merak.partition.meta import materialize_
+from merak.materialize.meta import materialize_
 from merak.tensor_parallel import overlap
 from merak.tensor_parallel.interleaver import Interleaver
 from merak.tensor_parallel.overlap import set_tp_overlap
@@ -73,12 +73,12 @@ def build(make, ctx, **tp_options):
     return model.train()
 
 
-def loss_and_grads(model, batch: dict, level: int, num_chunks: int = 2, dim: int = 0,
+def loss_and_grads(model, batch: dict, level: int, num_sub_batches: int = 2, dim: int = 0,
                    saved_tensor_hooks: bool = False):
     """Loss and gradients of one forward + backward at `level`; checks that the level really
     took its path: level 2 interleaves every block's sub-batches (and they yield at the row
     layers), except under saved-tensor hooks, where blocks run whole with level-1 layers."""
-    set_tp_overlap(model, level, num_chunks, dim=dim)
+    set_tp_overlap(model, level, num_sub_batches, dim=dim)
     model.zero_grad(set_to_none=True)
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) \
         if saved_tensor_hooks else nullcontext()
@@ -96,7 +96,7 @@ def loss_and_grads(model, batch: dict, level: int, num_chunks: int = 2, dim: int
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def levels_match(family: str, levels=(1, 2), num_chunks: int = 2, rows: int = ROWS,
+def levels_match(family: str, levels=(1, 2), num_sub_batches: int = 2, rows: int = ROWS,
                  dim: int = 0, saved_tensor_hooks: bool = False, **tp_options) -> None:
     """Each step: loss and gradients at level 0, then at each level on the same weights; the
     SGD step uses level 0's gradients."""
@@ -107,7 +107,7 @@ def levels_match(family: str, levels=(1, 2), num_chunks: int = 2, rows: int = RO
         batch = batch_of(family, step, rows)
         loss, grads = loss_and_grads(model, batch, 0)
         for level in levels:
-            other_loss, other_grads = loss_and_grads(model, batch, level, num_chunks, dim,
+            other_loss, other_grads = loss_and_grads(model, batch, level, num_sub_batches, dim,
                                                      saved_tensor_hooks)
             close(other_loss, loss, f"step {step} level {level} loss")
             assert other_grads.keys() == grads.keys()
@@ -173,18 +173,18 @@ def indivisible_batch_is_an_error(level: int) -> None:
     try:
         model(**batch_of("llama", 0, 3))
     except ValueError as error:
-        assert "num_chunks=2" in str(error) and "divisible by 2" in str(error), str(error)
+        assert "num_sub_batches=2" in str(error) and "divisible by 2" in str(error), str(error)
     else:
-        raise AssertionError("a batch of 3 rows split in 2 sub-micro-batches did not raise")
+        raise AssertionError("a batch of 3 rows split in 2 sub-batches did not raise")
 
 
 SCENARIOS = {
     "llama-levels-1-2": lambda: levels_match("llama"),
     "gpt2-levels-1-2": lambda: levels_match("gpt2"),
     "llama-parallel-vocab-levels-1-2": lambda: levels_match("llama", parallel_vocab=True),
-    "gpt2-4-chunks": lambda: levels_match("gpt2", num_chunks=4, rows=8),
-    "llama-level1-sequence-chunks": lambda: levels_match("llama", levels=(1,), num_chunks=3,
-                                                         dim=1),
+    "gpt2-4-sub-batches": lambda: levels_match("gpt2", num_sub_batches=4, rows=8),
+    "llama-level1-sequence-sub-batches": lambda: levels_match("llama", levels=(1,),
+                                                              num_sub_batches=3, dim=1),
     "gpt2-level2-under-saved-tensor-hooks": lambda: levels_match("gpt2", levels=(2,),
                                                                  saved_tensor_hooks=True),
     "gpt2-level2-interpreter": lambda: through_the_interpreter("gpt2", 2),

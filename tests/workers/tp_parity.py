@@ -17,7 +17,7 @@ from safetensors.torch import save_file, save_model
 from tp_models import TP_FAMILIES, tp_batch
 
 import merak
-from merak.partition.meta import materialize_
+from merak.materialize.meta import materialize_
 
 STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 2, 2, 0.05, 4321
 

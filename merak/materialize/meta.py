@@ -11,7 +11,9 @@ the context, e.g. in a model factory, or a real draw).
 from those states: writes to this module's parameters are applied to them, random draws for
 anybody else's are made into a scratch tensor and dropped. The generator therefore advances
 exactly as in an eager build, so a stage gets the values the seeded single-process model has,
-while holding only its own parameters (and one scratch tensor at a time).
+while holding only its own parameters (and one scratch tensor at a time). The replay runs on the
+CPU; `materialize_(module, device)` then leaves the whole stage on `device`: parameters, buffers
+and the constants of the stage graphs an automatic split made.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # in-place ops that overwrite every element of their target
@@ -225,17 +227,36 @@ def _record_of(module: nn.Module) -> InitRecord | None:
 
 def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
                  initialize: bool = True) -> list[str]:
-    """Give every meta parameter of `module` real storage on `device`, in place.
+    """Give every meta parameter of `module` real storage on `device`, and move the rest of
+    `module` there, in place.
 
     Each meta parameter is replaced, everywhere under `module`, by one real parameter (so
     parameters tied inside `module` stay tied). With `initialize`, values are those the eager
     build would have given (see the module docstring); without it they are uninitialized, to be
     filled from a checkpoint. Returns the materialized parameter names.
+
+    The whole stage ends on `device`: its other parameters, its buffers (non-persistent ones such
+    as rotary ``inv_freq``, snapshotted real at build, included) and the tensor constants of the
+    fx graphs it runs (what their ``get_attr`` nodes read), also in the modules it holds without
+    registering them (`_held_modules`: a pipeline stage's flat graph pieces, an interleaved
+    stage's chunks). A buffer or constant left on the meta device has no recorded value: with
+    `initialize` that is an error, without it it gets uninitialized storage like a parameter.
     """
     device = torch.device(device)
+    reached = _held_modules(module)
     meta = {name: p for name, p in module.named_parameters(remove_duplicate=False) if p.is_meta}
-    if not meta:
-        return []
+    real = _materialize_parameters(module, meta, device, initialize) if meta else {}
+    for sub in reached:
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in real:
+                sub._parameters[name] = real[id(param)]
+    _move_rest_(module, reached, device, initialize)
+    return list(meta)
+
+
+def _materialize_parameters(module: nn.Module, meta: dict[str, nn.Parameter],
+                            device: torch.device, initialize: bool) -> dict[int, nn.Parameter]:
+    """id of each meta parameter -> its real replacement on `device`."""
     record = _record_of(module)
     if initialize and record is None:
         raise ValueError("these meta parameters were not built inside merak.init_empty_weights(), "
@@ -271,18 +292,90 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu", *,
                 done=lambda key: finish(by_key[key]))
     real = {}
     for p in unique:
-        real[id(p)] = nn.Parameter(values.pop(id(p)), requires_grad=p.requires_grad)
+        real[id(p)] = nn.Parameter(values.pop(id(p)).to(device), requires_grad=p.requires_grad)
         for attr in _CARRIED_ATTRS:
             if hasattr(p, attr):
                 setattr(real[id(p)], attr, getattr(p, attr))
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) in real:
-                new = real[id(param)]
-                if device.type != "cpu" and new.device != device:
-                    new.data = new.data.to(device)
-                sub._parameters[name] = new
-    return list(meta)
+    return real
+
+
+def _held_modules(module: nn.Module) -> list[nn.Module]:
+    """`module`'s submodules, and the modules any of them holds in a plain list, tuple or dict
+    attribute without registering it (with theirs): a `PipelineStage` keeps its flat graph
+    pieces (whose roots hold graph constants) in ``_flat``, an `InterleavedStage` its chunks
+    (whose parameter-free helpers only the first chunk registers) in ``chunks``."""
+    seen: set[int] = set()
+    found: list[nn.Module] = []
+    todo = [module]
+    while todo:
+        for sub in todo.pop().modules():
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            found.append(sub)
+            for name, value in vars(sub).items():
+                if name in ("_modules", "_parameters", "_buffers"):
+                    continue
+                items = value.values() if isinstance(value, dict) else \
+                    value if isinstance(value, (list, tuple)) else ()
+                todo.extend(v for v in items if isinstance(v, nn.Module) and id(v) not in seen)
+    return found
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device.type == device.type and (device.index is None
+                                                  or tensor.device.index == device.index)
+
+
+def _move_rest_(module: nn.Module, reached: list[nn.Module], device: torch.device,
+                initialize: bool) -> None:
+    """Real parameters, buffers and graph constants of `reached` onto `device`; one tensor held
+    in several places stays one tensor."""
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    # id of a tensor -> (it, its replacement): holding the original keeps its id unique
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    unknown: list[str] = []
+
+    def place(tensor: torch.Tensor, where: str) -> torch.Tensor:
+        if id(tensor) not in moved:
+            if tensor.is_meta and device.type != "meta":
+                if initialize:
+                    unknown.append(where)
+                    return tensor
+                new = torch.empty_like(tensor, device=device)
+            else:
+                new = tensor if _on(tensor, device) else tensor.to(device)
+            moved[id(tensor)] = (tensor, new)
+        return moved[id(tensor)][1]
+
+    for sub in reached:
+        prefix = names.get(id(sub), type(sub).__name__)
+        prefix = f"{prefix}." if prefix else ""
+        for param in sub._parameters.values():
+            if param is not None and not param.is_meta and not _on(param, device) \
+                    and id(param) not in moved:
+                param.data = param.data.to(device)  # the same Parameter: optimizers keep it
+                moved[id(param)] = (param, param)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = place(buffer, prefix + name)
+        if isinstance(sub, fx.GraphModule):  # constants read by get_attr, held as attributes
+            for node in sub.graph.nodes:
+                if node.op != "get_attr":
+                    continue
+                *path, attr = node.target.split(".")
+                owner = sub
+                for part in path:
+                    owner = getattr(owner, part, None)
+                value = getattr(owner, attr, None) if owner is not None else None
+                if (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+                        and not (isinstance(owner, nn.Module) and attr in owner._buffers)):
+                    setattr(owner, attr, place(value, prefix + node.target))
+    if unknown:
+        raise ValueError(f"{unknown} are on the meta device but are not parameters, so no "
+                         f"value was recorded for them (build buffers and constants real inside "
+                         f"merak.init_empty_weights()); materialize with initialize=False and "
+                         f"load them from a checkpoint")
 
 
 def _replay(record: InitRecord, targets: dict[int, torch.Tensor],

@@ -6,15 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-from merak.pipeline.interleaved import (
-    INTERLEAVED_SCHEDULES,
-    simulate_interleaved,
-    validate_interleaved,
-)
-from merak.pipeline.schedules import NEEDS_RECOMPUTE, SCHEDULES, make_schedule
-from merak.pipeline.simulator import CostModel, MemoryModel, SimulationResult, simulate
-from merak.pipeline.timeline import TimelineEvent, save_chrome_trace, save_png
-from merak.pipeline.validate import validate_schedule
+from merak.schedule.registry import SCHEDULES, make_schedule
+from merak.schedule.simulator import CostModel, MemoryModel, SimulationResult, simulate
+from merak.schedule.timeline import TimelineEvent, save_chrome_trace, save_png
+from merak.schedule.validate import validate_schedule
 
 PER_STAGE = ("forward_cost", "backward_cost", "recompute_cost", "weight_grad_cost",
              "activation_memory", "kept_memory")
@@ -32,8 +27,7 @@ def add_simulate(subparsers) -> None:
         description="Validate a schedule, replay it against per-stage costs and print makespan, "
                     "bubble per stage, peak in-flight micro-batches and peak activation memory. "
                     "Costs and memories take one value or one per stage (comma-separated).")
-    parser.add_argument("--schedule", default="1f1b",
-                        choices=sorted(SCHEDULES) + sorted(INTERLEAVED_SCHEDULES))
+    parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--interleave", type=int, default=1, metavar="V",
                         help="model chunks per stage for interleaved_1f1b (costs and memories "
@@ -55,6 +49,9 @@ def add_simulate(subparsers) -> None:
                         help="what it keeps when recomputed (default: a quarter of "
                              "--activation-memory)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--programs", action="store_true",
+                        help="print every rank's program as JSON (what each rank posts: stage, "
+                             "action, micro-batch, peer rank, posting group) and exit")
     parser.add_argument("--compare", metavar="DIR",
                         help="simulate every schedule: print a table and write DIR/<name>.png")
     parser.add_argument("--png", help="write the simulated timeline picture here")
@@ -78,20 +75,20 @@ def _models(args: argparse.Namespace) -> tuple[CostModel, MemoryModel]:
     return costs, MemoryModel(full=args.activation_memory, kept=kept)
 
 
-def _run_one(name: str, args: argparse.Namespace, costs: CostModel,
-             memory: MemoryModel) -> SimulationResult:
-    recompute = args.recompute_cost is not None
-    interleaved = name in INTERLEAVED_SCHEDULES
+def _schedule(name: str, args: argparse.Namespace):
+    several = SCHEDULES[name].several_stages_per_rank
     try:
-        schedule = INTERLEAVED_SCHEDULES[name](args.stages, args.microbatches, args.interleave,
-                                               recompute=recompute) if interleaved else \
-            make_schedule(name, args.stages, args.microbatches, recompute=recompute)
+        return make_schedule(name, args.stages, args.microbatches,
+                             stages_per_rank=args.interleave if several else 1,
+                             recompute=args.recompute_cost is not None)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    if interleaved:
-        validate_interleaved(schedule)
-        return simulate_interleaved(schedule, costs, memory=memory)
-    validate_schedule(schedule, args.microbatches)
+
+
+def _run_one(name: str, args: argparse.Namespace, costs: CostModel,
+             memory: MemoryModel) -> SimulationResult:
+    schedule = _schedule(name, args)
+    validate_schedule(schedule)
     return simulate(schedule, costs, memory=memory)
 
 
@@ -102,19 +99,24 @@ def _summary(result: SimulationResult) -> dict:
 
 
 def _events(result: SimulationResult) -> list[TimelineEvent]:
-    return [TimelineEvent(e.stage_id, e.action.name, e.action.microbatch_id, e.start, e.end)
+    return [TimelineEvent(e.rank, e.action.name, e.action.microbatch_id, e.start, e.end)
             for e in result.events]
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    if args.programs:
+        schedule = _schedule(args.schedule, args)
+        validate_schedule(schedule)
+        print(json.dumps(schedule.to_json()))
+        return 0
     if args.compare:
         return _compare(args)
     result = _run_one(args.schedule, args, *_models(args))
     if args.json:
         print(json.dumps(_summary(result)))
     else:
-        chunks = f", {args.interleave} chunks each" if args.schedule in INTERLEAVED_SCHEDULES \
-            else ""
+        chunks = f", {args.interleave} model chunks each" \
+            if SCHEDULES[args.schedule].several_stages_per_rank else ""
         print(f"schedule {args.schedule}: {args.stages} stages x {args.microbatches} "
               f"micro-batches{chunks}")
         print(f"makespan            {result.makespan:.4f}")
@@ -137,8 +139,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     out = Path(args.compare)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in SCHEDULES if args.recompute_cost is not None or n not in NEEDS_RECOMPUTE]
-    names += list(INTERLEAVED_SCHEDULES) if args.interleave > 1 else []
+    names = [n for n, info in SCHEDULES.items()
+             if (args.recompute_cost is not None or not info.needs_recompute)
+             and (args.interleave > 1 or not info.several_stages_per_rank)]
     models = _models(args)
     results = {name: _run_one(name, args, *models) for name in names}
     if args.json:

@@ -1,6 +1,6 @@
-"""What every interpreter does once per step after its last backward, whatever runs the
-micro-batches (one stage per rank, or an interleaved rank's chunks): sum weights tied across
-pipeline ranks, average gradients over data parallelism, step the optimizer, report the loss."""
+"""What the interpreter does once per step after a rank's last backward, whatever stages the rank
+hosts: sum weights tied across pipeline ranks, average gradients over data parallelism, step
+the optimizer, report the loss."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ def tied_weight_groups(ctx: ParallelContext,
 
 def step_loss(ctx: ParallelContext, losses: Sequence[torch.Tensor]) -> float:
     """The step's loss on every rank: the mean of the last stage's micro-batch losses, averaged
-    over the dp ranks (counted once per TP group)."""
-    local = torch.zeros(1, dtype=torch.float64)
+    over the dp ranks (counted once per TP group). The sum travels on the rank's device."""
+    local = torch.zeros(1, dtype=torch.float64, device=ctx.device)
     if losses and ctx.tp_rank == 0:
-        local += torch.stack(list(losses)).double().mean().cpu()
+        local += torch.stack(list(losses)).double().mean().to(ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(local)
     return local.item() / ctx.dp

@@ -8,8 +8,8 @@ action reruns the block on its kept inputs under the same RNG state and collects
 rerun saves, in the same order; the backward then unpacks the handles into them. Gradients flow
 through the one original graph, so results equal those without recomputation.
 
-A chunk of `checkpoint_num_layers` consecutive blocks keeps only the first block's inputs: later
-blocks of the chunk read the (recomputed) output of the block before them.
+A segment of `checkpoint_num_layers` consecutive blocks keeps only the first block's inputs: later
+blocks of the segment read the (recomputed) output of the block before them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from merak.pipeline.memory import ActivationMeter
+from merak.recompute.meter import ActivationMeter
 
 
 @dataclass
@@ -32,17 +32,17 @@ class _BlockCall:
     """One checkpointed call of one block for one micro-batch."""
 
     block: nn.Module
-    first: bool                    # the first block of its chunk
+    first: bool                    # the first block of its segment
     args: Any                      # pytree of the call's args/kwargs; earlier outputs as _FromBlock
     rng: tuple                     # RNG states at the call
     num_saved: int = 0             # tensors the forward saved for backward (handles handed out)
     saved: list[torch.Tensor] | None = None  # the rerun's saved tensors, once recomputed
-    outputs: Any = None            # the rerun's outputs (for the next block of the chunk)
+    outputs: Any = None            # the rerun's outputs (for the next block of the segment)
 
 
 @dataclass(frozen=True)
 class _FromBlock:
-    """Placeholder in a block's args: leaf `leaf` of the output of call `call` of the chunk."""
+    """Placeholder in a block's args: leaf `leaf` of the output of call `call` of the segment."""
 
     call: int
     leaf: int
@@ -62,35 +62,35 @@ def recomputed_count(num_blocks: int, ratio: float) -> int:
     return int(ratio * num_blocks + 0.5)
 
 
-def checkpointed_blocks(num_blocks: int, ratio: float, chunk: int) -> list[list[int]]:
-    """The chunks of block indices a stage recomputes: the first
-    `recomputed_count(num_blocks, ratio)` blocks, in chunks of `chunk` consecutive blocks."""
+def checkpointed_blocks(num_blocks: int, ratio: float, segment_size: int) -> list[list[int]]:
+    """The segments of block indices a stage recomputes: the first
+    `recomputed_count(num_blocks, ratio)` blocks, in segments of `segment_size` consecutive blocks."""
     count = recomputed_count(num_blocks, ratio)
-    return [list(range(i, min(i + chunk, count))) for i in range(0, count, chunk)]
+    return [list(range(i, min(i + segment_size, count))) for i in range(0, count, segment_size)]
 
 
 class BlockRecomputation:
-    """Checkpoints chunks of `blocks` and recomputes them when the schedule says so.
+    """Checkpoints segments of `blocks` and recomputes them when the schedule says so.
 
     Args:
         blocks: the stage's eager blocks, in call order.
-        chunks: lists of indices into `blocks` (see `checkpointed_blocks`).
+        segments: lists of indices into `blocks` (see `checkpointed_blocks`).
         device: the stage's device (its RNG state is saved with the CPU one).
         tp_rng: the model's `TPRandomState`, whose per-rank stream is also replayed.
         meter: counts the kept inputs and recomputed tensors as activations.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], chunks: Sequence[Sequence[int]],
+    def __init__(self, blocks: Sequence[nn.Module], segments: Sequence[Sequence[int]],
                  device: torch.device, tp_rng: Any = None, meter: ActivationMeter | None = None):
         self.device, self.tp_rng, self.meter = device, tp_rng, meter
         self.current: int | None = None         # micro-batch whose forward is running
         self._records: dict[int, _MicroBatchRecord] = {}
-        self._outputs: list[Any] = []           # outputs of the chunk's calls in this forward
+        self._outputs: list[Any] = []           # outputs of the segment's calls in this forward
         self._recomputing: list[torch.Tensor] | None = None
-        self.num_blocks = sum(len(c) for c in chunks)
+        self.num_blocks = sum(len(s) for s in segments)
         self._restore: list[Callable[[], None]] = []
-        for chunk in chunks:
-            for position, index in enumerate(chunk):
+        for segment in segments:
+            for position, index in enumerate(segment):
                 self._wrap(blocks[index], first=position == 0)
 
     @property
@@ -173,14 +173,14 @@ class BlockRecomputation:
         if record is None:
             raise RuntimeError(f"recompute of micro-batch {mb}, whose forward did not run with "
                                f"recomputation")
-        chunk_outputs: list[Any] = []
+        segment_outputs: list[Any] = []
         current = self.rng_state()
         try:
             for call in record.calls:
                 leaves, spec = pytree.tree_flatten(call.args)
                 if call.first:
-                    chunk_outputs = []
-                leaves = [self._detached(chunk_outputs, x) for x in leaves]
+                    segment_outputs = []
+                leaves = [self._detached(segment_outputs, x) for x in leaves]
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
                 self.set_rng_state(call.rng)
                 call.saved = []
@@ -195,7 +195,7 @@ class BlockRecomputation:
                                        f"{len(call.saved)} tensors for backward, its forward "
                                        f"{call.num_saved}; the block's forward must not depend "
                                        f"on state that changes between calls")
-                chunk_outputs.append(out)
+                segment_outputs.append(out)
                 if self.meter is not None:
                     record.tokens += [self.meter.hold(t) for t in call.saved]
         finally:
@@ -203,9 +203,9 @@ class BlockRecomputation:
         record.recomputed = True
 
     @staticmethod
-    def _detached(chunk_outputs: list[Any], x: Any) -> Any:
+    def _detached(segment_outputs: list[Any], x: Any) -> Any:
         if isinstance(x, _FromBlock):
-            x = pytree.tree_leaves(chunk_outputs[x.call])[x.leaf]
+            x = pytree.tree_leaves(segment_outputs[x.call])[x.leaf]
         if isinstance(x, torch.Tensor):
             return x.detach().requires_grad_(x.requires_grad)
         return x

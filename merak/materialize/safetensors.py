@@ -3,7 +3,8 @@
 Reads the safetensors header (8-byte length + JSON) and `readinto`s each wanted tensor's bytes
 into the parameter's own memory: no second copy of the tensor is ever allocated when dtypes
 match, which keeps a rank's peak memory at its own share of the model (safetensors'
-`get_tensor` allocates a fresh tensor per read).
+`get_tensor` allocates a fresh tensor per read). A tensor on a GPU (or needing a dtype change or
+a tensor-parallel slice) is read into host memory once and copied over.
 """
 
 from __future__ import annotations

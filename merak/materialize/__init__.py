@@ -1,0 +1,1 @@
+"""Giving a meta-built stage real storage: exact initialization replay, or its shard of an HF safetensors checkpoint."""

@@ -1,1 +1,0 @@
-"""Pipeline parallelism: schedules as data, the split, the interpreter, the simulator."""

@@ -1,0 +1,340 @@
+"""The one pipeline interpreter: walks this rank's program of a `Schedule`, whatever stages the
+rank hosts (one for GPipe, 1F1B, Merak's and zero-bubble schedules; v model chunks for
+interleaved 1F1B).
+
+Each local stage has a `StageRunner` (its micro-batch values and compute handlers). The
+interpreter dispatches every compute action to its stage's runner, posts every group of sends
+and receives through `StageTransfers` (NCCL's rules), calls the instruction hooks around each
+action, and runs the per-step tail once: tied weights summed across ranks, one data-parallel
+all-reduce over all its stages' gradients, one optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from merak.data_parallel.grad_sync import GradientAverager
+from merak.recompute.blocks import BlockRecomputation
+from merak.recompute.meter import ActivationMeter
+from merak.recompute.stage_aware import stage_segments
+from merak.runtime.cpu_threads import IdleCoreLending
+from merak.runtime.hooks import InstructionHook
+from merak.runtime.p2p import StageTransfers
+from merak.runtime.runner import StageRunner, split_microbatches
+from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
+from merak.runtime.step_tail import StepTail, TiedGroups, step_loss, tied_weight_groups
+from merak.schedule.actions import Action, ActionKind, Schedule
+from merak.schedule.registry import forward_schedule, make_schedule
+from merak.schedule.validate import validate_schedule
+
+K = ActionKind
+
+
+class PipelineInterpreter(StepTail):
+    """Executes this rank's program, one training step per `train_step()` call.
+
+    Args:
+        stage: this rank's stage (`PipelineStage`), or its model chunks (`InterleavedStage`,
+            or the `PipelineStage`s of stages ``c * pp + pp_rank`` in order) for schedules that
+            place several stages on a rank.
+        ctx: the parallel context.
+        optimizer: built over ``stage.parameters()``.
+        num_microbatches: micro-batches per step (gradient accumulation steps).
+        schedule: a name in `merak.schedule.registry.SCHEDULES` or an explicit `Schedule`.
+        hooks: `InstructionHook`s called around every action.
+        p2p_timeout_s: longest wait on one point-to-point group before failing.
+        bucket_bytes: dp all-reduce bucket size.
+        lend_idle_cores: on CPU with every rank on one host, give compute actions that the
+            schedule runs alone the cores of the ranks idling meanwhile (`IdleCoreLending`).
+        autocast_dtype: run forwards under `torch.autocast` to this dtype (mixed precision;
+            parameters, gradients and optimizer state stay fp32).
+        grad_predivide: dp gradients are divided by this before the all-reduce, the rest after.
+        recompute_ratio: fraction of each stage's blocks whose activations are recomputed (one
+            value per stage of the split, or one for all); the schedule gets `recompute`
+            actions for the stages that recompute any.
+        segment_size: consecutive blocks per recomputed segment (only the segment's input is
+            kept; `checkpoint_num_layers`).
+        measure_activations: count the activation bytes each stage keeps for backward;
+            ``activation_peak`` then holds the last step's peak over this rank's stages.
+        tp_rng: the model's `TPRandomState`, replayed by recomputation with the default RNG.
+    """
+
+    def __init__(self, stage: PipelineStage | InterleavedStage | Sequence[PipelineStage],
+                 ctx, optimizer: torch.optim.Optimizer, num_microbatches: int,
+                 schedule: str | Schedule = "1f1b", hooks: Sequence[InstructionHook] = (),
+                 p2p_timeout_s: float = 300.0, bucket_bytes: int = 25 * 2**20,
+                 lend_idle_cores: bool = True, autocast_dtype: torch.dtype | None = None,
+                 grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
+                 segment_size: int = 1, measure_activations: bool = False,
+                 tp_rng: object = None):
+        if not isinstance(stage, (PipelineStage, InterleavedStage)):
+            stage = InterleavedStage(list(stage))
+        self.stage = stage
+        stages = stage.stages if isinstance(stage, InterleavedStage) else [stage]
+        split, p = stages[0].split, ctx.pp
+        v = len(stages)
+        expected = list(range(ctx.pp_rank, p * v, p))
+        if split.num_stages != p * v or [s.stage_id for s in stages] != expected:
+            raise ValueError(f"rank {ctx.rank} (pp rank {ctx.pp_rank}) must hold stages "
+                             f"{expected} of a split into pp * model chunks = {p * v} stages; "
+                             f"got stages {[s.stage_id for s in stages]} of {split.num_stages}")
+        if v > 1 and p < 2:
+            raise ValueError(f"several model chunks per rank need pp >= 2 pipeline ranks (a "
+                             f"rank cannot send to itself), got pp={p}")
+        self.ctx, self.optimizer, self.split = ctx, optimizer, split
+        self.stages_per_rank = v
+        self.num_microbatches = num_microbatches
+        self.hooks = list(hooks)
+        self.autocast_dtype, self.tp_rng = autocast_dtype, tp_rng
+        self.loss_scale = 1.0  # set by an fp16 loss scaler
+        self.skip_optimizer_step = False  # set before the step by a hook (fp16 overflow)
+        self.kept: torch.Tensor | None = None  # eval outputs kept (predict)
+        self.activation_peak: int | None = None
+        self.global_step = 0
+        single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == str(ctx.world_size)
+        self._lend = lend_idle_cores and ctx.device.type == "cpu" and single_host and p > 1
+        self._measure = measure_activations
+        self._blocks = {s.stage_id: [s.get_submodule(n) for n in block_names(split, s.stage_id)]
+                        for s in stages}
+        self.runners = {s.stage_id: StageRunner(s, BlockRecomputation([], [], ctx.device))
+                        for s in stages}
+        self.transfers = StageTransfers(ctx, split, p2p_timeout_s,
+                                        getattr(ctx, "nccl_p2p_rules", False))
+        self.batch_keys = list(dict.fromkeys(k for r in self.runners.values()
+                                             for k in r.batch_keys))
+        params = list({id(q): q for q in stage.parameters()}.values())
+        self.grad_averager = GradientAverager(params, ctx.dp_group, bucket_bytes, grad_predivide)
+        # replicated parameters that saw only this TP rank's heads or sequence shard
+        self._tp_partial = [q for q in params if getattr(q, "tp_partial_grad", False)]
+        self._tied = self._build_tied_groups()
+        self._schedule_spec = schedule
+        self.set_recomputation(recompute_ratio, segment_size)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def set_recomputation(self, ratio: float | Sequence[float], segment_size: int = 1,
+                          schedule: str | Schedule | None = None) -> None:
+        """(Re)build the schedule (`schedule`, or the current one) and the block recomputation
+        for per-stage `ratio` (see the class doc); every rank calls it alike, between steps."""
+        ctx, split = self.ctx, self.split
+        segments = stage_segments(split, ratio, segment_size)
+        self._schedule_spec = schedule = schedule or self._schedule_spec
+        if isinstance(schedule, str):
+            schedule = make_schedule(schedule, ctx.pp, self.num_microbatches,
+                                     stages_per_rank=self.stages_per_rank,
+                                     recompute=[bool(s) for s in segments],
+                                     edges=split.edges or None)
+        if (schedule.num_ranks, schedule.stages_per_rank, schedule.num_microbatches) != \
+                (ctx.pp, self.stages_per_rank, self.num_microbatches):
+            raise ValueError(f"the schedule is for {schedule.num_ranks} ranks x "
+                             f"{schedule.stages_per_rank} stages per rank x "
+                             f"{schedule.num_microbatches} micro-batches, not {ctx.pp} x "
+                             f"{self.stages_per_rank} x {self.num_microbatches}")
+        validate_schedule(schedule)
+        for s in range(split.num_stages):  # every rank checks every stage: same error
+            if not any(a.kind is K.RECOMPUTE for a in schedule.stage_actions(s)):
+                segments[s] = []  # the schedule keeps this stage's activations
+            elif not segments[s]:
+                raise ValueError(f"the schedule recomputes on stage {s}, which checkpoints no "
+                                 f"blocks; raise its recompute_ratio or drop its recompute "
+                                 f"actions")
+        self.segments, self.schedule = segments, schedule
+        self.program: list[Action] = list(schedule.programs[ctx.pp_rank])
+        self._install_recomputation({s: segments[s] for s in self.runners})
+        self.hooks = [h for h in self.hooks if not isinstance(h, IdleCoreLending)]
+        if self._lend:
+            self.hooks.insert(0, IdleCoreLending(schedule, ctx.pp_rank, ctx.dp * ctx.tp))
+
+    def _install_recomputation(self, segments: dict[int, Sequence[Sequence[int]]],
+                               measure: bool | None = None) -> None:
+        measure = self._measure if measure is None else measure
+        for stage_id, runner in self.runners.items():
+            runner.recompute.remove()
+            runner.meter = ActivationMeter(list(runner.stage.parameters())
+                                           + list(runner.stage.buffers())) if measure else None
+            runner.recompute = BlockRecomputation(self._blocks[stage_id], segments[stage_id],
+                                                  self.ctx.device, self.tp_rng, runner.meter)
+
+    def remove_recomputation(self) -> None:
+        """Give every checkpointed block its own forward back."""
+        for runner in self.runners.values():
+            runner.recompute.remove()
+
+    def rng_state(self) -> tuple:
+        return next(iter(self.runners.values())).recompute.rng_state()
+
+    def set_rng_state(self, state: tuple) -> None:
+        next(iter(self.runners.values())).recompute.set_rng_state(state)
+
+    def _build_tied_groups(self) -> TiedGroups:
+        """Weights tied across ranks, grouped by the ranks sharing them. Copies on two stages of
+        one rank are one parameter (`InterleavedStage`): autograd sums them."""
+        ctx, p = self.ctx, self.ctx.pp
+        by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        for tied in self.split.tied_weights:
+            params = by_ranks.setdefault(tuple(sorted({s % p for s in tied.stages})), [])
+            mine = {id(q): q for q in (self.runners[s].stage.get_parameter(n)
+                                       for s, n in tied.names if s in self.runners)}
+            if len(mine) > 1:
+                raise ValueError(f"the tied weight {tied.names} is {len(mine)} parameters on "
+                                 f"rank {ctx.rank}; materialize the rank's chunks together "
+                                 f"(materialize_(InterleavedStage(...)))")
+            params += [q for q in mine.values() if all(q is not r for r in params)]
+        return tied_weight_groups(ctx, {ranks: params for ranks, params in by_ranks.items()
+                                        if len(ranks) > 1})
+
+    # -- steps --------------------------------------------------------------------------------
+    def train_step(self, batch: dict[str, torch.Tensor] | None) -> float:
+        """Run one optimizer step over `batch` (this dp rank's share of the global batch).
+
+        Stages that read no batch input may pass None. Returns the step's loss (mean over
+        micro-batches and dp ranks), on every rank.
+        """
+        for runner in self.runners.values():
+            if runner.meter is not None:
+                runner.meter.reset_peak()
+        loss = self._run(self.program, batch, self.num_microbatches, self.hooks)
+        meters = [r.meter for r in self.runners.values() if r.meter is not None]
+        if meters:
+            self.activation_peak = sum(m.peak for m in meters)
+        self.global_step += 1
+        return loss
+
+    def eval_step(self, batch: dict[str, torch.Tensor] | None,
+                  num_microbatches: int | None = None, keep: str | None = None) -> float:
+        """Forward only, without gradients, in eval mode: the mean loss over `batch` (this dp
+        rank's share) and the dp ranks, on every rank. Hooks are not called. With `keep`, the
+        last stage also keeps that model output (e.g. ``"logits"``) of every micro-batch in
+        ``self.kept``, concatenated along the batch dimension."""
+        m = num_microbatches or self.num_microbatches
+        program = self._forward_program(m)
+        last = self.runners.get(self.split.num_stages - 1)
+        if last is not None:
+            last.keep = keep
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                loss = self._run(program, batch, m, hooks=())
+            self.kept = torch.cat(last.kept) if last is not None and last.kept else None
+            return loss
+        finally:
+            self.stage.train(was_training)
+            if last is not None:
+                last.keep, last.kept = None, []
+
+    def measure_forward(self, batch: dict[str, torch.Tensor] | None,
+                        segments: dict[int, Sequence[Sequence[int]]]) -> dict[int, int]:
+        """Activation bytes micro-batch 0's forward keeps on each local stage for backward when
+        it recomputes the blocks of `segments` (per local stage); a collective (every rank calls
+        it: the micro-batch moves through the pipeline). Draws random numbers as a forward
+        does."""
+        self._install_recomputation(segments, measure=True)
+        try:
+            self._run(self._forward_program(1), batch, self.num_microbatches, hooks=(),
+                      microbatches_used=1)
+            return {s: r.meter.peak for s, r in self.runners.items()}
+        finally:
+            self._install_recomputation({s: self.segments[s] for s in self.runners})
+
+    def _forward_program(self, num_microbatches: int) -> list[Action]:
+        schedule = forward_schedule(self.ctx.pp, num_microbatches,
+                                    stages_per_rank=self.stages_per_rank,
+                                    edges=self.split.edges or None)
+        return list(schedule.programs[self.ctx.pp_rank])
+
+    # -- the walk -----------------------------------------------------------------------------
+    def _run(self, program: Sequence[Action], batch: dict[str, torch.Tensor] | None,
+             num_microbatches: int, hooks: Sequence[InstructionHook],
+             microbatches_used: int | None = None) -> float:
+        self._begin(batch, num_microbatches, microbatches_used)
+        for hook in hooks:
+            hook.on_step_begin(self.global_step)
+        index = 0
+        while index < len(program):
+            action = program[index]
+            if action.group is None:
+                self._execute(action, hooks)
+                index += 1
+                continue
+            end = index
+            while end < len(program) and program[end].group == action.group:
+                end += 1
+            self._communicate(program[index:end], hooks)
+            index = end
+        self.transfers.finish_step()
+        losses = [loss for r in self.runners.values() for loss in r.losses]
+        loss = step_loss(self.ctx, losses)
+        for hook in hooks:
+            hook.on_step_end(self.global_step)
+        for runner in self.runners.values():
+            runner.end()
+        return loss
+
+    def _begin(self, batch: dict[str, torch.Tensor] | None, num_microbatches: int,
+               microbatches_used: int | None) -> None:
+        if self.batch_keys and batch is None:
+            raise ValueError(f"rank {self.ctx.rank} reads {self.batch_keys} from the batch "
+                             f"but got batch=None")
+        device = self.ctx.device
+        moved = {}
+        for key in self.batch_keys:  # to the device once, pinned and asynchronous on CUDA
+            tensor = batch[key] if key in batch else None
+            if tensor is None:
+                continue
+            if device.type == "cuda" and tensor.device.type == "cpu":
+                tensor = tensor.pin_memory().to(device, non_blocking=True)
+            else:
+                tensor = tensor.to(device)
+            moved[key] = tensor
+        parts = split_microbatches(moved if batch is not None else {}, num_microbatches,
+                                   self.batch_keys)
+        for runner in self.runners.values():
+            runner.device, runner.autocast_dtype = device, self.autocast_dtype
+            runner.loss_scale = self.loss_scale
+            runner.begin([{k: part[k] for k in runner.batch_keys} for part in parts],
+                         microbatches_used or num_microbatches)
+        self.transfers.start_step()
+
+    def _execute(self, action: Action, hooks: Sequence[InstructionHook]) -> None:
+        for hook in hooks:
+            hook.on_instruction_begin(action.name, action)
+        if action.stage_id is None:
+            {K.REDUCE_TIED_GRADS: self._reduce_tied_grads, K.REDUCE_GRADS: self._reduce_grads,
+             K.OPTIMIZER_STEP: self._optimizer_step}[action.kind]()
+        else:
+            runner, mb = self.runners[action.stage_id], action.microbatch_id
+            {K.LOAD: runner.load, K.FORWARD: runner.forward, K.BACKWARD: runner.backward,
+             K.RECOMPUTE: runner.recompute_blocks, K.BACKWARD_INPUT: runner.backward_input,
+             K.BACKWARD_WEIGHT: runner.backward_weight}[action.kind](mb)
+        for hook in hooks:
+            hook.on_instruction_end(action.name, action)
+
+    def _communicate(self, group: Sequence[Action], hooks: Sequence[InstructionHook]) -> None:
+        """Post one group of sends and receives and hand what arrived to the runners."""
+        for action in group:
+            for hook in hooks:
+                hook.on_instruction_begin(action.name, action)
+
+        def outgoing(action: Action) -> dict:
+            runner = self.runners[action.stage_id]
+            if action.kind is K.SEND_ACT:
+                return runner.outputs(action.microbatch_id)
+            return runner.input_grads(action.microbatch_id)
+
+        received = self.transfers.run_group(group, outgoing)
+        for action, values in received.items():
+            runner = self.runners[action.stage_id]
+            if action.kind is K.RECV_ACT:
+                runner.receive(action.microbatch_id, values)
+            else:
+                runner.receive_grads(action.microbatch_id, values)
+        for action in group:
+            if action.kind in (K.SEND_ACT, K.SEND_GRAD):
+                self.runners[action.stage_id].sent(action.microbatch_id,
+                                                   action.kind is K.SEND_GRAD)
+        for action in group:
+            for hook in hooks:
+                hook.on_instruction_end(action.name, action)

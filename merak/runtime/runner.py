@@ -1,0 +1,189 @@
+"""The runner of one local stage: its micro-batches' values and its compute handlers.
+
+The interpreter owns the program and the communication; a runner only computes: it keeps, per
+micro-batch, the stage's inputs (loaded or received), the outputs it sends on, the output
+gradients it received and the input gradients it sends back, and runs forward, recomputation
+and (whole or split) backward on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from merak.recompute.blocks import BlockRecomputation
+from merak.recompute.meter import ActivationMeter
+from merak.runtime.split import PipelineSplit, ValueKey
+from merak.runtime.split_backward import backward_input, backward_weight
+from merak.runtime.stage import PipelineStage
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int,
+                       keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """Cut each of `keys` of `batch` along dim 0 into `num_microbatches` equal parts."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(f"the batch lacks {missing}, which this stage reads; it has "
+                         f"{sorted(batch)}")
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_microbatches)]
+    for key in keys:
+        tensor = batch[key]
+        if tensor.shape[0] % num_microbatches:
+            raise ValueError(f"batch[{key!r}] has {tensor.shape[0]} rows, which do not split "
+                             f"into {num_microbatches} equal micro-batches; make the per-rank "
+                             f"batch size a multiple of the number of micro-batches")
+        for mb, part in enumerate(tensor.chunk(num_microbatches)):
+            parts[mb][key] = part
+    return parts
+
+
+@dataclass
+class MicroBatchState:
+    inputs: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+    weight_grads: object = None  # what `backward_weight` needs, between the two halves
+
+
+class StageRunner:
+    """Computes one stage's share of a step.
+
+    Args:
+        stage: the stage module.
+        recompute: its block recomputation (no blocks: none).
+        meter: counts kept activations (None: not measured).
+    """
+
+    def __init__(self, stage: PipelineStage, recompute: BlockRecomputation,
+                 meter: ActivationMeter | None = None):
+        self.stage, self.recompute, self.meter = stage, recompute, meter
+        self.split: PipelineSplit = stage.split
+        self.stage_id = stage.stage_id
+        self.is_last = self.stage_id == self.split.num_stages - 1
+        self.batch_keys = self.split.batch_inputs(self.stage_id)
+        self.sent_keys = {k for keys in self.split.send_plan(self.stage_id).values()
+                          for k in keys}
+        self.weights = [p for p in stage.parameters() if p.requires_grad]
+        self.autocast_dtype: torch.dtype | None = None
+        self.device = torch.device("cpu")
+        self.loss_scale = 1.0
+        self.keep: str | None = None  # a model output the last stage keeps (predict)
+        self.kept: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []
+        self.state: list[MicroBatchState] = []
+        self.microbatches: list[dict[str, torch.Tensor]] = []
+
+    def begin(self, microbatches: list[dict[str, torch.Tensor]], num_microbatches: int) -> None:
+        self.microbatches = microbatches
+        self.state = [MicroBatchState() for _ in range(num_microbatches)]
+        self.losses, self.kept = [], []
+
+    def end(self) -> None:
+        self.state, self.microbatches = [], []
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype is not None)
+
+    # -- values in and out --------------------------------------------------------------------
+    def receive(self, mb: int, values: dict[ValueKey, torch.Tensor]) -> None:
+        self.state[mb].inputs.update(values)
+
+    def outputs(self, mb: int) -> dict[ValueKey, torch.Tensor]:
+        return self.state[mb].outputs
+
+    def receive_grads(self, mb: int, grads: dict[ValueKey, torch.Tensor]) -> None:
+        """Output gradients from one consumer stage; a value read by several sums them."""
+        state = self.state[mb]
+        for key, grad in grads.items():
+            state.output_grads[key] = state.output_grads[key] + grad \
+                if key in state.output_grads else grad
+
+    def input_grads(self, mb: int) -> dict[ValueKey, torch.Tensor]:
+        return self.state[mb].input_grads
+
+    def sent(self, mb: int, kind_is_grad: bool) -> None:
+        """The group that sent micro-batch `mb`'s gradients (or, evaluating, its activations)
+        to every peer finished: drop them."""
+        if kind_is_grad:
+            self.state[mb].input_grads = {}
+        elif not torch.is_grad_enabled():
+            self.state[mb].outputs = {}
+
+    # -- compute ------------------------------------------------------------------------------
+    def load(self, mb: int) -> None:
+        self.state[mb].inputs.update(
+            {(name, -1): tensor for name, tensor in self.microbatches[mb].items()})
+
+    def forward(self, mb: int) -> None:
+        state = self.state[mb]
+        recording = self.meter.recording() if self.meter is not None else contextlib.nullcontext()
+        self.recompute.begin_forward(mb)
+        try:
+            with self._autocast(), recording:
+                values = self.stage(state.inputs)
+        finally:
+            self.recompute.end_forward()
+        if self.is_last:
+            state.loss = values[self.split.output_key]
+            if state.loss.numel() != 1:
+                raise ValueError(f"the split's output {self.split.output!r} must be a scalar "
+                                 f"loss, got shape {tuple(state.loss.shape)}")
+            self.losses.append(state.loss.detach())
+            if self.keep is not None:
+                key = (self.keep, self.split.output_key[1])
+                if key not in values:
+                    raise KeyError(f"the model has no output {self.keep!r} to keep; it returns "
+                                   f"{sorted(k[0] for k in values)}")
+                self.kept.append(values[key].detach())
+        state.outputs = {k: values[k] for k in self.sent_keys}
+        if not torch.is_grad_enabled():  # evaluation: nothing waits for a backward
+            state.inputs = {}
+
+    def _roots(self, state: MicroBatchState) -> tuple[list[torch.Tensor], list]:
+        """What the backward starts from: the scaled loss, or the outputs and their grads."""
+        if state.loss is not None:
+            return [state.loss * (self.loss_scale / len(self.state))], [None]
+        keys = list(state.output_grads)
+        return [state.outputs[k] for k in keys], [state.output_grads[k] for k in keys]
+
+    def _grad_inputs(self, state: MicroBatchState) -> dict[ValueKey, torch.Tensor]:
+        return {key: value for key, value in state.inputs.items()
+                if key[1] >= 0 and value.requires_grad}
+
+    def recompute_blocks(self, mb: int) -> None:
+        self.recompute.recompute(mb, self._autocast())
+
+    def backward(self, mb: int) -> None:
+        state = self.state[mb]
+        roots, grads = self._roots(state)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        state.input_grads = {key: (value.grad if value.grad is not None
+                                   else torch.zeros_like(value))
+                             for key, value in self._grad_inputs(state).items()}
+        self._free(mb)
+
+    def backward_input(self, mb: int) -> None:
+        state = self.state[mb]
+        roots, grads = self._roots(state)
+        inputs = self._grad_inputs(state)
+        dinputs, state.weight_grads = backward_input(roots, grads, list(inputs.values()),
+                                                     self.weights)
+        state.input_grads = dict(zip(inputs, dinputs))
+        state.outputs, state.output_grads, state.loss = {}, {}, None
+
+    def backward_weight(self, mb: int) -> None:
+        backward_weight(self.state[mb].weight_grads, self.weights)
+        self._free(mb)
+
+    def _free(self, mb: int) -> None:
+        state = self.state[mb]
+        state.inputs, state.outputs, state.output_grads, state.loss = {}, {}, {}, None
+        state.weight_grads = None
+        self.recompute.release(mb)
