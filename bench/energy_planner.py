@@ -20,7 +20,7 @@ import time
 from merak.energy.gpu import SyntheticGPUModel
 from merak.energy.planner import EnergyPlanner
 from merak.energy.profile_data import aggregate, synthetic_profile
-from merak.pipeline.schedules import make_schedule
+from merak.schedule.registry import make_schedule
 
 
 def main() -> None:

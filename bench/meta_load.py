@@ -65,9 +65,9 @@ def rank_main(path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     import merak
+    from merak.materialize.meta import materialize_
+    from merak.materialize.safetensors import load_safetensors_
     from merak.partition.auto import auto_split
-    from merak.partition.checkpoint import load_safetensors_
-    from merak.partition.meta import materialize_
 
     ctx = merak.init(dp=1, tp=1, pp=4)
     with merak.init_empty_weights():

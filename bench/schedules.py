@@ -8,7 +8,7 @@ model (`--layers` blocks, hidden `--hidden`) is auto-split into pp stages and tr
 switches between schedules (`set_recomputation(ratio, schedule=...)`): the recomputation
 schedules recompute every block of every stage (1f1b with recomputation is their baseline);
 1f1b and zero_bubble run without, and interleaved_1f1b runs a second copy of the model split into
-2 chunks per rank (`InterleavedInterpreter`). After one warm-up step each, 3 timed runs: in each, every
+2 model chunks per rank (`PipelineInterpreter` runs both). After one warm-up step each, 3 timed runs: in each, every
 schedule runs `--steps` steps, in an order that rotates from run to run. Rank 0 prints, per
 schedule, the median tokens/s over the 3 runs, its ratio to 1f1b with recomputation measured in
 this same launch, and the simulator's makespan for the issue's costs (forward 1, backward 2,
@@ -56,9 +56,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import transformers as tf
 
     import merak
-    from merak.pipeline.interleaved import INTERLEAVED_SCHEDULES, simulate_interleaved
-    from merak.pipeline.schedules import make_schedule
-    from merak.pipeline.simulator import CostModel, simulate
+    from merak.schedule.registry import SCHEDULES
+    from merak.schedule.simulator import CostModel, simulate
 
     ctx = merak.init(dp=1, tp=1, pp=args.ranks)
     config = tf.LlamaConfig(vocab_size=1024, hidden_size=args.hidden,
@@ -78,12 +77,13 @@ def rank_main(args: argparse.Namespace) -> None:
         stages.append(merak.parallelize(model, example, ctx, num_model_chunks=chunks))
     sgd = lambda stage: torch.optim.SGD(stage.parameters(), lr=1e-4)
     engine = merak.PipelineInterpreter(stages[0], ctx, sgd(stages[0]), args.microbatches)
-    interleaved = merak.InterleavedInterpreter(stages[1], ctx, sgd(stages[1]), args.microbatches)
+    interleaved = merak.PipelineInterpreter(stages[1], ctx, sgd(stages[1]), args.microbatches,
+                                            schedule="interleaved_1f1b")
     tokens = rows * args.seq_len
     rates: dict[str, list[float]] = {name: [] for name, _, _ in VARIANTS}
 
     def run(schedule: str, recompute: bool, steps: int) -> float:
-        runner = interleaved if schedule in INTERLEAVED_SCHEDULES else engine
+        runner = interleaved if SCHEDULES[schedule].several_stages_per_rank else engine
         if runner is engine:
             engine.set_recomputation(1.0 if recompute else 0.0, schedule=schedule)
         dist.barrier()
@@ -99,7 +99,7 @@ def rank_main(args: argparse.Namespace) -> None:
         for i in range(len(VARIANTS)):
             name, schedule, recompute = VARIANTS[(i + r) % len(VARIANTS)]
             rates[name].append(run(schedule, recompute, args.steps))
-    engine.recompute.remove()
+    engine.remove_recomputation()
     if ctx.rank == 0:
         costs = CostModel(forward=1, backward=2, recompute=1)
         base = statistics.median(rates["1f1b+recompute"])
@@ -109,10 +109,10 @@ def rank_main(args: argparse.Namespace) -> None:
         print(f"{'schedule':24s} {'tokens/s':>9s} {'min':>8s} {'max':>8s} {'vs 1f1b+rc':>10s}"
               f" {'simulated makespan (f1 b2 r1)':>30s}")
         for name, schedule, recompute in VARIANTS:
-            span = simulate_interleaved(interleaved.schedule, costs).makespan \
-                if schedule in INTERLEAVED_SCHEDULES else \
-                simulate(make_schedule(schedule, ctx.pp, args.microbatches, recompute),
-                         costs).makespan
+            runner = interleaved if SCHEDULES[schedule].several_stages_per_rank else engine
+            if runner is engine:
+                engine.set_recomputation(1.0 if recompute else 0.0, schedule=schedule)
+            span = simulate(runner.schedule, costs).makespan
             median = statistics.median(rates[name])
             print(f"{name:24s} {median:9.1f} {min(rates[name]):8.1f} {max(rates[name]):8.1f} "
                   f"{median / base:10.3f} {span:30.0f}")

@@ -1,7 +1,7 @@
 """Sub-pipelined tensor parallelism (`set_tp_overlap`): tokens/s of levels 0, 1 and 2 at tp=2.
 
     .venv/bin/python bench/tp_overlap.py                 # GPT-2, a minute or two on 2 cores
-    .venv/bin/python bench/tp_overlap.py --model llama --chunks 4
+    .venv/bin/python bench/tp_overlap.py --model llama --sub-batches 4
 
 Launches itself under torchrun on `--nproc` ranks (tp = that number, CPU/gloo, one compute
 thread per rank). A GPT-2- or Llama-style model (hidden 512, 4 blocks, 8 heads, vocab 2048),
@@ -69,17 +69,18 @@ def rank_main(args: argparse.Namespace) -> None:
 
     losses = {}
     for level in LEVELS:  # warm-up, and the levels compute the same loss
-        set_tp_overlap(model, level, args.chunks)
+        set_tp_overlap(model, level, args.sub_batches)
         losses[level] = step()
     for level in LEVELS:
         torch.testing.assert_close(losses[level], losses[0], rtol=1e-5, atol=1e-6)
 
     def timed_step(level: int) -> float:
-        set_tp_overlap(model, level, args.chunks)
+        set_tp_overlap(model, level, args.sub_batches)
         dist.barrier()
         start = time.perf_counter()
         step()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64,
+                               device=ctx.device)  # NCCL reduces device tensors only
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         return elapsed.item()
 
@@ -98,9 +99,9 @@ def rank_main(args: argparse.Namespace) -> None:
     if ctx.rank == 0:
         base = statistics.median(tokens_per_s[0])
         print(f"{args.model}, tp={ctx.tp} (gloo, CPU), hidden {HIDDEN}, {LAYERS} blocks, "
-              f"{HEADS} heads, batch {BATCH}x{SEQ}, num_chunks={args.chunks}, 1 thread/rank, "
-              f"fwd+bwd; median of {RUNS} runs of {args.steps} steps per level, levels "
-              f"alternated step by step")
+              f"{HEADS} heads, batch {BATCH}x{SEQ}, num_sub_batches={args.sub_batches}, "
+              f"1 thread/rank, fwd+bwd; median of {RUNS} runs of {args.steps} steps per level, "
+              f"levels alternated step by step")
         print(f"  {'level':<42} {'tokens/s':>9} {'(min-max of runs)':>18} {'vs level 0':>11}")
         for level, meaning in LEVELS.items():
             runs = tokens_per_s[level]
@@ -115,7 +116,8 @@ def rank_main(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
-    parser.add_argument("--chunks", type=int, default=2, help="sub-micro-batches (num_chunks)")
+    parser.add_argument("--sub-batches", type=int, default=2,
+                        help="sub-batches per micro-batch (set_tp_overlap's num_sub_batches)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per level per run")
     parser.add_argument("--nproc", type=int, default=2, help="ranks, = tp")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -123,8 +125,8 @@ def main() -> None:
     if args.rank_main:
         return rank_main(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(args.nproc), __file__, "--rank-main", "--model", args.model, "--chunks",
-           str(args.chunks), "--steps", str(args.steps)]
+           str(args.nproc), __file__, "--rank-main", "--model", args.model,
+           "--sub-batches", str(args.sub_batches), "--steps", str(args.steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode:

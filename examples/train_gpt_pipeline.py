@@ -17,8 +17,9 @@ import torch
 import merak
 from merak.data.text import TokenBatches, stdlib_source_bytes
 from merak.models.gpt import GPT, GPTConfig, gpt_pieces
-from merak.pipeline.cpu_threads import threads_per_rank
-from merak.pipeline.timeline import gather_events, save_chrome_trace, save_png
+from merak.runtime.cpu_threads import threads_per_rank
+from merak.runtime.hooks import gather_events
+from merak.schedule.timeline import save_chrome_trace, save_png
 
 
 def parse_args() -> argparse.Namespace:

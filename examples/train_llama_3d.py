@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import merak
 from merak import MerakArguments, MerakTrainer, init_empty_weights
 from merak.data.text import ByteWindows, stdlib_source_bytes
-from merak.pipeline.cpu_threads import threads_per_rank
+from merak.runtime.cpu_threads import threads_per_rank
 
 
 def parse_args() -> argparse.Namespace:

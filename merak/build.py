@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
 
     Returns:
         The `PipelineStage` (its ``split`` is the `AutoSplit`), ready for `PipelineInterpreter`;
-        with chunks, the `InterleavedStage`, ready for `InterleavedInterpreter`.
+        with model chunks, the `InterleavedStage`; either is ready for `PipelineInterpreter`.
     """
     ctx = ctx or get_context()
     aliases = tied_aliases(model)

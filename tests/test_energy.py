@@ -6,6 +6,7 @@ precise measured-vs-predicted figures of the end-to-end run: bench/energy_e2e.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -39,10 +40,10 @@ def _schedule(name: str, ranks: int = 4, microbatches: int = 4):
                          recompute=info.needs_recompute)
 
 
-def _planner(schedule, model=SMALL, gpus_per_rank: int = 1) -> EnergyPlanner:
+def _planner(schedule, model=SMALL, gpus_per_rank: int = 1, unit_time=None) -> EnergyPlanner:
     profiles, p2p = aggregate(synthetic_profile(model, schedule.num_ranks, gpus_per_rank,
                                                 chunks=schedule.stages_per_rank))
-    return EnergyPlanner(schedule, profiles, p2p)
+    return EnergyPlanner(schedule, profiles, p2p, unit_time=unit_time)
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +106,9 @@ def test_planner_dag_replays_the_simulator_for_every_schedule(name):
 @pytest.mark.parametrize("name", ["zero_bubble", "interleaved_1f1b", "shifted_critical_path"])
 def test_every_schedule_gets_a_plan_in_its_program_order(name):
     schedule = _schedule(name)
-    planner = _planner(schedule, gpus_per_rank=2)
+    planner = _planner(schedule, gpus_per_rank=2, unit_time=2e-3)
     base_time, base_energy = planner.evaluate(planner.max_clock_plan())
-    chosen = planner.choose(planner.frontier(coarse=4, window=6), base_time)
+    chosen = planner.choose(planner.frontier(), base_time)
     assert chosen.time_s <= base_time * (1 + 1e-9) and chosen.energy_j < base_energy * 0.97
     schedules = planner.schedules(chosen.plan)
     assert [s["rank"] for s in schedules] == list(range(8))
@@ -126,6 +127,30 @@ def test_planner_names_instructions_the_profile_lacks():
         EnergyPlanner(make_schedule("zero_bubble", 2, 4), profiles, p2p)
     with pytest.raises(ValueError, match="the profile has 2 pipeline ranks, the schedule 4"):
         EnergyPlanner(make_schedule("1f1b", 4, 4), profiles, p2p)
+
+
+def test_noisy_profiles_still_plan():
+    """Measured energies need not be convex in time (a loaded machine's noise); where lowtime's
+    exponential fit fails the planner fits the options' lower convex hull instead."""
+    from lowtime.operation import CandidateExecutionOptions, ExecutionOption
+
+    from merak.energy.planner import ConvexHullModel
+
+    options = CandidateExecutionOptions(options=[
+        ExecutionOption(real_time=t, unit_time=1.0, cost=c, knob=k)
+        for k, (t, c) in enumerate([(10, 9.0), (11, 8.5), (12, 6.0), (13, 5.9), (14, 7.0)])])
+    model = ConvexHullModel(options)
+    assert model.points == [(10, 9.0), (12, 6.0), (13, 5.9)]
+    assert model(11) == pytest.approx(7.5) and model(9) == pytest.approx(10.5)
+    rows = synthetic_profile(SMALL, 4)
+    noisy = [r if r.instruction == "p2p" else
+             dataclasses.replace(r, energy=r.energy * (1 + 0.05 * (-1) ** (r.frequency // 90)))
+             for r in rows]
+    profiles, p2p = aggregate(noisy)
+    planner = EnergyPlanner(make_schedule("zero_bubble", 4, 4), profiles, p2p, unit_time=2e-3)
+    base_time, base_energy = planner.evaluate(planner.max_clock_plan())
+    chosen = planner.choose(planner.frontier(), base_time)
+    assert chosen.time_s <= base_time * (1 + 1e-9) and chosen.energy_j < base_energy
 
 
 def test_coarse_to_fine_keeps_the_default_plan(reference):
@@ -285,13 +310,41 @@ def test_plan_command_interleave_and_recompute(tmp_path, capsys):
     assert names == {"forward", "recompute", "backward"}
 
 
+def test_plan_arguments_rebuild_the_interpreters_schedule():
+    """`TrainerEnergy.plan_command`'s options: the CLI rebuilds exactly the programs it ran."""
+    from merak.energy.cli import recompute_flags
+    from merak.energy.session import plan_arguments
+
+    for schedule in (_schedule("interleaved_1f1b"), _schedule("shifted_critical_path"),
+                     make_schedule("1f1b", 4, 4, recompute=[True, False, True, False]),
+                     make_schedule("zero_bubble", 2, 3)):
+        args = plan_arguments(schedule)
+        flags = recompute_flags(args[args.index("--recompute") + 1] if "--recompute" in args[:-1]
+                                else "all" if "--recompute" in args else None)
+        rebuilt = make_schedule(args[1], int(args[3]), int(args[5]), recompute=flags,
+                                stages_per_rank=int(args[7]) if "--interleave" in args else 1)
+        assert rebuilt.programs == schedule.programs, args
+    assert plan_arguments(_schedule("shifted_critical_path"))[-1] == "--recompute"
+    assert plan_arguments(make_schedule("1f1b", 2, 2, recompute=[False, True]))[-2:] == \
+        ["--recompute", "0,1"]
+    assert "--interleave" in plan_arguments(_schedule("interleaved_1f1b"))
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     return cached_launcher("energy_e2e.py", tmp_path_factory)
 
 
-def test_profile_plan_deploy_end_to_end(launches):
-    check(*launches(4), "energy-end-to-end")
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b",
+                                      "shifted_critical_path"])
+def test_profile_plan_deploy_end_to_end(launches, schedule):
+    """One launch, every schedule: the plan's instruction order is consumed exactly, it saves
+    energy against all max clocks as measured, and measurement agrees with the prediction
+    within a loaded machine's noise. The worker prints the per-schedule table (run with -s)."""
+    results, output = launches(4)
+    if schedule == "1f1b" and "energy end to end" in output:
+        print("\n".join(output[output.find("energy end to end"):].splitlines()[:6]))
+    check(results, output, f"energy-end-to-end-{schedule}")
 
 
 _FRONTIER = """

@@ -111,17 +111,23 @@ def trainer_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scenario", ["profile-then-plan-from-a-file", "plan-from-a-server",
-                                      "malformed-plans-stop-before-training"])
+                                      "malformed-plans-stop-before-training",
+                                      "every-instruction-kind"])
 def test_trainer_energy_modes(trainer_runs, scenario):
     _, results, output = trainer_runs
     check(results, output, scenario)
 
 
 def test_energy_gpu_choices_are_checked():
+    from merak import MerakArguments
     from merak.energy.session import make_gpu
 
     gpu = make_gpu("simulated", '{"forward_s": 0.01, "clock_step": 90}', num_ranks=2)
     assert gpu.supported_clocks()[:2] == [1410, 1320] and gpu.model.forward_s == 0.01
+    assert make_gpu("simulated", None, 4, chunks=2).chunks == 2
+    for schedule in ("zero_bubble", "interleaved_1f1b", "shifted_critical_path"):  # every one
+        MerakArguments(output_dir="out", energy_gpu="simulated", train_schedule=schedule,
+                       activation_checkpointing=schedule == "shifted_critical_path")
     with pytest.raises(ValueError, match="simulated_gpu is not JSON"):
         make_gpu("simulated", "{forward_s: 1}", 2)
     with pytest.raises(ValueError, match=r"unknown fields \['speed'\]"):

@@ -166,9 +166,13 @@ def test_recomputation_adds_reruns_to_the_chunks_that_checkpoint():
 
 # -- stage-aware recomputation over a rank's several stages (synthetic memory profile) ------------
 # 2 ranks x 2 chunks = 4 stages of 4 blocks: each block keeps 10 bytes, its input 1; 4 bytes
-# outside the blocks; the last stage 16 bytes more (a head)
-KEPT = [KeptBytes(tuple(44 - 9 * k for k in range(5)))] * 3 + \
-    [KeptBytes(tuple(60 - 9 * k for k in range(5)))]
+# outside the blocks, and `head` more on the last stage
+def kept_bytes(head: int) -> list[KeptBytes]:
+    return [KeptBytes(tuple(44 + (head if s == 3 else 0) - 9 * k for k in range(5)))
+            for s in range(4)]
+
+
+KEPT = kept_bytes(40)
 
 
 def test_stage_aware_ratios_with_two_stages_per_rank():
@@ -187,6 +191,13 @@ def test_stage_aware_ratios_with_two_stages_per_rank():
     nothing = predict_peaks("interleaved_1f1b", 2, m, KEPT, [0.0] * 4)
     assert all(lo < p < hi for lo, p, hi in zip(everything, peaks, nothing)), \
         (everything, peaks, nothing)
+    assert ratios == [0.5, 0.5, 0.5, 0.0]
+    # a head outweighing rank 0's in-flight micro-batches: rank 1 recomputes all it can
+    heavy = kept_bytes(200)
+    ratios = stage_aware_ratios("interleaved_1f1b", 2, m, heavy, 0.5)
+    assert ratios == [0.5, 1.0, 0.5, 1.0]
+    peaks = predict_peaks("interleaved_1f1b", 2, m, heavy, ratios)
+    assert peaks[1] > peaks[0]
 
 
 def test_budget_mode_with_two_stages_per_rank():

@@ -1,4 +1,5 @@
-"""Meta-device build with exact initialization replay, and per-rank safetensors loading."""
+"""Meta-device build with exact initialization replay, stages materialized whole (parameters,
+buffers, graph constants) on their device, and per-rank safetensors loading."""
 
 from __future__ import annotations
 

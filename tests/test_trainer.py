@@ -106,11 +106,8 @@ def test_bad_values_name_the_field(kwargs, message):
 @pytest.mark.parametrize("kwargs", [
     {"train_schedule": "interleaved_1f1b", "activation_checkpointing": True,
      "activation_checkpoint_ratio": [0.5]},
-    {"energy_gpu": "simulated", "train_schedule": "interleaved_1f1b"},
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
     {"text_generation": True}, {"lora_config": "{}"},
-    {"energy_gpu": "simulated", "activation_checkpointing": True},
-    {"energy_gpu": "simulated", "train_schedule": "zero_bubble"},
     {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},
     {"gradient_checkpointing": True}, {"torch_compile": True},
     {"label_smoothing_factor": 0.1},

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import networkx as nx
-from lowtime.cost_model import ExponentialModel
+from lowtime.cost_model import CostModel, ExponentialModel
 from lowtime.graph_utils import add_sink_node, add_source_node
 from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operation, OperationSpec
 
@@ -107,6 +108,42 @@ def compute_dependencies(schedule: Schedule) -> tuple[list[Key], list[tuple[Key,
     reduced = nx.transitive_reduction(contracted)
     index = {key: i for i, key in enumerate(compute)}  # an order independent of hashing
     return compute, sorted(reduced.edges, key=lambda e: (index[e[0]], index[e[1]]))
+
+
+class ConvexHullModel(CostModel):
+    """Piecewise-linear cost over the lower convex hull of the options' (quantized time, cost),
+    extended linearly past its ends: the fallback where lowtime's `ExponentialModel` cannot fit
+    a measured profile (noise can make a few clocks' energies non-convex, or leave fewer than
+    three Pareto-optimal clocks). Convex and non-increasing over the options, as the
+    Phillips-Dessouky solver needs."""
+
+    def __init__(self, options: CandidateExecutionOptions):
+        cheapest: dict[int, float] = {}
+        for option in options.options:
+            t = option.quant_time
+            cheapest[t] = min(cheapest.get(t, option.cost), option.cost)
+        hull: list[tuple[int, float]] = []
+        for point in sorted(cheapest.items()):
+            while len(hull) >= 2 and _turn(hull[-2], hull[-1], point) <= 0:
+                hull.pop()
+            hull.append(point)
+        while len(hull) >= 2 and hull[-1][1] >= hull[-2][1]:  # slower never costs more
+            hull.pop()
+        self.points = hull
+
+    def __call__(self, quant_time: int) -> float:
+        points = self.points
+        if len(points) == 1:
+            return points[0][1]
+        i = 1
+        while i < len(points) - 1 and points[i][0] < quant_time:
+            i += 1
+        (t0, c0), (t1, c1) = points[i - 1], points[i]
+        return c0 + (c1 - c0) * (quant_time - t0) / (t1 - t0)
+
+
+def _turn(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
 class EnergyPlanner:
@@ -205,8 +242,14 @@ class EnergyPlanner:
         window of a few clocks is too few points to fit)."""
         every = self._candidates(rank, instruction, self.profiles[rank].options[instruction],
                                  unit_time)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # scipy's, for each grid point that fails
+                model = ExponentialModel(every)
+        except (ValueError, RuntimeError, TypeError):  # too few or too noisy to fit
+            model = ConvexHullModel(every)
         return OperationSpec(options=self._candidates(rank, instruction, clocks, unit_time),
-                             cost_model=ExponentialModel(every))
+                             cost_model=model)
 
     def _dag(self) -> tuple[nx.DiGraph, dict[int, Key]]:
         """The instruction DAG (nodes 1.. are compute actions, 0 and the last are the source

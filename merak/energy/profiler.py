@@ -59,8 +59,9 @@ class ClockProfiler(InstructionHook):
         self._idle_since = (now, energy)
 
     def mean_energy(self, clock: int) -> float:
-        values = [e for name in COMPUTE for _, e in self.samples[(name, clock)]]
-        return sum(values) / len(values)
+        values = [e for (_, f), samples in self.samples.items() if f == clock
+                  for _, e in samples]
+        return sum(values) / len(values) if values else 0.0
 
     def rows(self, rank: int, dp_rank: int, pp_rank: int, tp_rank: int) -> list[ProfileRow]:
         where = (rank, dp_rank, pp_rank, tp_rank, pp_rank)

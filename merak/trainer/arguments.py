@@ -285,12 +285,6 @@ class MerakArguments(TrainingArguments):
         if interleaved and self.num_model_chunks < 2:
             raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
                              "(1 chunk per rank is train_schedule='1f1b')")
-        if self.energy_gpu and (self.activation_checkpointing or self.train_schedule in (
-                "zero_bubble", "interleaved_1f1b")):
-            raise NotSupportedYetError(
-                f"MerakArguments.energy_gpu with activation_checkpointing or "
-                f"train_schedule={self.train_schedule!r} is not supported yet: the energy planner "
-                f"profiles the forward and backward instructions of one stage per rank only")
 
     def _check_not_landed(self) -> None:
         later = {

@@ -35,7 +35,7 @@ VARIANTS = {
     "1f1b": {"schedule": "1f1b"},
     "1f1b-recompute": {"schedule": "1f1b", "recompute_ratio": 1.0},
     "1f1b-stage-aware-chunk2": {"schedule": "1f1b", "recompute_ratio": "falling",
-                                "checkpoint_num_layers": 2},
+                                "segment_size": 2},
     "ds_default-recompute": {"schedule": "ds_default", "recompute_ratio": 1.0},
     "pre_recompute_1f1b": {"schedule": "pre_recompute_1f1b", "recompute_ratio": 1.0},
     "last_no_recompute_1f1b": {"schedule": "last_no_recompute_1f1b", "recompute_ratio": 1.0},
@@ -79,7 +79,7 @@ class _Family:
             self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
             MICROBATCHES, hooks=[snapshot], p2p_timeout_s=120, **options)
         try:
-            kinds = {a.kind.value for a in engine.actions}
+            kinds = {a.kind.value for a in engine.program}
             if options.get("recompute_ratio") == 1.0 and variant != "1f1b-recompute" and \
                     not self.ctx.is_last_stage:
                 assert "recompute" in kinds, \
@@ -87,7 +87,7 @@ class _Family:
             losses = [engine.train_step(batch(self.family, step, ROWS * MICROBATCHES))
                       for step in range(STEPS)]
         finally:
-            engine.recompute.remove()
+            engine.remove_recomputation()
         assert_trained_like(variant, losses, snapshot, self.stage, self.losses, self.grads,
                             self.final)
 
@@ -107,19 +107,19 @@ def stage_aware_memory() -> None:
                                        m, p2p_timeout_s=120, measure_activations=True)
     data, edges = batch("llama", 0, ROWS * m), split.edges or None
     kept = measure_kept(engine, data, 1)
-    least = predict_peaks("1f1b", m, kept, [1.0] * pp, edges)
-    most = predict_peaks("1f1b", m, kept, [0.0] * pp, edges)
+    least = predict_peaks("1f1b", pp, m, kept, [1.0] * pp, edges)
+    most = predict_peaks("1f1b", pp, m, kept, [0.0] * pp, edges)
     budget = [(lo + hi) / 2 for lo, hi in zip(least, most)]
     report = []
     try:
         for mode in ("stage-aware", "budget"):
-            ratios = stage_aware_ratios("1f1b", m, kept, 0.5, edges) if mode == "stage-aware" \
-                else choose_ratios("1f1b", m, kept, budget, edges)
+            ratios = stage_aware_ratios("1f1b", pp, m, kept, 0.5, edges) \
+                if mode == "stage-aware" else choose_ratios("1f1b", pp, m, kept, budget, edges)
             engine.set_recomputation(ratios, 1)
             engine.train_step(data)
             measured = [0] * pp
             dist.all_gather_object(measured, engine.activation_peak)
-            predicted = predict_peaks("1f1b", m, kept, ratios, edges)
+            predicted = predict_peaks("1f1b", pp, m, kept, ratios, edges)
             report.append(f"{mode}: ratios {ratios} predicted {[int(p) for p in predicted]} "
                           f"measured {measured}")
             for s, (actual, expected) in enumerate(zip(measured, predicted)):
@@ -132,7 +132,7 @@ def stage_aware_memory() -> None:
                 assert all(a <= b * 1.1 for a, b in zip(measured, budget)), (measured, budget)
                 assert 0 < sum(ratios) < pp, f"the budget should need some recomputation {ratios}"
     finally:
-        engine.recompute.remove()
+        engine.remove_recomputation()
         if ctx.rank == 0:
             print("\n".join(report), flush=True)
 

@@ -1,7 +1,8 @@
 """MerakTrainer's energy modes on 2 ranks (pp=2, simulated GPUs): profile -> `merak energy plan`
 -> train with the plan from a file and from `merak energy serve`; clock plans never change the
-numbers (losses equal a run without them); malformed plans stop training before its first step
-(see test_energy_serve)."""
+numbers (losses equal a run without them); malformed plans stop training before its first step;
+zero-bubble with activation checkpointing profiles, plans (with the command the trainer prints)
+and follows recompute and split-backward instructions (see test_energy_serve)."""
 
 from __future__ import annotations
 
@@ -155,9 +156,36 @@ def malformed_plans_stop_before_training() -> None:
                                                 pfo_server_url=url))
 
 
+def every_instruction_kind() -> None:
+    """The plan's instructions are the interpreter's own (`TrainerEnergy.attach`): recompute,
+    backward_input and backward_weight get clocks of their own."""
+    extra = {"train_schedule": "zero_bubble", "activation_checkpointing": True}
+    profile, plan = OUT / "zb-profile.csv", OUT / "zb-plan.json"
+    profiled = trainer("zb-profile", energy_profile=str(profile), **extra)
+    profiled.train()
+    command = profiled.energy.plan_command(profile).split()
+    assert command[3:] == ["--schedule", "zero_bubble", "--stages", "2", "--microbatches", "2",
+                           "--recompute"], command
+    if dist.get_rank() == 0:
+        kinds = {r.instruction for r in read_profile(profile)}
+        assert kinds == {"forward", "recompute", "backward_input", "backward_weight", "p2p"}
+        run = subprocess.run([sys.executable, "-m", *command[:3], *command[3:], "--out",
+                              str(plan)], capture_output=True, text=True, check=False)
+        assert run.returncode == 0 and plan.exists(), (run.stdout, run.stderr[-3000:])
+    dist.barrier()
+    planned = trainer("zb-planned", energy_plan=str(plan), **extra)
+    planned.train()
+    schedule = planned.engine.schedule
+    expected = [a.name for a in schedule.compute_actions(planned.ctx.pp_rank)]
+    assert [n for n, _ in planned.energy.hook.frequencies] == expected
+    assert planned.energy.hook.consumed == [len(expected)] * STEPS
+    assert {"recompute", "backward_input", "backward_weight"} <= set(expected)
+
+
 SCENARIOS = {"profile-then-plan-from-a-file": profile_then_plan_from_a_file,
              "plan-from-a-server": plan_from_a_server,
-             "malformed-plans-stop-before-training": malformed_plans_stop_before_training}
+             "malformed-plans-stop-before-training": malformed_plans_stop_before_training,
+             "every-instruction-kind": every_instruction_kind}
 
 if __name__ == "__main__":
     run_scenarios(SCENARIOS)

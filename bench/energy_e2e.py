@@ -1,0 +1,88 @@
+"""Profile -> plan -> deploy on 4 gloo ranks with simulated GPUs: measured against predicted.
+
+Runs the end-to-end test's worker (tests/workers/energy_e2e.py: 1F1B, zero-bubble, interleaved
+1F1B with 2 chunks per rank, shifted critical path with recomputation; one torchrun launch) with
+longer simulated instructions, more micro-batches and more measured steps than the test, and
+prints per schedule: the all-max and planned iteration (predicted and measured), the planned and
+measured energy saving, the saving next to 1F1B's, and measured vs predicted time and energy.
+The test only asserts what a shared 2-core machine's noise cannot break (10-20% margins); these
+are the precise figures (run it on an idle machine).
+
+    python bench/energy_e2e.py [--forward-s 0.1] [--microbatches 8] [--rounds 4]
+                               [--schedules 1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "energy_e2e.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--forward-s", type=float, default=0.1,
+                        help="simulated forward of one micro-batch at the highest clock")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4, help="measured steps per plan")
+    parser.add_argument("--schedules",
+                        default="1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path")
+    args = parser.parse_args()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               MERAK_NCCL_P2P_RULES=os.environ.get("MERAK_NCCL_P2P_RULES", "1"),
+               MERAK_ENERGY_E2E_FORWARD_S=str(args.forward_s),
+               MERAK_ENERGY_E2E_MICROBATCHES=str(args.microbatches),
+               MERAK_ENERGY_E2E_ROUNDS=str(args.rounds),
+               MERAK_ENERGY_E2E_SCHEDULES=args.schedules)
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+             f"--master_port={_free_port()}", str(WORKER), "--out", out],
+            cwd=WORKER.parent, env=env, capture_output=True, text=True, check=False)
+        took = time.perf_counter() - start
+        report_path = Path(out) / "energy_report.json"
+        if not report_path.exists():
+            sys.exit(f"the worker wrote no report:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        report = json.loads(report_path.read_text())
+        failures = {name: error for rank in range(4)
+                    for name, error in json.loads((Path(out) / f"rank{rank}.json")
+                                                  .read_text()).items() if error}
+    print(f"4 ranks, {args.microbatches} micro-batches, forward {args.forward_s * 1e3:.0f} ms "
+          f"at the highest clock, minimum of {args.rounds} steps per plan; {took:.0f} s")
+    print(f"{'schedule':24}{'all-max pred':>16}{'measured':>16}{'plan pred':>16}{'measured':>16}"
+          f"{'saving pred':>12}{'measured':>10}{'vs 1f1b':>9}{'time err':>10}{'energy err':>11}"
+          f"{'planner':>9}")
+    reference = report.get("1f1b", {}).get("planned_saving")
+    for name, r in report.items():
+        cell = lambda v: f"{v[0]:7.4f}s {v[1]:6.1f}J"
+        errors = [r["measured_" + w][i] / r["predicted_" + w][i] - 1
+                  for w in ("base", "plan") for i in (0, 1)]
+        versus = f"{r['planned_saving'] - reference:+.2%}" if reference is not None else "-"
+        label = name + (f" (v={r['chunks']})" if r["chunks"] > 1 else "")
+        print(f"{label:24}{cell(r['predicted_base']):>16}{cell(r['measured_base']):>16}"
+              f"{cell(r['predicted_plan']):>16}{cell(r['measured_plan']):>16}"
+              f"{r['planned_saving']:12.2%}{r['measured_saving']:10.2%}{versus:>9}"
+              f"{max(errors[0], errors[2], key=abs):+10.2%}"
+              f"{max(errors[1], errors[3], key=abs):+11.2%}{r['planner_s']:8.1f}s")
+    for name, error in failures.items():
+        print(f"{name} failed its test assertions:\n{error.strip().splitlines()[-1]}")
+
+
+if __name__ == "__main__":
+    main()
