@@ -1,7 +1,9 @@
 """Interleaved 1F1B (2 chunks per rank) trains an auto-split HF model exactly like the
-single-process model: losses, every gradient, final weights, and the eval loss; with
+single-process model: losses, every gradient and final weights, without recomputation, with
 recomputation everywhere, and with stage-aware recomputation (per-stage ratios from measured
-activation bytes, the ranks' stages settled together) (see test_interleaved)."""
+activation bytes, each rank's stages settled together); and its eval loss equals the model's
+(see test_interleaved). The eval scenarios run last: a deadlocked eval closes the process
+group, which would fail every later scenario too."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def make_model(family: str, num_layers: int):
 
 def scenario_names(world_size: int) -> list[str]:
     return [f"{family}-pp{world_size}-{variant}" for family in FAMILY_NAMES
-            for variant in VARIANTS]
+            for variant in VARIANTS] + \
+        [f"{family}-pp{world_size}-interleaved-eval" for family in FAMILY_NAMES]
 
 
 class _Family:
@@ -102,21 +105,48 @@ class _Family:
                 expected = {s for s in engine.runners if ratios[s] > 0}
             else:
                 expected = set(engine.runners) if "recompute" in variant else set()
-            recomputing = {a.stage_id for a in engine.program if a.kind is merak.ActionKind.RECOMPUTE}
+            recomputing = {a.stage_id for a in engine.program
+                           if a.kind is merak.ActionKind.RECOMPUTE}
             assert recomputing == expected, f"{variant}: {recomputing} != {expected}"
             losses = [engine.train_step(batch(self.family, step, ROWS * self.microbatches))
                       for step in range(STEPS)]
-            eval_loss = engine.eval_step(batch(self.family, 99, ROWS * self.microbatches))
         finally:
             engine.remove_recomputation()
         assert_trained_like(variant, losses, snapshot, self.stage, self.losses, self.grads,
                             self.final)
-        assert_close(torch.tensor(eval_loss), torch.tensor(self.eval_loss), f"{variant}: eval")
+
+    def check_eval(self) -> None:
+        """The eval loss of the trained weights (the reference's final ones, which every
+        training scenario reaches), without and with recomputation installed."""
+        with torch.no_grad():
+            for name, param in self.stage.named_parameters():
+                param.copy_(self.final[name])
+        for options in ({}, {"recompute_ratio": 1.0}):
+            engine = merak.PipelineInterpreter(
+                self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
+                self.microbatches, schedule="interleaved_1f1b", p2p_timeout_s=60, **options)
+            try:
+                eval_loss = engine.eval_step(batch(self.family, 99, ROWS * self.microbatches))
+            finally:
+                engine.remove_recomputation()
+            assert_close(torch.tensor(eval_loss), torch.tensor(self.eval_loss),
+                         f"eval {options}")
 
 
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
-    run_scenarios(family_scenarios(lambda f: _Family(f, world), FAMILY_NAMES, VARIANTS, world))
+    built: dict[str, _Family] = {}
+
+    def family(name: str) -> _Family:
+        if name not in built:
+            built[name] = _Family(name, world)
+        return built[name]
+
+    scenarios = family_scenarios(family, FAMILY_NAMES, VARIANTS, world)
+    for name in FAMILY_NAMES:
+        scenarios[f"{name}-pp{world}-interleaved-eval"] = \
+            lambda name=name: family(name).check_eval()
+    run_scenarios(scenarios)
 
 
 if __name__ == "__main__":
