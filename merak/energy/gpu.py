@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,6 +129,7 @@ class SimulatedGPU(GPUControl):
         self._energy = 0.0
         self._since = self._now()       # start of the interval not yet charged
         self._running: tuple[float, float] | None = None  # (start, duration) of the instruction
+        self.ran: Counter[tuple[str, int]] = Counter()  # instructions run, by (name, clock)
 
     def supported_clocks(self) -> list[int]:
         return self.model.clocks()
@@ -153,6 +155,7 @@ class SimulatedGPU(GPUControl):
     def instruction_begin(self, name: str, pp_rank: int) -> None:
         start = self._now()
         self._charge_idle(start)
+        self.ran[(name, self.clock_mhz)] += 1
         self._running = (start, self.model.time(name, pp_rank, self.num_ranks, self.clock_mhz,
                                                 self.chunks))
 

@@ -1,1 +1,1 @@
-"""Giving a meta-built stage real storage: exact initialization replay, or its shard of an HF safetensors checkpoint."""
+"""Real storage for meta-built stages: exact init replay, or their HF safetensors shards."""

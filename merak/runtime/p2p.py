@@ -6,9 +6,10 @@ together. The schedule (`merak.schedule`) already orders every rank's sends and 
 this works (its validator proves it); this module posts each group exactly as listed, with no
 tags, every buffer on the rank's device.
 
-Shapes: the first activation message of a step on each stage pair is preceded by a small
-metadata tensor (dtype, requires-grad flag and shape of each value), posted as a group of its
-own right before the data group on both sides, on the device and in the same ordered stream.
+Shapes: every activation message is preceded by a small metadata tensor (dtype, requires-grad
+flag and shape of each value), posted as a group of its own right before the data group on both
+sides, on the device and in the same ordered stream (as Megatron does for variable sequence
+lengths), so the shape groups mirror the data groups the validator proved.
 Gradients have the shapes of the activations they belong to and need none.
 
 `nccl_rules` (`ParallelContext.nccl_p2p_rules`, on in the test suite) makes any backend behave as
@@ -166,11 +167,14 @@ class StageTransfers:
 
     def _exchange_metas(self, actions: Sequence[Action],
                         values: dict[Action, dict[ValueKey, torch.Tensor]]) -> None:
-        """Shapes of the step's first activation message on each edge, as a group before the
-        data group (the peer's matching data group has the same first message)."""
+        """Shapes of every activation message of the group, as a group of their own right
+        before it. Every activation transfer has one, so the shape groups of two ranks mirror
+        their data groups exactly (sending shapes only with a step's first message breaks the
+        mirror: one side's shape group then waits on a peer that is still behind a data
+        group, a deadlock seen with interleaved evaluation)."""
         ops, decode = [], []
         for a in actions:
-            if a.kind not in (K.SEND_ACT, K.RECV_ACT) or self._edge(a) in self.metas:
+            if a.kind not in (K.SEND_ACT, K.RECV_ACT):
                 continue
             edge = self._edge(a)
             if a.kind is K.SEND_ACT:
