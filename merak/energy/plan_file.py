@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from merak.schedule.actions import COMPUTE_KINDS, Schedule
+from merak.schedule.actions import Schedule
 
 
 class PlanError(ValueError):

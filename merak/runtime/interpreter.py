@@ -12,9 +12,11 @@ all-reduce over all its stages' gradients, one optimizer step.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from merak.data_parallel.grad_sync import GradientAverager
 from merak.recompute.blocks import BlockRecomputation
@@ -110,6 +112,10 @@ class PipelineInterpreter(StepTail):
         # replicated parameters that saw only this TP rank's heads or sequence shard
         self._tp_partial = [q for q in params if getattr(q, "tp_partial_grad", False)]
         self._tied = self._build_tied_groups()
+        discovery = forward_schedule(p, 1, stages_per_rank=v, edges=split.edges or None,
+                                     single_transfers=True)
+        validate_schedule(discovery, training=False)
+        self._discovery_program = list(discovery.programs[ctx.pp_rank])
         self._schedule_spec = schedule
         self.set_recomputation(recompute_ratio, segment_size)
 
@@ -296,7 +302,49 @@ class PipelineInterpreter(StepTail):
             runner.loss_scale = self.loss_scale
             runner.begin([{k: part[k] for k in runner.batch_keys} for part in parts],
                          microbatches_used or num_microbatches)
-        self.transfers.start_step()
+        if self.split.edges:
+            key = self._shape_key(parts[0] if parts else {})
+            if not self.transfers.shapes_known(key):
+                self._discover_shapes()
+                self.transfers.remember_shapes(key)
+
+    def _shape_key(self, microbatch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        """What the step's activation shapes depend on: the shapes and dtypes of micro-batch 0's
+        inputs on every rank of this pipeline that loads any (gathered over the pp group, on the
+        device), so every rank agrees on whether shapes must be discovered anew."""
+        local = repr(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in microbatch.items()))
+        code = torch.tensor([zlib.crc32(local.encode())], dtype=torch.int64,
+                            device=self.ctx.device)
+        if self.ctx.pp == 1:
+            return (int(code.item()),)
+        codes = [torch.zeros_like(code) for _ in range(self.ctx.pp)]
+        dist.all_gather(codes, code, group=self.ctx.pp_group)
+        return tuple(int(c.item()) for c in codes)
+
+    def _discover_shapes(self) -> None:
+        """Run micro-batch 0's forward, in eval mode and without gradients, through a program
+        with one transfer per group whose messages carry only shapes (`StageTransfers`); the
+        random number generators are left as they were."""
+        rng = self.rng_state()
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                for action in self._discovery_program:
+                    runner = self.runners[action.stage_id]
+                    if action.kind is K.SEND_ACT:
+                        self.transfers.send_shapes(action, runner.outputs(0))
+                    elif action.kind is K.RECV_ACT:
+                        runner.receive(0, self.transfers.recv_shapes(action))
+                    elif action.kind is K.LOAD:
+                        runner.load(0)
+                    elif action.kind is K.FORWARD:
+                        runner.forward(0)
+        finally:
+            self.stage.train(was_training)
+            self.set_rng_state(rng)
+            for runner in self.runners.values():
+                runner.reset_microbatch(0)
 
     def _execute(self, action: Action, hooks: Sequence[InstructionHook]) -> None:
         for hook in hooks:

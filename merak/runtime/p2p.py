@@ -6,11 +6,16 @@ together. The schedule (`merak.schedule`) already orders every rank's sends and 
 this works (its validator proves it); this module posts each group exactly as listed, with no
 tags, every buffer on the rank's device.
 
-Shapes: every activation message is preceded by a small metadata tensor (dtype, requires-grad
-flag and shape of each value), posted as a group of its own right before the data group on both
-sides, on the device and in the same ordered stream (as Megatron does for variable sequence
-lengths), so the shape groups mirror the data groups the validator proved.
-Gradients have the shapes of the activations they belong to and need none.
+Shapes: a receiver must size its buffers before it posts a receive, and any extra message
+posted outside the schedule's groups changes who waits on whom (a shape group before each data
+group deadlocks interleaved evaluation and zero-bubble under NCCL's rules). So shapes are found
+apart from the step: when the batch shapes change (`shapes_known`), the interpreter runs a
+discovery pass, micro-batch 0's forward with one transfer per group, whose messages carry only
+the metadata (dtype, requires-grad flag and shape of each value; `send_shapes`,
+`recv_shapes`); the step then sizes every buffer from it. Inside the step each activation
+message carries its metadata again, as one more tensor of the same transfer (same group, same
+peer: the posting order is unchanged), which checks the shapes and brings the sender's
+requires-grad flags.
 
 `nccl_rules` (`ParallelContext.nccl_p2p_rules`, on in the test suite) makes any backend behave as
 NCCL does: each group completes before the next is posted, and every send completes only once
@@ -76,13 +81,50 @@ class StageTransfers:
         self.strict = nccl_rules and not self.nccl
         self.transfers = split.transfers  # (src stage, dst stage) -> value keys
         self.metas: dict[tuple[int, int], list[TensorMeta]] = {}  # this step's, per edge
+        self._known: dict[object, dict[tuple[int, int], list[TensorMeta]]] = {}
         self._sending: list[tuple[list, list[torch.Tensor]]] = []  # sends not known finished
 
     def peer_rank(self, action: Action) -> int:
         return self.ctx.rank_of(pp_rank=action.peer)
 
-    def start_step(self) -> None:
-        self.metas.clear()
+    def shapes_known(self, key: object) -> bool:
+        """Whether the shapes of batch-shape `key` were discovered; if so, use them."""
+        if key in self._known:
+            self.metas = {edge: list(metas) for edge, metas in self._known[key].items()}
+            return True
+        self.metas = {}
+        return False
+
+    def remember_shapes(self, key: object) -> None:
+        self._known[key] = {edge: list(metas) for edge, metas in self.metas.items()}
+
+    def send_shapes(self, action: Action, values: dict[ValueKey, torch.Tensor]) -> None:
+        """Discovery: send the metadata of `action`'s values (one transfer, its own group)."""
+        edge = self._edge(action)
+        metas = [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+                 for t in (values[k] for k in self.transfers[edge])]
+        self.metas[edge] = metas
+        self._single(_Op(action, self.peer_rank(action), [_encode(metas, self.ctx.device)],
+                         True))
+
+    def recv_shapes(self, action: Action) -> dict[ValueKey, torch.Tensor]:
+        """Discovery: receive the metadata of `action`'s values; returns zero tensors of those
+        shapes to run the forward on."""
+        edge = self._edge(action)
+        buffer = torch.empty(len(self.transfers[edge]) * _META_WIDTH, dtype=torch.int64,
+                             device=self.ctx.device)
+        self._single(_Op(action, self.peer_rank(action), [buffer], False))
+        self.metas[edge] = _decode(buffer)
+        return {k: torch.zeros(m.shape, dtype=m.dtype, device=self.ctx.device)
+                for k, m in zip(self.transfers[edge], self.metas[edge])}
+
+    def _single(self, op: _Op) -> None:
+        works = self._post([op])
+        if self.strict:
+            self._complete_strictly([op], works, what="shapes")
+        else:
+            for work in works:
+                self._wait(work, op, " (shapes)")
 
     def finish_step(self) -> None:
         """Wait for every send of the step (their buffers are then free)."""
@@ -107,7 +149,6 @@ class StageTransfers:
             requires-grad flag set; gradients of the activations this stage sent).
         """
         values = {a: outgoing(a) for a in actions if a.kind in (K.SEND_ACT, K.SEND_GRAD)}
-        self._exchange_metas(actions, values)
         ops = [self._op(a, values.get(a)) for a in actions]
         ops = [op for op in ops if op.tensors]
         works = self._post(ops)
@@ -132,10 +173,13 @@ class StageTransfers:
         for op in ops:
             if op.is_send:
                 continue
-            if op.action.kind is K.RECV_ACT:  # a leaf of this stage's graph where it needs one
-                for tensor, meta in zip(op.tensors, self.metas[self._edge(op.action)]):
-                    tensor.requires_grad_(meta.requires_grad)
-            received[op.action] = dict(zip(self._keys(op.action), op.tensors))
+            tensors = op.tensors
+            if op.action.kind is K.RECV_ACT:  # the metadata rode along: check, take the flags
+                tensors = tensors[1:]
+                self._check_metas(op, _decode(op.tensors[0]))
+                for tensor, meta in zip(tensors, self.metas[self._edge(op.action)]):
+                    tensor.requires_grad_(meta.requires_grad)  # a leaf where it needs one
+            received[op.action] = dict(zip(self._keys(op.action), tensors))
         for a in actions:  # a receive of nothing (no value of the edge needs a gradient)
             if a.kind in (K.RECV_ACT, K.RECV_GRAD):
                 received.setdefault(a, {})
@@ -154,49 +198,39 @@ class StageTransfers:
         return keys
 
     def _op(self, action: Action, values: dict[ValueKey, torch.Tensor] | None) -> _Op:
-        peer = self.peer_rank(action)
+        peer, edge = self.peer_rank(action), self._edge(action)
+        if edge not in self.metas:
+            raise RuntimeError(f"rank {self.ctx.rank}: {action} has no discovered shapes; the "
+                               f"interpreter runs the shape discovery before the step")
         if values is not None:  # a send
             tensors = [values[k].detach().contiguous() for k in self._keys(action)]
+            if action.kind is K.SEND_ACT:
+                metas = [TensorMeta(tuple(t.shape), t.dtype, values[k].requires_grad)
+                         for t, k in zip(tensors, self.transfers[edge])]
+                self._check_metas(_Op(action, peer, [], True), metas)
+                tensors = [_encode(metas, self.ctx.device)] + tensors
             return _Op(action, peer, tensors, True)
-        edge = self._edge(action)
         metas = self.metas[edge]
         if action.kind is K.RECV_GRAD:
             metas = [m for m in metas if m.requires_grad]
         buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.ctx.device) for m in metas]
+        if action.kind is K.RECV_ACT:
+            buffers = [torch.empty(len(metas) * _META_WIDTH, dtype=torch.int64,
+                                   device=self.ctx.device)] + buffers
         return _Op(action, peer, buffers, False)
 
-    def _exchange_metas(self, actions: Sequence[Action],
-                        values: dict[Action, dict[ValueKey, torch.Tensor]]) -> None:
-        """Shapes of every activation message of the group, as a group of their own right
-        before it. Every activation transfer has one, so the shape groups of two ranks mirror
-        their data groups exactly (sending shapes only with a step's first message breaks the
-        mirror: one side's shape group then waits on a peer that is still behind a data
-        group, a deadlock seen with interleaved evaluation)."""
-        ops, decode = [], []
-        for a in actions:
-            if a.kind not in (K.SEND_ACT, K.RECV_ACT):
-                continue
-            edge = self._edge(a)
-            if a.kind is K.SEND_ACT:
-                sent = [values[a][k] for k in self.transfers[edge]]
-                metas = [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in sent]
-                self.metas[edge] = metas
-                ops.append(_Op(a, self.peer_rank(a), [_encode(metas, self.ctx.device)], True))
-            else:
-                buffer = torch.empty(len(self.transfers[edge]) * _META_WIDTH, dtype=torch.int64,
-                                     device=self.ctx.device)
-                ops.append(_Op(a, self.peer_rank(a), [buffer], False))
-                decode.append((edge, buffer))
-        if not ops:
-            return
-        works = self._post(ops)
-        if self.strict:
-            self._complete_strictly(ops, works, what="shapes")
-        else:
-            for op, work in zip(ops, works):
-                self._wait(work, op, " (shapes)")
-        for edge, buffer in decode:
-            self.metas[edge] = _decode(buffer)
+    def _check_metas(self, op: _Op, metas: list[TensorMeta]) -> None:
+        """Shapes and dtypes must be the discovered ones; requires-grad flags are the sender's
+        (discovery runs without gradients)."""
+        edge = self._edge(op.action)
+        known = self.metas[edge]
+        if [(m.shape, m.dtype) for m in metas] != [(m.shape, m.dtype) for m in known]:
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: {op.action} carries values of shapes "
+                f"{[(m.shape, str(m.dtype)) for m in metas]}, not the "
+                f"{[(m.shape, str(m.dtype)) for m in known]} the shape discovery found for this "
+                f"batch shape; a stage's output shapes must depend only on the batch shapes")
+        self.metas[edge] = metas
 
     # -- posting and waiting ------------------------------------------------------------------
     def _post(self, ops: Sequence[_Op]) -> list:

@@ -83,6 +83,12 @@ class StageRunner:
         self.state = [MicroBatchState() for _ in range(num_microbatches)]
         self.losses, self.kept = [], []
 
+    def reset_microbatch(self, mb: int) -> None:
+        """Forget what a pass over micro-batch `mb` left (shape discovery)."""
+        if self.state:
+            self.state[mb] = MicroBatchState()
+        self.losses, self.kept = [], []
+
     def end(self) -> None:
         self.state, self.microbatches = [], []
 

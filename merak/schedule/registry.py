@@ -23,6 +23,7 @@ al., ICLR 2024); `interleaved_1f1b` is Megatron-LM's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -108,10 +109,12 @@ def _message_order(action: Action) -> tuple:
 
 
 def lower(order: Sequence[Sequence[Action]], num_ranks: int, stages_per_rank: int,
-          edges: Iterable[Edge], tail: Sequence[Action] = ()) -> tuple[tuple[Action, ...], ...]:
+          edges: Iterable[Edge], tail: Sequence[Action] = (),
+          single_transfers: bool = False) -> tuple[tuple[Action, ...], ...]:
     """Per-rank programs from block orders: sends and receives expanded over `edges` (one
-    action per peer stage), grouped between computations, ordered by message within a group,
-    and `tail` appended to every rank."""
+    action per peer stage), grouped between computations (or, with `single_transfers`, one
+    transfer per group), ordered by message within a group, and `tail` appended to every
+    rank."""
     upstream: dict[int, list[int]] = {}
     downstream: dict[int, list[int]] = {}
     for src, dst in sorted(edges):
@@ -139,6 +142,12 @@ def lower(order: Sequence[Sequence[Action]], num_ranks: int, stages_per_rank: in
                     else downstream.get(s, [])
                 pending += [Action(action.kind, s, action.microbatch_id, peer % num_ranks, peer)
                             for peer in peers]
+                if single_transfers:
+                    for transfer in pending[:-1]:
+                        program.append(dataclasses.replace(transfer, group=group))
+                        group += 1
+                    del pending[:-1]
+                    flush()
             elif action.kind in COMPUTE_KINDS:
                 flush()
                 program.append(action)
@@ -181,11 +190,15 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
 
 
 def forward_schedule(num_stages: int, num_microbatches: int, *, stages_per_rank: int = 1,
-                     edges: Iterable[Edge] | None = None) -> Schedule:
-    """Forwards only (evaluation, activation measurement): no backward, no step tail."""
+                     edges: Iterable[Edge] | None = None,
+                     single_transfers: bool = False) -> Schedule:
+    """Forwards only (evaluation, activation measurement): no backward, no step tail. With
+    `single_transfers` every transfer is a group of its own (the runtime's shape discovery,
+    which must finish one message before it can size the next)."""
     g.check_sizes(num_stages, num_microbatches)
     total = num_stages * stages_per_rank
     edges = chain_edges(total) if edges is None else frozenset(edges)
     order = g.forward_only(num_stages, num_microbatches, stages_per_rank)
     return Schedule("forward", num_stages, stages_per_rank, num_microbatches,
-                    lower(order, num_stages, stages_per_rank, edges), edges)
+                    lower(order, num_stages, stages_per_rank, edges,
+                          single_transfers=single_transfers), edges)
