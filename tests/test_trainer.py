@@ -104,8 +104,6 @@ def test_bad_values_name_the_field(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"train_schedule": "interleaved_1f1b", "activation_checkpointing": True,
-     "activation_checkpoint_ratio": [0.5]},
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
     {"text_generation": True}, {"lora_config": "{}"},
     {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},

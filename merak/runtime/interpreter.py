@@ -154,12 +154,16 @@ class PipelineInterpreter(StepTail):
             self.hooks.insert(0, IdleCoreLending(schedule, ctx.pp_rank, ctx.dp * ctx.tp))
 
     def _install_recomputation(self, segments: dict[int, Sequence[Sequence[int]]],
-                               measure: bool | None = None) -> None:
-        measure = self._measure if measure is None else measure
+                               measure: str | None = None) -> None:
+        """Wrap each local stage's checkpointed blocks; `measure` "rank" (one meter: the rank's
+        peak, whatever stages it hosts; the default with `measure_activations`) or "stage"
+        (one meter per stage)."""
+        measure = measure or ("rank" if self._measure else None)
+        excluded = list(self.stage.parameters()) + list(self.stage.buffers())
+        shared = ActivationMeter(excluded) if measure == "rank" else None
         for stage_id, runner in self.runners.items():
             runner.recompute.remove()
-            runner.meter = ActivationMeter(list(runner.stage.parameters())
-                                           + list(runner.stage.buffers())) if measure else None
+            runner.meter = ActivationMeter(excluded) if measure == "stage" else shared
             runner.recompute = BlockRecomputation(self._blocks[stage_id], segments[stage_id],
                                                   self.ctx.device, self.tp_rng, runner.meter)
 
@@ -198,13 +202,12 @@ class PipelineInterpreter(StepTail):
         Stages that read no batch input may pass None. Returns the step's loss (mean over
         micro-batches and dp ranks), on every rank.
         """
-        for runner in self.runners.values():
-            if runner.meter is not None:
-                runner.meter.reset_peak()
+        meter = next(iter(self.runners.values())).meter
+        if meter is not None:
+            meter.reset_peak()
         loss = self._run(self.program, batch, self.num_microbatches, self.hooks)
-        meters = [r.meter for r in self.runners.values() if r.meter is not None]
-        if meters:
-            self.activation_peak = sum(m.peak for m in meters)
+        if meter is not None:
+            self.activation_peak = meter.peak
         self.global_step += 1
         return loss
 
@@ -237,7 +240,7 @@ class PipelineInterpreter(StepTail):
         it recomputes the blocks of `segments` (per local stage); a collective (every rank calls
         it: the micro-batch moves through the pipeline). Draws random numbers as a forward
         does."""
-        self._install_recomputation(segments, measure=True)
+        self._install_recomputation(segments, measure="stage")
         try:
             self._run(self._forward_program(1), batch, self.num_microbatches, hooks=(),
                       microbatches_used=1)

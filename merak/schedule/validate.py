@@ -116,6 +116,10 @@ def _check_rank(schedule: Schedule, rank: int, training: bool) -> int:
             if edge not in schedule.edges or action.peer != schedule.rank_of(action.peer_stage):
                 raise ScheduleError(f"rank {rank}: {action} (peer rank {action.peer}) is not "
                                     f"a transfer of the split's edges")
+            if action.peer == rank:
+                raise ScheduleError(f"rank {rank}: {action} would send to itself (stages "
+                                    f"{action.stage_id} and {action.peer_stage} share the "
+                                    f"rank); choose a split without that edge, or more ranks")
             if action.group is None:
                 raise ScheduleError(f"rank {rank}: {action} belongs to no posting group")
             if not seen_groups or seen_groups[-1] != action.group:
