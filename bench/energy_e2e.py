@@ -40,6 +40,8 @@ def main() -> None:
                         help="simulated forward of one micro-batch at the highest clock")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4, help="measured steps per plan")
+    parser.add_argument("--unit-time", type=float, default=None,
+                        help="the planner's time quantum (default: forward / 40)")
     parser.add_argument("--schedules",
                         default="1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path")
     args = parser.parse_args()
@@ -48,6 +50,7 @@ def main() -> None:
                MERAK_ENERGY_E2E_FORWARD_S=str(args.forward_s),
                MERAK_ENERGY_E2E_MICROBATCHES=str(args.microbatches),
                MERAK_ENERGY_E2E_ROUNDS=str(args.rounds),
+               MERAK_ENERGY_E2E_UNIT_S=str(args.unit_time or args.forward_s / 40),
                MERAK_ENERGY_E2E_SCHEDULES=args.schedules)
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()

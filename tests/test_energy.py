@@ -261,7 +261,8 @@ def test_nvml_backend_with_a_mocked_nvml():
         nvmlInit=lambda: calls.append("init"),
         nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
         nvmlDeviceGetSupportedMemoryClocks=lambda h: [1215, 877],
-        nvmlDeviceGetSupportedGraphicsClocks=lambda h, mem: [900, 1410, 1395] if mem == 1215 else [],
+        nvmlDeviceGetSupportedGraphicsClocks=lambda h, mem: [900, 1410, 1395] if mem == 1215
+        else [],
         nvmlDeviceSetGpuLockedClocks=lambda h, lo, hi: calls.append(("lock", h, lo, hi)),
         nvmlDeviceResetGpuLockedClocks=lambda h: calls.append(("reset", h)),
         nvmlDeviceGetTotalEnergyConsumption=lambda h: 123456)
@@ -276,7 +277,7 @@ def test_nvml_backend_with_a_mocked_nvml():
 
 
 def test_plan_command_writes_plan_and_picture(tmp_path):
-    profile = write_profile(synthetic_profile(SyntheticGPUModel(clock_step=90), 2), tmp_path / "p.csv")
+    profile = write_profile(synthetic_profile(SMALL, 2), tmp_path / "p.csv")
     out = subprocess.run([sys.executable, "-m", "merak", "energy", "plan", str(profile),
                           "--stages", "2", "--microbatches", "4", "--max-slowdown", "0.05",
                           "--out", str(tmp_path / "plan.json")], capture_output=True, text=True,

@@ -165,14 +165,16 @@ def test_cli_prints_the_closed_form_bubble(tmp_path):
     assert '"traceEvents"' in (tmp_path / "t.json").read_text()
 
 
-def test_cli_prints_every_schedules_programs():
+def test_cli_prints_every_schedules_programs(capsys):
+    from merak.cli import main as cli_main
+
     for name, info in SCHEDULES.items():
-        cmd = [sys.executable, "-m", "merak", "simulate", "--schedule", name, "--stages", "2",
-               "--microbatches", "4", "--programs"]
-        cmd += ["--recompute-cost", "1"] if info.needs_recompute else []
-        cmd += ["--interleave", "2"] if info.several_stages_per_rank else []
-        out = json.loads(subprocess.run(cmd, capture_output=True, text=True,
-                                        check=True).stdout)
+        argv = ["simulate", "--schedule", name, "--stages", "2", "--microbatches", "4",
+                "--programs"]
+        argv += ["--recompute-cost", "1"] if info.needs_recompute else []
+        argv += ["--interleave", "2"] if info.several_stages_per_rank else []
+        assert cli_main(argv) == 0
+        out = json.loads(capsys.readouterr().out)
         assert len(out["programs"]) == 2
         first = out["programs"][0][0]
         assert set(first) >= {"stage", "action", "microbatch", "peer", "group"}

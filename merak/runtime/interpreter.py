@@ -104,7 +104,7 @@ class PipelineInterpreter(StepTail):
         self.runners = {s.stage_id: StageRunner(s, BlockRecomputation([], [], ctx.device))
                         for s in stages}
         self.transfers = StageTransfers(ctx, split, p2p_timeout_s,
-                                        getattr(ctx, "nccl_p2p_rules", False))
+                                        ctx.nccl_p2p_rules)
         self.batch_keys = list(dict.fromkeys(k for r in self.runners.values()
                                              for k in r.batch_keys))
         params = list({id(q): q for q in stage.parameters()}.values())
@@ -321,7 +321,10 @@ class PipelineInterpreter(StepTail):
         if self.ctx.pp == 1:
             return (int(code.item()),)
         codes = [torch.zeros_like(code) for _ in range(self.ctx.pp)]
-        dist.all_gather(codes, code, group=self.ctx.pp_group)
+        self.transfers.wait_collective(
+            dist.all_gather(codes, code, group=self.ctx.pp_group, async_op=True),
+            "the batch-shape exchange that starts every step (an all-gather over the pipeline "
+            "ranks)")
         return tuple(int(c.item()) for c in codes)
 
     def _discover_shapes(self) -> None:

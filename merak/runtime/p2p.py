@@ -264,6 +264,20 @@ class StageTransfers:
         for work in sends + acks_out:
             work.wait()
 
+    def wait_collective(self, work, what: str) -> None:
+        """Wait for a collective of the pipeline ranks with the p2p timeout."""
+        try:
+            ok = work.wait() if self.nccl else work.wait(
+                timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            ok, cause = False, f" ({error})"
+        else:
+            cause = ""
+        if ok is False:
+            raise P2PTimeoutError(f"rank {self.ctx.rank} waited {self.timeout_s:g}s in {what} "
+                                  f"and gave up{cause}. Check that every rank of its pipeline "
+                                  f"is alive and runs the same step.")
+
     def _release_finished_sends(self) -> None:
         self._sending = [(works, tensors) for works, tensors in self._sending
                          if not all(w.is_completed() for w in works)]

@@ -29,9 +29,9 @@ def add_simulate(subparsers) -> None:
                     "Costs and memories take one value or one per stage (comma-separated).")
     parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
     parser.add_argument("--stages", type=int, required=True)
-    parser.add_argument("--interleave", type=int, default=1, metavar="V",
-                        help="model chunks per stage for interleaved_1f1b (costs and memories "
-                             "stay per stage; each chunk takes 1/V); --compare includes "
+    parser.add_argument("--interleave", type=int, default=None, metavar="V",
+                        help="model chunks per rank for interleaved_1f1b (default 2; costs and "
+                             "memories stay per rank, each chunk takes 1/V); --compare includes "
                              "interleaved_1f1b when V > 1")
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--forward-cost", type=_values, default=1.0)
@@ -79,7 +79,7 @@ def _schedule(name: str, args: argparse.Namespace):
     several = SCHEDULES[name].several_stages_per_rank
     try:
         return make_schedule(name, args.stages, args.microbatches,
-                             stages_per_rank=args.interleave if several else 1,
+                             stages_per_rank=(args.interleave or 2) if several else 1,
                              recompute=args.recompute_cost is not None)
     except ValueError as error:
         raise SystemExit(str(error)) from None
@@ -115,7 +115,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_summary(result)))
     else:
-        chunks = f", {args.interleave} model chunks each" \
+        chunks = f", {args.interleave or 2} model chunks each" \
             if SCHEDULES[args.schedule].several_stages_per_rank else ""
         print(f"schedule {args.schedule}: {args.stages} stages x {args.microbatches} "
               f"micro-batches{chunks}")
@@ -141,7 +141,7 @@ def _compare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n, info in SCHEDULES.items()
              if (args.recompute_cost is not None or not info.needs_recompute)
-             and (args.interleave > 1 or not info.several_stages_per_rank)]
+             and ((args.interleave or 1) > 1 or not info.several_stages_per_rank)]
     models = _models(args)
     results = {name: _run_one(name, args, *models) for name in names}
     if args.json:

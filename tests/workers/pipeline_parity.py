@@ -89,19 +89,22 @@ def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
 
 
 def p2p_timeout() -> None:
-    """Stage 1 waits for activations stage 0 never sends: it must fail within its timeout."""
+    """Stage 1 waits for activations stage 0 never sends: it must fail within its timeout.
+    (Stage 0 takes part in the step's batch-shape exchange first, a collective.)"""
     ctx = merak.init(dp=1, tp=1, pp=2)
     model, pieces = build("gpt")
     split = merak.manual_split(model, pieces, num_stages=2)
     stage = merak.PipelineStage(model, split, ctx.stage_id)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
                                        2, schedule="1f1b", p2p_timeout_s=2.0)
+    batch = global_batch("gpt", 0, 4)
     if ctx.stage_id == 0:
+        engine._begin(batch, 2, None)  # the step's batch-shape exchange, then silence
         time.sleep(8.0)  # alive but silent
         return
     start = time.perf_counter()
     try:
-        engine.train_step(global_batch("gpt", 0, 4))
+        engine.train_step(batch)
     except merak.P2PTimeoutError as error:
         elapsed = time.perf_counter() - start
         message = str(error)
