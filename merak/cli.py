@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from merak.coverage.cli import add_coverage
 from merak.energy.cli import add_energy
 from merak.schedule.simulate_cli import add_simulate
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     add_simulate(subparsers)
     _add_export(subparsers)
     add_energy(subparsers)
+    add_coverage(subparsers)
     args = parser.parse_args(argv)
     return args.run(args)
 

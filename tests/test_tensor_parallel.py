@@ -12,14 +12,17 @@ import torch
 import transformers as tf
 from dist_harness import cached_launcher, check
 from hf_models import CustomMLP
-from tp_models import TP_FAMILIES
+from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES
 from tp_parity import scenario_names
 
 import merak
 import merak.build
 from merak.distributed.parallel_context import get_context, set_default_tp_plan
 from merak.tensor_parallel.layers import ShardSpec, shard_parameter
-from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan, plan_for
+from merak.tensor_parallel.diagnose import explain_tp_failure
+from merak.tensor_parallel.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
+from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan, _from_config_plan, plan_for
+from merak.tensor_parallel.wrappers import PartialSum, RopeGradReduce
 
 WORLD_SIZES = (2, 4, 8)
 
@@ -172,3 +175,95 @@ def test_gpt2_fused_qkv_and_attributes_are_divided():
     assert attn.c_attn.weight.tp_shard.chunks == (64, 64, 64)
     assert attn.c_proj.weight.shape == (32, 64) and attn.c_proj.bias.shape == (64,)
     assert model.merak_tp.size == 2 and "transformer.h.0.attn.c_attn" in model.merak_tp.converted
+
+
+def _hf_model(name: str, **overrides):
+    config = HF_PLAN_FAMILIES[name]().config
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with merak.init_empty_weights():
+        return tf.AutoModelForCausalLM.from_config(config)
+
+
+def test_every_transformers_style_has_a_meaning_or_a_refusal():
+    styles = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+              "packed_colwise", "packed_rowwise", "moe_tp_experts",
+              "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
+              "mla_kv_a_proj", "local_params", "replicate", "all_reduce", "moe_identity_expert")
+    assert set(styles) <= set(STYLE_MEANINGS)
+    fields = plan_fields_from_hf({f"layers.*.m{i}": s for i, s in enumerate(styles)}, "demo")
+    assert fields["unsupported"] is None
+    olmo2 = _from_config_plan(HF_PLAN_FAMILIES["olmo2"]().config)
+    assert olmo2.source == "base_model_tp_plan" and "*.layers.*.self_attn.q_proj" in \
+        olmo2.gather_output and olmo2.split_input == ("*.layers.*.self_attn.o_proj",)
+    odd = SimpleNamespace(model_type="demo", base_model_tp_plan={
+        "layers.*.q_proj": "colwise", "layers.*.o_proj": "rowwise",
+        "layers.*.norm": "sequence_parallel"})
+    with pytest.raises(ValueError, match="of 'demo' uses a .* style .*'sequence_parallel'"):
+        merak.apply_tensor_parallel(
+            SimpleNamespace(config=odd, merak_tp=None), _ctx(2))
+
+
+def test_config_plans_shard_experts_heads_and_norms():
+    """Meta builds at tp=2 (rank 1): experts split along the intermediate dim (gate and up
+    halves apart) and summed, OLMo2's gathered q/k/v and split-input o_proj, a partial gradient
+    for Qwen3-MoE's per-head q_norm but not OLMo2's full-width one, MLA's rotary key."""
+    mixtral = _hf_model("mixtral")
+    merak.apply_tensor_parallel(mixtral, _ctx(2, rank=1))
+    experts = mixtral.model.layers[0].mlp.experts
+    assert isinstance(experts, PartialSum)
+    assert experts.gate_up_proj.shape == (4, 128, 64)  # [E, 2 * 128 / 2, H]
+    assert experts.gate_up_proj.tp_shard.chunks == (128, 128)
+    assert experts.down_proj.shape == (4, 64, 64) and experts.down_proj.tp_shard.dim == 2
+    assert "packed_colwise" in mixtral.merak_tp.style_of("model.layers.0.mlp.experts.gate_up_proj")
+
+    olmo2 = _hf_model("olmo2")
+    merak.apply_tensor_parallel(olmo2, _ctx(2, rank=1))
+    attn = olmo2.model.layers[0].self_attn
+    assert attn.q_proj.gather_output and not attn.o_proj.input_is_parallel
+    assert not olmo2.model.layers[0].mlp.up_proj.gather_output
+    assert not getattr(attn.q_norm.weight, "tp_partial_grad", False)
+
+    moe = _hf_model("qwen3_moe")
+    merak.apply_tensor_parallel(moe, _ctx(2))
+    attn = moe.model.layers[0].self_attn
+    assert attn.q_norm.weight.tp_partial_grad and attn.config.num_attention_heads == 4
+    assert moe.config.num_attention_heads == 8  # the model's own config is untouched
+
+    deepseek = _hf_model("deepseek_v2")
+    merak.apply_tensor_parallel(deepseek, _ctx(2))
+    attn = deepseek.model.layers[0].self_attn
+    assert isinstance(attn.kv_a_proj_with_mqa, RopeGradReduce)
+    assert attn.kv_a_proj_with_mqa.rope_dim == 8 and attn.num_heads == 4
+
+
+def test_moe_sizes_must_divide():
+    model = _hf_model("qwen3_moe", moe_intermediate_size=30)
+    with pytest.raises(ValueError, match="tp=4 must divide moe_intermediate_size"):
+        merak.apply_tensor_parallel(model, _ctx(4))
+
+
+def test_a_shape_error_after_tp_names_the_module_and_style():
+    """OLMo2 sharded the naive way (every colwise* as plain column-parallel): the shape error
+    of its full-width q_norm is reported as a TP problem naming the module and the style, with
+    how to override, not as a capture problem."""
+    from merak.partition.auto import _capture_hint
+
+    build = HF_PLAN_FAMILIES["olmo2"]
+    table = {k: "colwise" if v.startswith("colwise") else "rowwise"
+             for k, v in build().config.base_model_tp_plan.items()}
+    naive = TPPlan(**plan_fields_from_hf(table, "olmo2"))
+    model = merak.apply_tensor_parallel(build(), _ctx(2), plan=naive)  # no group: no comms
+    with pytest.raises(RuntimeError, match="must match the size") as caught:
+        model(input_ids=torch.randint(0, 128, (2, 6)))
+    message = explain_tp_failure(model, caught.value)
+    assert "model.layers.0.self_attn.q_norm (Olmo2RMSNorm)" in message
+    assert "model.layers.0.self_attn.q_proj: colwise (column-parallel, output sharded) (plan: " \
+           "base_model_tp_plan)" in message
+    assert "the config's base_model_tp_plan" in message
+    assert "merak.set_tp_layer_lists(" in message and "tp_plan=" in message
+    assert "use_cache" not in message
+    assert _capture_hint(model, "export", caught.value) == message
+    assert explain_tp_failure(model, RuntimeError("CUDA out of memory")) is None
+    assert explain_tp_failure(build(), caught.value) is None  # not tensor-parallel
+    assert "use_cache" in _capture_hint(build(), "export", caught.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -62,6 +63,50 @@ def test_arguments_parse_from_the_command_line():
          '{"col_para_list": ["fc1"], "input_output_mapping": [[2, 1, "row"]]}'])
     assert args.tp_plan.column == ("fc1",) and args.tp_plan.io_mapping == ((2, 1, "row"),)
     json.loads(args.to_json_string())  # still serializable (for the report_to loggers)
+
+
+def test_every_merak_field_parses_from_the_command_line_and_has_help(capsys):
+    """HfArgumentParser with another dataclass beside MerakArguments (as HF's example scripts
+    do): list fields take several values, and --help lists every Merak field with its help."""
+    import dataclasses
+    import re
+    from dataclasses import dataclass, field
+
+    from transformers import TrainingArguments
+
+    @dataclass
+    class ModelArguments:
+        config_name: str = field(default="tiny-llama", metadata={"help": "config directory"})
+
+    parser = HfArgumentParser((ModelArguments, MerakArguments))
+    model_args, args = parser.parse_args_into_dataclasses(
+        ["--config_name", "cfg", "--output_dir", "out", "--activation_checkpointing",
+         "--activation_checkpoint_ratio", "0.5", "0.25", "--split_method", "layer_split",
+         "--custom_split_points", "model.layers.1", "model.layers.3", "--input_names",
+         "input_ids", "attention_mask", "--eval_iters", "3", "--no_tie_modules",
+         "--zero_stage", "1", "--sequence_dim", "0", "--gradient_predivide_factor", "2.0",
+         "--num_model_chunks", "2", "--train_schedule", "1f1b", "--no_save_rng", "true"])
+    assert model_args.config_name == "cfg"
+    assert args.activation_checkpoint_ratio == [0.5, 0.25]
+    assert args.custom_split_points == ["model.layers.1", "model.layers.3"]
+    assert args.input_names == ["input_ids", "attention_mask"]
+    assert (args.eval_iters, args.no_tie_modules, args.zero_stage, args.sequence_dim,
+            args.gradient_predivide_factor, args.no_save_rng) == (3, True, 1, 0, 2.0, True)
+    (budget,) = HfArgumentParser(MerakArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--activation_checkpointing", "--activation_memory_budget",
+         "64", "32"])
+    assert budget.activation_memory_budget == [64.0, 32.0]
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--help"])
+    text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    for f in dataclasses.fields(MerakArguments):
+        if f.name in inherited:
+            continue
+        assert f"--{f.name}" in text, f.name
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+        words = re.sub(r"\s+", " ", f.metadata["help"])[:40]
+        assert words in text, (f.name, words)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -159,6 +204,51 @@ def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(tmp_path):
     finally:
         del os.environ["MERAK_RESUME_DIR"]
     check(results, output, "kill-and-resume")
+
+
+def test_hf_trainer_api_save_model_metrics_and_a_partial_eval_batch(runs):
+    """save_model() on dp2 x tp2 x pp2 writes an HF directory (equal to `merak export` of the
+    checkpoint of the same step, checked in the worker); HF Trainer evaluating that directory
+    on the same 21 rows (a partial last batch, another batch size) gives Merak's eval loss and
+    compute_metrics over preprocess_logits_for_metrics."""
+    import transformers as tf
+    from trainer_common import dataset, token_accuracy
+
+    out, results, output = runs
+    check(results, output, "hf-api")
+    ours = json.loads((out / "hf-api" / "merak-eval.json").read_text())
+    model = tf.AutoModelForCausalLM.from_pretrained(out / "hf-api" / "model")
+    args = tf.TrainingArguments(output_dir=str(out / "hf-api-reference"), report_to="none",
+                                use_cpu=True, per_device_eval_batch_size=5)
+    reference = tf.Trainer(model=model, args=args, eval_dataset=dataset(21, 9),
+                           compute_metrics=token_accuracy,
+                           preprocess_logits_for_metrics=lambda logits, _: logits.argmax(-1))
+    theirs = reference.evaluate()
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    assert ours["eval_rows"] == theirs["eval_rows"] == 21
+    assert ours["eval_accuracy"] == pytest.approx(theirs["eval_accuracy"], abs=1e-9)
+
+
+def test_no_private_hf_trainer_name_is_reused_with_another_meaning():
+    """Every attribute MerakTrainer (or a mixin of it) defines that HF `Trainer` also has is a
+    deliberate override with HF's meaning (HF's save_model calls self._save(output_dir))."""
+    import inspect
+
+    from transformers import Trainer
+
+    import merak
+
+    overrides = {"__init__", "__doc__", "__module__", "__firstlineno__", "__static_attributes__",
+                 "__qualname__", "__dict__", "__weakref__", "train", "evaluate", "predict",
+                 "is_world_process_zero", "is_local_process_zero", "_save", "create_model_card"}
+    ours = set()
+    for cls in merak.MerakTrainer.__mro__:
+        if cls is Trainer:
+            break
+        ours |= set(vars(cls))
+    assert ours & set(dir(Trainer)) <= overrides, ours & set(dir(Trainer)) - overrides
+    assert list(inspect.signature(merak.MerakTrainer._save).parameters) == [
+        "self", "output_dir", "state_dict"]
 
 
 @pytest.mark.parametrize("scenario", ["reshard-dp1-tp1-pp4", "reshard-dp4-tp1-pp1",
@@ -296,10 +386,60 @@ def test_checkpoint_flags_without_optimizer_or_rng(tmp_path):
 
     trainer(save=True, no_save_optim=True, no_save_rng=True, max_steps=2).train()
     state = torch.load(tmp_path / "checkpoint-2" / "rank0.pt", map_location="cpu",
-                       weights_only=False)
+                       weights_only=True)
     assert "optimizer" not in state and "rng" not in state and "scheduler" in state
     with pytest.raises(KeyError, match="no_load_optim=True"):
         trainer(max_steps=3).train(resume_from_checkpoint=True)
     resumed = trainer(max_steps=3, no_load_optim=True, no_load_rng=True)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
+    # a checkpoint whose state would run code when unpickled is refused, and runs nothing
+    marker = tmp_path / "pwned"
+    torch.save({**state, "payload": _RunsCode(marker)}, tmp_path / "checkpoint-2" / "rank0.pt")
+    with pytest.raises(pickle.UnpicklingError, match=r"refusing to load .*rank0\.pt.*"
+                       r"weights_only=True.*GLOBAL exec"):
+        trainer(max_steps=3, no_load_optim=True).train(resume_from_checkpoint=True)
+    assert not marker.exists()
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def test_from_config_with_a_config_from_a_directory_is_initialized_not_loaded(tmp_path):
+    """A config loaded from a directory sets name_or_path; from_config under
+    init_empty_weights must still be initialized as the seeded full model (not taken for a
+    pretrained model whose weights are missing); from_pretrained is what loads from disk."""
+    import torch
+    import transformers as tf
+    from trainer_common import SEED, train_set
+
+    import merak
+    from merak.trainer.model_setup import pretrained_checkpoint
+
+    merak.init(dp=1, tp=1, pp=1)
+    build("llama").config.save_pretrained(tmp_path / "tiny-llama")
+    config = tf.AutoConfig.from_pretrained(tmp_path / "tiny-llama")
+    torch.manual_seed(SEED)
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_config(config)
+    assert model.name_or_path == str(tmp_path / "tiny-llama")
+    assert pretrained_checkpoint(model) is None
+    args = MerakArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none",
+                          per_device_train_batch_size=4, disable_tqdm=True, use_cpu=True,
+                          save_strategy="no", train_sampling_strategy="sequential")
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer.train()
+    torch.manual_seed(SEED)
+    reference = tf.AutoModelForCausalLM.from_config(config)
+    batch = tf.default_data_collator(train_set()[:4])
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(
+        reference(**batch).loss.item(), rel=1e-5)
+    reference.save_pretrained(tmp_path / "pretrained")
+    with merak.init_empty_weights():
+        loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    assert pretrained_checkpoint(loaded) == str(tmp_path / "pretrained")

@@ -36,6 +36,9 @@ _RANDOM_OPS = frozenset({
     "random_", "randperm", "uniform_",
 })
 RECORD_ATTR = "_merak_init_record"
+# set on a model built by `from_pretrained` inside `init_empty_weights`: the directory (or hub
+# id) its weights are to be loaded from, shard by shard, once the model is parallelized
+PRETRAINED_ATTR = "merak_pretrained_from"
 # what other parts of merak note on a parameter (tensor-parallel shard and gradient flags)
 _CARRIED_ATTRS = ("tp_shard", "tp_partial_grad")
 
@@ -205,12 +208,44 @@ def init_empty_weights() -> Iterator[InitRecord]:
 
     nn.Module.register_parameter = register_parameter
     undo_data = _track_data_assignments(record)
+    undo_pretrained = _mark_from_pretrained()
     try:
         with _Recorder(record):
             yield record
     finally:
         nn.Module.register_parameter = original
         undo_data()
+        undo_pretrained()
+
+
+def _mark_from_pretrained() -> Callable[[], None]:
+    """Make HF's ``PreTrainedModel.from_pretrained`` tag the model it returns with where its
+    weights are (`PRETRAINED_ATTR`): only such a model is loaded from disk when parallelized. A
+    model from ``from_config`` is initialized as the seeded full model would be, even when its
+    config (and so its ``name_or_path``) came from a directory. Returns the undo."""
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:  # no transformers: nothing to mark
+        return lambda: None
+    had_own = "from_pretrained" in PreTrainedModel.__dict__
+    previous = PreTrainedModel.__dict__.get("from_pretrained")
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
+        out = original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        model = out[0] if isinstance(out, tuple) else out
+        if isinstance(model, nn.Module) and pretrained_model_name_or_path is not None:
+            object.__setattr__(model, PRETRAINED_ATTR, str(pretrained_model_name_or_path))
+        return out
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+    def undo() -> None:
+        if had_own:
+            PreTrainedModel.from_pretrained = previous
+        else:
+            del PreTrainedModel.from_pretrained
+    return undo
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

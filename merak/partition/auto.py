@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from merak.materialize.meta import has_meta_parameters
 from merak.partition import assign
+from merak.partition.fake_weights import FakeWeights
 from merak.partition.graph_rewrite import find_blocks, set_graph_device, within
 from merak.partition.graph_split import split_model
 from merak.runtime.split import Piece, PipelineSplit, find_tied_weights
@@ -176,7 +177,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     start = time.perf_counter()
     graphs = _trace_and_split(model, example_inputs, dict(zip(blocks, stage_of)), num_stages,
                               blocks, tuple(leaf_modules), trace_method,
-                              nearest=split_method == "nearest_min_deps")
+                              nearest=split_method == "nearest_min_deps", device=device)
     for graph in graphs:
         set_graph_device(graph, device)
     if verbose:
@@ -199,29 +200,23 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
 
 
 def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, leaf_modules,
-                     trace_method: str, nearest: bool) -> list[fx.GraphModule]:
-    meta = has_meta_parameters(model)
-    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
-    if meta:  # trace entirely on meta: real buffers and inputs would mix devices
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and not buffer.is_meta:
-                    saved.append((module, name, buffer))
-                    module._buffers[name] = buffer.to("meta")
-        example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v
-                          for k, v in example_inputs.items()}
+                     trace_method: str, nearest: bool, device) -> list[fx.GraphModule]:
+    fake = FakeWeights(model, device) if has_meta_parameters(model) else None
+    if fake is not None:  # weights as storage-less tensors on the device they will run on
+        fake.__enter__()
+        example_inputs = fake.inputs(example_inputs)
     try:
         return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
-                           leaf_modules=leaf_modules, nearest=nearest, restore=saved,
-                           trace_method=trace_method,
+                           leaf_modules=leaf_modules, nearest=nearest,
+                           restore=fake.restore if fake else None, trace_method=trace_method,
                            shapes_from_received=not _sequence_parallel(model))
     except ValueError:
         raise
     except Exception as error:
         raise RuntimeError(_capture_hint(model, trace_method, error)) from error
     finally:
-        for module, name, buffer in saved:
-            module._buffers[name] = buffer
+        if fake is not None:
+            fake.restore()
 
 
 def _sequence_parallel(model: nn.Module) -> bool:
@@ -241,6 +236,11 @@ def _tp_glue_modules(model: nn.Module, blocks: list[str]) -> list[str]:
 
 
 def _capture_hint(model: nn.Module, trace_method: str, error: Exception) -> str:
+    from merak.tensor_parallel.diagnose import explain_tp_failure
+
+    tp_cause = explain_tp_failure(model, error)  # a shape error after TP: name the TP cause
+    if tp_cause is not None:
+        return tp_cause
     text = str(error).strip().splitlines()
     where = next((line for line in text if "File" in line or "module" in line.lower()), "")
     others = [m for m in TRACE_METHODS if m != trace_method]

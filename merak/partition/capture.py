@@ -14,6 +14,7 @@ stages:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.utils import _pytree as pytree
 
 from merak.partition.graph_rewrite import (
+    block_region,
     canonicalize_attrs,
     cleanup,
     collapse_block,
@@ -32,7 +34,9 @@ from merak.partition.graph_rewrite import (
     export_with_blocks,
     prepare_inputs,
     spec_paths,
+    stack_paths,
 )
+from merak.partition.taps import escaping_modules
 
 
 class CaptureError(RuntimeError):
@@ -60,23 +64,24 @@ def _outputs(out_node: fx.Node, spec) -> tuple[list, list[str]]:
 
 def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
                    leaf_modules: tuple[str, ...], *, strict: bool = False,
-                   dynamic_batch: bool = False, restore: list | None = None) -> Capture:
+                   dynamic_batch: bool = False, restore: Callable[[], None] | None = None) -> Capture:
     """torch.export (non-strict, or strict = TorchDynamo) with block signatures preserved."""
     kwargs = prepare_inputs(model, example_inputs)
-    try:
-        ep = export_with_blocks(model, kwargs, [*blocks, *leaf_modules], dynamic_batch,
-                                strict=strict)
-    except Exception as error:  # tracer errors of any type are capture failures
-        raise CaptureError(f"{type(error).__name__}: {error}") from error
-    for module, name, buffer in restore or ():  # real buffers back before stages bind them
-        module._buffers[name] = buffer
+    ep = _export(model, kwargs, [*blocks, *leaf_modules], dynamic_batch, strict)
     gm = ep.module()
+    cleanup(gm.graph)
+    tapped = _tapped_submodules(model, gm.graph, blocks)
+    if tapped:  # again, with the signatures of the submodules whose outputs leave the blocks
+        ep = _export(model, kwargs, [*blocks, *leaf_modules, *tapped], dynamic_batch, strict)
+        gm = ep.module()
+        cleanup(gm.graph)
+    if restore is not None:  # real weights back before stages bind them
+        restore()
     g = gm.graph
-    cleanup(g)
     sigs = {e.fqn: e.signature for e in ep.module_call_graph}
     names = {n.name: n for n in g.nodes}
     for b in blocks:
-        collapse_block(g, b, sigs[b], names)
+        collapse_block(g, b, sigs[b], names, tap=(model, sigs) if tapped else None)
     for leaf in leaf_modules:
         collapse_block(g, leaf, sigs[leaf], names, is_block=False)
     eagerize_dropout(g, model)
@@ -86,6 +91,30 @@ def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
     input_names = {p: str(path[-1]) for p, path in zip(phs, spec_paths(root_sig.in_spec))}
     leaves, out_names = _outputs(next(n for n in g.nodes if n.op == "output"), root_sig.out_spec)
     return Capture(gm, input_names, leaves, out_names, root_sig.out_spec)
+
+
+def _export(model, kwargs, preserved, dynamic_batch, strict):
+    try:
+        return export_with_blocks(model, kwargs, preserved, dynamic_batch, strict=strict)
+    except Exception as error:  # tracer errors of any type are capture failures
+        raise CaptureError(f"{type(error).__name__}: {error}") from error
+
+
+def _tapped_submodules(model: nn.Module, g: fx.Graph, blocks: list[str]) -> list[str]:
+    """Submodules of the blocks (in every block alike) with internal values read after the
+    block: hook-recorded outputs such as MoE router logits (see `taps`)."""
+    relative = set()
+    for b in blocks:
+        relative |= escaping_modules(g, block_region(g, b), b, stack_paths)
+    found = []
+    for b in blocks:
+        for rel in sorted(relative):
+            try:
+                model.get_submodule(f"{b}.{rel}")
+            except AttributeError:
+                continue
+            found.append(f"{b}.{rel}")
+    return found
 
 
 class _BlockTracer(fx.Tracer):

@@ -13,9 +13,12 @@ import re
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import Dim
 from torch.export.graph_signature import ConstantArgument, SymIntArgument, TensorArgument
 from torch.utils import _pytree as pytree
+
+from merak.partition.taps import tap_value
 
 _DROP_TARGETS = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -117,7 +120,7 @@ def nondeterministic(n: fx.Node) -> bool:
             or n.op == "call_method" and t in ("bernoulli", "multinomial"))
 
 
-def _stack_paths(n: fx.Node) -> list[str]:
+def stack_paths(n: fx.Node) -> list[str]:
     return [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()]
 
 
@@ -161,7 +164,8 @@ def export_with_blocks(model, kwargs, blocks, dynamic_batch=False, strict=False)
 def prepare_inputs(model, example_inputs):
     kw, seen = {}, set()
     for k, v in example_inputs.items():
-        if isinstance(v, torch.Tensor):  # aliased inputs would be merged by export -> clone
+        if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor):
+            # aliased inputs would be merged by export -> clone (fake inputs never alias)
             key = (v.untyped_storage().data_ptr(), v.storage_offset())
             v = v.clone() if key in seen else v
             seen.add(key)
@@ -181,13 +185,22 @@ def cleanup(g: fx.Graph):
             g.erase_node(n)
 
 
-def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = True) -> fx.Node:
-    """Replace the nodes of module `fqn` by one call_module to the eager module. Blocks are
-    placed on stages by the partition; other kept modules (`leaf_modules`) follow their inputs."""
+def block_region(g: fx.Graph, fqn: str) -> list[fx.Node]:
+    """The nodes module `fqn` computes, less shape arithmetic that later code reuses."""
     region = [n for n in g.nodes if n.op == "call_function"
-              and any(within(p, fqn) for p in _stack_paths(n))]
+              and any(within(p, fqn) for p in stack_paths(n))]
     if not region:
         raise RuntimeError(f"no graph nodes found for block {fqn}")
+    return _without_shared_shape_math(region)
+
+
+def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = True,
+                   tap=None) -> fx.Node:
+    """Replace the nodes of module `fqn` by one call_module to the eager module. Blocks are
+    placed on stages by the partition; other kept modules (`leaf_modules`) follow their inputs.
+    An internal value read outside the block is taken from a tap (`taps.tap_value`) when `tap`
+    (model, preserved signatures) can say which submodule output it is."""
+    region = block_region(g, fqn)
     rset = set(region)
 
     def arg(a):
@@ -218,16 +231,45 @@ def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = Tru
     for n in reversed(region):
         bad = [u for u in n.users if u not in rset]
         if bad:
-            raise RuntimeError(f"{fqn}: internal value {n} used outside the block by {bad}")
+            read = tap_value(g, tap[0], call, n, fqn, tap[1], spec_paths) if tap else None
+            if read is None:
+                raise RuntimeError(f"{fqn}: internal value {n} used outside the block by {bad}")
+            n.replace_all_uses_with(read, delete_user_cb=lambda u: u not in rset)
         g.erase_node(n)
     return call
+
+
+def _symbolic(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int,
+                                          float, bool))
+
+
+def _without_shared_shape_math(region: list[fx.Node]) -> list[fx.Node]:
+    """`region` less the shape arithmetic that later code reuses.
+
+    Export deduplicates symbolic-shape expressions: ``batch * seq`` computed in block 0 (e.g.
+    the token count an MoE block flattens its hidden states to) is the same fx node every later
+    block's ``view`` reads, although its module stack names block 0. Such a node is computed
+    from shapes alone (never from a tensor of the block), so it stays in the graph as ordinary
+    glue, recomputable on any stage, instead of being swallowed by the eager block call.
+    """
+    rset = set(region)
+    pure = set()
+    for n in region:
+        if _symbolic(n) and all(i not in rset or i in pure for i in n.all_input_nodes):
+            pure.add(n)
+    keep = set()
+    for n in reversed(region):
+        if n in pure and any(u not in rset or u in keep for u in n.users):
+            keep.add(n)
+    return [n for n in region if n not in keep]
 
 
 def eagerize_dropout(g: fx.Graph, model: nn.Module):
     """aten.dropout nodes that came from an nn.Dropout -> call_module (follows model.eval())."""
     for n in list(g.nodes):
         if n.op == "call_function" and n.target == torch.ops.aten.dropout.default:
-            paths = _stack_paths(n)
+            paths = stack_paths(n)
             try:
                 mod = model.get_submodule(paths[-1]) if paths else None
             except AttributeError:

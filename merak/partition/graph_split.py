@@ -14,11 +14,13 @@ the model's outputs by name (``loss``, ``logits``, ...).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import fx, nn
 
 from merak.partition.capture import Capture, capture_export, capture_fx
+from merak.partition.taps import is_tap_read
 from merak.partition.graph_rewrite import (
     dce,
     find_blocks,
@@ -86,7 +88,8 @@ def _assign(g: fx.Graph, free: set, tainted: set, stage_of_block: dict, num_stag
     if not nearest:
         for n in reversed(list(stage)):
             if ("block" in n.meta or n in tainted or any(u in tainted for u in n.users)
-                    or n.target is operator.getitem):  # a tuple element stays with its tuple
+                    or n.target is operator.getitem  # a tuple element stays with its tuple
+                    or is_tap_read(n)):  # read right after the block call that recorded it
                 continue
             users = [num_stages - 1 if u.op == "output" else stage[u] for u in n.users
                      if u.op == "output" or u in stage]
@@ -131,22 +134,22 @@ def _sym_substitutes(syms, cands):
 
 def capture(model: nn.Module, example_inputs: dict, blocks: list[str],
             leaf_modules: tuple[str, ...] = (), *, trace_method: str = "export",
-            restore: list | None = None, dynamic_batch: bool = False) -> Capture:
+            restore: Callable[[], None] | None = None, dynamic_batch: bool = False) -> Capture:
     """The whole model as one graph with `blocks` as calls to their eager modules."""
     if trace_method == "fx":
         cap = capture_fx(model, example_inputs, blocks, leaf_modules)
     else:
         cap = capture_export(model, example_inputs, blocks, leaf_modules,
                              strict=trace_method == "dynamo", dynamic_batch=dynamic_batch)
-    for module, name, buffer in restore or ():  # real buffers back before stages bind them
-        module._buffers[name] = buffer
+    if restore is not None:  # real weights back before stages bind them
+        restore()
     return cap
 
 
 def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
                 num_stages: int, *, blocks: list[str] | None = None,
                 leaf_modules: tuple[str, ...] = (), nearest: bool = False,
-                restore: list | None = None, dynamic_batch: bool = False,
+                restore: Callable[[], None] | None = None, dynamic_batch: bool = False,
                 trace_method: str = "export", shapes_from_received: bool = True
                 ) -> list[fx.GraphModule]:
     """One GraphModule per stage (see the module docstring). The last one also carries

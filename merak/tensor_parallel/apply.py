@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.partition.graph_rewrite import find_blocks, within
-from merak.tensor_parallel import layers
+from merak.tensor_parallel import layers, wrappers
 from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
-from merak.tensor_parallel.plans import (DIVISIBLE_CONFIG_ATTRS, TPPlan, as_tp_plan, matches,
-                                         plan_for)
+from merak.tensor_parallel.hf_styles import STYLE_MEANINGS
+from merak.tensor_parallel.plans import (DIVISIBLE_CONFIG_ATTRS, HEAD_ATTRS, TPPlan, as_tp_plan,
+                                         matches, plan_for)
 from merak.tensor_parallel.rng import install_tp_rng
 from merak.tensor_parallel.sequence import enable_sequence_parallel
 
@@ -34,13 +35,18 @@ class TPInfo:
     converted: tuple[str, ...]
     parallel_vocab: bool
     sequence_parallel: bool
+    styles: Mapping[str, str] = field(default_factory=dict)  # converted name -> its TP style
+
+    def style_of(self, name: str) -> str:
+        """How the converted module or parameter `name` is split, and by which plan."""
+        return f"{self.styles.get(name, 'tensor-parallel')} (plan: {self.plan.source})"
 
 
-def _check_divisible(model: nn.Module, tp: int, parallel_vocab: bool) -> None:
+def _check_divisible(model: nn.Module, tp: int, parallel_vocab: bool, plan: TPPlan) -> None:
     config = getattr(model, "config", None)
     if config is None:
         return
-    names = DIVISIBLE_CONFIG_ATTRS + (("vocab_size",) if parallel_vocab else ())
+    names = DIVISIBLE_CONFIG_ATTRS + plan.divisible + (("vocab_size",) if parallel_vocab else ())
     for attr in names:
         value = getattr(config, attr, None)
         if isinstance(value, int) and value % tp:
@@ -91,7 +97,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
                              "tp > 1; set overlap_level=0")
         return model  # parallel_vocab over one rank is the plain vocabulary
     plan = plan_for(model, ctx, plan)
-    _check_divisible(model, tp, parallel_vocab)
+    _check_divisible(model, tp, parallel_vocab, plan)
     config = getattr(model, "config", None)
     reason = plan.unsupported(config) if plan.unsupported else None
     if reason:
@@ -103,48 +109,138 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
     in_block = (lambda n: any(within(n, b) for b in blocks)) if blocks else (lambda n: True)
     named = [(n, m) for n, m in model.named_modules() if in_block(n)]
     cache: dict = {}  # id(original parameter) -> its shard: tied weights stay tied
-    converted = _convert_linears(named, plan, config, group, rank, tp, cache,
+    styles: dict[str, str] = {}
+    converted = _convert_linears(named, plan, config, group, rank, tp, cache, styles,
                                  sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
-    converted += _divide_and_shard_heads(named, plan, rank, tp, cache)
+    converted += _divide_and_shard_heads(named, plan, rank, tp, cache, styles)
+    converted += _convert_other_styles(named, plan, config, group, rank, tp, cache, styles)
+    if not converted:
+        raise ValueError(f"the TP plan ({plan.source}) matched no module; check its patterns "
+                         f"against model.named_modules()")
     if parallel_vocab:
         converted += _split_vocabulary(model, plan, group, rank, tp, cache)
     _mark_partial_grads(model, plan, sequence_parallel, in_block)
     tp_modules = {name: m for name, m in named if name in converted}
-    install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, layers.ColumnParallel)],
+    install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, layers.ColumnParallel)
+                           and not m.gather_output],
                    [m for m in tp_modules.values() if isinstance(m, layers.RowParallel)],
                    [model.get_submodule(b) for b in blocks], rank, sequence_parallel)
     if sequence_parallel:
         enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
-    model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel)
+    model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel,
+                            styles)
     if overlap_level:
         set_tp_overlap(model, overlap_level, overlap_sub_batches)
     return model
 
 
+def _hf_style(plan: TPPlan, name: str) -> str | None:
+    return next((s for p, s in plan.hf_styles if matches(name, p)), None)
+
+
+def _describe(plan: TPPlan, name: str, merak_style: str) -> str:
+    hf = _hf_style(plan, name)
+    return f"{hf} ({STYLE_MEANINGS.get(hf, merak_style)})" if hf else merak_style
+
+
+def _any(name: str, patterns) -> bool:
+    return any(matches(name, p) for p in patterns)
+
+
 def _convert_linears(named, plan: TPPlan, config, group, rank: int, tp: int, cache: dict,
-                     **sp) -> list[str]:
+                     styles: dict, **sp) -> list[str]:
     converted = []
     for name, module in named:
         style = plan.style(name, module)
         if style == "column":
             chunks = next((f(config) for p, f in plan.fused.items() if matches(name, p)), None)
+            parts = next((n for p, n in plan.packed.items() if matches(name, p)), None)
+            if chunks is None and parts and isinstance(module, nn.Linear):
+                chunks = (module.out_features // parts,) * parts
+            gather = _any(name, plan.gather_output)
             layers.make_column_parallel_(module, name, group, rank, tp, chunks=chunks,
-                                         cache=cache, **sp)
+                                         gather_output=gather, cache=cache, **sp)
+            desc = "column-parallel" + (", output all-gathered" if gather else "")
         elif style == "row":
             layers.make_row_parallel_(module, name, group, rank, tp, cache=cache, **sp)
+            module.input_is_parallel = not _any(name, plan.split_input)
+            desc = "row-parallel" + ("" if module.input_is_parallel else ", full input sliced")
         else:
             continue
+        styles[name] = _describe(plan, name, desc)
         converted.append(name)
-    if not converted:
-        raise ValueError(f"the TP plan ({plan.source}) matched no module; check its patterns "
-                         f"against model.named_modules()")
     return converted
 
 
-def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict) -> list[str]:
-    """Per-rank head counts in attributes (and private configs); per-head parameters split."""
-    sharded = []
+def _param_shard(plan: TPPlan, full: str, param) -> tuple[int, int] | None:
+    """(dim, packed parts) of a bare parameter the plan splits (`param_shards`), else None."""
+    axis = next((a for p, a in plan.param_shards.items() if matches(full, p)), None)
+    if axis is None or (axis == "in" and full.endswith(".bias")):
+        return None  # a row-parallel bias stays whole
+    dim = param.dim() - 1 if axis == "in" else max(param.dim() - 2, 0)
+    return dim, next((n for p, n in plan.packed.items() if matches(full, p)), 1)
+
+
+def _convert_other_styles(named, plan: TPPlan, config, group, rank: int, tp: int, cache: dict,
+                          styles: dict) -> list[str]:
+    """Experts (partial sums), identity experts, MLA's kv_a_proj, embeddings in the blocks."""
+    converted = []
     for name, module in named:
+        if _any(name, plan.vocab_parallel):
+            layers.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
+            desc = "vocab-parallel embedding"
+        elif _any(name, plan.embedding_dim):
+            wrappers.make_embedding_dim_parallel_(module, name, group, rank, tp, cache)
+            desc = "embedding split along its features"
+        elif _any(name, plan.rope_grad):
+            wrappers.make_rope_grad_reduce_(module, name, group, config)
+            desc = "replicated, rotary-key gradient summed"
+        elif _any(name, plan.scaled_identity):
+            wrappers.make_scaled_identity_(module, group, tp)
+            desc = "identity expert, input divided by tp"
+        else:
+            desc = None
+        if desc:
+            styles[name] = _describe(plan, name, desc)
+            converted.append(name)
+    for name, module in named:  # after the identities inside them: parameters checked here
+        if _any(name, plan.partial_sum):
+            owned = {n for n, _ in module.named_parameters(recurse=False)
+                     if f"{name}.{n}" in styles}
+            wrappers.make_partial_sum_(module, name, group, owned)
+            styles[name] = _describe(plan, name, "per-rank partial output summed over TP")
+            converted.append(name)
+    return converted
+
+
+def _sharded_parents(named, plan: TPPlan) -> set[str]:
+    """Modules directly holding a column-parallel layer whose output stays sharded."""
+    return {name.rpartition(".")[0] for name, m in named
+            if isinstance(m, layers.ColumnParallel) and not m.gather_output}
+
+
+def _divide_heads(module: nn.Module, name: str, tp: int) -> None:
+    """`HEAD_ATTRS` of `module` and of a private copy of its config, where they are ints."""
+    for attr in HEAD_ATTRS:
+        if isinstance(getattr(module, attr, None), int):
+            _divide_attr(module, name, attr, tp)
+    config = getattr(module, "config", None)
+    if config is not None and any(isinstance(getattr(config, a, None), int) for a in HEAD_ATTRS):
+        module.config = copy.copy(config)
+        for attr in HEAD_ATTRS:
+            if isinstance(getattr(config, attr, None), int):
+                _divide_attr(module.config, f"{name}.config", attr, tp)
+
+
+def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict,
+                            styles: dict) -> list[str]:
+    """Per-rank head counts in attributes (and private configs); per-head parameters and bare
+    parameters (`param_shards`) split."""
+    sharded = []
+    parents = _sharded_parents(named, plan) if plan.divide_heads else set()
+    for name, module in named:
+        if name in parents:
+            _divide_heads(module, name, tp)
         for pattern, attrs in plan.divide.items():
             if matches(name, pattern):
                 for attr in attrs:
@@ -160,10 +256,27 @@ def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict
         for param_name, param in list(module.named_parameters(recurse=False)):
             full = f"{name}.{param_name}"
             dim = next((d for p, d in plan.head_sharded.items() if matches(full, p)), None)
+            bare = _param_shard(plan, full, param) if dim is None and \
+                getattr(param, "tp_shard", None) is None else None
             if dim is not None:
                 setattr(module, param_name,
                         layers.shard_parameter(param, dim, rank, tp, cache=cache))
-                sharded.append(full)
+            elif bare is not None:
+                dim, parts = bare
+                size = param.shape[dim]
+                if size % (parts * tp):
+                    raise ValueError(f"tp={tp} cannot split {full} (shape {tuple(param.shape)}) "
+                                     f"along dim {dim}: {size} is not divisible by "
+                                     f"{parts * tp}" + (f" ({parts} packed parts)" if parts > 1
+                                                        else "") + "; choose a tp that divides "
+                                     f"it (for experts: the config's moe_intermediate_size / "
+                                     f"intermediate_size)")
+                setattr(module, param_name, layers.shard_parameter(
+                    param, dim, rank, tp, (size // parts,) * parts, cache))
+                styles[full] = _describe(plan, full, f"split along dim {dim}")
+            else:
+                continue
+            sharded.append(full)
     return sharded
 
 
@@ -191,10 +304,14 @@ def _mark_partial_grads(model: nn.Module, plan: TPPlan, sequence_parallel: bool,
                         in_block) -> None:
     """Flag replicated parameters whose gradient is a per-rank part (``tp_partial_grad``): the
     pipeline interpreter sums those over the TP group before the optimizer step."""
+    parents = _sharded_parents(list(model.named_modules()), plan)
     for name, param in model.named_parameters():
         if getattr(param, "tp_shard", None) is not None:
             continue
         module_name = name.rsplit(".", 1)[0]
-        if any(matches(module_name, p) for p in plan.partial_grad) or (
-                sequence_parallel and in_block(name)):
+        # a listed norm sees only this rank's heads when its holder also holds a column layer
+        # whose output stays sharded; after a gathered projection it sees everything
+        holder = module_name.rpartition(".")[0]
+        if (_any(module_name, plan.partial_grad) and any(within(p, holder) for p in parents)) \
+                or (sequence_parallel and in_block(name)):
             param.tp_partial_grad = True

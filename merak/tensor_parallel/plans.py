@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from merak.distributed.parallel_context import get_context, set_default_tp_plan
+from merak.tensor_parallel.hf_styles import plan_fields_from_hf
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -32,7 +33,22 @@ class TPPlan:
     sequence parallelism (None: sequence parallelism not supported for this family);
     `own_config` gives matching modules a private copy of the config with those attributes
     divided (for forwards that read head counts from ``self.config``); `unsupported` returns a
-    reason when a config variant cannot be sharded."""
+    reason when a config variant cannot be sharded.
+
+    The fields after `source` carry transformers' plan styles (`merak.tensor_parallel.hf_styles`
+    says which style gives which): `gather_output` column layers whose output is all-gathered;
+    `split_input` row layers fed the full input (each slices its part); `packed` column layers or
+    parameters whose split dimension packs that many equal parts (each split apart);
+    `param_shards` bare parameters split along their output (``"out"``: dim ``ndim - 2``, 0 for a
+    vector) or input (``"in"``: the last) dim; `partial_sum` modules whose output is a per-rank
+    partial sum (sharded experts: floating inputs all-reduced in backward, output summed);
+    `scaled_identity` identity experts inside those (input divided by tp); `rope_grad` MLA
+    ``kv_a_proj`` layers (gradient of the last ``qk_rope_head_dim`` features summed);
+    `vocab_parallel` / `embedding_dim` embeddings inside the blocks split by rows / features;
+    `divide_heads` divides the head counts (`HEAD_ATTRS`) of every module holding a
+    column-parallel layer whose output stays sharded, and of its private config; `divisible`
+    more config attributes tp must divide; `hf_styles` the (pattern, style) entries it came
+    from."""
 
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
@@ -48,6 +64,18 @@ class TPPlan:
     own_config: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unsupported: Callable[[object], str | None] | None = None
     source: str = "table"
+    gather_output: tuple[str, ...] = ()
+    split_input: tuple[str, ...] = ()
+    packed: dict[str, int] = field(default_factory=dict)
+    param_shards: dict[str, str] = field(default_factory=dict)
+    partial_sum: tuple[str, ...] = ()
+    scaled_identity: tuple[str, ...] = ()
+    rope_grad: tuple[str, ...] = ()
+    vocab_parallel: tuple[str, ...] = ()
+    embedding_dim: tuple[str, ...] = ()
+    divide_heads: bool = False
+    divisible: tuple[str, ...] = ()
+    hf_styles: tuple[tuple[str, str], ...] = ()
 
     def style(self, name: str, module: nn.Module) -> str | None:
         """'column', 'row' or None for the module `name`."""
@@ -139,6 +167,10 @@ FAMILY_PLANS: dict[str, TPPlan] = {
         head_sharded={"relative_attention_bias.weight": 1},
         embeddings=("shared",), lm_head=("lm_head",)),
 }
+
+# attributes holding head counts: divided where a plan says `divide_heads`
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
+              "n_heads", "n_head", "n_kv_heads")
 
 # config attributes tp must divide (whichever the config has)
 DIVISIBLE_CONFIG_ATTRS = ("num_attention_heads", "num_key_value_heads", "hidden_size",
@@ -282,14 +314,16 @@ def registered_plan(ctx: object) -> TPPlan | None:
 
 
 def _from_config_plan(config) -> TPPlan | None:
-    """A plan from the config's own ``base_model_tp_plan`` (colwise / rowwise entries)."""
+    """A plan from the config's own ``base_model_tp_plan`` (every transformers style, see
+    `merak.tensor_parallel.hf_styles`); None when it has none or it splits nothing."""
     table = getattr(config, "base_model_tp_plan", None) or {}
-    column = tuple(k for k, v in table.items() if v.startswith("colwise") and ".*." in k)
-    row = tuple(k for k, v in table.items() if v.startswith("rowwise") and ".*." in k)
-    if not column or not row:
-        return None
-    return TPPlan(column=tuple("*." + c for c in column), row=tuple("*." + r for r in row),
-                  source="base_model_tp_plan")
+    if not table and hasattr(config, "get_text_config"):
+        try:
+            table = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+        except ValueError:  # several text configs: ambiguous
+            table = {}
+    fields = plan_fields_from_hf(table, getattr(config, "model_type", "?")) if table else None
+    return TPPlan(**fields) if fields else None
 
 
 def plan_for(model: nn.Module, ctx: object = None,

@@ -19,6 +19,7 @@ from merak.partition import assign
 from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
 from merak.schedule.registry import SCHEDULES
 from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
+from merak.trainer.job import JobView
 
 
 class NotSupportedYetError(ValueError):
@@ -62,7 +63,7 @@ def _same(value: Any, default: Any) -> bool:
 
 
 @dataclass
-class MerakArguments(TrainingArguments):
+class MerakArguments(JobView, TrainingArguments):
     """`TrainingArguments` with Merak's pipeline, tensor-parallel and runtime fields.
 
     Degrees come from `merak.init(dp=, tp=, pp=)`; micro-batches per step are

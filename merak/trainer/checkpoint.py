@@ -18,6 +18,7 @@ warning, and the previous checkpoint intact.
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 import warnings
@@ -177,8 +178,33 @@ def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool
             if not same and spec is not None:
                 value = spec.take(value)
             param.copy_(value)
-    # CPU first: the file may come from another device index or a GPU-less job; the optimizer
-    # moves its state onto the parameters when it loads it
-    state = torch.load(path / f"rank{ctx.rank if same else 0}.pt", map_location="cpu",
-                       weights_only=False)
+    state = load_rank_state(path / f"rank{ctx.rank if same else 0}.pt")
     return state, same
+
+
+def _safe_globals():
+    """The non-tensor types a rank's state holds besides plain containers and numbers: numpy's
+    RNG state (an array of uint32), as HF Trainer allows them for its RNG files."""
+    core = getattr(np, "_core", None) or np.core
+    return torch.serialization.safe_globals([core.multiarray._reconstruct, np.ndarray, np.dtype,
+                                             type(np.dtype(np.uint32))])
+
+
+def load_rank_state(file: Path) -> dict:
+    """A rank's optimizer, scheduler, RNG and trainer state, unpickled with ``weights_only=True``
+    (tensors, plain containers and numbers, numpy RNG arrays): a checkpoint from elsewhere cannot
+    run code. Loaded on CPU (the file may come from another device index or a GPU-less job; the
+    optimizer moves its state onto the parameters when it loads it)."""
+    try:
+        with _safe_globals():
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = str(error).splitlines()
+        culprit = next((ln.strip() for ln in lines if "GLOBAL" in ln or "Unsupported" in ln),
+                       lines[0] if lines else "")
+        raise pickle.UnpicklingError(
+            f"refusing to load {file}: it holds objects other than tensors, numbers and plain "
+            f"containers, which unpickling could run code for (Merak loads checkpoint states "
+            f"with torch.load(weights_only=True)); only resume from checkpoints you trust that "
+            f"Merak wrote. ({culprit})") from None
+

@@ -61,3 +61,48 @@ class StageBatches:
                 continue
             start = step * self.global_size + self.dp_rank * self.local
             yield self.collate([self.dataset[i] for i in order[start:start + self.local]])
+
+
+class EvalBatches:
+    """Every item of an evaluation set once, in order, in steps of ``rows`` items per dp rank
+    (`micro_batch_size` x `num_microbatches`): step k's global slice is items
+    ``[k*G, (k+1)*G)`` with G = rows x dp, dp rank r taking its r-th share. The last step's
+    shares are filled up to full micro-batches (the pipeline runs the shapes it was built for)
+    with copies of item 0 whose labels are all -100; `real_rows` says how many rows of a share
+    are data, and a rank's padding always follows its data."""
+
+    def __init__(self, dataset, collate: Callable[[list], dict], *, micro_batch_size: int,
+                 num_microbatches: int, dp: int, dp_rank: int, reads_data: bool,
+                 label_names: Sequence[str] = ("labels",)):
+        self.dataset, self.collate = dataset, collate
+        self.rows = micro_batch_size * num_microbatches
+        self.global_size = self.rows * dp
+        self.dp_rank, self.reads_data, self.label_names = dp_rank, reads_data, label_names
+        if len(dataset) == 0:
+            raise ValueError("the evaluation dataset is empty")
+
+    @property
+    def steps(self) -> int:
+        return -(-len(self.dataset) // self.global_size)
+
+    def real_rows(self, step: int, dp_rank: int | None = None) -> int:
+        start = step * self.global_size + (self.dp_rank if dp_rank is None else dp_rank) \
+            * self.rows
+        return max(0, min(self.rows, len(self.dataset) - start))
+
+    def samples(self, steps: int) -> int:
+        return min(len(self.dataset), steps * self.global_size)
+
+    def step(self, step: int) -> dict | None:
+        if not self.reads_data:
+            return None
+        start = step * self.global_size + self.dp_rank * self.rows
+        real = self.real_rows(step)
+        items = [self.dataset[i] for i in range(start, start + real)]
+        batch = self.collate(items + [self.dataset[0]] * (self.rows - real))
+        if real < self.rows:
+            for name in self.label_names:
+                if name in batch:
+                    batch[name] = batch[name].clone()
+                    batch[name][real:] = -100
+        return batch

@@ -1,6 +1,11 @@
-"""`merak export <checkpoint> <dir>`: a Merak checkpoint as a plain HF `save_pretrained`
-directory (config.json + model.safetensors with whole tensors), loadable by
-``AutoModelForCausalLM.from_pretrained(dir)``, whatever (dp, tp, pp) layout it was saved with."""
+"""HF-format model directories from Merak models: config.json + model.safetensors with whole
+tensors, loadable by ``AutoModelForCausalLM.from_pretrained(dir)``, whatever (dp, tp, pp) layout
+the weights were trained in.
+
+- `export_checkpoint` (``merak export <checkpoint> <dir>``): from a Merak checkpoint on disk.
+- `gather_full_tensors` + `save_hf_directory` (``MerakTrainer.save_model``): from the live
+  stages of a job, gathered on global rank 0.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,10 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
+from torch import nn
 
 from merak.trainer.checkpoint import MARKER, full_tensors
 
@@ -27,3 +35,58 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(checkpoint / "config.json", out_dir / "config.json")
     return out_dir
+
+
+def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | None:
+    """The whole model's parameters under their original names (`name_prefix` removed), on
+    global rank 0 (None elsewhere); a collective. Each (pp, tp) rank of dp rank 0 sends its
+    stage's parameters as CPU tensors; tensor-parallel shards are put back together
+    (`ShardSpec.assemble`)."""
+    mine = None
+    if ctx.dp_rank == 0:
+        mine = [(name, getattr(p, "tp_shard", None), p.detach().cpu())
+                for name, p in stage.named_parameters()]
+    parts = [None] * ctx.world_size if ctx.rank == 0 else None
+    if ctx.world_size > 1:
+        dist.gather_object(mine, parts, dst=0)
+    else:
+        parts = [mine]
+    if ctx.rank != 0:
+        return None
+    shards: dict[str, dict] = {}
+    specs = {}
+    for part in parts:
+        for name, spec, tensor in part or ():
+            specs.setdefault(name, spec)
+            shards.setdefault(name, {})[spec.rank if spec is not None else 0] = tensor
+    out = {}
+    for name, pieces in shards.items():
+        spec = specs[name]
+        if spec is None:
+            full = pieces[0]
+        else:
+            if sorted(pieces) != list(range(spec.size)):
+                raise ValueError(f"tensor {name} has shards {sorted(pieces)} of {spec.size}")
+            full = spec.assemble([pieces[r] for r in range(spec.size)])
+        key = name[len(name_prefix):] if name_prefix and name.startswith(name_prefix) else name
+        out[key] = full.contiguous()
+    return out
+
+
+def save_hf_directory(tensors: dict[str, torch.Tensor], model: nn.Module,
+                      output_dir: str | Path) -> Path:
+    """`tensors` (whole, original names) as an HF `save_pretrained` directory, with `model`'s
+    config and generation config (the user's model: its parameters may be on meta)."""
+    from huggingface_hub import save_torch_state_dict
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(tensors, out, metadata={"format": "pt"})
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.save_pretrained(out)
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)
+    if generation is not None and can_generate():
+        generation.save_pretrained(out)
+    return out

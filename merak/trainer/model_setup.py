@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from merak.materialize.meta import PRETRAINED_ATTR
 from merak.materialize.safetensors import INDEX_FILE, SINGLE_FILE
 
 
@@ -35,9 +36,10 @@ def zero1(optimizer: torch.optim.Optimizer, ctx) -> ZeroRedundancyOptimizer:
 
 def pretrained_checkpoint(model: nn.Module) -> str | None:
     """The safetensors directory a meta model came from (``from_pretrained(path)`` inside
-    `init_empty_weights` leaves its parameters on meta): each rank then loads its own shard
-    from it. None for a model to initialize (``from_config``) or one with real weights."""
-    path = getattr(model, "name_or_path", "") or ""
+    `init_empty_weights` leaves its parameters on meta and records the path): each rank then
+    loads its own shard from it. None for a model to initialize (``from_config``, whatever
+    directory its config and so its ``name_or_path`` came from) or one with real weights."""
+    path = getattr(model, PRETRAINED_ATTR, None)
     if not path or not any(p.is_meta for p in model.parameters()):
         return None
     if not any((Path(path) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):

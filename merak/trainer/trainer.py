@@ -14,34 +14,27 @@ import inspect
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import (
-    EvalLoopOutput,
-    EvalPrediction,
-    PredictionOutput,
-    TrainOutput,
-    set_seed,
-)
+from transformers.trainer_utils import TrainOutput, set_seed
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.schedule.registry import SCHEDULES
-from merak.trainer import checkpoint, recomputation
+from merak.trainer import recomputation
 from merak.trainer.arguments import MerakArguments
+from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.data import StageBatches, model_input_filter
+from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.grad_norm import GradNormClipper
 from merak.trainer.loss_scale import LossScaler
 from merak.trainer.model_setup import (
     default_loss_fn,
-    local_optimizer,
     pretrained_checkpoint,
     with_loss,
     zero1,
@@ -49,7 +42,7 @@ from merak.trainer.model_setup import (
 from merak.trainer.timers import WallClockBreakdown
 
 
-class MerakTrainer(Trainer):
+class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -68,6 +61,7 @@ class MerakTrainer(Trainer):
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
         self.stage = self.engine = self.clipper = None
+        self._user_model = model
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
             if args.remove_unused_columns else (lambda batch: batch)
 
@@ -181,7 +175,7 @@ class MerakTrainer(Trainer):
                                   train_batch_size=mbs)
         resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
         if resume_from_checkpoint:
-            self._resume(resume_from_checkpoint)
+            self._resume_merak_checkpoint(resume_from_checkpoint)
         first_epoch, skip = divmod(self.state.global_step, steps_per_epoch)
         if args.energy_profile:
             return self._profile_energy(data)
@@ -230,7 +224,7 @@ class MerakTrainer(Trainer):
                     self.log(logs)
                     logged_loss, logged_steps, logged_time = 0.0, 0, time.perf_counter()
                 if self._should_save():
-                    self._save()
+                    self._save_merak_checkpoint()
                 if self.control.should_training_stop:
                     break
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
@@ -265,66 +259,7 @@ class MerakTrainer(Trainer):
                   f"`{self.energy.plan_command(path)}`")
         return TrainOutput(0, float("nan"), metrics)
 
-    # ---------------------------------------------------------------- checkpoints
-    def _interval(self, steps: float) -> int:
-        """HF's `*_steps`: a step count, or below 1 a fraction of max_steps."""
-        return int(steps) if steps >= 1 else max(1, int(steps * self.state.max_steps))
-
-    def _should_save(self) -> bool:
-        args = self.args
-        if not str(args.save_strategy).lower().endswith("steps"):
-            return False
-        return self.state.global_step % self._interval(args.save_steps) == 0 \
-            or self.control.should_save
-
-    def _save(self) -> None:
-        args = self.args
-        state = {"scheduler": self.lr_scheduler.state_dict(),
-                 "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
-                             "log_history": self.state.log_history}}
-        if not (args.no_save_optim or args.save_only_model):
-            state["optimizer"] = local_optimizer(self.optimizer).state_dict()
-        if not (args.no_save_rng or args.save_only_model):
-            state["rng"] = checkpoint.rng_states(self._user_model)
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        path = checkpoint.save_checkpoint(
-            args.output_dir, self.state.global_step, self.ctx, self.stage, state,
-            save_total_limit=args.save_total_limit,
-            config=getattr(self._user_model, "config", None),
-            name_prefix="model." if self._wrapped_loss else "")
-        self.control.should_save = False
-        self.control = self.callback_handler.on_save(args, self.state, self.control)
-        if self.is_world_process_zero():
-            print(f"saved {path}")
-
-    def _resume(self, resume_from_checkpoint) -> None:
-        """Weights always; with `finetune` nothing else; otherwise optimizer, scheduler, RNG and
-        the step (unless no_load_optim / no_load_rng)."""
-        args = self.args
-        path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
-        state, same_layout = checkpoint.load_checkpoint(path, self.ctx, self.stage)
-        if args.finetune:
-            return
-        if not same_layout and not args.no_load_optim:
-            warnings.warn(f"{path} was saved with another (dp, tp, pp) layout: its weights were "
-                          f"resharded, but its optimizer state is not resharded yet; the "
-                          f"optimizer starts fresh (pass no_load_optim=True to silence this)",
-                          stacklevel=2)
-        elif not args.no_load_optim:
-            if "optimizer" not in state:
-                raise KeyError(f"{path} holds no optimizer state (saved with no_save_optim); "
-                               f"resume with no_load_optim=True")
-            local_optimizer(self.optimizer).load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-        if not args.no_load_rng and "rng" in state:
-            checkpoint.set_rng_states(state["rng"], self._user_model)
-        saved = state["trainer"]
-        self.state.global_step, self.state.epoch = saved["global_step"], saved["epoch"]
-        self.state.log_history = saved["log_history"]
-
+    # ---------------------------------------------------------------- logging
     def _should_log(self) -> bool:
         step, args = self.state.global_step, self.args
         if args.logging_first_step and step == 1:
@@ -332,66 +267,3 @@ class MerakTrainer(Trainer):
         return str(args.logging_strategy).endswith("steps") \
             and step % self._interval(args.logging_steps) == 0 \
             or self.control.should_log or step == self.state.max_steps
-
-    # ---------------------------------------------------------------- evaluation
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
-                 ) -> dict[str, float]:
-        output = self._loss_loop(eval_dataset if eval_dataset is not None
-                                 else self.eval_dataset, metric_key_prefix)
-        self.log(output.metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
-                                                         output.metrics)
-        return output.metrics
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"
-                ) -> PredictionOutput:
-        """Logits (gathered from the last stage of every pipeline, in dataset order), labels and
-        metrics (loss, and `compute_metrics` when given) over `test_dataset`."""
-        output = self._loss_loop(test_dataset, metric_key_prefix, predictions=True)
-        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
-                                metrics=output.metrics)
-
-    def _loss_loop(self, dataset, prefix: str, predictions: bool = False) -> EvalLoopOutput:
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset")
-        predictions = predictions or self.compute_metrics is not None
-        mbs = self.args.per_device_eval_batch_size
-        m = self.args.gradient_accumulation_steps if self.ctx.pp > 1 else 1
-        self._build(self._example(dataset, mbs))
-        data = self._batches(dataset, mbs, m)
-        steps = data.steps_per_epoch if self.args.eval_iters is None else \
-            min(self.args.eval_iters, data.steps_per_epoch)
-        start, losses, logits, labels = time.perf_counter(), [], [], []
-        for i, batch in enumerate(data.epoch(0)):
-            if i >= steps:
-                break
-            losses.append(self.engine.eval_step(batch, m, keep="logits" if predictions else None))
-            if predictions:
-                mine = (self.engine.kept, batch["labels"]) if self.ctx.is_last_stage else None
-                step_logits, step_labels = self._gather_from_last_stages(mine)
-                logits.append(step_logits)
-                labels.append(step_labels)
-        runtime = time.perf_counter() - start
-        metrics = {f"{prefix}_loss": sum(losses) / len(losses),
-                   f"{prefix}_runtime": round(runtime, 4),
-                   f"{prefix}_steps": len(losses)}
-        preds = torch.cat(logits).float().cpu().numpy() if predictions else None
-        label_ids = torch.cat(labels).cpu().numpy() if predictions else None
-        if predictions and self.compute_metrics is not None:
-            computed = self.compute_metrics(EvalPrediction(predictions=preds, label_ids=label_ids))
-            metrics.update({f"{prefix}_{k}": v for k, v in computed.items()})
-        return EvalLoopOutput(predictions=preds, label_ids=label_ids, metrics=metrics,
-                              num_samples=len(losses) * data.global_size)
-
-    def _gather_from_last_stages(self, mine):
-        """(logits, labels) of a global batch, on every rank: each last-stage rank's share,
-        in dp order (tp ranks of a last stage hold the same values). The shares travel and
-        come back as CPU tensors (`all_gather_object` pickles them; on NCCL it stages the bytes
-        through the current CUDA device, so a CUDA tensor would unpickle onto the sender's
-        device index)."""
-        parts = [None] * self.ctx.world_size
-        if mine is not None:
-            mine = tuple(t.detach().cpu() for t in mine)
-        dist.all_gather_object(parts, mine if self.ctx.tp_rank == 0 else None)
-        shares = [p for p in parts if p is not None]  # ranks are ordered by dp within a stage
-        return torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])

@@ -50,3 +50,33 @@ TP_FAMILIES = {
 def tp_batch(family: str, step: int, rows: int):
     kind = family if family in ("bert", "t5") else "llama"
     return batch(kind, step, rows)
+
+
+# families without a FAMILY_PLANS entry whose config ships a base_model_tp_plan: together they use
+# colwise_gather_output / rowwise_split_input (olmo2), packed_colwise experts + moe_tp_experts
+# (mixtral, qwen3_moe), replicated_with_grad_allreduce (qwen3_moe, exaone4) and mla_kv_a_proj
+# (deepseek_v2)
+_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "router_jitter_noise": 0.0,
+        "output_router_logits": True}
+
+
+def _hf(model_type: str, **overrides):
+    def build():
+        base = tf.AutoConfig.for_model(model_type)
+        kw = {k: v for k, v in {**ATTN, "head_dim": 8, "pad_token_id": 0, "bos_token_id": 1,
+                                "eos_token_id": 2, **_MOE, **overrides}.items()
+              if hasattr(base, k) or k in overrides}
+        return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **kw))
+    return build
+
+
+HF_PLAN_FAMILIES = {
+    "olmo2": _hf("olmo2"),
+    "mixtral": _hf("mixtral"),
+    "qwen3_moe": _hf("qwen3_moe", decoder_sparse_step=1, mlp_only_layers=[1]),
+    "exaone4": _hf("exaone4", sliding_window=4),
+    "deepseek_v2": _hf("deepseek_v2", num_key_value_heads=8, q_lora_rank=16, kv_lora_rank=16,
+                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1,
+                       first_k_dense_replace=1, n_group=1, topk_group=1),
+}

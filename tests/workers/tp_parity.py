@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
 from hf_models import CustomMLP, batch
 from safetensors.torch import save_file, save_model
-from tp_models import TP_FAMILIES, tp_batch
+from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES, tp_batch
 
 import merak
 from merak.materialize.meta import materialize_
@@ -159,6 +159,57 @@ def checkpoint_shards(tp: int) -> None:
     assert mine < total * 0.75, f"rank holds {mine} of {total} parameters"
 
 
+def _full_grad(param: torch.Tensor, group) -> torch.Tensor:
+    """The whole gradient of `param` from every TP rank: partial gradients summed, shards
+    gathered and put together with `ShardSpec.assemble`."""
+    grad = param.grad
+    if getattr(param, "tp_partial_grad", False):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+    spec = getattr(param, "tp_shard", None)
+    if spec is None:
+        return grad
+    shards = [torch.empty_like(grad) for _ in range(spec.size)]
+    dist.all_gather(shards, grad.contiguous(), group=group)
+    return spec.assemble(shards)
+
+
+def hf_plan_parity(name: str, tp: int) -> None:
+    """A family with no FAMILY_PLANS entry, sharded by its config's base_model_tp_plan (every
+    transformers style it uses): loss (with MoE auxiliary loss) and every gradient, assembled
+    from the shards, equal the unsharded model's. Eager (no pipeline split)."""
+    ctx = merak.init(dp=1, tp=tp, pp=1)
+    torch.manual_seed(SEED)
+    with merak.init_empty_weights():
+        model = HF_PLAN_FAMILIES[name]()
+    merak.apply_tensor_parallel(model, ctx)
+    assert model.merak_tp.plan.source == "base_model_tp_plan"
+    torch.manual_seed(SEED)
+    materialize_(model)
+    torch.manual_seed(SEED)
+    reference = HF_PLAN_FAMILIES[name]()
+    data = tp_batch(name, 0, ROWS)
+    model.train()
+    reference.train()
+    loss = model(**data).loss
+    loss.backward()
+    expected = reference(**data).loss
+    expected.backward()
+    assert_close(loss.detach(), expected.detach(), "loss")
+    params = dict(reference.named_parameters())
+    sharded = 0
+    for pname, param in model.named_parameters():
+        sharded += getattr(param, "tp_shard", None) is not None
+        assert param.shape == _slice(param, params[pname]).shape, pname
+        assert_close(param.detach(), _slice(param, params[pname].detach()), f"{pname} (init)")
+        if params[pname].grad is None:
+            assert param.grad is None, f"{pname} got a gradient, the model's did not"
+            continue
+        assert_close_grad(_full_grad(param, ctx.tp_group), params[pname].grad,
+                          f"grad of {pname}")
+    assert sharded, "no parameter was sharded"
+
+
 SCENARIOS = {
     2: {**{f"tp2-{name}": family(name, 1, 2, 1) for name in TP_FAMILIES},
         "tp2-llama-parallel-vocab": family("llama", 1, 2, 1, parallel_vocab=True),
@@ -167,7 +218,11 @@ SCENARIOS = {
         "tp2-custom-set_tp_layer_lists": custom_plan(2),
         "tp2-vocab-parallel-cross-entropy": lambda: vocab_parallel_loss(2),
         "tp2-dropout-rng": lambda: dropout_rng(2),
-        "tp2-checkpoint-shards": lambda: checkpoint_shards(2)},
+        "tp2-checkpoint-shards": lambda: checkpoint_shards(2),
+        **{f"tp2-hf-plan-{name}": (lambda n=name: hf_plan_parity(n, 2))
+           for name in HF_PLAN_FAMILIES},
+        "tp2-hf-plan-olmo2-pipeline": lambda: parity(
+            HF_PLAN_FAMILIES["olmo2"], lambda s, r: tp_batch("olmo2", s, r), 1, 2, 1)},
     4: {**{f"tp4-{name}": family(name, 1, 4, 1) for name in TP_FAMILIES},
         "tp2-pp2-llama-sequence-parallel": family("llama", 1, 2, 2, sequence_parallel=True),
         "tp4-vocab-parallel-cross-entropy": lambda: vocab_parallel_loss(4)},

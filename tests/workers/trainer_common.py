@@ -65,3 +65,14 @@ def build_deep_llama():
 
 
 RESHARD_SAVE_STEP = 4
+
+
+def token_accuracy(prediction) -> dict[str, float]:
+    """compute_metrics over argmax predictions (preprocess_logits_for_metrics): next-token
+    accuracy, as HF's run_clm computes it."""
+    import numpy as np
+
+    predicted, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+    mask = labels != -100
+    return {"accuracy": float((predicted[mask] == labels[mask]).mean()),
+            "rows": float(len(prediction.label_ids))}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ def run(name: str) -> None:
         model = build(family)
     args = merak.MerakArguments(output_dir=str(OUT / name),
                                 per_device_train_batch_size=MICRO_BATCH,
-                                per_device_eval_batch_size=MICRO_BATCH, parallel_vocab=True,
+                                per_device_eval_batch_size=4 * MICRO_BATCH, parallel_vocab=True,
                                 wall_clock_breakdown=True, **COMMON, **extra, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
@@ -51,7 +52,7 @@ def run(name: str) -> None:
             np.save(OUT / f"merak-{name}-logits.npy", predicted.predictions)
             np.save(OUT / f"merak-{name}-labels.npy", predicted.label_ids)
     trainer.args.eval_iters = 1
-    assert trainer.evaluate()["eval_steps"] == 1 and metrics["eval_steps"] == 3
+    assert trainer.evaluate()["eval_steps"] == 1 and metrics["eval_steps"] == 2  # 24 of 32 rows
     state_bytes = sum(t.numel() * t.element_size()
                       for s in local_optimizer(trainer.optimizer).state.values()
                       for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
@@ -86,6 +87,65 @@ def save_for_reshard() -> None:
     dist.barrier()
 
 
+def hf_api() -> None:
+    """HF Trainer's API on a dp2 x tp2 x pp2 job: save_model (an HF directory gathered from the
+    shards; test_trainer loads it and evaluates it with HF Trainer), save_state, metrics files,
+    model card, and a partial last eval batch with preprocess_logits_for_metrics and
+    compute_metrics (also checked against HF Trainer there)."""
+    import transformers as tf
+    from trainer_common import dataset, token_accuracy
+
+    ctx = merak.init(dp=2, tp=2, pp=2)
+    with merak.init_empty_weights():
+        model = build("llama")
+    out = OUT / "hf-api"
+    args = merak.MerakArguments(output_dir=str(out), per_device_train_batch_size=MICRO_BATCH,
+                                per_device_eval_batch_size=3, parallel_vocab=True,
+                                **{**COMMON, "max_steps": 2, "save_steps": 2})
+    assert (args.process_index, args.world_size) == (ctx.rank, 8)
+    assert args.should_log == args.should_save == (ctx.rank == 0)
+    order = []
+    with args.main_process_first(local=False):
+        order.append(time.perf_counter())
+    shapes = []
+
+    def preprocess(logits, labels):
+        shapes.append(tuple(logits.shape))
+        return logits.argmax(-1)
+
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
+                                 eval_dataset=dataset(21, 9), compute_metrics=token_accuracy,
+                                 preprocess_logits_for_metrics=preprocess)
+    trainer.train()
+    metrics = trainer.evaluate()
+    # 21 rows, 3 per dp rank -> 2 micro-batches of 2 (one padded) -> 3 steps, the last partial
+    assert metrics["eval_steps"] == 3, metrics
+    if ctx.is_last_stage:
+        assert shapes and all(s[-1] == model.config.vocab_size for s in shapes), shapes
+    trainer.save_model(str(out / "model"))
+    trainer.save_state()
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    trainer.create_model_card()
+    dist.barrier()
+    if ctx.rank == 0:
+        (out / "merak-eval.json").write_text(json.dumps(metrics))
+        names = {p.name for p in out.iterdir()}
+        assert {"trainer_state.json", "eval_results.json", "README.md", "model",
+                "checkpoint-2"} <= names, names
+        state = json.loads((out / "trainer_state.json").read_text())
+        assert state["global_step"] == 2, state
+        saved = tf.AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+        from merak.trainer.export import export_checkpoint
+
+        exported = tf.AutoModelForCausalLM.from_pretrained(
+            export_checkpoint(out / "checkpoint-2", out / "exported")).state_dict()
+        assert saved.keys() == exported.keys()
+        for name, value in saved.items():
+            assert torch.equal(value, exported[name]), name
+    dist.barrier()
+
+
 if __name__ == "__main__":
     run_scenarios({**{f"trainer-{r}": (lambda r=r: run(r)) for r in RUNS},
-                   "save-for-reshard": save_for_reshard})
+                   "save-for-reshard": save_for_reshard, "hf-api": hf_api})

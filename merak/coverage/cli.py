@@ -1,0 +1,153 @@
+"""`merak coverage`: which Hugging Face causal-LM families Merak splits and shards at parity.
+
+    python -m merak coverage [--stages 2] [--tp 2] [--families a,b] [--json out.json]
+                             [--trainer olmo2,mixtral]
+
+Every causal-LM model type of the installed transformers is shrunk (`shrink`), built, and
+checked on a small gloo job (`worker`): a single-process forward/backward, one 1F1B step at
+pp=`--stages` and one at tp=`--tp`, each with its loss and every gradient compared with the
+single-process model. `--trainer` also trains the named families through MerakTrainer at
+dp x tp x pp = 2 x 2 x 2 against single-process HF Trainer (`trainer_check`). A family that
+crashes its worker is recorded as such and the sweep goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHECKS = ("build", "single", "pp", "tp")
+
+
+def add_coverage(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "coverage", help="check every HF causal-LM family: split at pp, shard at tp, at parity")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--families", default="",
+                        help="comma-separated model types (default: every causal-LM family)")
+    parser.add_argument("--json", default=None, help="write the per-family results here")
+    parser.add_argument("--timeout", type=float, default=180.0,
+                        help="seconds per family and check before it counts as a failure")
+    parser.add_argument("--trainer", default="",
+                        help="families to also train through MerakTrainer at dp=2 x tp=2 x "
+                             "pp=2 against HF Trainer (8 ranks), e.g. olmo2,mixtral,qwen3_moe")
+    parser.set_defaults(run=run_coverage)
+
+
+def _families(text: str) -> list[str]:
+    from merak.coverage.shrink import causal_lm_families
+
+    known = causal_lm_families()
+    if not text:
+        return known
+    chosen = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in chosen if f not in known]
+    if unknown:
+        raise SystemExit(f"merak coverage: {unknown} are not causal-LM model types of this "
+                         f"transformers; choose from {', '.join(known)}")
+    return chosen
+
+
+def _launch(families: list[str], args, out: Path) -> int:
+    world = max(args.stages, args.tp)
+    if world % args.stages or world % args.tp:
+        raise SystemExit(f"merak coverage: --stages {args.stages} and --tp {args.tp} must "
+                         f"divide one another")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+               "--master_port", str(29400 + os.getpid() % 1000),
+               "-m", "merak.coverage.worker", "--families", ",".join(families),
+               "--stages", str(args.stages), "--tp", str(args.tp),
+               "--timeout", str(args.timeout), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(command, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, check=False).returncode
+
+
+def sweep(families: list[str], args) -> list[dict]:
+    """Run the worker until every family has a result; a family it died in is recorded as
+    crashed and the worker is started again after it."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.jsonl"
+        todo = list(families)
+        while todo:
+            code = _launch(todo, args, out)
+            done = [json.loads(line) for line in out.read_text().splitlines()] \
+                if out.exists() else []
+            out.unlink(missing_ok=True)
+            for row in done:
+                rows.append(row)
+                _print_row(row)
+            todo = todo[len(done):]
+            if todo and code != 0:
+                row = {"family": todo[0], "build": f"worker crashed (exit code {code})"}
+                rows.append(row)
+                _print_row(row)
+                todo = todo[1:]
+            elif todo:
+                raise RuntimeError(f"the coverage worker stopped before {todo[0]} without an "
+                                   f"error")
+    return rows
+
+
+def _print_row(row: dict) -> None:
+    cells = [f"{row['family']:<28}"]
+    for check in CHECKS:
+        value = row.get(check)
+        cells.append(f"{check}={'ok' if value == 'ok' else ('-' if value is None else 'FAIL')}")
+    failure = next((row[c] for c in CHECKS if row.get(c) not in (None, "ok")), "")
+    print(" ".join(cells) + (f"  {failure}" if failure else ""), flush=True)
+
+
+def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
+    """The summary lines: how many families build, run, split and shard at parity."""
+    runs = [r for r in rows if r.get("single") == "ok"]
+    builds = [r for r in rows if r.get("build") == "ok"]
+    planned = [r for r in runs if r.get("tp_plan")]
+    moe = [r for r in runs if r.get("moe")]
+
+    def share(part, whole):
+        return f"{len(part)}/{len(whole)} ({100 * len(part) / max(1, len(whole)):.0f}%)"
+
+    lines = [f"families: {len(rows)}; build: {len(builds)}; single-process forward/backward: "
+             f"{len(runs)}"]
+    if stages > 1:
+        lines.append(f"pp={stages} parity: {share([r for r in runs if r.get('pp') == 'ok'], runs)}"
+                     f" of the families that run")
+    if tp > 1:
+        lines.append(f"tp={tp} parity: {share([r for r in planned if r.get('tp') == 'ok'], planned)}"
+                     f" of those with a base_model_tp_plan; "
+                     f"{share([r for r in runs if r.get('tp') == 'ok'], runs)} of all that run")
+    if stages > 1:
+        lines.append(f"MoE families at pp={stages} parity: "
+                     f"{share([r for r in moe if r.get('pp') == 'ok'], moe)}")
+    return lines
+
+
+def run_coverage(args: argparse.Namespace) -> int:
+    families = _families(args.families)
+    start = time.perf_counter()
+    print(f"merak coverage: {len(families)} families, pp={args.stages}, tp={args.tp}", flush=True)
+    rows = sweep(families, args) if families else []
+    trainer_rows = []
+    if args.trainer:
+        from merak.coverage.trainer_check import check_trainer
+
+        trainer_rows = check_trainer(_families(args.trainer))
+    lines = summarize(rows, args.stages, args.tp)
+    for row in trainer_rows:
+        lines.append(f"MerakTrainer dp=2 x tp=2 x pp=2 vs HF Trainer, {row['family']}: "
+                     f"{row['result']}")
+    print("\n".join(["", *lines, f"({time.perf_counter() - start:.0f} s)"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"stages": args.stages, "tp": args.tp,
+                                               "summary": lines, "families": rows,
+                                               "trainer": trainer_rows}, indent=1))
+    return 0

@@ -1,0 +1,134 @@
+"""The coverage sweep's ranks (launched by `merak coverage` under torch.distributed.run).
+
+    python -m torch.distributed.run --nproc_per_node W -m merak.coverage.worker \
+        --families a,b --stages 2 --tp 2 --out results.jsonl
+
+Every rank runs every family; rank 0 appends one JSON line per family to ``--out`` as soon as
+it is done, so a crash loses only the family it happened in (the parent resumes after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import signal
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from merak.coverage.checks import (compare, has_tp_plan, is_moe, parallel_step, reference)
+from merak.coverage.shrink import TooLargeError, build_small
+
+
+class FamilyTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise FamilyTimeout("took longer than the per-family time limit")
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(error).__name__}: {first}"[:300]
+
+
+def _agree(ok: bool, reason: str) -> tuple[bool, str]:
+    """Every rank's outcome of one check: it passed only if it passed everywhere."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (ok, reason))
+    failed = [r for ok_r, r in outcomes if not ok_r]
+    return (not failed), (failed[0] if failed else "")
+
+
+def _check(name: str, fn, timeout_s: float) -> tuple[bool, str]:
+    signal.alarm(int(timeout_s))
+    try:
+        fn()
+        ok, reason = True, ""
+    except Exception as error:  # any failure of the family is its result, not the sweep's
+        ok, reason = False, _reason(error)
+        if os.environ.get("MERAK_COVERAGE_DEBUG"):
+            traceback.print_exc()
+    finally:
+        signal.alarm(0)
+    return _agree(ok, reason)
+
+
+def run_family(family: str, stages: int, tp: int, timeout_s: float) -> dict:
+    world = dist.get_world_size()
+    row: dict = {"family": family}
+    start = time.perf_counter()
+    small = None
+    try:
+        small = build_small(family)
+        row["parameters"] = small.parameters
+        row["moe"] = is_moe(small.config)
+        row["tp_plan"] = has_tp_plan(small.config)
+    except TooLargeError as error:
+        row["build"] = f"too large: {error}"
+    except Exception as error:  # noqa: BLE001 - a config that does not build is a result
+        row["build"] = _reason(error)
+    ok, reason = _agree(small is not None, row.get("build", ""))
+    row["build"] = "ok" if ok else reason
+    if not ok:
+        return row
+    refs = {}
+
+    def single():
+        for dp in {world // stages, world // tp}:
+            refs[dp] = reference(small, dp)
+
+    ok, reason = _check("single", single, timeout_s)
+    row["single"] = "ok" if ok else reason
+    if not ok:
+        return row
+    for key, (dp, t, p) in (("pp", (world // stages, 1, stages)), ("tp", (world // tp, tp, 1))):
+        if (key == "pp" and stages == 1) or (key == "tp" and tp == 1):
+            continue
+
+        def step(dp=dp, t=t, p=p):
+            loss, grads, stage = parallel_step(small, dp, t, p, timeout_s)
+            compare(loss, grads, stage, *refs[dp])
+
+        ok, reason = _check(key, step, timeout_s)
+        row[key] = "ok" if ok else reason
+        gc.collect()
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--families", required=True)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout + 60))
+    signal.signal(signal.SIGALRM, _alarm)
+    for family in args.families.split(","):
+        row = run_family(family, args.stages, args.tp, args.timeout)
+        if dist.get_rank() == 0:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""`MerakTrainer`'s saving and loading: Merak checkpoints (every rank its shard, resumable into
+any layout) and HF's `save_model` (one HF-format directory, gathered from the shards on rank 0).
+
+HF `Trainer` names kept with their HF meaning: `_save(output_dir, state_dict)` writes the model
+directory `save_model` asks for; `create_model_card` describes the user's model. Merak's own
+checkpoint writer and reader are `_save_merak_checkpoint` / `_resume_merak_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from transformers.trainer import TRAINING_ARGS_NAME
+
+from merak.materialize.meta import has_meta_parameters
+from merak.trainer import checkpoint
+from merak.trainer.export import gather_full_tensors, save_hf_directory
+from merak.trainer.model_setup import local_optimizer
+
+
+class CheckpointMixin:
+    """Mixed into `MerakTrainer` (which provides args, ctx, stage, state, control, ...)."""
+
+    def _interval(self, steps: float) -> int:
+        """HF's `*_steps`: a step count, or below 1 a fraction of max_steps."""
+        return int(steps) if steps >= 1 else max(1, int(steps * self.state.max_steps))
+
+    def _should_save(self) -> bool:
+        args = self.args
+        if not str(args.save_strategy).lower().endswith("steps"):
+            return False
+        return self.state.global_step % self._interval(args.save_steps) == 0 \
+            or self.control.should_save
+
+    def _save_merak_checkpoint(self) -> None:
+        args = self.args
+        state = {"scheduler": self.lr_scheduler.state_dict(),
+                 "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
+                             "log_history": self.state.log_history}}
+        if not (args.no_save_optim or args.save_only_model):
+            state["optimizer"] = local_optimizer(self.optimizer).state_dict()
+        if not (args.no_save_rng or args.save_only_model):
+            state["rng"] = checkpoint.rng_states(self._user_model)
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        path = checkpoint.save_checkpoint(
+            args.output_dir, self.state.global_step, self.ctx, self.stage, state,
+            save_total_limit=args.save_total_limit,
+            config=getattr(self._user_model, "config", None),
+            name_prefix="model." if self._wrapped_loss else "")
+        self.control.should_save = False
+        self.control = self.callback_handler.on_save(args, self.state, self.control)
+        if self.is_world_process_zero():
+            print(f"saved {path}")
+
+    def _resume_merak_checkpoint(self, resume_from_checkpoint) -> None:
+        """Weights always; with `finetune` nothing else; otherwise optimizer, scheduler, RNG and
+        the step (unless no_load_optim / no_load_rng)."""
+        args = self.args
+        path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
+        state, same_layout = checkpoint.load_checkpoint(path, self.ctx, self.stage)
+        if args.finetune:
+            return
+        if not same_layout and not args.no_load_optim:
+            warnings.warn(f"{path} was saved with another (dp, tp, pp) layout: its weights were "
+                          f"resharded, but its optimizer state is not resharded yet; the "
+                          f"optimizer starts fresh (pass no_load_optim=True to silence this)",
+                          stacklevel=2)
+        elif not args.no_load_optim:
+            if "optimizer" not in state:
+                raise KeyError(f"{path} holds no optimizer state (saved with no_save_optim); "
+                               f"resume with no_load_optim=True")
+            local_optimizer(self.optimizer).load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        if not args.no_load_rng and "rng" in state:
+            checkpoint.set_rng_states(state["rng"], self._user_model)
+        saved = state["trainer"]
+        self.state.global_step, self.state.epoch = saved["global_step"], saved["epoch"]
+        self.state.log_history = saved["log_history"]
+
+    # ---------------------------------------------------------------- HF's save_model
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """HF's meaning (what `save_model` calls): `output_dir` becomes an HF model directory
+        (config.json, model.safetensors with the whole tensors, the tokenizer, training args),
+        written by global rank 0 after gathering every (pp, tp) shard. A collective: every rank
+        calls `save_model`, as HF scripts do."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        user_model = self._user_model if self.stage is not None else self.model
+        if self.stage is not None:
+            gathered = gather_full_tensors(self.stage, self.ctx,
+                                           "model." if self._wrapped_loss else "")
+            tensors = state_dict if state_dict is not None else gathered
+        elif has_meta_parameters(user_model):
+            raise ValueError("save_model() before train(): the model is still on the meta device "
+                             "(init_empty_weights), so there are no weights to save yet")
+        else:
+            tensors = state_dict if state_dict is not None else user_model.state_dict()
+        if self.is_world_process_zero():
+            save_hf_directory(tensors, user_model, output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            elif getattr(self.data_collator, "tokenizer", None) is not None:
+                self.data_collator.tokenizer.save_pretrained(output_dir)
+            try:
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+            except Exception as error:  # noqa: BLE001 - e.g. a tp_plan holding a lambda
+                warnings.warn(f"{TRAINING_ARGS_NAME} not written: the arguments do not pickle "
+                              f"({error})", stacklevel=2)
+        if self.ctx.world_size > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def _as_user_model(self):
+        """`self.model` is the user's model (not this rank's pipeline stage) inside: for HF code
+        that reads the model's config or class."""
+        stage = self.model
+        self.model = self._user_model if self.stage is not None else self.model
+        try:
+            yield
+        finally:
+            self.model = stage
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        with self._as_user_model():
+            return super().create_model_card(*args, **kwargs)

@@ -1,0 +1,115 @@
+"""`MerakTrainer`'s evaluate / predict: forward-only pipeline steps over every item of the set.
+
+As in HF `Trainer`: every sample counts once (a last partial batch included) and the loss is the
+mean over samples of their batch's loss; `per_device_eval_batch_size` rows per dp rank and step
+(rounded up to whole micro-batches of the size the pipeline was built for, the training one);
+`preprocess_logits_for_metrics(logits, labels)` runs on each step's logits where they are made
+(the last pipeline stage), then `compute_metrics(EvalPrediction)` on the gathered results.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput
+
+from merak.trainer.data import EvalBatches
+
+
+class EvaluationMixin:
+    """Mixed into `MerakTrainer` (which provides args, ctx, engine, _build, _collate, ...)."""
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+                 ) -> dict[str, float]:
+        output = self._merak_eval_loop(eval_dataset if eval_dataset is not None
+                                       else self.eval_dataset, metric_key_prefix)
+        self.log(output.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
+                                                         output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"
+                ) -> PredictionOutput:
+        """Logits (gathered from the last stage of every pipeline, in dataset order), labels and
+        metrics (loss, and `compute_metrics` when given) over `test_dataset`."""
+        output = self._merak_eval_loop(test_dataset, metric_key_prefix, predictions=True)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
+                                metrics=output.metrics)
+
+    def _merak_eval_loop(self, dataset, prefix: str, predictions: bool = False
+                         ) -> EvalLoopOutput:
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset")
+        args, ctx = self.args, self.ctx
+        predictions = predictions or (self.compute_metrics is not None
+                                      and not args.prediction_loss_only)
+        mbs = args.per_device_train_batch_size  # the micro-batch the pipeline is built for
+        self._build(self._example(dataset, min(mbs, len(dataset))))
+        m = -(-args.per_device_eval_batch_size // mbs)
+        data = EvalBatches(dataset, self._collate, micro_batch_size=mbs, num_microbatches=m,
+                           dp=ctx.dp, dp_rank=ctx.dp_rank, reads_data=bool(self.engine.batch_keys),
+                           label_names=args.label_names or ("labels",))
+        steps = data.steps if args.eval_iters is None else min(args.eval_iters, data.steps)
+        last = self.engine.runners.get(self.engine.split.num_stages - 1)
+        weighted = 0.0  # sum over this rank's real samples of their micro-batch's loss
+        start, logits, labels = time.perf_counter(), [], []
+        for step in range(steps):
+            batch = data.step(step)
+            self.engine.eval_step(batch, m, keep="logits" if predictions else None)
+            real = data.real_rows(step)
+            if last is not None and ctx.tp_rank == 0:
+                for i, loss in enumerate(last.losses):
+                    rows = min(max(real - i * mbs, 0), mbs)
+                    if rows:  # a micro-batch of padding only has a NaN loss
+                        weighted += rows * loss.double().item()
+            if predictions:
+                mine = None
+                if last is not None:
+                    kept, step_labels = self.engine.kept[:real], batch["labels"][:real]
+                    if self.preprocess_logits_for_metrics is not None:
+                        kept = self.preprocess_logits_for_metrics(kept, step_labels)
+                    mine = (kept, step_labels)
+                step_logits, step_labels = self._gather_from_last_stages(mine)
+                logits.append(step_logits)
+                labels.append(step_labels)
+        total = torch.tensor([weighted], dtype=torch.float64, device=ctx.device)
+        if ctx.world_size > 1:
+            dist.all_reduce(total)
+        samples = data.samples(steps)
+        runtime = time.perf_counter() - start
+        metrics = {f"{prefix}_loss": total.item() / samples,
+                   f"{prefix}_runtime": round(runtime, 4),
+                   f"{prefix}_samples_per_second": round(samples / runtime, 3),
+                   f"{prefix}_steps_per_second": round(steps / runtime, 3),
+                   f"{prefix}_steps": steps}
+        preds = _numpy(torch.cat(logits)) if predictions else None
+        label_ids = _numpy(torch.cat(labels)) if predictions else None
+        if predictions and self.compute_metrics is not None:
+            computed = self.compute_metrics(EvalPrediction(predictions=preds, label_ids=label_ids))
+            metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v
+                            for k, v in computed.items()})
+        return EvalLoopOutput(predictions=preds, label_ids=label_ids, metrics=metrics,
+                              num_samples=samples)
+
+    def _gather_from_last_stages(self, mine):
+        """(logits, labels) of a global batch, on every rank: each last-stage rank's share,
+        in dp order (tp ranks of a last stage hold the same values). The shares travel and
+        come back as CPU tensors (`all_gather_object` pickles them; on NCCL it stages the bytes
+        through the current CUDA device, so a CUDA tensor would unpickle onto the sender's
+        device index)."""
+        parts = [None] * self.ctx.world_size
+        if mine is not None:
+            mine = tuple(t.detach().cpu() for t in mine)
+        if self.ctx.world_size > 1:
+            dist.all_gather_object(parts, mine if self.ctx.tp_rank == 0 else None)
+        else:
+            parts = [mine]
+        shares = [p for p in parts if p is not None]  # ranks are ordered by dp within a stage
+        return torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return (tensor.float() if tensor.is_floating_point() else tensor).cpu().numpy()

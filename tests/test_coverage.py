@@ -1,0 +1,69 @@
+"""`merak coverage` on a fixed handful of families (the full sweep is the command's job, not the
+suite's), and the generic config shrinking it relies on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from merak.coverage.cli import summarize
+from merak.coverage.shrink import (LAYERS, TooLargeError, _representative, build_small,
+                                   small_config)
+
+# a dense family, MoE families (router logits leave their blocks for the auxiliary loss), and
+# OLMo2 (its base_model_tp_plan gathers q/k/v for a full-width q_norm)
+FAMILIES = ("llama", "mixtral", "qwen3_moe", "olmo2")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("coverage") / "coverage.json"
+    run = subprocess.run([sys.executable, "-m", "merak", "coverage", "--stages", "2", "--tp",
+                          "2", "--families", ",".join(FAMILIES), "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_the_handful_splits_and_shards_at_parity(sweep):
+    result, stdout = sweep
+    rows = {r["family"]: r for r in result["families"]}
+    assert sorted(rows) == sorted(FAMILIES)
+    for family, row in rows.items():
+        for check in ("build", "single", "pp", "tp"):
+            assert row.get(check) == "ok", f"{family} {check}: {row.get(check)}"
+    assert rows["mixtral"]["moe"] and rows["qwen3_moe"]["moe"] and not rows["llama"]["moe"]
+    assert "pp=2 parity: 4/4 (100%)" in stdout
+    assert "MoE families at pp=2 parity: 2/2 (100%)" in stdout
+
+
+def test_the_summary_counts_failures_with_their_reasons():
+    rows = [{"family": "a", "build": "ok", "single": "ok", "pp": "ok", "tp": "ok",
+             "tp_plan": True, "moe": True},
+            {"family": "b", "build": "ok", "single": "ok", "pp": "RuntimeError: x", "tp": "ok",
+             "tp_plan": False, "moe": False},
+            {"family": "c", "build": "too large: 9 M parameters"}]
+    lines = summarize(rows, 2, 2)
+    assert lines[0] == "families: 3; build: 2; single-process forward/backward: 2"
+    assert lines[1].startswith("pp=2 parity: 1/2 (50%)")
+    assert lines[2].startswith("tp=2 parity: 1/1 (100%) of those with a base_model_tp_plan")
+    assert lines[3] == "MoE families at pp=2 parity: 1/1 (100%)"
+
+
+def test_shrinking_is_generic_and_refuses_what_stays_large():
+    config = small_config("mixtral")
+    assert (config.num_hidden_layers, config.hidden_size, config.num_local_experts,
+            config.num_experts_per_tok) == (LAYERS, 64, 4, 2)
+    assert config.output_router_logits  # the auxiliary loss is part of what is compared
+    assert build_small("llama").parameters < 1_000_000
+    with pytest.raises(TooLargeError, match="M parameters after shrinking"):
+        build_small("llama", limit=1000)
+
+
+def test_per_layer_lists_keep_every_kind_of_layer():
+    kinds = ["linear"] * 6 + ["full"] + ["linear"] * 5 + ["full"]
+    assert _representative(kinds) == ["linear", "linear", "linear", "full"]
+    assert _representative(list(range(10))) == [0, 1, 2, 3]
