@@ -50,6 +50,37 @@ def test_merak_trainer_3d_matches_hf_trainer(runs, run):
             mine = np.load(out / f"merak-{run}-{what}.npy")
             reference = np.load(out / f"reference-{run}-{what}.npy")
             np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-5, err_msg=what)
+    if run.endswith("hf-flow"):
+        _same_flow(ours, theirs, rel)
+
+
+def _same_flow(ours: dict, theirs: dict, rel: float) -> None:
+    """HF's training flow: evaluations at the same steps with the same (label-smoothed) eval
+    losses, the same best checkpoint chosen and the only one left, the same token counts, and
+    the final eval loss that of the best checkpoint's weights, loaded back."""
+    assert [s for s, _ in ours["evals"]] == [s for s, _ in theirs["evals"]] == [0, 6, 9, 10]
+    assert [v for _, v in ours["evals"]] == pytest.approx([v for _, v in theirs["evals"]],
+                                                          rel=rel)
+    assert ours["best_checkpoint"] == theirs["best_checkpoint"] == "checkpoint-6"
+    assert ours["best_global_step"] == theirs["best_global_step"] == 6
+    assert ours["best_metric"] == pytest.approx(theirs["best_metric"], rel=rel)
+    assert ours["checkpoints"] == theirs["checkpoints"] == ["checkpoint-6"]
+    assert ours["tokens"] == theirs["tokens"] and ours["tokens_logged"] == theirs["tokens_logged"]
+    assert ours["eval_loss"] == pytest.approx(ours["evals"][1][1], rel=1e-6)
+
+
+def test_hf_flow_on_dp1_tp1_pp2_matches_hf_trainer(runs, two_ranks):
+    """The same HF-flow run on a 2-stage pipeline (zero-bubble schedule, recomputation from
+    gradient_checkpointing), in the 2-rank launch."""
+    check(*two_ranks[1:], "hf-flow-pp2")
+    ours = json.loads((two_ranks[0] / "merak-pp2-llama-hf-flow.json").read_text())
+    theirs = json.loads((runs[0] / "reference-llama-hf-flow.json").read_text())
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    _same_flow(ours, theirs, 1e-5)
+
+
+def test_label_smoothing_over_vocab_parallel_logits(two_ranks):
+    check(*two_ranks[1:], "label-smoothing-vocab-parallel")
 
 
 def test_arguments_parse_from_the_command_line():
@@ -149,11 +180,10 @@ def test_bad_values_name_the_field(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000}, {"save_strategy": "epoch"},
+    {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000},
     {"text_generation": True}, {"lora_config": "{}"},
-    {"dealloc_pipeoutput": True}, {"eval_strategy": "steps"}, {"bf16_full_eval": True},
-    {"gradient_checkpointing": True}, {"torch_compile": True},
-    {"label_smoothing_factor": 0.1},
+    {"dealloc_pipeoutput": True}, {"bf16_full_eval": True}, {"torch_compile": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"context_fn": "f"}},
 ])
 def test_features_not_landed_say_so(kwargs):
     with pytest.raises(NotSupportedYetError, match="not supported yet"):
@@ -270,9 +300,74 @@ def reshards(runs):
         del os.environ["MERAK_TRAINER_OUT"], os.environ["MERAK_PRETRAINED"]
 
 
-def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
-    results, output = launch("trainer_fp16.py", 2, tmp_path)
-    check(results, output, "fp16-overflow")
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The one 2-rank launch (dp1 x tp1 x pp2): trainer_fp16.py's scenarios."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    os.environ["MERAK_TRAINER_OUT"] = str(out)
+    try:
+        return (out, *launch("trainer_fp16.py", 2, out / "ranks"))
+    finally:
+        del os.environ["MERAK_TRAINER_OUT"]
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(two_ranks):
+    check(*two_ranks[1:], "fp16-overflow")
+
+
+def test_hf_fields_with_their_hf_meaning():
+    """gradient_checkpointing is Merak's recomputation (use_reentrant & co. accepted: there is
+    no torch.utils.checkpoint); the other fields of issue 15 are accepted as HF parses them."""
+    args = MerakArguments(output_dir="out", gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                         "preserve_rng_state": True})
+    assert args.activation_checkpointing
+    (parsed,) = HfArgumentParser(MerakArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--gradient_checkpointing", "--gradient_checkpointing_kwargs",
+         '{"use_reentrant": true}', "--eval_strategy", "epoch", "--save_strategy", "epoch",
+         "--load_best_model_at_end", "--metric_for_best_model", "loss", "--eval_on_start",
+         "--label_smoothing_factor", "0.1", "--include_num_input_tokens_seen", "true",
+         "--torch_empty_cache_steps", "4", "--full_determinism", "--eval_accumulation_steps",
+         "2", "--eval_delay", "1"])
+    assert parsed.activation_checkpointing and parsed.load_best_model_at_end
+    with pytest.raises(ValueError, match="only applies with gradient_checkpointing=True"):
+        MerakArguments(output_dir="out", gradient_checkpointing_kwargs={"use_reentrant": True})
+    MerakArguments(output_dir="out", save_strategy="best", metric_for_best_model="loss",
+                   eval_strategy="steps", eval_steps=2)
+
+
+def test_label_smoothed_loss_equals_hf_label_smoother():
+    import torch
+    from transformers import GPT2ForSequenceClassification, LlamaConfig, LlamaForCausalLM
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=generator)
+    labels = torch.randint(0, 11, (3, 7), generator=generator)
+    labels[0, 2:5] = -100
+    for shift in (True, False):
+        expected = LabelSmoother(epsilon=0.1)({"logits": logits}, labels, shift_labels=shift)
+        ours = LabelSmoothedLoss(0.1, shift_labels=shift)({"logits": logits}, labels)
+        assert ours.item() == pytest.approx(expected.item(), rel=1e-6)
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=2)
+    assert shifts_labels(LlamaForCausalLM(config))
+    assert not shifts_labels(GPT2ForSequenceClassification.__new__(
+        GPT2ForSequenceClassification))
+
+
+def test_rotation_keeps_the_newest_and_the_best(tmp_path):
+    from merak.trainer import checkpoint
+
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / checkpoint.MARKER).write_text("{}")
+    checkpoint.rotate(tmp_path, 1, keep=tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-8"]
+    checkpoint.rotate(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-8"]
 
 
 def test_loss_fn_replaces_the_models_own_loss():

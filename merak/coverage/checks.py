@@ -77,6 +77,44 @@ def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, timeout_s: float
     return loss, snapshot.grads or {}, stage
 
 
+def split_in_process(small: SmallModel, stages: int) -> tuple[float, dict, nn.Module]:
+    """The user's automatic split (meta build, fake-weight trace, seeded materialization) run
+    stage after stage in this process on the micro-batches of one dp rank: loss and gradients
+    by the model's own parameter names, and a module holding those names (for `compare`)."""
+    from merak.materialize.meta import materialize_
+    from merak.partition.auto import auto_split
+
+    parts = batches(1)
+    with merak.init_empty_weights():
+        model = small.build()
+    split = auto_split(model, parts[0], stages)
+    materialize_(split.container)
+    model.train()
+    total = 0.0
+    for mb in parts:
+        loss = split(**mb).loss / len(parts)
+        loss.backward()
+        total += loss.item()
+    own = nn.Module()  # the split's parameters under the model's names (tied ones once)
+    grads = {}
+    for name, param in split.container.named_parameters():
+        plain = name.split(".", 1)[1]
+        if plain not in grads and param.grad is not None:
+            grads[plain] = param.grad
+            own.register_parameter(plain.replace(".", "__"), param)
+    return total, grads, _Named(own)
+
+
+class _Named:
+    """`named_parameters()` with dotted names (nn.Module forbids dots in parameter names)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def named_parameters(self):
+        return ((n.replace("__", "."), p) for n, p in self.module.named_parameters())
+
+
 def compare(loss: float, grads: dict[str, torch.Tensor], stage: nn.Module, ref_loss: float,
             ref_grads: dict[str, torch.Tensor]) -> None:
     """Raise `ParityError` naming the first difference."""

@@ -4,9 +4,10 @@
                              [--trainer olmo2,mixtral]
 
 Every causal-LM model type of the installed transformers is shrunk (`shrink`), built, and
-checked on a small gloo job (`worker`): a single-process forward/backward, one 1F1B step at
-pp=`--stages` and one at tp=`--tp`, each with its loss and every gradient compared with the
-single-process model. `--trainer` also trains the named families through MerakTrainer at
+checked on a small gloo job of `--tp` ranks (`worker`): a single-process forward/backward; the
+automatic split into `--stages` stages, run stage after stage in one process (the ranks take
+turns); and one 1F1B step at tp=`--tp` through `merak.parallelize` and the interpreter; each
+with its loss and every gradient compared with the single-process model. `--trainer` also trains the named families through MerakTrainer at
 dp x tp x pp = 2 x 2 x 2 against single-process HF Trainer (`trainer_check`). A family that
 crashes its worker is recorded as such and the sweep goes on with the next one.
 """
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from merak.coverage.worker import NO_PLAN
 
 CHECKS = ("build", "single", "pp", "tp")
 
@@ -55,36 +58,41 @@ def _families(text: str) -> list[str]:
     return chosen
 
 
-def _launch(families: list[str], args, out: Path) -> int:
-    world = max(args.stages, args.tp)
-    if world % args.stages or world % args.tp:
-        raise SystemExit(f"merak coverage: --stages {args.stages} and --tp {args.tp} must "
-                         f"divide one another")
+def _launch(families: list[str], args, out: Path) -> subprocess.Popen:
+    world = args.tp  # the pp check runs in one process; the tp check on tp ranks
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                "--master_port", str(29400 + os.getpid() % 1000),
                "-m", "merak.coverage.worker", "--families", ",".join(families),
                "--stages", str(args.stages), "--tp", str(args.tp),
                "--timeout", str(args.timeout), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(command, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, check=False).returncode
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _new_rows(out: Path, seen: int) -> list[dict]:
+    lines = out.read_text().splitlines() if out.exists() else []
+    return [json.loads(line) for line in lines[seen:]]
 
 
 def sweep(families: list[str], args) -> list[dict]:
-    """Run the worker until every family has a result; a family it died in is recorded as
-    crashed and the worker is started again after it."""
+    """Run the worker until every family has a result, printing each as it comes; a family
+    the worker died in is recorded as crashed and the worker is started again after it."""
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.jsonl"
         todo = list(families)
         while todo:
-            code = _launch(todo, args, out)
-            done = [json.loads(line) for line in out.read_text().splitlines()] \
-                if out.exists() else []
-            out.unlink(missing_ok=True)
-            for row in done:
-                rows.append(row)
-                _print_row(row)
+            out = Path(tmp) / f"results-{len(rows)}.jsonl"
+            proc, done = _launch(todo, args, out), []
+            while True:
+                code = proc.poll()
+                for row in _new_rows(out, len(done)):
+                    done.append(row)
+                    rows.append(row)
+                    _print_row(row)
+                if code is not None:
+                    break
+                time.sleep(1.0)
             todo = todo[len(done):]
             if todo and code != 0:
                 row = {"family": todo[0], "build": f"worker crashed (exit code {code})"}
@@ -101,8 +109,9 @@ def _print_row(row: dict) -> None:
     cells = [f"{row['family']:<28}"]
     for check in CHECKS:
         value = row.get(check)
-        cells.append(f"{check}={'ok' if value == 'ok' else ('-' if value is None else 'FAIL')}")
-    failure = next((row[c] for c in CHECKS if row.get(c) not in (None, "ok")), "")
+        shown = "-" if value in (None, NO_PLAN) else ("ok" if value == "ok" else "FAIL")
+        cells.append(f"{check}={shown}")
+    failure = next((row[c] for c in CHECKS if row.get(c) not in (None, "ok", NO_PLAN)), "")
     print(" ".join(cells) + (f"  {failure}" if failure else ""), flush=True)
 
 
@@ -111,6 +120,7 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
     runs = [r for r in rows if r.get("single") == "ok"]
     builds = [r for r in rows if r.get("build") == "ok"]
     planned = [r for r in runs if r.get("tp_plan")]
+    any_plan = [r for r in runs if r.get("tp") not in (None, NO_PLAN)]
     moe = [r for r in runs if r.get("moe")]
 
     def share(part, whole):
@@ -124,7 +134,8 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
     if tp > 1:
         lines.append(f"tp={tp} parity: {share([r for r in planned if r.get('tp') == 'ok'], planned)}"
                      f" of those with a base_model_tp_plan; "
-                     f"{share([r for r in runs if r.get('tp') == 'ok'], runs)} of all that run")
+                     f"{share([r for r in any_plan if r.get('tp') == 'ok'], any_plan)} of those "
+                     f"with any plan (Merak's table or the config's)")
     if stages > 1:
         lines.append(f"MoE families at pp={stages} parity: "
                      f"{share([r for r in moe if r.get('pp') == 'ok'], moe)}")

@@ -22,7 +22,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from merak.coverage.checks import (compare, has_tp_plan, is_moe, parallel_step, reference)
+from merak.coverage.checks import (compare, has_tp_plan, is_moe, parallel_step, reference,
+                                    split_in_process)
 from merak.coverage.shrink import TooLargeError, build_small
 
 
@@ -62,7 +63,24 @@ def _check(name: str, fn, timeout_s: float) -> tuple[bool, str]:
     return _agree(ok, reason)
 
 
-def run_family(family: str, stages: int, tp: int, timeout_s: float) -> dict:
+NO_PLAN = "no plan"  # neither Merak's table nor the config's base_model_tp_plan
+
+
+def _has_plan(small) -> bool:
+    import transformers as tf
+
+    from merak.tensor_parallel.plans import plan_for
+
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(small.config)
+    try:
+        plan_for(model)
+    except ValueError:
+        return False
+    return True
+
+
+def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float) -> dict:
     world = dist.get_world_size()
     row: dict = {"family": family}
     start = time.perf_counter()
@@ -83,24 +101,30 @@ def run_family(family: str, stages: int, tp: int, timeout_s: float) -> dict:
     refs = {}
 
     def single():
-        for dp in {world // stages, world // tp}:
+        for dp in {1, world // tp}:
             refs[dp] = reference(small, dp)
 
     ok, reason = _check("single", single, timeout_s)
     row["single"] = "ok" if ok else reason
     if not ok:
         return row
-    for key, (dp, t, p) in (("pp", (world // stages, 1, stages)), ("tp", (world // tp, tp, 1))):
-        if (key == "pp" and stages == 1) or (key == "tp" and tp == 1):
-            continue
+    if stages > 1:  # in one process, on one rank (the ranks take turns)
+        def split():
+            if dist.get_rank() == index % world:
+                compare(*split_in_process(small, stages), *refs[1])
 
-        def step(dp=dp, t=t, p=p):
-            loss, grads, stage = parallel_step(small, dp, t, p, timeout_s)
-            compare(loss, grads, stage, *refs[dp])
+        ok, reason = _check("pp", split, timeout_s)
+        row["pp"] = "ok" if ok else reason
+    if tp > 1 and not _has_plan(small):
+        row["tp"] = NO_PLAN
+    elif tp > 1:  # the user's path on every rank: parallelize + 1F1B interpreter
+        def step():
+            loss, grads, stage = parallel_step(small, world // tp, tp, 1, timeout_s)
+            compare(loss, grads, stage, *refs[world // tp])
 
-        ok, reason = _check(key, step, timeout_s)
-        row[key] = "ok" if ok else reason
-        gc.collect()
+        ok, reason = _check("tp", step, timeout_s)
+        row["tp"] = "ok" if ok else reason
+    gc.collect()
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
@@ -120,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout + 60))
     signal.signal(signal.SIGALRM, _alarm)
-    for family in args.families.split(","):
-        row = run_family(family, args.stages, args.tp, args.timeout)
+    for index, family in enumerate(args.families.split(",")):
+        row = run_family(family, index, args.stages, args.tp, args.timeout)
         if dist.get_rank() == 0:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -70,7 +70,7 @@ def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
     ep = _export(model, kwargs, [*blocks, *leaf_modules], dynamic_batch, strict)
     gm = ep.module()
     cleanup(gm.graph)
-    tapped = _tapped_submodules(model, gm.graph, blocks)
+    tapped = _tapped_submodules(model, gm.graph, blocks, ep.module_call_graph)
     if tapped:  # again, with the signatures of the submodules whose outputs leave the blocks
         ep = _export(model, kwargs, [*blocks, *leaf_modules, *tapped], dynamic_batch, strict)
         gm = ep.module()
@@ -80,7 +80,9 @@ def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
     g = gm.graph
     sigs = {e.fqn: e.signature for e in ep.module_call_graph}
     names = {n.name: n for n in g.nodes}
-    for b in blocks:
+    # last block first: export shares values between blocks (a size or mask computed in
+    # block 0 and read by block 1's nodes); once block 1 is one call, block 0 is their only user
+    for b in reversed(blocks):
         collapse_block(g, b, sigs[b], names, tap=(model, sigs) if tapped else None)
     for leaf in leaf_modules:
         collapse_block(g, leaf, sigs[leaf], names, is_block=False)
@@ -100,12 +102,17 @@ def _export(model, kwargs, preserved, dynamic_batch, strict):
         raise CaptureError(f"{type(error).__name__}: {error}") from error
 
 
-def _tapped_submodules(model: nn.Module, g: fx.Graph, blocks: list[str]) -> list[str]:
+def _tapped_submodules(model: nn.Module, g: fx.Graph, blocks: list[str], call_graph
+                       ) -> list[str]:
     """Submodules of the blocks (in every block alike) with internal values read after the
-    block: hook-recorded outputs such as MoE router logits (see `taps`)."""
+    blocks: hook-recorded outputs such as MoE router logits (see `taps`)."""
+    regions = {b: block_region(g, b) for b in blocks}
+    inside = {n for region in regions.values() for n in region}
+    outputs = {e.fqn: {getattr(o, "name", None) for o in e.signature.outputs}
+               for e in call_graph if e.signature is not None}
     relative = set()
     for b in blocks:
-        relative |= escaping_modules(g, block_region(g, b), b, stack_paths)
+        relative |= escaping_modules(regions[b], b, stack_paths, inside, outputs.get(b, set()))
     found = []
     for b in blocks:
         for rel in sorted(relative):

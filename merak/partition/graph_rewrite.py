@@ -34,12 +34,15 @@ def within(name: str, prefix: str) -> bool:
 
 
 def find_blocks(model: nn.Module) -> list[str]:
-    """FQNs of the children of every outermost ModuleList whose children all share one type."""
+    """FQNs of the children of every outermost ModuleList whose children all share one type and
+    hold parameters (a list of parameter-free modules, such as Granite-SWA's rotary embedding
+    per layer type, is glue, not layers)."""
     lists, blocks = [], []
     for name, m in model.named_modules():
         if any(name.startswith(o + ".") for o in lists):
             continue
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1 \
+                and any(True for _ in m.parameters()):
             lists.append(name)
             blocks += [f"{name}.{i}" if name else str(i) for i in range(len(m))]
     return blocks
@@ -191,7 +194,7 @@ def block_region(g: fx.Graph, fqn: str) -> list[fx.Node]:
               and any(within(p, fqn) for p in stack_paths(n))]
     if not region:
         raise RuntimeError(f"no graph nodes found for block {fqn}")
-    return _without_shared_shape_math(region)
+    return _without_shared_shape_math(g, region)
 
 
 def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = True,
@@ -231,7 +234,9 @@ def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = Tru
     for n in reversed(region):
         bad = [u for u in n.users if u not in rset]
         if bad:
-            read = tap_value(g, tap[0], call, n, fqn, tap[1], spec_paths) if tap else None
+            read = _same_value_outside(n, rset)
+            if read is None and tap:
+                read = tap_value(g, tap[0], call, n, fqn, tap[1], spec_paths)
             if read is None:
                 raise RuntimeError(f"{fqn}: internal value {n} used outside the block by {bad}")
             n.replace_all_uses_with(read, delete_user_cb=lambda u: u not in rset)
@@ -244,25 +249,68 @@ def _symbolic(n: fx.Node) -> bool:
                                           float, bool))
 
 
-def _without_shared_shape_math(region: list[fx.Node]) -> list[fx.Node]:
+def _outside_size(g: fx.Graph, n: fx.Node) -> tuple[fx.Node, int] | None:
+    """A model input with a dimension of the same symbolic size as ``sym_size`` node `n`."""
+    expr = getattr(n.meta.get("val"), "node", None)
+    if expr is None:
+        return None
+    for p in g.nodes:
+        if p.op != "placeholder":
+            continue  # placeholders come first
+        val = p.meta.get("val")
+        for d, size in enumerate(getattr(val, "shape", ())):
+            if isinstance(size, torch.SymInt) and size.node.expr == expr.expr:
+                return p, d
+    return None
+
+
+def _without_shared_shape_math(g: fx.Graph, region: list[fx.Node]) -> list[fx.Node]:
     """`region` less the shape arithmetic that later code reuses.
 
     Export deduplicates symbolic-shape expressions: ``batch * seq`` computed in block 0 (e.g.
-    the token count an MoE block flattens its hidden states to) is the same fx node every later
-    block's ``view`` reads, although its module stack names block 0. Such a node is computed
-    from shapes alone (never from a tensor of the block), so it stays in the graph as ordinary
-    glue, recomputable on any stage, instead of being swallowed by the eager block call.
+    the token count an MoE block flattens its hidden states to, or ``min(seq, window)``) is the
+    same fx node every later block's ``view`` reads, although its module stack names block 0.
+    Such a node is computed from shapes alone, so it stays in the graph as ordinary glue,
+    recomputable on any stage, instead of being swallowed by the eager block call; a size it
+    reads from a tensor of the block is read from a model input of the same size instead.
     """
     rset = set(region)
-    pure = set()
+    pure, sizes = set(), {}
     for n in region:
-        if _symbolic(n) and all(i not in rset or i in pure for i in n.all_input_nodes):
+        if n.op == "call_function" and n.target == torch.ops.aten.sym_size.int \
+                and n.args[0] in rset:
+            source = _outside_size(g, n)
+            if source is not None:
+                sizes[n] = source
+                pure.add(n)
+        elif _symbolic(n) and all(i not in rset or i in pure for i in n.all_input_nodes):
             pure.add(n)
     keep = set()
     for n in reversed(region):
         if n in pure and any(u not in rset or u in keep for u in n.users):
             keep.add(n)
+    for n in keep & set(sizes):
+        n.args = sizes[n]
     return [n for n in region if n not in keep]
+
+
+_IDENTITY_CASTS = {torch.ops.aten.to.dtype_layout, torch.ops.aten.to.dtype,
+                   torch.ops.aten.to.device, torch.ops.aten.alias.default}
+
+
+def _same_value_outside(n: fx.Node, region: set) -> fx.Node | None:
+    """The node outside `region` whose value `n` merely passes on, if any: a ``.to()`` that
+    changes nothing returns its own input, so non-strict export records later readers of that
+    tensor (the next block's rotary table) as readers of the cast inside this block."""
+    while n in region:
+        if n.target not in _IDENTITY_CASTS or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        src, out = n.args[0].meta.get("val"), n.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or (
+                src.dtype, src.device, src.shape) != (out.dtype, out.device, out.shape):
+            return None
+        n = n.args[0]
+    return n
 
 
 def eagerize_dropout(g: fx.Graph, model: nn.Module):

@@ -50,12 +50,14 @@ def is_tap_read(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is take_tap
 
 
-def escaping_modules(g: fx.Graph, region: list[fx.Node], block: str, stack_paths) -> set[str]:
+def escaping_modules(region: list[fx.Node], block: str, stack_paths, inside: set[fx.Node],
+                     outputs: set[str]) -> set[str]:
     """Paths, relative to `block`, of the innermost submodules whose internal values are read
-    outside the block's `region`."""
-    rset, found = set(region), set()
+    after the block: by a node in no block region (`inside`: the nodes of every block), other
+    than the block's own outputs (named in `outputs`)."""
+    found = set()
     for n in region:
-        if any(u not in rset for u in n.users):
+        if n.name not in outputs and any(u not in inside for u in n.users):
             paths = [p for p in stack_paths(n) if p.startswith(block + ".")]
             if paths:
                 found.add(paths[-1][len(block) + 1:])

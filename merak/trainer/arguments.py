@@ -43,7 +43,32 @@ _HONOURED = frozenset({
     "save_total_limit", "save_only_model", "resume_from_checkpoint",
     "average_tokens_across_devices", "eval_strategy", "prediction_loss_only", "debug",
     "use_cache", "bf16", "fp16",
+    # evaluation, checkpoint choice and the loss during train() (merak.trainer.flow)
+    "eval_steps", "eval_delay", "eval_on_start", "load_best_model_at_end",
+    "metric_for_best_model", "greater_is_better", "label_smoothing_factor",
+    "include_num_input_tokens_seen", "torch_empty_cache_steps",
+    # applied by TrainingArguments / Trainer themselves: tf32 by __post_init__ (enable_tf32),
+    # full_determinism by Trainer.__init__ and MerakTrainer.train (enable_full_determinism)
+    "tf32", "full_determinism",
+    # evaluation gathers each step's logits once, from the last pipeline stage, onto the CPU
+    # (not on the accelerator as HF's loop does), so there is nothing to offload early: the
+    # field is accepted and changes nothing
+    "eval_accumulation_steps",
+    # Merak's recomputation (activation_checkpointing): see _check_gradient_checkpointing
+    "gradient_checkpointing", "gradient_checkpointing_kwargs",
 })
+
+# torch.utils.checkpoint keywords (HF's gradient_checkpointing_kwargs) and what Merak makes of
+# them: its recomputation re-runs each block's forward itself from the kept block input, right
+# before that block's backward (no torch.utils.checkpoint, no reentrant autograd), always
+# replaying the RNG state of the first forward (dropout masks equal)
+_CHECKPOINT_KWARGS = {
+    "use_reentrant": "irrelevant: no torch.utils.checkpoint is involved",
+    "preserve_rng_state": "the RNG state is always replayed (True); False would only skip "
+                          "that for speed, so it is accepted and the replay kept",
+    "determinism_check": "irrelevant: the replayed forward is the same program",
+    "debug": "irrelevant: no torch.utils.checkpoint is involved",
+}
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -177,6 +202,7 @@ class MerakArguments(JobView, TrainingArguments):
                 "http://127.0.0.1:7787 (`merak energy serve`)"})
 
     def __post_init__(self) -> None:
+        self._check_gradient_checkpointing()
         self._check_tp_plan()
         self._check_choices()
         self._check_not_landed()
@@ -319,13 +345,27 @@ class MerakArguments(JobView, TrainingArguments):
                              "all-reduce; do not also set gradient_predivide_factor")
         if self.save and str(self.save_strategy).lower().endswith("no"):
             self.save_strategy = "steps"
-        if str(self.save_strategy).lower().split(".")[-1] not in ("no", "steps"):
-            raise NotSupportedYetError(f"MerakArguments.save_strategy={self.save_strategy!r}: "
-                                       f"only 'no' and 'steps' work; others are not supported yet")
-        if str(self.eval_strategy) not in ("no", "IntervalStrategy.NO"):
-            raise NotSupportedYetError(f"MerakArguments.eval_strategy={self.eval_strategy!r}: "
-                                       f"evaluation during train() is not supported yet; call "
-                                       f"trainer.evaluate() yourself")
+
+    def _check_gradient_checkpointing(self) -> None:
+        """HF's `gradient_checkpointing=True` is Merak's recomputation: every block of every
+        stage, as `activation_checkpointing=True` (whose ratio / budget / checkpoint_num_layers
+        fields refine it). HF's own `model.gradient_checkpointing_enable()` is not called: the
+        pipeline split traces the plain forward and the runtime recomputes the blocks."""
+        kwargs = self.gradient_checkpointing_kwargs or {}
+        kwargs = json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)  # the CLI: JSON
+        if kwargs and not self.gradient_checkpointing:
+            raise ValueError("MerakArguments.gradient_checkpointing_kwargs only applies with "
+                             "gradient_checkpointing=True")
+        for key in kwargs:
+            if key not in _CHECKPOINT_KWARGS:
+                raise NotSupportedYetError(
+                    f"TrainingArguments.gradient_checkpointing_kwargs[{key!r}] is not supported "
+                    f"yet by MerakTrainer (its recomputation is Merak's own, not "
+                    f"torch.utils.checkpoint; it takes {sorted(_CHECKPOINT_KWARGS)}, and "
+                    f"activation_checkpoint_ratio / activation_memory_budget / "
+                    f"checkpoint_num_layers to choose what is recomputed)")
+        if self.gradient_checkpointing:
+            self.activation_checkpointing = True
 
     def _check_inherited(self) -> None:
         own = {f.name for f in dataclasses.fields(MerakArguments)} - {

@@ -66,8 +66,9 @@ def model_file(ctx: ParallelContext) -> str:
 
 def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, stage, state: dict,
                     *, save_total_limit: int | None = None, config=None,
-                    name_prefix: str = "") -> Path:
-    """Write this rank's part of ``checkpoint-<step>`` (collective: every rank calls it)."""
+                    name_prefix: str = "", keep: str | Path | None = None) -> Path:
+    """Write this rank's part of ``checkpoint-<step>`` (collective: every rank calls it), then
+    keep at most `save_total_limit` checkpoints (`rotate`; `keep` is the best one)."""
     final = Path(output_dir) / f"{PREFIX}{step}"
     partial = final.with_name(final.name + PARTIAL)
     if ctx.rank == 0:
@@ -89,11 +90,27 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        if save_total_limit:
-            for old in complete_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old)
+        rotate(output_dir, save_total_limit, keep)
     dist.barrier()
     return final
+
+
+def rotate(output_dir: str | Path, save_total_limit: int | None,
+           keep: str | Path | None = None) -> None:
+    """HF's `rotate_checkpoints`: delete the oldest checkpoints until `save_total_limit` are
+    left, never the newest (to resume from) nor `keep` (the best, with load_best_model_at_end
+    or save_strategy='best'), so with both protected two may stay."""
+    if not save_total_limit or save_total_limit <= 0:
+        return
+    found = complete_checkpoints(output_dir)
+    protected = {p.resolve() for p in found[-1:]} | ({Path(keep).resolve()} if keep else set())
+    remaining = len(found)
+    for old in found:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if old.resolve() not in protected:
+            shutil.rmtree(old)
+            remaining -= 1
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:

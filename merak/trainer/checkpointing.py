@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,11 @@ from merak.trainer.export import gather_full_tensors, save_hf_directory
 from merak.trainer.model_setup import local_optimizer
 
 
+# TrainerState fields a checkpoint keeps besides the step, epoch and log history
+_BEST_STATE = ("best_metric", "best_global_step", "best_model_checkpoint",
+               "num_input_tokens_seen")
+
+
 class CheckpointMixin:
     """Mixed into `MerakTrainer` (which provides args, ctx, stage, state, control, ...)."""
 
@@ -29,18 +36,15 @@ class CheckpointMixin:
         """HF's `*_steps`: a step count, or below 1 a fraction of max_steps."""
         return int(steps) if steps >= 1 else max(1, int(steps * self.state.max_steps))
 
-    def _should_save(self) -> bool:
-        args = self.args
-        if not str(args.save_strategy).lower().endswith("steps"):
-            return False
-        return self.state.global_step % self._interval(args.save_steps) == 0 \
-            or self.control.should_save
-
     def _save_merak_checkpoint(self) -> None:
         args = self.args
+        best = self._best_checkpoint_dir()
+        if best is not None:  # as HF's _save_checkpoint: the best one once it is on disk
+            self.state.best_model_checkpoint = best
         state = {"scheduler": self.lr_scheduler.state_dict(),
                  "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
-                             "log_history": self.state.log_history}}
+                             "log_history": self.state.log_history,
+                             **{k: getattr(self.state, k) for k in _BEST_STATE}}}
         if not (args.no_save_optim or args.save_only_model):
             state["optimizer"] = local_optimizer(self.optimizer).state_dict()
         if not (args.no_save_rng or args.save_only_model):
@@ -51,7 +55,8 @@ class CheckpointMixin:
             args.output_dir, self.state.global_step, self.ctx, self.stage, state,
             save_total_limit=args.save_total_limit,
             config=getattr(self._user_model, "config", None),
-            name_prefix="model." if self._wrapped_loss else "")
+            name_prefix="model." if self._wrapped_loss else "",
+            keep=self.state.best_model_checkpoint)
         self.control.should_save = False
         self.control = self.callback_handler.on_save(args, self.state, self.control)
         if self.is_world_process_zero():
@@ -83,6 +88,40 @@ class CheckpointMixin:
         saved = state["trainer"]
         self.state.global_step, self.state.epoch = saved["global_step"], saved["epoch"]
         self.state.log_history = saved["log_history"]
+        for key in _BEST_STATE:
+            setattr(self.state, key, saved.get(key, getattr(self.state, key)))
+        best = self.state.best_model_checkpoint
+        if best is not None and not os.path.isdir(best):  # as HF: rotated away or moved
+            warnings.warn(f"the best checkpoint {best} recorded in {path} is gone; the best "
+                          f"model is chosen again from the evaluations to come", stacklevel=2)
+            self.state.best_model_checkpoint = None
+
+    def _best_checkpoint_dir(self) -> str | None:
+        """checkpoint-<best_global_step> when that step is being saved or was saved."""
+        step = self.state.best_global_step
+        if not step or str(self.args.save_strategy).lower().endswith("no"):
+            return None
+        path = os.path.join(self.args.output_dir, f"{checkpoint.PREFIX}{step}")
+        return path if step == self.state.global_step or os.path.isdir(path) else None
+
+    def _load_best_merak_checkpoint(self) -> None:
+        """`load_best_model_at_end`: every rank loads its shard of the best checkpoint's weights
+        (any layout it was saved in); with save_total_limit=1 the others are then deleted, as
+        HF does."""
+        best = self.state.best_model_checkpoint
+        if not self.args.load_best_model_at_end or best is None:
+            return
+        if self.is_world_process_zero():
+            print(f"loading the best model from {best} ({self.args.metric_for_best_model}: "
+                  f"{self.state.best_metric})")
+        checkpoint.load_checkpoint(checkpoint.resolve(best, self.args.output_dir), self.ctx,
+                                   self.stage)
+        if self.args.save_total_limit == 1 and self.is_world_process_zero():
+            for other in checkpoint.complete_checkpoints(self.args.output_dir):
+                if other.resolve() != Path(best).resolve():
+                    shutil.rmtree(other, ignore_errors=True)
+        if self.ctx.world_size > 1:
+            dist.barrier()
 
     # ---------------------------------------------------------------- HF's save_model
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

@@ -61,6 +61,9 @@ class _WithLoss(nn.Module):
     def __init__(self, model: nn.Module, loss_fn: Callable):
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
+        # the model's config, so tensor parallelism finds the family's plan (its module
+        # patterns match the wrapped names, "model." + the model's own, by suffix)
+        self.config = getattr(model, "config", None)
         self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
 
     def forward(self, labels: torch.Tensor, **inputs):

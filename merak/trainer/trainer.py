@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import TrainOutput, set_seed
+from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
@@ -31,8 +31,10 @@ from merak.trainer.arguments import MerakArguments
 from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.data import StageBatches, model_input_filter
 from merak.trainer.evaluation import EvaluationMixin
+from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.grad_norm import GradNormClipper
 from merak.trainer.loss_scale import LossScaler
+from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
 from merak.trainer.model_setup import (
     default_loss_fn,
     pretrained_checkpoint,
@@ -42,7 +44,7 @@ from merak.trainer.model_setup import (
 from merak.trainer.timers import WallClockBreakdown
 
 
-class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
+class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -87,6 +89,10 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
                              "in the dataset or the data collator)")
         loss_fn = self.loss_fn
+        if loss_fn is None and self.label_smoother is not None:  # label_smoothing_factor
+            # HF's LabelSmoother on the logits the last stage makes (gathered whole by the
+            # vocab-parallel LM head, so one TP rank's result is the full-vocabulary one)
+            loss_fn = LabelSmoothedLoss(self.label_smoother.epsilon, shifts_labels(model))
         if loss_fn is None and "labels" not in inspect.signature(model.forward).parameters:
             loss_fn = default_loss_fn  # the model computes no loss of its own
         self._wrapped_loss = loss_fn is not None
@@ -156,7 +162,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         args = self.args
         if self.train_dataset is None:
             raise ValueError("MerakTrainer.train() needs a train_dataset")
-        set_seed(args.seed)
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._build(self._example(self.train_dataset, mbs))
         recomputation.plan(self.engine, args, self._example(self.train_dataset, mbs * m))
@@ -176,10 +182,12 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
         if resume_from_checkpoint:
             self._resume_merak_checkpoint(resume_from_checkpoint)
+        self._begin_flow(max_steps)
         first_epoch, skip = divmod(self.state.global_step, steps_per_epoch)
         if args.energy_profile:
             return self._profile_energy(data)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._evaluate_on_start()
         tokens_per_step = None
         logged_loss, logged_steps, logged_time, total_loss = 0.0, 0, time.perf_counter(), 0.0
         start = time.perf_counter()
@@ -194,6 +202,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                     tokens_per_step = batch["input_ids"].numel() * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
                 loss = self.engine.train_step(batch)
+                self._count_input_tokens(batch)
+                self._empty_device_cache(self.state.global_step)
                 if self.energy is not None:
                     self.energy.step_done(self.state.global_step + 1)
                 skipped = self.scaler is not None and self.scaler.overflowed
@@ -223,11 +233,11 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                                     skipped_steps=self.scaler.skipped_steps)
                     self.log(logs)
                     logged_loss, logged_steps, logged_time = 0.0, 0, time.perf_counter()
-                if self._should_save():
-                    self._save_merak_checkpoint()
+                self._merak_evaluate_and_save()
                 if self.control.should_training_stop:
                     break
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._merak_evaluate_and_save()
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
         runtime = time.perf_counter() - start
@@ -239,6 +249,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             path = self.energy.write_steps(args.output_dir)
             if path is not None:
                 print(f"energy per step: {path} (compare runs with `merak energy report`)")
+        self._load_best_merak_checkpoint()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 

@@ -21,12 +21,42 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
             "checkpoint_num_layers": 2}),
         "llama-tp-overlap-2": ("llama", {}, {"tp_overlapping_level": 2}),
         "llama-deep-interleaved": ("llama-deep", {}, {
-            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2})}
+            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2}),
+        # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and
+        # at the last step (6, 9, 10) plus one at the start (which never counts as the best);
+        # on this random data the eval loss rises after step 6, so the best (lowest) is step 6,
+        # an early checkpoint: saved with save_strategy='best', the only one kept, and loaded
+        # back at the end; label smoothing (also in the eval loss), HF's gradient checkpointing
+        # spelling, token counting
+        "llama-hf-flow": ("llama", {
+            "eval_strategy": "steps", "eval_steps": 3, "eval_delay": 4, "eval_on_start": True,
+            "save_strategy": "best", "save_total_limit": 1, "load_best_model_at_end": True,
+            "metric_for_best_model": "loss", "greater_is_better": False,
+            "label_smoothing_factor": 0.1, "gradient_checkpointing": True,
+            "gradient_checkpointing_kwargs": {"use_reentrant": False},
+            "include_num_input_tokens_seen": True, "eval_accumulation_steps": 1,
+            "torch_empty_cache_steps": 2}, {})}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,
           "report_to": "none", "disable_tqdm": True, "use_cpu": True, "warmup_steps": 2,
           "max_grad_norm": 0.5}
+
+
+def flow_summary(trainer) -> dict:
+    """What test_trainer compares for a run with HF's training flow (either trainer)."""
+    import os
+
+    state = trainer.state
+    return {"evals": [[h["step"], h["eval_loss"]] for h in state.log_history
+                      if "eval_loss" in h],
+            "best_metric": state.best_metric, "best_global_step": state.best_global_step,
+            "best_checkpoint": os.path.basename(state.best_model_checkpoint or ""),
+            "tokens": state.num_input_tokens_seen,
+            "tokens_logged": [h.get("num_input_tokens_seen") for h in state.log_history
+                              if "loss" in h],
+            "checkpoints": sorted(n for n in os.listdir(trainer.args.output_dir)
+                                  if n.startswith("checkpoint-"))}
 
 
 def dataset(n: int, seed: int) -> list[dict[str, torch.Tensor]]:

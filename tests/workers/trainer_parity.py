@@ -20,6 +20,7 @@ from trainer_common import (
     build,
     build_deep_llama,
     eval_set,
+    flow_summary,
     train_set,
 )
 
@@ -41,6 +42,7 @@ def run(name: str) -> None:
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
     trainer.train()
+    flow = flow_summary(trainer) if name.endswith("hf-flow") else {}
     metrics = trainer.evaluate()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == COMMON["max_steps"], f"{len(logs)} training logs"
@@ -66,7 +68,8 @@ def run(name: str) -> None:
         (OUT / f"merak-{name}.json").write_text(json.dumps({"state_share": share,
             "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
             "learning_rate": [h["learning_rate"] for h in logs],
-            "eval_loss": metrics["eval_loss"]}))
+            "eval_loss": metrics["eval_loss"],
+            **flow}))
     dist.barrier()
 
 

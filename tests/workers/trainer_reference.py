@@ -12,7 +12,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers as tf
-from trainer_common import COMMON, DP, MICRO_BATCH, RUNS, build, eval_set, train_set
+from trainer_common import (
+    COMMON,
+    DP,
+    MICRO_BATCH,
+    RUNS,
+    build,
+    eval_set,
+    flow_summary,
+    train_set,
+)
 
 
 def main() -> None:
@@ -22,13 +31,14 @@ def main() -> None:
     torch.set_num_threads(2)
     for run, (family, extra, _) in RUNS.items():
         model = build(family)
-        args = tf.TrainingArguments(output_dir=str(out / run), save_strategy="no",
+        args = tf.TrainingArguments(output_dir=str(out / f"reference-{run}"),
                                     per_device_train_batch_size=MICRO_BATCH * DP,
-                                    per_device_eval_batch_size=MICRO_BATCH * DP, **COMMON,
-                                    **extra)
+                                    per_device_eval_batch_size=MICRO_BATCH * DP,
+                                    **{**COMMON, "save_strategy": "no", **extra})
         trainer = tf.Trainer(model=model, args=args, train_dataset=train_set(),
                              eval_dataset=eval_set())
         trainer.train()
+        flow = flow_summary(trainer) if run.endswith("hf-flow") else {}
         metrics = trainer.evaluate()
         predicted = trainer.predict(eval_set())
         np.save(out / f"reference-{run}-logits.npy", predicted.predictions)
@@ -37,7 +47,8 @@ def main() -> None:
         (out / f"reference-{run}.json").write_text(json.dumps({
             "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
             "learning_rate": [h["learning_rate"] for h in logs],
-            "eval_loss": metrics["eval_loss"]}))
+            "eval_loss": metrics["eval_loss"],
+            **flow}))
 
 
 if __name__ == "__main__":
