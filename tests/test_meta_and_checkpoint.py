@@ -114,6 +114,29 @@ def test_a_parameter_repointed_to_unknown_values_is_named():
         materialize_(model)
 
 
+class _DrawnParameters(nn.Module):
+    """Random draws on meta (Linear) around a parameter drawn for real (`torch.normal`, as
+    DiffLlama's lambdas): the real draw happens at another point of the generator's sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.lam = nn.Parameter(torch.normal(0, 0.1, size=(5,)))
+        self.b = nn.Linear(5, 3)
+        nn.init.normal_(self.a.weight)
+
+
+def test_a_parameter_drawn_for_real_gets_the_eager_value_and_later_draws_too():
+    torch.manual_seed(3)
+    eager = _DrawnParameters()
+    torch.manual_seed(3)
+    with init_empty_weights():
+        model = _DrawnParameters()
+    materialize_(model)
+    for (name, mine), theirs in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(mine, theirs), name
+
+
 def test_seeding_inside_the_context_is_honoured():
     torch.manual_seed(3)
     reference = CONFIGS["llama"]()

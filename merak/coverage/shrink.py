@@ -34,14 +34,14 @@ _TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe
 _SIZES = {
     **dict.fromkeys(LAYER_NAMES, LAYERS),
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "n_embed", "embed_dim", "dim",
-                     "hidden_dim", "word_embed_proj_dim", "model_dim"), WIDTH),
+                     "hidden_dim", "word_embed_proj_dim", "model_dim", "emb_dim"), WIDTH),
     **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size",
                      "mlp_dim", "decoder_ffn_dim", "encoder_ffn_dim", "inner_hidden_size",
                      "dense_intermediate_size"), FFN),
     **dict.fromkeys(_HEAD_NAMES, HEADS),
     **dict.fromkeys(_KV_NAMES, KV_HEADS),
     **dict.fromkeys(("head_dim", "kv_channels", "d_kv", "attention_head_dim", "head_size",
-                     "qk_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim",
                      "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim",
                      "rotary_dim"), HEAD_DIM),
     **dict.fromkeys(EXPERT_NAMES, EXPERTS),
@@ -50,11 +50,12 @@ _SIZES = {
                      "expert_intermediate_size", "moe_ffn_hidden_size"), 32),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
     **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads"), HEADS),
-    "vocab_size": VOCAB,
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input"), VOCAB),
 }
 _CAPS = {"max_position_embeddings": 512, "n_positions": 512, "n_ctx": 512,
          "sliding_window": 8, "attention_window": 8, "num_shared_experts": 1,
-         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+         "num_expert_group": 1}
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
 _RANDOM = ("drop", "jitter", "noise")  # float attributes that make training random
@@ -82,7 +83,7 @@ def _small_values(defaults: dict) -> dict:
         if isinstance(value, bool):
             continue
         if key in _SIZES and isinstance(value, int):
-            new[key] = min(value, _SIZES[key]) if key not in ("vocab_size",) else _SIZES[key]
+            new[key] = min(value, _SIZES[key]) if "vocab" not in key else _SIZES[key]
         elif key in _CAPS and isinstance(value, int) and value > _CAPS[key]:
             new[key] = _CAPS[key]
         elif key in _TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
@@ -93,6 +94,11 @@ def _small_values(defaults: dict) -> dict:
             new[key] = _representative(value)  # per-layer lists (layer types, window sizes)
         elif isinstance(value, dict) and "model_type" in value:  # a sub-config (text_config)
             new[key] = {**value, **_small_values(value)}
+        elif isinstance(value, dict) and value and layers and all(
+                str(k).isdigit() for k in value):  # settings per layer index
+            new[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
+    if isinstance(defaults.get("qk_head_dim"), int) and "qk_nope_head_dim" in new:  # MLA
+        new["qk_head_dim"] = new["qk_nope_head_dim"] + new.get("qk_rope_head_dim", 0)
     if any(isinstance(defaults.get(k), int) for k in EXPERT_NAMES):
         new.update({k: TOP_K for k in _TOP_K_NAMES if k in defaults and defaults[k] is None})
     heads = [k for k in _HEAD_NAMES if isinstance(defaults.get(k), int)]

@@ -66,6 +66,7 @@ class _Op:
     kwargs: dict
     random: bool
     rng_state: torch.Tensor | None = None  # generator state to start from (first draw, reseeds)
+    produces: bool = False  # an out-of-place draw whose result is the target's value
 
 
 @dataclass
@@ -83,6 +84,8 @@ class InitRecord:
     # storage a parameter was re-pointed to (`param.data = param.data.clone()`) -> its first one
     aliases: dict[int, int] = field(default_factory=dict, repr=False)
     written: set[int] = field(default_factory=set, repr=False)  # keys some op wrote
+    # storage key of a real tensor drawn during the build -> index in `ops` of its draw
+    real_draws: dict[int, int] = field(default_factory=dict, repr=False)
 
     def key(self, tensor: torch.Tensor) -> int:
         """The storage key under which the writes to `tensor`'s parameter are recorded."""
@@ -91,8 +94,19 @@ class InitRecord:
 
     def keep_initial_value(self, meta: torch.Tensor, real: torch.Tensor) -> None:
         """A parameter created from a real tensor (``nn.Parameter(torch.zeros(n))``): its value
-        is replayed as a copy unless a later op overwrites it whole."""
+        is replayed as a copy unless a later op overwrites it whole. A tensor drawn at random
+        (``nn.Parameter(torch.normal(0, s, size))``, DiffLlama's lambdas) was drawn here while
+        the meta draws before it left the generator alone: its draw is replayed in its place
+        in the sequence instead, so it gets the value the eager build gives it."""
         key = _storage_key(meta)
+        draw = self.real_draws.get(_storage_key(real))
+        whole = real.numel() * real.element_size() == real.untyped_storage().nbytes()
+        if draw is not None and whole and real.storage_offset() == 0:
+            op = self.ops[draw]
+            op.target_key, op.produces = key, True
+            op.view = (tuple(meta.shape), tuple(meta.stride()), 0, meta.dtype)
+            self.keepalive.append(meta.untyped_storage())
+            return
         self.initial_values[key] = len(self.ops)
         self.keepalive.append(meta.untyped_storage())
         self.ops.append(_Op(torch.ops.aten.copy_.default, key,
@@ -147,6 +161,10 @@ class _Recorder(TorchDispatchMode):
                     self.record.drop_initial_value(key)  # overwritten whole: not needed
             self.record.ops.append(_Op(func, key, view, tuple(args[1:]) if writes_meta else
                                        tuple(args), dict(kwargs), random, state))
+            if random and isinstance(out, torch.Tensor) and not out.is_meta:
+                # a real draw: the next meta draw must not take its advance for a reseed
+                self.last_state = torch.get_rng_state()
+                self.record.real_draws[_storage_key(out)] = len(self.record.ops) - 1
         return out
 
 
@@ -428,12 +446,17 @@ def _replay(record: InitRecord, targets: dict[int, torch.Tensor],
         if param is not None:
             size, stride, offset, _ = op.view
             with torch.no_grad():
-                op.func(param.as_strided(size, stride, offset), *op.args, **op.kwargs)
+                if op.produces:
+                    kwargs = {**op.kwargs, **({"device": "cpu"} if "device" in op.kwargs else {})}
+                    param.as_strided(size, stride, offset).copy_(op.func(*op.args, **kwargs))
+                else:
+                    op.func(param.as_strided(size, stride, offset), *op.args, **op.kwargs)
             if last[op.target_key] == i:
                 del targets[op.target_key]
                 done(op.target_key)
         elif op.random:
-            if op.view is not None:  # a draw into somebody else's parameter: same numel, dropped
+            if op.view is not None and not op.produces:  # a draw into somebody else's
+                # parameter: same numel, dropped
                 size, stride, _, dtype = op.view
                 op.func(torch.empty_strided(size, stride, dtype=dtype), *op.args, **op.kwargs)
             else:

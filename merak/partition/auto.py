@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from merak.materialize.meta import has_meta_parameters
 from merak.partition import assign
 from merak.partition.fake_weights import FakeWeights
-from merak.partition.graph_rewrite import find_blocks, set_graph_device, within
+from merak.partition.graph_rewrite import find_blocks, prepare_inputs, set_graph_device, within
 from merak.partition.graph_split import split_model
 from merak.runtime.split import Piece, PipelineSplit, find_tied_weights
 
@@ -161,7 +161,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
             raise ValueError(f"input_names {unknown} are not in example_inputs "
                              f"({sorted(example_inputs)})")
         example_inputs = {n: example_inputs[n] for n in input_names}
-    blocks = find_blocks(model)
+    blocks = _blocks_that_run(model, example_inputs, find_blocks(model), device)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of "
                          f"one module type) to split between stages; split it by hand with "
@@ -217,6 +217,30 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
     finally:
         if fake is not None:
             fake.restore()
+
+
+def _blocks_that_run(model: nn.Module, example_inputs: dict, blocks: list[str], device
+                     ) -> list[str]:
+    """`blocks` less those the inputs never run, when the model has several block lists: a
+    multimodal model given text alone (Gemma-3's vision tower) keeps its text layers as the
+    pipeline's blocks; the unused tower's weights are in no stage. One forward without grad
+    (on fake weights for a meta model) with a pre-hook per block finds them."""
+    if len({b.rsplit(".", 1)[0] for b in blocks}) < 2:
+        return blocks
+    ran: set[str] = set()
+    hooks = [model.get_submodule(b).register_forward_pre_hook(
+        lambda module, args, name=b: ran.add(name)) for b in blocks]
+    try:
+        with torch.no_grad():
+            if has_meta_parameters(model):
+                with FakeWeights(model, device) as fake, fake.mode:
+                    model(**prepare_inputs(model, fake.inputs(example_inputs)))
+            else:
+                model(**prepare_inputs(model, example_inputs))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [b for b in blocks if b in ran] or blocks
 
 
 def _sequence_parallel(model: nn.Module) -> bool:
