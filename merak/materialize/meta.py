@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # in-place ops that overwrite every element of their target
@@ -67,6 +68,7 @@ class _Op:
     random: bool
     rng_state: torch.Tensor | None = None  # generator state to start from (first draw, reseeds)
     produces: bool = False  # an out-of-place draw whose result is the target's value
+    temporary: torch.Tensor | None = None  # the meta temporary written in place, if that
 
 
 @dataclass
@@ -86,6 +88,26 @@ class InitRecord:
     written: set[int] = field(default_factory=set, repr=False)  # keys some op wrote
     # storage key of a real tensor drawn during the build -> index in `ops` of its draw
     real_draws: dict[int, int] = field(default_factory=dict, repr=False)
+    # meta temporaries an init computes from (Mamba's ``log(arange(...))``, ``exp(rand(...))``):
+    # id -> the out-of-place op that made it, or the index in `ops` of its random draw
+    producers: dict[int, _Op] = field(default_factory=dict, repr=False)
+    drawn: dict[int, int] = field(default_factory=dict, repr=False)
+    temporaries: list = field(default_factory=list, repr=False)  # keeps those ids unique
+
+    def note_value(self, func, args, kwargs, out) -> None:
+        """Remember how a meta tensor outside the parameters was computed (out-of-place, from
+        constants and other such tensors), should a parameter later be written from it."""
+        if not isinstance(out, torch.Tensor) or not out.is_meta or func._schema.is_mutable:
+            return
+        inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if all(self.knows(a) for a in inputs if a.is_meta):
+            self.producers[id(out)] = _Op(func, None, None, tuple(args), dict(kwargs), False)
+            self.temporaries.append(out)
+
+    def knows(self, tensor: torch.Tensor) -> bool:
+        """Whether replay can give `tensor` a value: a recorded temporary. (An init reading a
+        parameter's own values, ``copy_(p, p.log())``, is not replayed yet.)"""
+        return id(tensor) in self.producers or id(tensor) in self.drawn
 
     def key(self, tensor: torch.Tensor) -> int:
         """The storage key under which the writes to `tensor`'s parameter are recorded."""
@@ -143,8 +165,11 @@ class _Recorder(TorchDispatchMode):
         writes_meta = (func._schema.is_mutable and target is not None
                        and target.device.type == "meta")
         random = name in _RANDOM_OPS
+        if not (writes_meta or random):
+            self.record.note_value(func, args, kwargs, out)
         if writes_meta or random:
-            if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args[1:]):
+            if any(isinstance(a, torch.Tensor) and a.device.type == "meta"
+                   and not self.record.knows(a) for a in args[1:]):
                 # e.g. copying one meta parameter into another: its value is unknown here
                 raise NotImplementedError(
                     f"init_empty_weights cannot replay {func} reading another meta tensor; build "
@@ -161,6 +186,14 @@ class _Recorder(TorchDispatchMode):
                     self.record.drop_initial_value(key)  # overwritten whole: not needed
             self.record.ops.append(_Op(func, key, view, tuple(args[1:]) if writes_meta else
                                        tuple(args), dict(kwargs), random, state))
+            if writes_meta and (id(target) in self.record.producers
+                                or id(target) in self.record.drawn) \
+                    and _storage_key(target) not in self.record.copies:  # ``A.uniform_(0, 16)``
+                # (a copy of a parameter is its would-be storage: see `_track_data_assignments`)
+                self.record.ops[-1].temporary = target
+            if random and not writes_meta and isinstance(out, torch.Tensor) and out.is_meta:
+                self.record.drawn[id(out)] = len(self.record.ops) - 1  # a temporary drawn here
+                self.record.temporaries.append(out)
             if random and isinstance(out, torch.Tensor) and not out.is_meta:
                 # a real draw: the next meta draw must not take its advance for a reseed
                 self.last_state = torch.get_rng_state()
@@ -437,20 +470,39 @@ def _replay(record: InitRecord, targets: dict[int, torch.Tensor],
     the last op writing that key."""
     last = {op.target_key: i for i, op in enumerate(record.ops)
             if op is not None and op.target_key in targets}
+    drawn_at = {i: key for key, i in record.drawn.items()}
+    values: dict[int, torch.Tensor] = {}  # id of a meta temporary -> its real value
+
+    def real(x):
+        if isinstance(x, torch.device) and x.type == "meta":
+            return torch.device("cpu")
+        if not (isinstance(x, torch.Tensor) and x.is_meta):
+            return x
+        if id(x) not in values:  # an out-of-place op of the build (draws are in sequence)
+            made = record.producers[id(x)]
+            values[id(x)] = made.func(*pytree.tree_map(real, made.args),
+                                      **pytree.tree_map(real, made.kwargs))
+        return values[id(x)]
+
     for i, op in enumerate(record.ops):
         if op is None:
             continue
         if op.rng_state is not None:
             torch.set_rng_state(op.rng_state)
         param = targets.get(op.target_key) if op.target_key is not None else None
-        if param is not None:
+        if op.temporary is not None:
+            with torch.no_grad():
+                op.func(real(op.temporary), *pytree.tree_map(real, op.args),
+                        **pytree.tree_map(real, op.kwargs))
+        elif param is not None:
             size, stride, offset, _ = op.view
+            args = pytree.tree_map(real, op.args)
             with torch.no_grad():
                 if op.produces:
                     kwargs = {**op.kwargs, **({"device": "cpu"} if "device" in op.kwargs else {})}
-                    param.as_strided(size, stride, offset).copy_(op.func(*op.args, **kwargs))
+                    param.as_strided(size, stride, offset).copy_(op.func(*args, **kwargs))
                 else:
-                    op.func(param.as_strided(size, stride, offset), *op.args, **op.kwargs)
+                    op.func(param.as_strided(size, stride, offset), *args, **op.kwargs)
             if last[op.target_key] == i:
                 del targets[op.target_key]
                 done(op.target_key)
@@ -463,4 +515,6 @@ def _replay(record: InitRecord, targets: dict[int, torch.Tensor],
                 kwargs = dict(op.kwargs)
                 if "device" in kwargs:
                     kwargs["device"] = "cpu"
-                op.func(*op.args, **kwargs)
+                drawn = op.func(*op.args, **kwargs)
+                if i in drawn_at:  # a temporary an init computes from: kept for `real`
+                    values[drawn_at[i]] = drawn
