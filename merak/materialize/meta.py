@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from merak.materialize.build_patches import (PRETRAINED_ATTR, _mark_from_pretrained,
-                                             _track_data_assignments)
+                                             _storage_key, _track_data_assignments)
 
 # in-place ops that overwrite every element of their target
 _FULL_WRITES = frozenset({"uniform_", "normal_", "fill_", "zero_", "copy_", "random_",
@@ -46,10 +46,6 @@ _CARRIED_ATTRS = ("tp_shard", "tp_partial_grad")
 
 def _op_name(func) -> str:
     return func._schema.name.split("::")[-1]
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 def storage_key(param: torch.Tensor) -> int:
