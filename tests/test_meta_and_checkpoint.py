@@ -114,6 +114,17 @@ def test_a_parameter_repointed_to_unknown_values_is_named():
         materialize_(model)
 
 
+def _assert_materializes_like_eager(build, seed: int) -> None:
+    torch.manual_seed(seed)
+    eager = build()
+    torch.manual_seed(seed)
+    with init_empty_weights():
+        model = build()
+    materialize_(model)
+    for (name, mine), theirs in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(mine, theirs), name
+
+
 class _DrawnParameters(nn.Module):
     """Random draws on meta (Linear) around a parameter drawn for real (`torch.normal`, as
     DiffLlama's lambdas): the real draw happens at another point of the generator's sequence."""
@@ -127,14 +138,7 @@ class _DrawnParameters(nn.Module):
 
 
 def test_a_parameter_drawn_for_real_gets_the_eager_value_and_later_draws_too():
-    torch.manual_seed(3)
-    eager = _DrawnParameters()
-    torch.manual_seed(3)
-    with init_empty_weights():
-        model = _DrawnParameters()
-    materialize_(model)
-    for (name, mine), theirs in zip(model.named_parameters(), eager.parameters()):
-        assert torch.equal(mine, theirs), name
+    _assert_materializes_like_eager(_DrawnParameters, seed=3)
 
 
 class _ComputedInit(nn.Module):
@@ -155,14 +159,7 @@ class _ComputedInit(nn.Module):
 
 
 def test_parameters_copied_from_computed_temporaries_get_the_eager_values():
-    torch.manual_seed(5)
-    eager = _ComputedInit()
-    torch.manual_seed(5)
-    with init_empty_weights():
-        model = _ComputedInit()
-    materialize_(model)
-    for (name, mine), theirs in zip(model.named_parameters(), eager.parameters()):
-        assert torch.equal(mine, theirs), name
+    _assert_materializes_like_eager(_ComputedInit, seed=5)
 
 
 def test_seeding_inside_the_context_is_honoured():
