@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,7 +102,6 @@ def test_every_merak_field_parses_from_the_command_line_and_has_help(capsys):
     """HfArgumentParser with another dataclass beside MerakArguments (as HF's example scripts
     do): list fields take several values, and --help lists every Merak field with its help."""
     import dataclasses
-    import re
     from dataclasses import dataclass, field
 
     from transformers import TrainingArguments
@@ -138,6 +139,7 @@ def test_every_merak_field_parses_from_the_command_line_and_has_help(capsys):
         assert f.metadata.get("help"), f"{f.name} has no help text"
         words = re.sub(r"\s+", " ", f.metadata["help"])[:40]
         assert words in text, (f.name, words)
+        assert re.match(r"\[Merak [a-zA-Z0-9 ]+\] ", f.metadata["help"]), f.name  # its group
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -182,12 +184,44 @@ def test_bad_values_name_the_field(kwargs, message):
 @pytest.mark.parametrize("kwargs", [
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000},
     {"text_generation": True}, {"lora_config": "{}"},
-    {"dealloc_pipeoutput": True}, {"bf16_full_eval": True}, {"torch_compile": True},
+    {"dealloc_pipeoutput": True}, {"bf16_full_eval": True},
     {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"context_fn": "f"}},
 ])
 def test_features_not_landed_say_so(kwargs):
     with pytest.raises(NotSupportedYetError, match="not supported yet"):
         MerakArguments(output_dir="out", **kwargs)
+
+
+def test_every_inherited_field_is_honoured_or_refused_with_its_reason():
+    """hf_fields: each HF field MerakTrainer does not honour has a reason, given when it is set
+    (the README lists the same fields)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from merak.trainer.hf_fields import HONOURED, REFUSED
+
+    own = {f.name for f in dataclasses.fields(MerakArguments)}
+    inherited = [f for f in dataclasses.fields(TrainingArguments) if f.init]
+    unexplained = [f.name for f in inherited if f.name not in HONOURED and f.name not in REFUSED
+                   and f.name != "activation_checkpointing"]  # redefined as a Merak field
+    assert not unexplained, unexplained
+    assert not set(REFUSED) & HONOURED and set(REFUSED) <= own
+    for name, value in (("accelerator_config", {"split_batches": True}),
+                        ("deepspeed", "ds.json"), ("batch_eval_metrics", True)):
+        with pytest.raises(NotSupportedYetError, match=re.escape(REFUSED[name][:40])):
+            MerakArguments(output_dir="out", **{name: value})
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    missing = [name for name in REFUSED if f"`{name}`" not in readme]
+    assert not missing, f"README does not list {missing}"
+
+
+def test_ddp_bucket_cap_mb_is_the_dp_gradient_bucket():
+    assert MerakArguments(output_dir="out", ddp_bucket_cap_mb=2).gradient_bucket_bytes == 2 * 2**20
+    assert MerakArguments(output_dir="out", zero_reduce_bucket_size=1000).gradient_bucket_bytes \
+        == 4000
+    with pytest.raises(ValueError, match="not both"):
+        MerakArguments(output_dir="out", ddp_bucket_cap_mb=2, zero_reduce_bucket_size=1000)
 
 
 # Merak fields MerakTrainer honours (each changes what parallelize / the interpreter / the data
@@ -302,7 +336,7 @@ def reshards(runs):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """The one 2-rank launch (dp1 x tp1 x pp2): trainer_fp16.py's scenarios."""
+    """The one 2-rank launch (dp1 x tp1 x pp2; tp2 for neftune): trainer_fp16.py's scenarios."""
     out = tmp_path_factory.mktemp("two-ranks")
     os.environ["MERAK_TRAINER_OUT"] = str(out)
     try:
@@ -313,6 +347,72 @@ def two_ranks(tmp_path_factory):
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(two_ranks):
     check(*two_ranks[1:], "fp16-overflow")
+
+
+def test_push_to_hub_uploads_the_gathered_model_and_checkpoints(two_ranks):
+    check(*two_ranks[1:], "push-to-hub")
+
+
+def test_ignore_data_skip_restarts_the_resumed_epoch(two_ranks):
+    check(*two_ranks[1:], "ignore-data-skip")
+
+
+def test_dataloader_workers_collate_the_same_batches(two_ranks):
+    check(*two_ranks[1:], "dataloader-workers")
+
+
+def test_auto_find_batch_size_halves_until_every_rank_fits(two_ranks):
+    check(*two_ranks[1:], "auto-find-batch-size")
+
+
+def test_torch_compile_compiles_the_blocks_with_eager_losses(two_ranks):
+    check(*two_ranks[1:], "torch-compile-pp2")
+
+
+def test_neftune_noise_matches_a_single_process_reference(two_ranks):
+    check(*two_ranks[1:], "neftune-pp2")
+
+
+def test_neftune_noise_is_the_same_on_the_tp_ranks(two_ranks):
+    check(*two_ranks[1:], "neftune-tp2")
+
+
+def test_torch_compile_and_neftune_fields_take_hf_defaults():
+    args = MerakArguments(output_dir="out", torch_compile_mode="reduce-overhead")
+    assert args.torch_compile and args.torch_compile_backend == "inductor"
+    args = MerakArguments(output_dir="out", torch_compile_backend="aot_eager")
+    assert args.torch_compile and args.torch_compile_mode is None
+    assert MerakArguments(output_dir="out", neftune_noise_alpha=5.0).neftune_noise_alpha == 5.0
+
+
+def test_neftune_hook_noise_is_keyed_by_step_microbatch_and_dp_rank():
+    """The noise of `merak.trainer.neftune`: HF's magnitude; the same for the same key (a
+    recompute of the micro-batch), another for another dp rank, step or micro-batch; none in
+    eval mode or without gradients."""
+    import math
+
+    import torch
+
+    from merak.schedule.actions import Action, ActionKind
+    from merak.trainer.neftune import NEFTune
+
+    def noise(dp_rank=0, step=0, mb=0, kind=ActionKind.FORWARD, train=True, grad=True):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 8).train(train)
+        hook = NEFTune(5.0, 42, dp_rank, lambda: step)
+        assert hook.attach(embedding, embedding)
+        hook.on_instruction_begin(kind.value, Action(kind, 0, mb))
+        ids = torch.arange(6).view(2, 3)
+        with torch.set_grad_enabled(grad):
+            return (embedding(ids) - torch.nn.functional.embedding(ids, embedding.weight)).detach()
+
+    first = noise()
+    bound = 5.0 / math.sqrt(3 * 8)
+    assert 0 < first.abs().max() <= bound and first.abs().max() > bound / 2
+    assert torch.equal(first, noise(kind=ActionKind.RECOMPUTE))
+    for other in ({"dp_rank": 1}, {"step": 1}, {"mb": 1}):
+        assert not torch.equal(first, noise(**other)), other
+    assert not noise(train=False).any() and not noise(grad=False).any()
 
 
 def test_hf_fields_with_their_hf_meaning():

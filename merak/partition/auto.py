@@ -169,7 +169,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     if num_stages > len(blocks):
         raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
                          f"most {len(blocks)} stages")
-    leaf_modules = [*leaf_modules, *_tp_glue_modules(model, blocks)]
+    leaf_modules = list(dict.fromkeys([*leaf_modules, *_tp_glue_modules(model, blocks)]))
     weights = _block_weights(model, blocks, partition_method, example_inputs)
     stage_of = _stage_of_block(blocks, num_stages, partition_method, custom_partition,
                                custom_split_points if split_method == "layer_split" else None,

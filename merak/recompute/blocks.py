@@ -104,8 +104,11 @@ class BlockRecomputation:
         def forward(*args, **kwargs):
             return this._call(block, original, first, args, kwargs)
 
+        # the forward in place before (a compiled one, `merak.trainer.compile`) comes back
+        own = block.__dict__.get("forward")
         block.forward = forward
-        self._restore.append(lambda: delattr(block, "forward"))
+        self._restore.append(lambda: setattr(block, "forward", own) if own is not None
+                             else delattr(block, "forward"))
 
     def remove(self) -> None:
         """Give the blocks their own forward back."""

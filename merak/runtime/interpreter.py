@@ -341,7 +341,10 @@ class PipelineInterpreter(StepTail):
                     if action.kind is K.SEND_ACT:
                         self.transfers.send_shapes(action, runner.outputs(0))
                     elif action.kind is K.RECV_ACT:
-                        runner.receive(0, self.transfers.recv_shapes(action))
+                        values = self.transfers.recv_shapes(action)
+                        runner.received_shapes.update(
+                            {k: (v.shape, v.dtype) for k, v in values.items()})
+                        runner.receive(0, values)
                     elif action.kind is K.LOAD:
                         runner.load(0)
                     elif action.kind is K.FORWARD:

@@ -77,6 +77,8 @@ class StageRunner:
         self.losses: list[torch.Tensor] = []
         self.state: list[MicroBatchState] = []
         self.microbatches: list[dict[str, torch.Tensor]] = []
+        # what the last shape discovery received: value -> (shape, dtype) (`memory_probe`)
+        self.received_shapes: dict[ValueKey, tuple[torch.Size, torch.dtype]] = {}
 
     def begin(self, microbatches: list[dict[str, torch.Tensor]], num_microbatches: int) -> None:
         self.microbatches = microbatches

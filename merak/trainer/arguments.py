@@ -2,8 +2,8 @@
 
 Every field either works or raises. Merak fields whose feature has not landed raise
 `NotSupportedYetError` when set to anything but their default; every inherited HF field that
-`MerakTrainer` does not honour is checked the same way against its HF default (`_HONOURED` lists
-the ones it does). Bad values raise `ValueError` naming the field and the allowed values.
+`MerakTrainer` does not honour is checked the same way against its HF default (`hf_fields.HONOURED`
+lists the ones it does). Bad values raise `ValueError` naming the field and the allowed values.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from merak.partition import assign
 from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
 from merak.schedule.registry import SCHEDULES
 from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
+from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 from merak.trainer.job import JobView
 
 
@@ -27,48 +28,10 @@ class NotSupportedYetError(ValueError):
 
 
 
-# inherited HF fields MerakTrainer honours; any other HF field must keep its HF default
-_HONOURED = frozenset({
-    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
-    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "learning_rate",
-    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "optim_args",
-    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
-    "logging_strategy", "logging_steps", "logging_first_step", "logging_nan_inf_filter",
-    "log_level", "log_level_replica", "log_on_each_node", "disable_tqdm", "report_to",
-    "run_name", "project", "seed", "data_seed", "use_cpu", "dataloader_drop_last",
-    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
-    "dataloader_prefetch_factor", "remove_unused_columns", "label_names",
-    "train_sampling_strategy", "do_train", "do_eval", "do_predict", "local_rank",
-    "ddp_timeout", "ddp_backend", "skip_memory_metrics", "save_strategy", "save_steps",
-    "save_total_limit", "save_only_model", "resume_from_checkpoint",
-    "average_tokens_across_devices", "eval_strategy", "prediction_loss_only", "debug",
-    "use_cache", "bf16", "fp16",
-    # evaluation, checkpoint choice and the loss during train() (merak.trainer.flow)
-    "eval_steps", "eval_delay", "eval_on_start", "load_best_model_at_end",
-    "metric_for_best_model", "greater_is_better", "label_smoothing_factor",
-    "include_num_input_tokens_seen", "torch_empty_cache_steps",
-    # applied by TrainingArguments / Trainer themselves: tf32 by __post_init__ (enable_tf32),
-    # full_determinism by Trainer.__init__ and MerakTrainer.train (enable_full_determinism)
-    "tf32", "full_determinism",
-    # evaluation gathers each step's logits once, from the last pipeline stage, onto the CPU
-    # (not on the accelerator as HF's loop does), so there is nothing to offload early: the
-    # field is accepted and changes nothing
-    "eval_accumulation_steps",
-    # Merak's recomputation (activation_checkpointing): see _check_gradient_checkpointing
-    "gradient_checkpointing", "gradient_checkpointing_kwargs",
-})
-
-# torch.utils.checkpoint keywords (HF's gradient_checkpointing_kwargs) and what Merak makes of
-# them: its recomputation re-runs each block's forward itself from the kept block input, right
-# before that block's backward (no torch.utils.checkpoint, no reentrant autograd), always
-# replaying the RNG state of the first forward (dropout masks equal)
-_CHECKPOINT_KWARGS = {
-    "use_reentrant": "irrelevant: no torch.utils.checkpoint is involved",
-    "preserve_rng_state": "the RNG state is always replayed (True); False would only skip "
-                          "that for speed, so it is accepted and the replay kept",
-    "determinism_check": "irrelevant: the replayed forward is the same program",
-    "debug": "irrelevant: no torch.utils.checkpoint is involved",
-}
+def _help(group: str, text: str) -> dict[str, str]:
+    """A Merak field's metadata: its help text, tagged with its group for `--help` (HF's parser
+    puts all of a dataclass's fields in one argument group)."""
+    return {"help": f"[Merak {group}] {text}"}
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -96,110 +59,122 @@ class MerakArguments(JobView, TrainingArguments):
     """
 
     # ---- pipeline schedule and partitioning
-    train_schedule: str = field(default="1f1b", metadata={
-        "help": f"pipeline schedule: {sorted(SCHEDULES)}"})
-    num_model_chunks: int = field(default=2, metadata={
-        "help": "model chunks per pipeline rank for train_schedule='interleaved_1f1b' (the model "
-                "is split into pp x this many virtual stages)"})
-    partition_method: str = field(default="uniform", metadata={
-        "help": f"stage assignment: {list(assign.PARTITION_METHODS)}"})
-    split_method: str = field(default="farthest_min_deps", metadata={
-        "help": f"where non-block ops go: {list(SPLIT_METHODS)}"})
-    custom_split_points: list[str] | None = field(default=None, metadata={
-        "help": "module names where a stage begins (split_method='layer_split')"})
-    custom_partition: list[int] | None = field(default=None, metadata={
-        "help": "block indices where stages begin (partition_method='custom')"})
-    trace_method: str = field(default="export", metadata={
-        "help": f"graph capture front-end: {list(TRACE_METHODS)}"})
-    input_names: list[str] | None = field(default=None, metadata={
-        "help": "model inputs to trace and feed (default: every key of a batch)"})
-    no_tie_modules: bool = field(default=False, metadata={
-        "help": "do not sum gradients of weights shared across stages"})
+    train_schedule: str = field(default="1f1b", metadata=_help("pipeline",
+        f"pipeline schedule: {sorted(SCHEDULES)}"))
+    num_model_chunks: int = field(default=2, metadata=_help("pipeline",
+        "model chunks per pipeline rank for train_schedule='interleaved_1f1b' (the model "
+        "is split into pp x this many virtual stages)"))
+    partition_method: str = field(default="uniform", metadata=_help("pipeline",
+        f"stage assignment: {list(assign.PARTITION_METHODS)}"))
+    split_method: str = field(default="farthest_min_deps", metadata=_help("pipeline",
+        f"where non-block ops go: {list(SPLIT_METHODS)}"))
+    custom_split_points: list[str] | None = field(default=None, metadata=_help("pipeline",
+        "module names where a stage begins (split_method='layer_split')"))
+    custom_partition: list[int] | None = field(default=None, metadata=_help("pipeline",
+        "block indices where stages begin (partition_method='custom')"))
+    trace_method: str = field(default="export", metadata=_help("pipeline",
+        f"graph capture front-end: {list(TRACE_METHODS)}"))
+    input_names: list[str] | None = field(default=None, metadata=_help("pipeline",
+        "model inputs to trace and feed (default: every key of a batch)"))
+    no_tie_modules: bool = field(default=False, metadata=_help("pipeline",
+        "do not sum gradients of weights shared across stages"))
     # ---- recomputation
-    activation_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute the activations of blocks before their backward (every block of "
-                "every stage unless activation_checkpoint_ratio or activation_memory_budget "
-                "says otherwise)"})
-    checkpoint_num_layers: int = field(default=1, metadata={
-        "help": "consecutive blocks per checkpointed chunk (only its input is kept)"})
-    activation_checkpoint_ratio: list[float] | None = field(default=None, metadata={
-        "help": "fraction of each stage's blocks recomputed: one value per stage, or one value "
-                "for the first stage, later stages then recomputing the least that keeps their "
-                "peak activation memory at or below the first's (stage-aware)"})
-    activation_memory_budget: list[float] | None = field(default=None, metadata={
-        "help": "MiB of activations per stage (one value for all, or one per stage): each "
-                "stage recomputes the fewest blocks whose predicted peak fits (measured "
-                "per-block bytes replayed through the schedule)"})
+    activation_checkpointing: bool = field(default=False, metadata=_help("recomputation",
+        "recompute the activations of blocks before their backward (every block of "
+        "every stage unless activation_checkpoint_ratio or activation_memory_budget "
+        "says otherwise)"))
+    checkpoint_num_layers: int = field(default=1, metadata=_help("recomputation",
+        "consecutive blocks per checkpointed chunk (only its input is kept)"))
+    activation_checkpoint_ratio: list[float] | None = field(
+        default=None, metadata=_help("recomputation",
+        "fraction of each stage's blocks recomputed: one value per stage, or one value "
+        "for the first stage, later stages then recomputing the least that keeps their "
+        "peak activation memory at or below the first's (stage-aware)"))
+    activation_memory_budget: list[float] | None = field(
+        default=None, metadata=_help("recomputation",
+        "MiB of activations per stage (one value for all, or one per stage): each "
+        "stage recomputes the fewest blocks whose predicted peak fits (measured "
+        "per-block bytes replayed through the schedule)"))
     # ---- runtime
-    wall_clock_breakdown: bool = field(default=False, metadata={
-        "help": "log the time of each instruction kind per step"})
-    dealloc_pipeoutput: bool = field(default=False, metadata={
-        "help": "free pipeline outputs once sent (keep only their autograd graph)"})
+    wall_clock_breakdown: bool = field(default=False, metadata=_help("runtime",
+        "log the time of each instruction kind per step"))
+    dealloc_pipeoutput: bool = field(default=False, metadata=_help("runtime",
+        "free pipeline outputs once sent (keep only their autograd graph)"))
     # ---- data parallelism and optimizer state
-    prescale_gradients: bool = field(default=False, metadata={
-        "help": "divide gradients by dp before the all-reduce"})
-    gradient_predivide_factor: float = field(default=1.0, metadata={
-        "help": "divide gradients by this before the all-reduce, the rest after"})
-    zero_stage: int = field(default=0, metadata={"help": "0: no ZeRO; 1: shard optimizer state"})
-    zero_allgather_bucket_size: int = field(default=500_000_000, metadata={
-        "help": "ZeRO parameter all-gather bucket, elements"})
-    zero_reduce_bucket_size: int = field(default=500_000_000, metadata={
-        "help": "gradient all-reduce bucket, elements"})
+    prescale_gradients: bool = field(default=False, metadata=_help("data parallel",
+        "divide gradients by dp before the all-reduce"))
+    gradient_predivide_factor: float = field(default=1.0, metadata=_help("data parallel",
+        "divide gradients by this before the all-reduce, the rest after"))
+    zero_stage: int = field(default=0, metadata=_help("data parallel",
+        "0: no ZeRO; 1: shard optimizer state"))
+    zero_allgather_bucket_size: int = field(default=500_000_000, metadata=_help("data parallel",
+        "ZeRO parameter all-gather bucket, elements"))
+    zero_reduce_bucket_size: int = field(default=500_000_000, metadata=_help("data parallel",
+        "gradient all-reduce bucket, elements"))
     # ---- tensor parallelism
-    tp_plan: dict | str | TPPlan | None = field(default=None, metadata={
-        "help": f"the tensor-parallel plan, for a model without one of its own: a merak.TPPlan "
-                f"or a dict (JSON on the command line) with keys among {list(LAYER_LIST_KEYS)} "
-                f"(merak.set_tp_layer_lists' arguments); becomes a TPPlan. Default: the plan "
-                f"set_tp_layer_lists recorded, else the model family's"})
-    parallel_vocab: bool = field(default=False, metadata={
-        "help": "split the embedding and LM head by vocabulary across TP ranks"})
-    sequence_parallel: bool = field(default=False, metadata={
-        "help": "Megatron sequence parallelism in the blocks"})
-    sequence_dim: int = field(default=1, metadata={"help": "sequence dimension of hidden states"})
-    tp_overlapping_level: int = field(default=0, metadata={
-        "help": "sub-pipelined TP: 0 off, 1 within linear pairs, 2 across attention and MLP"})
+    tp_plan: dict | str | TPPlan | None = field(default=None, metadata=_help("tensor parallel",
+        f"the tensor-parallel plan, for a model without one of its own: a merak.TPPlan "
+        f"or a dict (JSON on the command line) with keys among {list(LAYER_LIST_KEYS)} "
+        f"(merak.set_tp_layer_lists' arguments); becomes a TPPlan. Default: the plan "
+        f"set_tp_layer_lists recorded, else the model family's"))
+    parallel_vocab: bool = field(default=False, metadata=_help("tensor parallel",
+        "split the embedding and LM head by vocabulary across TP ranks"))
+    sequence_parallel: bool = field(default=False, metadata=_help("tensor parallel",
+        "Megatron sequence parallelism in the blocks"))
+    sequence_dim: int = field(default=1, metadata=_help("tensor parallel",
+        "sequence dimension of hidden states"))
+    tp_overlapping_level: int = field(default=0, metadata=_help("tensor parallel",
+        "sub-pipelined TP: 0 off, 1 within linear pairs, 2 across attention and MLP"))
     # ---- checkpoints
-    save: bool = field(default=False, metadata={
-        "help": "save Merak checkpoints every save_steps (same as save_strategy='steps')"})
-    finetune: bool = field(default=False, metadata={
-        "help": "load only the weights of resume_from_checkpoint"})
-    no_save_rng: bool = field(default=False, metadata={"help": "do not save RNG states"})
-    no_save_optim: bool = field(default=False, metadata={"help": "do not save optimizer state"})
-    no_load_rng: bool = field(default=False, metadata={"help": "do not load RNG states"})
-    no_load_optim: bool = field(default=False, metadata={"help": "do not load optimizer state"})
+    save: bool = field(default=False, metadata=_help("checkpoints",
+        "save Merak checkpoints every save_steps (same as save_strategy='steps')"))
+    finetune: bool = field(default=False, metadata=_help("checkpoints",
+        "load only the weights of resume_from_checkpoint"))
+    no_save_rng: bool = field(default=False, metadata=_help("checkpoints",
+        "do not save RNG states"))
+    no_save_optim: bool = field(default=False, metadata=_help("checkpoints",
+        "do not save optimizer state"))
+    no_load_rng: bool = field(default=False, metadata=_help("checkpoints",
+        "do not load RNG states"))
+    no_load_optim: bool = field(default=False, metadata=_help("checkpoints",
+        "do not load optimizer state"))
     # ---- mixed precision (fp16 loss scaling)
-    loss_scale: float = field(default=0.0, metadata={"help": "fp16 static scale; 0 = dynamic"})
-    initial_scale_power: int = field(default=32, metadata={"help": "dynamic scale starts at 2^this"})
-    loss_scale_window: int = field(default=1000, metadata={
-        "help": "steps without overflow before the scale grows"})
-    hysteresis: int = field(default=2, metadata={"help": "overflows tolerated before lowering"})
-    min_loss_scale: float = field(default=1.0, metadata={"help": "lowest dynamic scale"})
+    loss_scale: float = field(default=0.0, metadata=_help("fp16", "fp16 static scale; 0 = dynamic"))
+    initial_scale_power: int = field(default=32, metadata=_help("fp16",
+        "dynamic scale starts at 2^this"))
+    loss_scale_window: int = field(default=1000, metadata=_help("fp16",
+        "steps without overflow before the scale grows"))
+    hysteresis: int = field(default=2, metadata=_help("fp16",
+        "overflows tolerated before lowering"))
+    min_loss_scale: float = field(default=1.0, metadata=_help("fp16", "lowest dynamic scale"))
     # ---- evaluation and generation
-    eval_iters: int | None = field(default=None, metadata={
-        "help": "evaluation steps per evaluate() (default: the whole eval set)"})
-    text_generation: bool = field(default=False, metadata={"help": "generate text after training"})
-    out_seq_length: int = field(default=1024, metadata={"help": "generated sequence length"})
-    temperature: float = field(default=0.9, metadata={"help": "sampling temperature"})
+    eval_iters: int | None = field(default=None, metadata=_help("evaluation",
+        "evaluation steps per evaluate() (default: the whole eval set)"))
+    text_generation: bool = field(default=False, metadata=_help("evaluation",
+        "generate text after training"))
+    out_seq_length: int = field(default=1024, metadata=_help("evaluation",
+        "generated sequence length"))
+    temperature: float = field(default=0.9, metadata=_help("evaluation", "sampling temperature"))
     # ---- LoRA
-    lora_config: str | None = field(default=None, metadata={"help": "peft LoRA config (JSON)"})
-    adapter_name: str = field(default="default", metadata={"help": "peft adapter name"})
+    lora_config: str | None = field(default=None, metadata=_help("LoRA", "peft LoRA config (JSON)"))
+    adapter_name: str = field(default="default", metadata=_help("LoRA", "peft adapter name"))
     # ---- energy (Perseus)
-    energy_gpu: str | None = field(default=None, metadata={
-        "help": "GPU clock control and energy counter: 'nvml' (NVIDIA GPUs) or 'simulated' "
-                "(the synthetic GPU model, for CPU machines); measures every step's time and "
-                "energy (output_dir/energy_steps.csv) and is needed by the options below"})
-    simulated_gpu: str | None = field(default=None, metadata={
-        "help": "JSON overrides of the simulated GPU model, e.g. "
-                "'{\"forward_s\": 0.01, \"clock_step\": 90}' (merak.energy.gpu."
-                "SyntheticGPUModel)"})
-    energy_profile: str | None = field(default=None, metadata={
-        "help": "profile mode: train() measures every compute instruction at each GPU clock, "
-                "writes this CSV (for `merak energy plan`) and returns"})
-    energy_plan: str | None = field(default=None, metadata={
-        "help": "a `merak energy plan` JSON: per-instruction GPU clocks for every rank"})
-    pfo_server_url: str | None = field(default=None, metadata={
-        "help": "a Perseus (Zeus PFO) server to fetch the energy plan from, e.g. "
-                "http://127.0.0.1:7787 (`merak energy serve`)"})
+    energy_gpu: str | None = field(default=None, metadata=_help("energy",
+        "GPU clock control and energy counter: 'nvml' (NVIDIA GPUs) or 'simulated' "
+        "(the synthetic GPU model, for CPU machines); measures every step's time and "
+        "energy (output_dir/energy_steps.csv) and is needed by the options below"))
+    simulated_gpu: str | None = field(default=None, metadata=_help("energy",
+        "JSON overrides of the simulated GPU model, e.g. "
+        "'{\"forward_s\": 0.01, \"clock_step\": 90}' (merak.energy.gpu."
+        "SyntheticGPUModel)"))
+    energy_profile: str | None = field(default=None, metadata=_help("energy",
+        "profile mode: train() measures every compute instruction at each GPU clock, "
+        "writes this CSV (for `merak energy plan`) and returns"))
+    energy_plan: str | None = field(default=None, metadata=_help("energy",
+        "a `merak energy plan` JSON: per-instruction GPU clocks for every rank"))
+    pfo_server_url: str | None = field(default=None, metadata=_help("energy",
+        "a Perseus (Zeus PFO) server to fetch the energy plan from, e.g. "
+        "http://127.0.0.1:7787 (`merak energy serve`)"))
 
     def __post_init__(self) -> None:
         self._check_gradient_checkpointing()
@@ -357,11 +332,11 @@ class MerakArguments(JobView, TrainingArguments):
             raise ValueError("MerakArguments.gradient_checkpointing_kwargs only applies with "
                              "gradient_checkpointing=True")
         for key in kwargs:
-            if key not in _CHECKPOINT_KWARGS:
+            if key not in CHECKPOINT_KWARGS:
                 raise NotSupportedYetError(
                     f"TrainingArguments.gradient_checkpointing_kwargs[{key!r}] is not supported "
                     f"yet by MerakTrainer (its recomputation is Merak's own, not "
-                    f"torch.utils.checkpoint; it takes {sorted(_CHECKPOINT_KWARGS)}, and "
+                    f"torch.utils.checkpoint; it takes {sorted(CHECKPOINT_KWARGS)}, and "
                     f"activation_checkpoint_ratio / activation_memory_budget / "
                     f"checkpoint_num_layers to choose what is recomputed)")
         if self.gradient_checkpointing:
@@ -372,13 +347,26 @@ class MerakArguments(JobView, TrainingArguments):
             f.name for f in dataclasses.fields(TrainingArguments)}
         redefined = {"activation_checkpointing"}  # checked as a Merak field
         for f in dataclasses.fields(TrainingArguments):
-            if f.name in _HONOURED or f.name in redefined or f.name in own or not f.init:
+            if f.name in HONOURED or f.name in redefined or f.name in own or not f.init:
                 continue
             default = _default(f)
             if default is not dataclasses.MISSING and not _same(getattr(self, f.name), default):
                 raise NotSupportedYetError(
                     f"TrainingArguments.{f.name}={getattr(self, f.name)!r} is not supported yet "
-                    f"by MerakTrainer; leave it at its default ({default!r})")
+                    f"by MerakTrainer ({REFUSED.get(f.name, 'not implemented')}); leave it at "
+                    f"its default ({default!r})")
+        bucket = MerakArguments.__dataclass_fields__["zero_reduce_bucket_size"]
+        if self.ddp_bucket_cap_mb is not None and self.zero_reduce_bucket_size != _default(bucket):
+            raise ValueError("MerakArguments: give the dp gradient bucket as ddp_bucket_cap_mb "
+                             "(MiB) or zero_reduce_bucket_size (elements), not both")
+
+    @property
+    def gradient_bucket_bytes(self) -> int:
+        """The dp all-reduce bucket: HF's ddp_bucket_cap_mb when given, else Merak's
+        zero_reduce_bucket_size (fp32 elements)."""
+        if self.ddp_bucket_cap_mb is not None:
+            return int(self.ddp_bucket_cap_mb * 2**20)
+        return self.zero_reduce_bucket_size * 4
 
     @property
     def place_model_on_device(self) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import HubStrategy
 
 from merak.materialize.meta import has_meta_parameters
 from merak.trainer import checkpoint
@@ -61,6 +62,17 @@ class CheckpointMixin:
         self.control = self.callback_handler.on_save(args, self.state, self.control)
         if self.is_world_process_zero():
             print(f"saved {path}")
+        if args.push_to_hub and args.hub_strategy != HubStrategy.END:
+            self._push_merak_checkpoint(path)
+
+    def _push_merak_checkpoint(self, path: Path) -> None:
+        """HF's push at every save: output_dir becomes the HF model directory gathered from the
+        shards (`_save`, a collective), then rank 0 uploads it, and for the 'checkpoint' /
+        'all_checkpoints' strategies the (Merak-format, resumable) checkpoint folder too, with
+        HF's own `_push_from_checkpoint` (which copies nothing else in: the checkpoint holds no
+        HF weight files)."""
+        self._save(self.args.output_dir)
+        self._push_from_checkpoint(str(path))
 
     def _resume_merak_checkpoint(self, resume_from_checkpoint) -> None:
         """Weights always; with `finetune` nothing else; otherwise optimizer, scheduler, RNG and

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from torch.utils.data import DataLoader
 
 
 def model_input_filter(forward: Callable, label_names: Sequence[str] = ()) -> Callable[[dict],
@@ -25,10 +26,26 @@ def model_input_filter(forward: Callable, label_names: Sequence[str] = ()) -> Ca
     return lambda batch: {k: v for k, v in batch.items() if k in keep}
 
 
+def loader_options(args) -> dict:
+    """HF's dataloader_* fields as `torch.utils.data.DataLoader` keywords (HF's meaning: worker
+    processes read and collate the batches; prefetch and persistence only with workers)."""
+    options = {"num_workers": args.dataloader_num_workers,
+               "pin_memory": args.dataloader_pin_memory and torch.cuda.is_available()
+               and not args.use_cpu}
+    if args.dataloader_num_workers > 0:
+        options.update(persistent_workers=args.dataloader_persistent_workers,
+                       prefetch_factor=args.dataloader_prefetch_factor,
+                       multiprocessing_context=args.dataloader_multiprocessing_context)
+    return options
+
+
 class StageBatches:
+    """The training batches of this rank, one per optimizer step, read through a `DataLoader`
+    over the step's index lists (`loader` holds its keywords: workers, pinning, prefetch)."""
+
     def __init__(self, dataset, collate: Callable[[list], dict], *, micro_batch_size: int,
                  num_microbatches: int, dp: int, dp_rank: int, strategy: str, seed: int,
-                 reads_data: bool):
+                 reads_data: bool, loader: dict | None = None):
         if strategy not in ("random", "sequential"):
             raise ValueError(f"train_sampling_strategy={strategy!r} is not supported yet by "
                              f"MerakTrainer; use 'random' or 'sequential'")
@@ -36,7 +53,7 @@ class StageBatches:
         self.local = micro_batch_size * num_microbatches
         self.global_size = self.local * dp
         self.dp_rank, self.strategy, self.seed = dp_rank, strategy, seed
-        self.reads_data = reads_data
+        self.reads_data, self.loader = reads_data, dict(loader or {})
         if len(dataset) < self.global_size:
             raise ValueError(f"the dataset has {len(dataset)} items, fewer than one global batch "
                              f"({micro_batch_size} per micro-batch x {num_microbatches} "
@@ -54,13 +71,15 @@ class StageBatches:
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 
     def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[dict | None]:
-        order = self.order(epoch) if self.reads_data else None
-        for step in range(skip_steps, self.steps_per_epoch):
-            if not self.reads_data:
-                yield None
-                continue
-            start = step * self.global_size + self.dp_rank * self.local
-            yield self.collate([self.dataset[i] for i in order[start:start + self.local]])
+        if not self.reads_data:
+            yield from (None for _ in range(skip_steps, self.steps_per_epoch))
+            return
+        order = self.order(epoch)
+        indices = [order[start:start + self.local] for start in (
+            step * self.global_size + self.dp_rank * self.local
+            for step in range(skip_steps, self.steps_per_epoch))]
+        yield from DataLoader(self.dataset, batch_sampler=indices, collate_fn=self.collate,
+                              **self.loader)
 
 
 class EvalBatches:

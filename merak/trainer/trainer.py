@@ -10,6 +10,7 @@ clipping (`max_grad_norm`), callbacks, logging and progress bar (rank 0).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import os
@@ -25,11 +26,13 @@ from transformers.trainer_utils import TrainOutput, enable_full_determinism, set
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
 from merak.runtime.interpreter import PipelineInterpreter
+from merak.runtime.memory_probe import fits_in_memory
 from merak.schedule.registry import SCHEDULES
-from merak.trainer import recomputation
+from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.checkpointing import CheckpointMixin
-from merak.trainer.data import StageBatches, model_input_filter
+from merak.trainer.compile import compile_blocks
+from merak.trainer.data import StageBatches, loader_options, model_input_filter
 from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.grad_norm import GradNormClipper
@@ -100,6 +103,10 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
             model = with_loss(model, loss_fn, list(example))
         interleaved = SCHEDULES[args.train_schedule].several_stages_per_rank
         chunks = args.num_model_chunks if interleaved else 1
+        leaf_modules, embedding = self.leaf_modules, None
+        if args.neftune_noise_alpha is not None:  # its forward hook must run: keep it opaque
+            embedding = neftune.input_embedding(self._user_model)
+            leaf_modules = (*leaf_modules, *neftune.opaque_modules(model, embedding))
         self.stage = parallelize(
             model, example, self.ctx, num_model_chunks=chunks,
             checkpoint=pretrained_checkpoint(self._user_model),
@@ -109,8 +116,10 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
             tp_overlapping_level=args.tp_overlapping_level,
             trace_method=args.trace_method, split_method=args.split_method,
             partition_method=args.partition_method, custom_partition=args.custom_partition,
-            custom_split_points=args.custom_split_points, leaf_modules=self.leaf_modules,
+            custom_split_points=args.custom_split_points, leaf_modules=leaf_modules,
             no_tie_modules=args.no_tie_modules)
+        if args.torch_compile:  # before the interpreter wraps the blocks for recomputation
+            compile_blocks(self.stage, args.torch_compile_backend, args.torch_compile_mode)
         self.model = self.model_wrapped = self.stage
         self.clipper = GradNormClipper(self.stage, self.ctx, args.max_grad_norm or 0.0)
         self.timers = WallClockBreakdown() if args.wall_clock_breakdown else None
@@ -119,6 +128,13 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
         if args.zero_stage == 1:
             self.optimizer = zero1(self.optimizer, self.ctx)
         hooks = [self.clipper] + ([self.timers] if self.timers else [])
+        self.neftune_noise = None
+        if embedding is not None:  # HF's NEFTune, with noise the TP ranks of a group share
+            self.neftune_noise = neftune.NEFTune(args.neftune_noise_alpha, args.seed,
+                                                 self.ctx.dp_rank,
+                                                 lambda: self.state.global_step)
+            if self.neftune_noise.attach(self.stage, embedding):
+                hooks.append(self.neftune_noise)
         self.energy = None
         if args.energy_gpu:
             from merak.energy.session import TrainerEnergy
@@ -129,7 +145,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
         self.engine = PipelineInterpreter(
             self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
             schedule=args.train_schedule, hooks=hooks,
-            bucket_bytes=args.zero_reduce_bucket_size * 4,
+            bucket_bytes=args.gradient_bucket_bytes,
             autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             grad_predivide=self.ctx.dp if args.prescale_gradients
             else args.gradient_predivide_factor,
@@ -144,13 +160,42 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
                 hysteresis=args.hysteresis, min_scale=args.min_loss_scale)
             self.engine.hooks.insert(self.engine.hooks.index(self.clipper), self.scaler)
 
+    def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
+        """HF's auto_find_batch_size for a pipeline: halve the micro-batch until a step fits in
+        memory on every rank (`fits_in_memory`: each rank tries its share alone, then all
+        agree), so no rank runs out of memory in the middle of a step its peers wait on. The
+        split is traced for one micro-batch size, so each new size is a new build."""
+        first = size
+        while not fits_in_memory(self.engine, self._example(self.train_dataset,
+                                                            size * num_microbatches),
+                                 num_microbatches):
+            if size == 1:
+                raise RuntimeError("auto_find_batch_size: a training step does not fit in device "
+                                   "memory even with micro-batches of 1 row; turn on "
+                                   "activation_checkpointing, or use more pipeline or tensor "
+                                   "parallel ranks")
+            size //= 2
+            if self.is_world_process_zero():
+                print(f"auto_find_batch_size: out of memory at {size * 2} rows per "
+                      f"micro-batch, trying {size}")
+            self.model, self.stage, self.engine, self.optimizer = self._user_model, None, None, \
+                None
+            gc.collect()
+            if self.ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._build(self._example(self.train_dataset, size))
+        if size != first and self.is_world_process_zero():
+            print(f"auto_find_batch_size: training with {size} rows per micro-batch")
+        return size
+
     def _batches(self, dataset, micro_batch_size: int, num_microbatches: int) -> StageBatches:
         return StageBatches(
             dataset, self._collate, micro_batch_size=micro_batch_size,
             num_microbatches=num_microbatches, dp=self.ctx.dp, dp_rank=self.ctx.dp_rank,
             strategy=self.args.train_sampling_strategy,
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
-            reads_data=self.engine is None or bool(self.engine.batch_keys))
+            reads_data=self.engine is None or bool(self.engine.batch_keys),
+            loader=loader_options(self.args))
 
     def _example(self, dataset, rows: int) -> dict[str, torch.Tensor]:
         return self._collate([dataset[i] for i in range(rows)])
@@ -165,6 +210,9 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._build(self._example(self.train_dataset, mbs))
+        self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
+        if args.auto_find_batch_size:
+            mbs = self._train_batch_size = self._find_micro_batch_size(mbs, m)
         recomputation.plan(self.engine, args, self._example(self.train_dataset, mbs * m))
         if self.energy is not None:  # the clock plan must fit the schedule that runs
             self.energy.attach(self.engine)
@@ -183,7 +231,10 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
         if resume_from_checkpoint:
             self._resume_merak_checkpoint(resume_from_checkpoint)
         self._begin_flow(max_steps)
+        first_step = self.state.global_step  # this call's steps start here (after a resume)
         first_epoch, skip = divmod(self.state.global_step, steps_per_epoch)
+        if args.ignore_data_skip:  # HF: resume at the epoch's first batch, not past the seen ones
+            skip = 0
         if args.energy_profile:
             return self._profile_energy(data)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
@@ -241,16 +292,21 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
         runtime = time.perf_counter() - start
+        steps_run = self.state.global_step - first_step
         metrics = {"train_runtime": round(runtime, 4),
-                   "train_loss": total_loss / max(self.state.global_step, 1),
-                   "train_steps_per_second": round(self.state.global_step / runtime, 3)}
+                   "train_samples_per_second": round(steps_run * mbs * m * self.ctx.dp
+                                                     / runtime, 3),
+                   "train_steps_per_second": round(steps_run / runtime, 3),
+                   "train_loss": total_loss / max(steps_run, 1)}
         if self.energy is not None:
             self.energy.close()
             path = self.energy.write_steps(args.output_dir)
             if path is not None:
                 print(f"energy per step: {path} (compare runs with `merak energy report`)")
         self._load_best_merak_checkpoint()
+        self.log(metrics)  # as HF: the run's metrics (and the epoch) in the log history
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        self._finish_current_push()  # HF's: wait for the uploads of the saves
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _profile_energy(self, data: StageBatches) -> TrainOutput:

@@ -38,7 +38,7 @@ def run_scenarios(scenarios: dict[str, Scenario]) -> None:
             scenario()
             results[name] = None
         except Exception:  # noqa: BLE001 - every failure is reported to pytest
-            results[name] = traceback.format_exc(limit=6)
+            results[name] = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 6)))
         path.write_text(json.dumps(results, indent=1))
         dist.barrier()
     dist.destroy_process_group()

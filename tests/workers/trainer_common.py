@@ -10,7 +10,7 @@ STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
 FAMILIES = ("llama", "gpt2")
 # run -> (family, fields for both trainers, MerakArguments-only fields)
 RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
-        "llama-bf16": ("llama", {"bf16": True}, {}), "gpt2-bf16": ("gpt2", {"bf16": True}, {}),
+        "llama-bf16": ("llama", {"bf16": True}, {}),
         "llama-zero1": ("llama", {}, {"zero_stage": 1, "prescale_gradients": True}),
         # recomputation through MerakArguments: stage-aware ratios planned from a measurement
         "llama-shifted-stage-aware": ("llama", {}, {
@@ -19,7 +19,6 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
         "gpt2-zero-bubble-recompute": ("gpt2", {}, {
             "train_schedule": "zero_bubble", "activation_checkpointing": True,
             "checkpoint_num_layers": 2}),
-        "llama-tp-overlap-2": ("llama", {}, {"tp_overlapping_level": 2}),
         "llama-deep-interleaved": ("llama-deep", {}, {
             "train_schedule": "interleaved_1f1b", "num_model_chunks": 2}),
         # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and

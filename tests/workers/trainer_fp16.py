@@ -8,6 +8,15 @@
   with the single-process HF Trainer's.
 - Label smoothing over logits split along the vocabulary across the 2 ranks (a TP group's
   view): the loss and its gradient equal HF's LabelSmoother on the whole logits.
+- torch_compile (pp2): the compiled blocks train to the eager losses, with and without
+  recomputation (which reruns the compiled blocks); the stage's state_dict keys are the eager
+  ones.
+- neftune_noise_alpha (pp2): the losses equal a single-process model's with the same noise
+  (`merak.trainer.neftune`'s seeding, dp rank 0) added to its embedding, and differ from the
+  noise-free ones; the eval loss has no noise. At tp2 (vocab-parallel embedding) both TP ranks
+  add the same noise, so their replicated parameters stay identical.
+- `trainer_fields.SCENARIOS`: push_to_hub, ignore_data_skip, dataloader workers and
+  auto_find_batch_size (see that module).
 """
 
 from __future__ import annotations
@@ -15,16 +24,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import trainer_fields
 from common import run_scenarios
 from trainer_common import (
     COMMON,
     DP,
     MICRO_BATCH,
     RUNS,
+    SEED,
     build,
     eval_set,
     flow_summary,
@@ -130,6 +142,157 @@ def label_smoothing_vocab_parallel() -> None:
     torch.testing.assert_close(mine.grad, whole.grad[..., rank * 8:(rank + 1) * 8])
 
 
+# ---- torch_compile and neftune_noise_alpha: short runs of the llama model (2 blocks)
+SHORT = {"max_steps": 3, "per_device_train_batch_size": MICRO_BATCH,
+         "gradient_accumulation_steps": 2, "logging_steps": 1, "seed": SEED,
+         "train_sampling_strategy": "sequential", "report_to": "none", "disable_tqdm": True,
+         "use_cpu": True, "save_strategy": "no"}
+COMPILE_BACKEND = "aot_eager"
+
+
+def _short_run(name: str, eval_dataset=None, **fields):
+    """A MerakTrainer run of SHORT + `fields` on the current layout: (trainer, step losses)."""
+    with merak.init_empty_weights():
+        model = build("llama")
+    args = merak.MerakArguments(output_dir=str(Path(os.environ["MERAK_TRAINER_OUT"]) / name),
+                                **{**SHORT, **fields})
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
+                                 eval_dataset=eval_dataset)
+    trainer.train()
+    return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def torch_compile_pp2() -> None:
+    from torch._dynamo.utils import counters
+
+    from merak.runtime.stage import block_names
+
+    merak.init(dp=1, tp=1, pp=2)
+    eager, expected = _short_run("compile-eager", learning_rate=1e-3)
+    keys = list(eager.stage.state_dict())
+    for recompute in (False, True):
+        frames, start = counters["frames"]["ok"], time.perf_counter()
+        trainer, losses = _short_run(f"compile-{recompute}", learning_rate=1e-3,
+                                     torch_compile_backend=COMPILE_BACKEND,
+                                     gradient_checkpointing=recompute)
+        print(f"rank {dist.get_rank()}: torch_compile ({COMPILE_BACKEND}, recompute={recompute})"
+              f" run {time.perf_counter() - start:.1f} s, "
+              f"{counters['frames']['ok'] - frames} frames compiled", flush=True)
+        assert trainer.args.torch_compile
+        stage, engine = trainer.stage, trainer.engine
+        assert bool(engine.segments[stage.stage_id]) == recompute, engine.segments
+        engine.remove_recomputation()  # the compiled forward comes back
+        for name in block_names(stage.split, stage.stage_id):
+            assert "forward" in vars(stage.get_submodule(name)), f"{name} is not compiled"
+        assert list(stage.state_dict()) == keys, "compiling changed the state_dict keys"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5,
+                                   atol=0.0)
+
+
+NEFTUNE_ALPHA, NEFTUNE_LR = 5.0, 1e-2
+NEFTUNE = {"learning_rate": NEFTUNE_LR, "optim": "sgd", "lr_scheduler_type": "constant",
+           "max_grad_norm": 0.0}
+
+
+def _neftune_reference(noise: bool, eval_rows: list) -> tuple[list[float], float]:
+    """SHORT's steps of SGD on one process, each micro-batch's embedding noised as MerakTrainer
+    noises it at dp rank 0 (step, micro-batch, first call): the step losses and the eval loss
+    (mean over micro-batches of MICRO_BATCH rows, no noise)."""
+    from merak.trainer.neftune import neftune_noise, noise_seed
+
+    model = build("llama")
+    model.train()
+    at = {"step": 0, "mb": 0}
+
+    def hook(module, args, output):
+        if not module.training:
+            return None
+        return output + neftune_noise(output, NEFTUNE_ALPHA,
+                                      noise_seed(SEED, 0, at["step"], at["mb"], 0))
+
+    if noise:
+        model.get_input_embeddings().register_forward_hook(hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=NEFTUNE_LR)
+    rows, m = train_set(), SHORT["gradient_accumulation_steps"]
+    losses = []
+    for step in range(SHORT["max_steps"]):
+        total = 0.0
+        for mb in range(m):
+            at.update(step=step, mb=mb)
+            first = (step * m + mb) * MICRO_BATCH
+            ids = torch.stack([rows[i]["input_ids"] for i in range(first, first + MICRO_BATCH)])
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / m).backward()
+            total += loss.item() / m
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    model.eval()
+    with torch.no_grad():
+        chunks = [torch.stack([r["input_ids"] for r in eval_rows[i:i + MICRO_BATCH]])
+                  for i in range(0, len(eval_rows), MICRO_BATCH)]
+        eval_loss = sum(model(input_ids=c, labels=c).loss.item() for c in chunks) / len(chunks)
+    return losses, eval_loss
+
+
+def neftune_pp2() -> None:
+    merak.init(dp=1, tp=1, pp=2)
+    eval_rows = eval_set()[:4 * MICRO_BATCH]
+    trainer, losses = _short_run("neftune", eval_dataset=eval_rows,
+                                 per_device_eval_batch_size=MICRO_BATCH,
+                                 neftune_noise_alpha=NEFTUNE_ALPHA, **NEFTUNE)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    expected, expected_eval = _neftune_reference(True, eval_rows)
+    clean, _ = _neftune_reference(False, eval_rows)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4,
+                               atol=1e-5)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(losses, clean)), (losses, clean)
+    torch.testing.assert_close(torch.tensor(eval_loss), torch.tensor(expected_eval),
+                               rtol=1e-4, atol=1e-5)
+
+
+class _EmbeddingOutputs(TrainerCallback):
+    """Keeps the (noised) training outputs of `embedding`, hooked once the stage is built (after
+    the NEFTune hook, so it sees the noise)."""
+
+    def __init__(self, embedding):
+        self.embedding, self.outputs = embedding, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        def keep(module, args, output):
+            if module.training and torch.is_grad_enabled():
+                self.outputs.append(output.detach().clone())
+
+        self.embedding.register_forward_hook(keep)
+
+
+def neftune_tp2() -> None:
+    merak.init(dp=1, tp=2, pp=1)
+    with merak.init_empty_weights():
+        model = build("llama")
+    kept = _EmbeddingOutputs(model.get_input_embeddings())
+    args = merak.MerakArguments(
+        output_dir=str(Path(os.environ["MERAK_TRAINER_OUT"]) / "neftune-tp2"),
+        parallel_vocab=True, neftune_noise_alpha=NEFTUNE_ALPHA, **{**SHORT, **NEFTUNE})
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
+                                 callbacks=[kept])
+    trainer.train()
+    assert len(kept.outputs) == SHORT["max_steps"] * SHORT["gradient_accumulation_steps"]
+    mine = torch.stack(kept.outputs)
+    theirs = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(theirs, mine)
+    assert torch.equal(theirs[0], theirs[1]), "the TP ranks added different noise"
+    replicated = [(n, p.detach()) for n, p in trainer.stage.named_parameters()
+                  if getattr(p, "tp_shard", None) is None]
+    assert replicated
+    for name, param in replicated:
+        both = [torch.empty_like(param) for _ in range(2)]
+        dist.all_gather(both, param.contiguous())
+        assert torch.equal(both[0], both[1]), f"{name} differs between the TP ranks"
+
+
 if __name__ == "__main__":
     run_scenarios({"fp16-overflow": fp16_overflow, "hf-flow-pp2": hf_flow_pp2,
-                   "label-smoothing-vocab-parallel": label_smoothing_vocab_parallel})
+                   "label-smoothing-vocab-parallel": label_smoothing_vocab_parallel,
+                   "torch-compile-pp2": torch_compile_pp2, "neftune-pp2": neftune_pp2,
+                   "neftune-tp2": neftune_tp2, **trainer_fields.SCENARIOS})

@@ -1,0 +1,198 @@
+"""HF fields checked at dp1 x tp1 x pp2 (scenarios of trainer_fp16.py's launch):
+
+- push_to_hub with hub_strategy='all_checkpoints': HF's own push code uploads, from rank 0, the
+  HF model directory gathered from the shards at every save, each checkpoint folder, and the
+  final model of `trainer.push_to_hub()`; a fake Hub (`FakeHub`) records the uploads, and the
+  pushed model.safetensors holds the trained weights.
+- ignore_data_skip: resuming mid-epoch starts that epoch's batches from its first one (the
+  default skips the batches the checkpoint already saw).
+- dataloader_num_workers: batches collated in worker processes give the same losses.
+- auto_find_batch_size: a micro-batch of 8 rows "runs out of memory" on the last stage only (an
+  injected out-of-memory error above 2 rows); both ranks agree to halve twice and train as a
+  run with 2-row micro-batches does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from trainer_common import build, dataset
+from transformers import default_data_collator
+
+import merak
+from merak.trainer.export import gather_full_tensors
+
+STEPS = 4
+
+
+class FakeHub:
+    """Stands in for `huggingface_hub.HfApi` (no network here): uploads copy into `root`."""
+
+    def __init__(self, root: Path):
+        self.root, self.repos, self.uploads = root, [], []
+
+    def create_repo(self, repo_id, token=None, private=None, exist_ok=False, **_):
+        self.repos.append((repo_id, private))
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, repo_id, folder_path, commit_message=None, token=None,
+                      run_as_future=False, ignore_patterns=(), path_in_repo=None, revision=None,
+                      **_):
+        target = self.root / repo_id / (path_in_repo or "")
+        for file in Path(folder_path).rglob("*"):
+            relative = file.relative_to(folder_path)
+            if file.is_file() and not any(fnmatch.fnmatch(part, pattern)
+                                           for part in relative.parts
+                                           for pattern in ignore_patterns or ()):
+                (target / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(file, target / relative)
+        self.uploads.append((commit_message, path_in_repo))
+        if not run_as_future:
+            return SimpleNamespace(commit_message=commit_message)
+        done = Future()
+        done.set_result(None)
+        return done
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items, self.read = items, []
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        self.read.append(index)
+        return self.items[index]
+
+
+def _trainer(out: Path, train_dataset, **fields) -> merak.MerakTrainer:
+    with merak.init_empty_weights():
+        model = build("llama")
+    options = dict(max_steps=STEPS, per_device_train_batch_size=2,
+                   gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1,
+                   report_to="none", disable_tqdm=True, use_cpu=True, seed=3,
+                   train_sampling_strategy="sequential", save_strategy="no")
+    args = merak.MerakArguments(output_dir=str(out), **{**options, **fields})
+    return merak.MerakTrainer(model=model, args=args, train_dataset=train_dataset)
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _shared_dir(name: str) -> Path:
+    return Path(os.environ["MERAK_TRAINER_OUT"]) / name
+
+
+def push_to_hub() -> None:
+    merak.init(dp=1, tp=1, pp=2)  # the launch's earlier scenarios change the layout
+    out, hub = _shared_dir("hub-run"), FakeHub(_shared_dir("hub"))
+    with mock.patch("transformers.trainer.hf_api", lambda: hub):
+        trainer = _trainer(out, dataset(16, 3), push_to_hub=True, hub_model_id="me/tiny",
+                           hub_strategy="all_checkpoints", hub_private_repo=True,
+                           save_strategy="steps", save_steps=2)
+        trainer.train()
+        trainer.push_to_hub()
+    full = gather_full_tensors(trainer.stage, trainer.ctx)
+    if dist.get_rank() != 0:
+        assert hub.repos == [] and hub.uploads == [], "only rank 0 talks to the Hub"
+        return
+    assert hub.repos == [("me/tiny", True)], hub.repos
+    assert hub.uploads == [
+        ("Training in progress, step 2", None), ("Training in progress, step 2, checkpoint",
+                                                 "checkpoint-2"),
+        ("Training in progress, step 4", None), ("Training in progress, step 4, checkpoint",
+                                                 "checkpoint-4"),
+        ("End of training", None)], hub.uploads
+    repo = hub.root / "me" / "tiny"
+    assert (repo / "checkpoint-4" / "model-pp1-tp0.safetensors").is_file()  # Merak's format
+    assert (repo / "README.md").is_file()  # the model card
+    pushed = load_file(repo / "model.safetensors")
+    assert sorted(pushed) == sorted(full), sorted(set(pushed) ^ set(full))
+    for name, tensor in full.items():
+        torch.testing.assert_close(pushed[name], tensor, msg=name)
+
+
+def ignore_data_skip() -> None:
+    """Save at step 2 of a 4-step epoch, then resume with and without ignore_data_skip."""
+    merak.init(dp=1, tp=1, pp=2)
+    items = dataset(16, 4)  # 4 rows per step: one epoch of 4 steps
+    out = _shared_dir("skip-run")
+    _trainer(out, CountingDataset(items), save_strategy="steps", save_steps=2,
+             max_steps=2).train()
+    read = {}
+    for ignore in (False, True):
+        data = CountingDataset(items)
+        trainer = _trainer(out, data, max_steps=3, ignore_data_skip=ignore)
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+        read[ignore] = data.read
+    if dist.get_rank() == 0:  # the first stage reads the inputs (the example of the build: 0, 1)
+        assert read[False][-4:] == [8, 9, 10, 11], read[False]  # step 3's rows
+        assert read[True][-4:] == [0, 1, 2, 3], read[True]  # the epoch's first rows again
+
+
+def dataloader_workers() -> None:
+    merak.init(dp=1, tp=1, pp=2)
+    pids = _shared_dir(f"collate-pids-{dist.get_rank()}")
+    pids.mkdir(parents=True, exist_ok=True)
+
+    def collate(items):
+        if torch.utils.data.get_worker_info() is not None:
+            (pids / str(os.getpid())).touch()
+        return default_data_collator(items)
+
+    runs = {}
+    for workers in (0, 2):
+        loading = {"dataloader_num_workers": workers, "dataloader_prefetch_factor": 2} \
+            if workers else {}
+        trainer = _trainer(_shared_dir("workers-run"), dataset(16, 5), **loading)
+        trainer.data_collator = collate
+        trainer.train()
+        runs[workers] = _losses(trainer)
+    assert runs[0] == runs[2], runs
+    assert {int(p.name) for p in pids.iterdir()} - {os.getpid()}, "no worker collated"
+
+
+def auto_find_batch_size() -> None:
+    merak.init(dp=1, tp=1, pp=2)
+    def out_of_memory_above_two_rows(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and not torch.compiler.is_exporting() \
+                and hidden.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return output
+
+    runs = {}
+    for rows, auto in ((8, True), (2, False)):
+        with merak.init_empty_weights():
+            model = build("llama")
+        model.model.layers[1].register_forward_hook(out_of_memory_above_two_rows)  # last stage
+        args = merak.MerakArguments(
+            output_dir=str(_shared_dir("auto-batch")), max_steps=3,
+            per_device_train_batch_size=rows, gradient_accumulation_steps=2,
+            auto_find_batch_size=auto, learning_rate=1e-3, logging_steps=1, report_to="none",
+            disable_tqdm=True, use_cpu=True, seed=3, train_sampling_strategy="sequential",
+            save_strategy="no")
+        trainer = merak.MerakTrainer(model=model, args=args, train_dataset=dataset(32, 6))
+        trainer.train()
+        assert trainer.state.train_batch_size == 2, trainer.state.train_batch_size
+        runs[auto] = _losses(trainer)
+    assert runs[True] == runs[False], runs
+
+
+SCENARIOS = {"push-to-hub": push_to_hub, "ignore-data-skip": ignore_data_skip,
+             "dataloader-workers": dataloader_workers, "auto-find-batch-size": auto_find_batch_size}
+if __name__ == "__main__":
+    from common import run_scenarios
+
+    run_scenarios(SCENARIOS)
