@@ -78,7 +78,10 @@ class StageBatches:
         indices = [order[start:start + self.local] for start in (
             step * self.global_size + self.dp_rank * self.local
             for step in range(skip_steps, self.steps_per_epoch))]
+        # its own generator: a DataLoader draws its workers' base seed when iterated, which
+        # from the global generator would shift dropout after a resume mid-epoch
         yield from DataLoader(self.dataset, batch_sampler=indices, collate_fn=self.collate,
+                              generator=torch.Generator().manual_seed(self.seed + epoch),
                               **self.loader)
 
 
