@@ -208,7 +208,7 @@ def test_every_inherited_field_is_honoured_or_refused_with_its_reason():
     assert not unexplained, unexplained
     assert not set(REFUSED) & HONOURED and set(REFUSED) <= own
     for name, value in (("accelerator_config", {"split_batches": True}),
-                        ("deepspeed", "ds.json"), ("batch_eval_metrics", True)):
+                        ("deepspeed", "ds.json"), ("use_liger_kernel", True)):
         with pytest.raises(NotSupportedYetError, match=re.escape(REFUSED[name][:40])):
             MerakArguments(output_dir="out", **{name: value})
     readme = (Path(__file__).parents[1] / "README.md").read_text()
@@ -359,6 +359,10 @@ def test_ignore_data_skip_restarts_the_resumed_epoch(two_ranks):
 
 def test_dataloader_workers_collate_the_same_batches(two_ranks):
     check(*two_ranks[1:], "dataloader-workers")
+
+
+def test_compute_metrics_per_step_with_inputs_and_losses(two_ranks):
+    check(*two_ranks[1:], "eval-metrics-inputs")
 
 
 def test_auto_find_batch_size_halves_until_every_rank_fits(two_ranks):

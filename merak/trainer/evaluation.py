@@ -4,7 +4,11 @@ As in HF `Trainer`: every sample counts once (a last partial batch included) and
 mean over samples of their batch's loss; `per_device_eval_batch_size` rows per dp rank and step
 (rounded up to whole micro-batches of the size the pipeline was built for, the training one);
 `preprocess_logits_for_metrics(logits, labels)` runs on each step's logits where they are made
-(the last pipeline stage), then `compute_metrics(EvalPrediction)` on the gathered results.
+(the last pipeline stage), then `compute_metrics(EvalPrediction)` on the gathered results:
+once over the whole set (each field concatenated unless `eval_do_concat_batches=False`), or
+with `batch_eval_metrics` on each step's global batch (`compute_result` on the last).
+`include_for_metrics`: "inputs" adds the model's main input, "loss" each row's loss (that of its
+micro-batch; HF repeats each batch's loss over its rows the same way).
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    denumpify_detensorize,
+)
 
 from merak.trainer.data import EvalBatches
 
@@ -46,7 +55,7 @@ class EvaluationMixin:
         args, ctx = self.args, self.ctx
         predictions = predictions or (self.compute_metrics is not None
                                       and not args.prediction_loss_only)
-        mbs = args.per_device_train_batch_size  # the micro-batch the pipeline is built for
+        mbs = self._train_batch_size  # the micro-batch the pipeline is built for
         self._build(self._example(dataset, min(mbs, len(dataset))))
         m = -(-args.per_device_eval_batch_size // mbs)
         data = EvalBatches(dataset, self._collate, micro_batch_size=mbs, num_microbatches=m,
@@ -54,27 +63,38 @@ class EvaluationMixin:
                            label_names=args.label_names or ("labels",))
         steps = data.steps if args.eval_iters is None else min(args.eval_iters, data.steps)
         last = self.engine.runners.get(self.engine.split.num_stages - 1)
+        extras = [x for x in ("inputs", "loss") if x in (args.include_for_metrics or ())]
+        per_batch = args.batch_eval_metrics and self.compute_metrics is not None
         weighted = 0.0  # sum over this rank's real samples of their micro-batch's loss
-        start, logits, labels = time.perf_counter(), [], []
+        start, gathered, computed = time.perf_counter(), [], None
         for step in range(steps):
             batch = data.step(step)
             self.engine.eval_step(batch, m, keep="logits" if predictions else None)
             real = data.real_rows(step)
-            if last is not None and ctx.tp_rank == 0:
+            row_losses = []  # each real row's micro-batch loss (HF's "loss" for metrics)
+            if last is not None:
                 for i, loss in enumerate(last.losses):
                     rows = min(max(real - i * mbs, 0), mbs)
-                    if rows:  # a micro-batch of padding only has a NaN loss
-                        weighted += rows * loss.double().item()
-            if predictions:
-                mine = None
-                if last is not None:
-                    kept, step_labels = self.engine.kept[:real], batch["labels"][:real]
-                    if self.preprocess_logits_for_metrics is not None:
-                        kept = self.preprocess_logits_for_metrics(kept, step_labels)
-                    mine = (kept, step_labels)
-                step_logits, step_labels = self._gather_from_last_stages(mine)
-                logits.append(step_logits)
-                labels.append(step_labels)
+                    row_losses += [loss.double().item()] * rows  # padding only: a NaN loss
+            if ctx.tp_rank == 0:
+                weighted += sum(row_losses)
+            if not predictions:
+                continue
+            mine = None
+            if last is not None:
+                kept, step_labels = self.engine.kept[:real], batch["labels"][:real]
+                if self.preprocess_logits_for_metrics is not None:
+                    kept = self.preprocess_logits_for_metrics(kept, step_labels)
+                name = getattr(self._user_model, "main_input_name", "input_ids")
+                mine = (kept, step_labels,
+                        *([batch[name][:real]] if "inputs" in extras else []),
+                        *([torch.tensor(row_losses)] if "loss" in extras else []))
+            parts = self._gather_from_last_stages(mine)
+            if per_batch:  # HF's batch_eval_metrics: the last call's result is the metrics
+                computed = self.compute_metrics(_prediction(parts, extras),
+                                                compute_result=step == steps - 1)
+            else:
+                gathered.append(parts)
         total = torch.tensor([weighted], dtype=torch.float64, device=ctx.device)
         if ctx.world_size > 1:
             dist.all_reduce(total)
@@ -85,17 +105,23 @@ class EvaluationMixin:
                    f"{prefix}_samples_per_second": round(samples / runtime, 3),
                    f"{prefix}_steps_per_second": round(steps / runtime, 3),
                    f"{prefix}_steps": steps}
-        preds = _numpy(torch.cat(logits)) if predictions else None
-        label_ids = _numpy(torch.cat(labels)) if predictions else None
-        if predictions and self.compute_metrics is not None:
-            computed = self.compute_metrics(EvalPrediction(predictions=preds, label_ids=label_ids))
+        prediction = None
+        if gathered:  # per field: the steps' arrays, concatenated unless eval_do_concat_batches
+            joined = [[_numpy(t) for t in column] for column in zip(*gathered)]
+            if args.eval_do_concat_batches:
+                joined = [np.concatenate(column) for column in joined]
+            prediction = _prediction(joined, extras)
+        if prediction is not None and self.compute_metrics is not None:
+            computed = self.compute_metrics(prediction)
+        if computed is not None:
             metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v
-                            for k, v in computed.items()})
-        return EvalLoopOutput(predictions=preds, label_ids=label_ids, metrics=metrics,
-                              num_samples=samples)
+                            for k, v in denumpify_detensorize(computed).items()})
+        return EvalLoopOutput(predictions=prediction.predictions if prediction else None,
+                              label_ids=prediction.label_ids if prediction else None,
+                              metrics=metrics, num_samples=samples)
 
     def _gather_from_last_stages(self, mine):
-        """(logits, labels) of a global batch, on every rank: each last-stage rank's share,
+        """(logits, labels, ...) of a global batch, on every rank: each last-stage rank's share,
         in dp order (tp ranks of a last stage hold the same values). The shares travel and
         come back as CPU tensors (`all_gather_object` pickles them; on NCCL it stages the bytes
         through the current CUDA device, so a CUDA tensor would unpickle onto the sender's
@@ -108,7 +134,14 @@ class EvaluationMixin:
         else:
             parts = [mine]
         shares = [p for p in parts if p is not None]  # ranks are ordered by dp within a stage
-        return torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+        return [torch.cat(column) for column in zip(*shares)]
+
+
+def _prediction(parts, extras: list[str]) -> EvalPrediction:
+    """HF's EvalPrediction of (predictions, labels, then the `include_for_metrics` extras)."""
+    named = dict(zip(extras, parts[2:]))
+    return EvalPrediction(predictions=parts[0], label_ids=parts[1], inputs=named.get("inputs"),
+                          losses=named.get("loss"))
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

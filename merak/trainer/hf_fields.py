@@ -48,6 +48,8 @@ HONOURED = frozenset({
     # directory gathered from the shards (merak.trainer.checkpointing)
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
     "hub_always_push", "hub_revision",
+    # evaluation's compute_metrics inputs (merak.trainer.evaluation)
+    "batch_eval_metrics", "eval_do_concat_batches", "include_for_metrics",
     # MerakTrainer._find_micro_batch_size (merak.runtime.memory_probe)
     "auto_find_batch_size",
     # read by transformers' own Trackio callback (report_to="trackio")
@@ -92,12 +94,7 @@ REFUSED = {
                       "bf16=True / fp16=True; casting every stage's weights is not supported yet",
     "fp16_full_eval": "evaluation runs the training weights under the bf16/fp16 autocast of "
                       "bf16=True / fp16=True; casting every stage's weights is not supported yet",
-    "batch_eval_metrics": "compute_metrics runs once on the gathered predictions of the whole "
-                          "eval set; per-batch metrics are not supported yet",
-    "eval_do_concat_batches": "the predictions reach compute_metrics concatenated",
     "eval_use_gather_object": "the last pipeline stage's predictions are gathered as tensors",
-    "include_for_metrics": "compute_metrics gets predictions and labels; model inputs and "
-                           "per-sample losses are not gathered from the pipeline yet",
     "length_column_name": "only used with group_by_length sampling, which MerakTrainer does "
                           "not have (train_sampling_strategy 'random' or 'sequential')",
     "dataloader_in_order": "batches are read in order on every rank (the pipeline and the dp "

@@ -7,6 +7,10 @@
 - ignore_data_skip: resuming mid-epoch starts that epoch's batches from its first one (the
   default skips the batches the checkpoint already saw).
 - dataloader_num_workers: batches collated in worker processes give the same losses.
+- compute_metrics' inputs: `eval_do_concat_batches=False` (per-step arrays, the last one
+  partial), `include_for_metrics` (the inputs in dataset order, each row's micro-batch loss,
+  whose mean is eval_loss) and `batch_eval_metrics` (one call per step, `compute_result` on
+  the last; a running accuracy equal to the whole-set one).
 - auto_find_batch_size: a micro-batch of 8 rows "runs out of memory" on the last stage only (an
   injected out-of-memory error above 2 rows); both ranks agree to halve twice and train as a
   run with 2-row micro-batches does.
@@ -22,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -190,8 +195,58 @@ def auto_find_batch_size() -> None:
     assert runs[True] == runs[False], runs
 
 
+def eval_metrics_inputs() -> None:
+    merak.init(dp=1, tp=1, pp=2)
+    items = dataset(10, 9)  # steps of 4 rows: 4, 4, 2
+
+    def accuracy(prediction):
+        predicted, labels = prediction.predictions, prediction.label_ids
+        if isinstance(predicted, list):  # eval_do_concat_batches=False
+            predicted, labels = np.concatenate(predicted), np.concatenate(labels)
+        mask = labels[:, 1:] != -100
+        return {"accuracy": float((predicted[:, :-1] == labels[:, 1:])[mask].mean())}
+
+    seen = {}
+
+    def capture(prediction):
+        seen["prediction"] = prediction
+        return accuracy(prediction)
+
+    running = {"right": 0, "count": 0, "calls": []}
+
+    def batched(prediction, compute_result):
+        predicted, labels = prediction.predictions, prediction.label_ids
+        mask = labels[:, 1:] != -100
+        running["right"] += int((predicted[:, :-1] == labels[:, 1:])[mask].sum())
+        running["count"] += int(mask.sum())
+        running["calls"].append((len(labels), compute_result))
+        return {"accuracy": running["right"] / running["count"]}
+
+    def run(metrics_fn, **fields):
+        trainer = _trainer(_shared_dir("eval-run"), dataset(16, 3), per_device_eval_batch_size=4,
+                           **fields)
+        trainer.compute_metrics = metrics_fn
+        trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)
+        return trainer.evaluate(items)
+
+    whole = run(accuracy)
+    split = run(capture, eval_do_concat_batches=False, include_for_metrics=["inputs", "loss"])
+    prediction = seen["prediction"]
+    assert [len(p) for p in prediction.predictions] == [4, 4, 2]
+    assert split["eval_accuracy"] == whole["eval_accuracy"]
+    inputs = np.concatenate(prediction.inputs)
+    np.testing.assert_array_equal(inputs, np.stack([item["input_ids"] for item in items]))
+    losses = np.concatenate(prediction.losses)
+    assert losses.shape == (10,) and abs(losses.mean() - split["eval_loss"]) < 1e-6
+    per_step = run(batched, batch_eval_metrics=True)
+    assert running["calls"] == [(4, False), (4, False), (2, True)], running["calls"]
+    assert abs(per_step["eval_accuracy"] - whole["eval_accuracy"]) < 1e-12
+    assert per_step["eval_loss"] == whole["eval_loss"]
+
+
 SCENARIOS = {"push-to-hub": push_to_hub, "ignore-data-skip": ignore_data_skip,
-             "dataloader-workers": dataloader_workers, "auto-find-batch-size": auto_find_batch_size}
+             "dataloader-workers": dataloader_workers, "auto-find-batch-size": auto_find_batch_size,
+             "eval-metrics-inputs": eval_metrics_inputs}
 if __name__ == "__main__":
     from common import run_scenarios
 
