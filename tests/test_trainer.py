@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dist_harness import WORKERS, check, launch
-from trainer_common import RUNS, STEPS, build
+from trainer_common import PP2_RUNS, RUNS_3D, STEPS, build
 from transformers import HfArgumentParser
 
 from merak import MerakArguments, NotSupportedYetError
@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     return out, results, output
 
 
-@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize("run", sorted(RUNS_3D))
 def test_merak_trainer_3d_matches_hf_trainer(runs, run):
     out, results, output = runs
     check(results, output, f"trainer-{run}")
@@ -71,14 +71,19 @@ def _same_flow(ours: dict, theirs: dict, rel: float) -> None:
     assert ours["eval_loss"] == pytest.approx(ours["evals"][1][1], rel=1e-6)
 
 
-def test_hf_flow_on_dp1_tp1_pp2_matches_hf_trainer(runs, two_ranks):
-    """The same HF-flow run on a 2-stage pipeline (zero-bubble schedule, recomputation from
-    gradient_checkpointing), in the 2-rank launch."""
-    check(*two_ranks[1:], "hf-flow-pp2")
-    ours = json.loads((two_ranks[0] / "merak-pp2-llama-hf-flow.json").read_text())
-    theirs = json.loads((runs[0] / "reference-llama-hf-flow.json").read_text())
-    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
-    _same_flow(ours, theirs, 1e-5)
+@pytest.mark.parametrize("run", PP2_RUNS)
+def test_dp1_tp1_pp2_matches_hf_trainer(runs, two_ranks, run):
+    """Runs on a 2-stage pipeline, in the 2-rank launch: the HF flow (zero-bubble schedule,
+    recomputation from gradient_checkpointing), stage-aware recomputation planned from
+    activation_checkpoint_ratio, and zero-bubble with checkpoint_num_layers segments."""
+    check(*two_ranks[1:], f"pp2-{run}")
+    ours = json.loads((two_ranks[0] / f"merak-pp2-{run}.json").read_text())
+    theirs = json.loads((runs[0] / f"reference-{run}.json").read_text())
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    if run.endswith("hf-flow"):
+        _same_flow(ours, theirs, 1e-5)
 
 
 def test_label_smoothing_over_vocab_parallel_logits(two_ranks):

@@ -35,6 +35,10 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
             "gradient_checkpointing_kwargs": {"use_reentrant": False},
             "include_num_input_tokens_seen": True, "eval_accumulation_steps": 1,
             "torch_empty_cache_steps": 2}, {})}
+# runs made on dp1 x tp1 x pp2 in test_trainer's 2-rank launch (the others on dp2 x tp2 x pp2):
+# recomputation choices and schedules, which the pipeline alone decides
+PP2_RUNS = ("llama-hf-flow", "llama-shifted-stage-aware", "gpt2-zero-bubble-recompute")
+RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS[1:])
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,

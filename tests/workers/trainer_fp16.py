@@ -3,8 +3,8 @@
 - fp16 with dynamic loss scaling: an inf injected into step 3's forward makes every rank skip
   that optimizer step (parameters unchanged) and halve the scale; training then goes on with
   finite losses.
-- HF's training flow (trainer_common.RUNS['llama-hf-flow']) on the zero-bubble schedule: its
-  summary goes to $MERAK_TRAINER_OUT/merak-pp2-llama-hf-flow.json for test_trainer to compare
+- trainer_common.PP2_RUNS, among them HF's training flow on the zero-bubble schedule: each
+  run's summary goes to $MERAK_TRAINER_OUT/merak-pp2-<run>.json for test_trainer to compare
   with the single-process HF Trainer's.
 - Label smoothing over logits split along the vocabulary across the 2 ranks (a TP group's
   view): the loss and its gradient equal HF's LabelSmoother on the whole logits.
@@ -35,6 +35,7 @@ from trainer_common import (
     COMMON,
     DP,
     MICRO_BATCH,
+    PP2_RUNS,
     RUNS,
     SEED,
     build,
@@ -98,26 +99,33 @@ def fp16_overflow() -> None:
         assert math.isfinite(logs[step]["loss"]), logs[step]
 
 
-def hf_flow_pp2() -> None:
-    """dp1 x tp1 x pp2 with the reference's batch (MICRO_BATCH * DP rows per micro-batch)."""
-    family, extra, _ = RUNS["llama-hf-flow"]
+def pp2_run(name: str) -> None:
+    """RUNS[name] on dp1 x tp1 x pp2 with the reference's batch (MICRO_BATCH * DP rows per
+    micro-batch): its summary goes to merak-pp2-<name>.json (the HF-flow run on the zero-bubble
+    schedule)."""
+    family, extra, merak_only = RUNS[name]
     ctx = merak.init(dp=1, tp=1, pp=2)
     out = Path(os.environ["MERAK_TRAINER_OUT"])
     with merak.init_empty_weights():
         model = build(family)
+    hf_flow = name.endswith("hf-flow")
     args = merak.MerakArguments(
-        output_dir=str(out / "pp2-llama-hf-flow"), per_device_train_batch_size=MICRO_BATCH * DP,
-        per_device_eval_batch_size=MICRO_BATCH * DP, train_schedule="zero_bubble",
-        **COMMON, **extra)
-    assert args.activation_checkpointing  # gradient_checkpointing is Merak's recomputation
+        output_dir=str(out / f"pp2-{name}"), per_device_train_batch_size=MICRO_BATCH * DP,
+        per_device_eval_batch_size=MICRO_BATCH * DP,
+        **({"train_schedule": "zero_bubble"} if hf_flow else {}), **COMMON, **extra,
+        **merak_only)
+    if hf_flow:
+        assert args.activation_checkpointing  # gradient_checkpointing is Merak's recomputation
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
     trainer.train()
-    flow = flow_summary(trainer)
-    metrics = trainer.evaluate()  # the best checkpoint's weights, loaded back
+    flow = flow_summary(trainer) if hf_flow else {}
+    metrics = trainer.evaluate()  # with load_best_model_at_end, the best checkpoint's weights
+    logs = [h for h in trainer.state.log_history if "loss" in h]
     if ctx.rank == 0:
-        (out / "merak-pp2-llama-hf-flow.json").write_text(json.dumps({
-            "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        (out / f"merak-pp2-{name}.json").write_text(json.dumps({
+            "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+            "learning_rate": [h["learning_rate"] for h in logs],
             "eval_loss": metrics["eval_loss"], **flow}))
     dist.barrier()
 
@@ -292,7 +300,8 @@ def neftune_tp2() -> None:
 
 
 if __name__ == "__main__":
-    run_scenarios({"fp16-overflow": fp16_overflow, "hf-flow-pp2": hf_flow_pp2,
+    run_scenarios({"fp16-overflow": fp16_overflow,
+                   **{f"pp2-{run}": (lambda r=run: pp2_run(r)) for run in PP2_RUNS},
                    "label-smoothing-vocab-parallel": label_smoothing_vocab_parallel,
                    "torch-compile-pp2": torch_compile_pp2, "neftune-pp2": neftune_pp2,
                    "neftune-tp2": neftune_tp2, **trainer_fields.SCENARIOS})

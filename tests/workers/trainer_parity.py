@@ -17,6 +17,7 @@ from trainer_common import (
     MICRO_BATCH,
     RESHARD_SAVE_STEP,
     RUNS,
+    RUNS_3D,
     build,
     build_deep_llama,
     eval_set,
@@ -150,5 +151,5 @@ def hf_api() -> None:
 
 
 if __name__ == "__main__":
-    run_scenarios({**{f"trainer-{r}": (lambda r=r: run(r)) for r in RUNS},
+    run_scenarios({**{f"trainer-{r}": (lambda r=r: run(r)) for r in RUNS_3D},
                    "save-for-reshard": save_for_reshard, "hf-api": hf_api})
