@@ -114,54 +114,6 @@ def test_a_parameter_repointed_to_unknown_values_is_named():
         materialize_(model)
 
 
-def _assert_materializes_like_eager(build, seed: int) -> None:
-    torch.manual_seed(seed)
-    eager = build()
-    torch.manual_seed(seed)
-    with init_empty_weights():
-        model = build()
-    materialize_(model)
-    for (name, mine), theirs in zip(model.named_parameters(), eager.parameters()):
-        assert torch.equal(mine, theirs), name
-
-
-class _DrawnParameters(nn.Module):
-    """Random draws on meta (Linear) around a parameter drawn for real (`torch.normal`, as
-    DiffLlama's lambdas): the real draw happens at another point of the generator's sequence."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 5)
-        self.lam = nn.Parameter(torch.normal(0, 0.1, size=(5,)))
-        self.b = nn.Linear(5, 3)
-        nn.init.normal_(self.a.weight)
-
-
-def test_a_parameter_drawn_for_real_gets_the_eager_value_and_later_draws_too():
-    _assert_materializes_like_eager(_DrawnParameters, seed=3)
-
-
-class _ComputedInit(nn.Module):
-    """Mamba's pattern: parameters copied from temporaries computed at init (``log(arange)``,
-    ``exp(rand)``, a temporary drawn in place), between ordinary random inits."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.A_log = nn.Parameter(torch.empty(3, 4))
-        self.dt = nn.Parameter(torch.empty(4))
-        self.b = nn.Linear(4, 2)
-        with torch.no_grad():
-            A = torch.arange(1, 5, dtype=torch.float32, device=self.A_log.device)[None, :]
-            self.A_log.copy_(torch.log(A.expand(3, -1).contiguous()))
-            dt = torch.exp(torch.rand(4, device=self.dt.device) * 2.0).clamp(min=1.1)
-            self.dt.copy_(dt + torch.empty(4, device=self.dt.device).uniform_(0, 1))
-
-
-def test_parameters_copied_from_computed_temporaries_get_the_eager_values():
-    _assert_materializes_like_eager(_ComputedInit, seed=5)
-
-
 def test_seeding_inside_the_context_is_honoured():
     torch.manual_seed(3)
     reference = CONFIGS["llama"]()

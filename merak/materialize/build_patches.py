@@ -2,10 +2,14 @@
 
 - ``param.data = <a copy of param>`` keeps the parameter's recorded writes (`meta`'s record).
 - HF's ``from_pretrained`` tags the model it returns with where its weights are.
+- ``torch.tensor(data, device="meta")`` goes through the dispatch the meta record sees.
+- ``torch.nn.init`` functions that skip meta tensors (``orthogonal_``, ``trunc_normal_``) are
+  recorded as one op, run on real values at replay.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import torch
@@ -73,4 +77,75 @@ def _mark_from_pretrained() -> Callable[[], None]:
             PreTrainedModel.from_pretrained = previous
         else:
             del PreTrainedModel.from_pretrained
+    return undo
+
+
+def _values_through_dispatch() -> Callable[[], None]:
+    """Make ``torch.tensor(data, device="meta")`` (and ``as_tensor``, ``asarray``) build on the
+    CPU and then move, through the ATen dispatch the meta record sees: made straight on the
+    meta device, its values (RWKV's ``decay_speed`` lists) would be lost. Returns the undo."""
+    originals = {name: getattr(torch, name) for name in ("tensor", "as_tensor", "asarray")}
+
+    def through_cpu(original):
+        def make(data, *args, **kwargs):
+            device = kwargs.get("device")
+            # not torch.get_default_device(): it calls torch.tensor, which is this function
+            device = originals["tensor"]([]).device if device is None else torch.device(device)
+            if isinstance(data, torch.Tensor) or device.type != "meta":
+                return original(data, *args, **kwargs)
+            requires_grad = kwargs.pop("requires_grad", False)
+            out = original(data, *args, **{**kwargs, "device": "cpu"}).to("meta")
+            return out.requires_grad_() if requires_grad else out
+        return make
+
+    for name, original in originals.items():
+        setattr(torch, name, through_cpu(original))
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(torch, name, original)
+    return undo
+
+
+# `torch.nn.init` functions that return at once on a meta tensor (and whose draws may depend
+# on the values drawn: `trunc_normal_` rejects and redraws), so their ops never reach the record
+_META_SKIPPING_INITS = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+
+
+def _hook_template(*args, _merak_hook=None, **kwargs):
+    return _merak_hook(*args, **kwargs)
+
+
+def _inits_on_meta(record_call: Callable) -> Callable[[], None]:
+    """Make each of the `_META_SKIPPING_INITS` call ``record_call(function, tensor, args,
+    kwargs)`` (with a copy of the function as it was), so the record can keep the call as one op
+    that the replay runs on real values (on a real tensor too: its draws may depend on the
+    values drawn, which here are not the eager build's). The function objects are changed in
+    place (their code), so references taken at import (HF's ``TORCH_INIT_FUNCTIONS``) are
+    covered too. Returns the undo."""
+    from torch.nn import init
+
+    swapped = []
+    for name in _META_SKIPPING_INITS:
+        function = getattr(init, name, None)
+        if function is None or function.__closure__:
+            continue
+        original = types.FunctionType(function.__code__, function.__globals__, name,
+                                      function.__defaults__, None)
+        original.__kwdefaults__ = function.__kwdefaults__
+
+        def hook(tensor, *args, _original=original, **kwargs):
+            if isinstance(tensor, torch.Tensor):
+                return record_call(_original, tensor, args, kwargs)
+            return _original(tensor, *args, **kwargs)
+
+        swapped.append((function, function.__code__, function.__defaults__,
+                        function.__kwdefaults__))
+        function.__code__ = _hook_template.__code__
+        function.__defaults__, function.__kwdefaults__ = None, {"_merak_hook": hook}
+
+    def undo() -> None:
+        for function, code, defaults, kwdefaults in swapped:
+            function.__code__ = code
+            function.__defaults__, function.__kwdefaults__ = defaults, kwdefaults
     return undo
