@@ -130,3 +130,83 @@ def test_fx_on_a_transformers_model_says_what_to_try():
         model = FAMILIES["llama"]()
     with pytest.raises(RuntimeError, match="trace_method='export'"):
         auto_split(model, batch("llama", 0, 2), 2, trace_method="fx")
+
+
+class _Router(torch.nn.Module):
+    """Returns data-dependent Python ints next to its logits, as JetMoE's router does."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.layer = torch.nn.Linear(width, 3, bias=False)
+
+    def forward(self, x):
+        logits = self.layer(x).float()
+        counts = (logits > 0).long().sum((0, 1)).tolist()  # unbacked symbolic ints under export
+        return counts, logits
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.router, self.mlp = _Router(width), torch.nn.Linear(width, width)
+
+    def forward(self, h):
+        _, logits = self.router(h)
+        return h + self.mlp(h) * logits.softmax(-1)[..., :1]
+
+
+class _Dense(torch.nn.Module):  # a second layer type in the same list
+    def __init__(self, width):
+        super().__init__()
+        self.mlp = torch.nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + torch.tanh(self.mlp(h))
+
+
+class _RecordedAuxLoss(torch.nn.Module):
+    """Mixed layer types in one list; the routers' logits are collected by forward hooks
+    installed for the call (as transformers' OutputRecorder does) and feed an auxiliary loss
+    computed after the last layer."""
+
+    def __init__(self, width=16, vocab=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList([_Routed(width), _Dense(width), _Routed(width),
+                                           _Dense(width)])
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids, labels):
+        seen = []
+        hooks = [m.router.register_forward_hook(lambda m, a, out: seen.append(out[1]))
+                 for m in self.layers if isinstance(m, _Routed)]
+        try:
+            h = self.embed(input_ids)
+            for layer in self.layers:
+                h = layer(h)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return loss + 0.1 * sum(r.logsumexp(-1).pow(2).mean() for r in seen)
+
+
+def test_recorded_router_outputs_and_mixed_layer_types_split_at_parity():
+    """A value a block computes and the model reads after the blocks (router logits recorded
+    by a hook) is tapped from the eager block call even when the router also returns
+    data-dependent ints; a list of two layer types is the list of blocks."""
+    torch.manual_seed(0)
+    model = _RecordedAuxLoss()
+    inputs = {"input_ids": torch.randint(0, 32, (2, 8)), "labels": torch.randint(0, 32, (2, 8))}
+    split = auto_split(model, inputs, 2)
+    assert split.blocks_of_stage == (("layers.0", "layers.1"), ("layers.2", "layers.3"))
+    expected = model(**inputs)
+    expected.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    actual = split(**inputs)
+    actual.backward()
+    torch.testing.assert_close(actual, expected)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], msg=name)

@@ -45,14 +45,18 @@ def storage_key(param: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def init_empty_weights() -> Iterator[InitRecord]:
+def init_empty_weights(record: InitRecord | None = None) -> Iterator[InitRecord]:
     """Construct models without parameter memory (parameters on the meta device).
 
     Example:
         with merak.init_empty_weights():
             model = AutoModelForCausalLM.from_config(config)
+
+    `record` (default: a new one) continues the record of an earlier build, so what is built
+    now is initialized as if built right after it in one eager run (peft adapters added to a
+    meta model: `merak.lora`).
     """
-    record = InitRecord()
+    record = record if record is not None else InitRecord()
     original = nn.Module.register_parameter
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -87,7 +91,8 @@ def has_meta_parameters(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def _record_of(module: nn.Module) -> InitRecord | None:
+def record_of(module: nn.Module) -> InitRecord | None:
+    """The init record `module`'s meta parameters were built under (None if none was)."""
     for param in module.parameters():
         record = getattr(param, RECORD_ATTR, None)
         if record is not None:
@@ -130,7 +135,7 @@ def _materialize_parameters(module: nn.Module, meta: dict[str, nn.Parameter],
     """id of each meta parameter -> its real replacement on `device`. With `initialize`, the
     buffers of `reached` whose build-time values are not the eager build's (drawn at random
     after meta draws: tainted) are replayed too, in place."""
-    record = _record_of(module)
+    record = record_of(module)
     if initialize and record is None:
         raise ValueError("these meta parameters were not built inside merak.init_empty_weights(), "
                          "so their initial values are unknown; load them from a checkpoint")

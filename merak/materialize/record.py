@@ -96,6 +96,9 @@ class InitRecord:
     # draws before left the generator behind) or computed from such: replayed like meta ones
     tainted: set[int] = field(default_factory=set, repr=False)
     paused: bool = field(default=False, repr=False)  # ops not recorded (a parameter's move)
+    # the generator's state at the last draw recorded or real draw seen (a later context that
+    # continues this record, `init_empty_weights(record)`, goes on from it)
+    last_state: torch.Tensor | None = field(default=None, repr=False)
 
     def key(self, tensor: torch.Tensor) -> int:
         """The storage key under which the writes to `tensor`'s parameter are recorded."""
@@ -146,7 +149,6 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, record: InitRecord):
         super().__init__()
         self.record = record
-        self.last_state: torch.Tensor | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -177,16 +179,16 @@ class _Recorder(TorchDispatchMode):
         if random and not (first is not None and first.is_meta if mutated else
                            isinstance(out, torch.Tensor) and out.is_meta):
             # a real draw: the next meta draw must not take its advance for a reseed
-            self.last_state = torch.get_rng_state()
+            self.record.last_state = torch.get_rng_state()
         return out
 
     def _state(self) -> torch.Tensor | None:
         """For a draw: the generator's state, if it changed since the last draw. Meta draws
         leave it alone, so a change means a (re)seed or a real draw since."""
         state = torch.get_rng_state()
-        if self.last_state is not None and torch.equal(state, self.last_state):
+        if self.record.last_state is not None and torch.equal(state, self.record.last_state):
             return None
-        self.last_state = state
+        self.record.last_state = state
         return state
 
     def record_call(self, function, tensor: torch.Tensor, args: tuple, kwargs: dict):
@@ -206,7 +208,7 @@ class _Recorder(TorchDispatchMode):
         finally:
             self.record.paused = False
         if random and not tensor.is_meta:
-            self.last_state = torch.get_rng_state()
+            self.record.last_state = torch.get_rng_state()
         self._write(function, function.__name__, [tensor], (tensor, *args), kwargs, random,
                     state, before, whole=True)
         return out

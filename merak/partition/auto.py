@@ -3,6 +3,7 @@ object a manual split gives (plus the stage graphs), ready for `PipelineStage`."
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,7 +165,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     blocks = _blocks_that_run(model, example_inputs, find_blocks(model), device)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of "
-                         f"one module type) to split between stages; split it by hand with "
+                         f"layers that hold parameters) to split between stages; split it by hand with "
                          f"merak.manual_split")
     if num_stages > len(blocks):
         raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
@@ -206,10 +207,12 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
         fake.__enter__()
         example_inputs = fake.inputs(example_inputs)
     try:
-        return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
-                           leaf_modules=leaf_modules, nearest=nearest,
-                           restore=fake.restore if fake else None, trace_method=trace_method,
-                           shapes_from_received=not _sequence_parallel(model))
+        with _traceable_experts(model):
+            return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
+                               leaf_modules=leaf_modules, nearest=nearest,
+                               restore=fake.restore if fake else None,
+                               trace_method=trace_method,
+                               shapes_from_received=not _sequence_parallel(model))
     except ValueError:
         raise
     except Exception as error:
@@ -219,19 +222,39 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
             fake.restore()
 
 
+@contextlib.contextmanager
+def _traceable_experts(model: nn.Module):
+    """transformers' ``grouped_mm`` experts as ``batched_mm`` while tracing: torch's
+    fake-tensor rule for ``_grouped_mm`` accepts bf16 only, though the CPU kernel computes fp32
+    (Inkling-2 picks it by default). The trace of a block is replaced by the eager block, which
+    keeps the model's own choice; only shapes come from the batched experts (which have no
+    data-dependent sizes)."""
+    configs = [m.config for m in model.modules() if getattr(getattr(m, "config", None),
+               "_experts_implementation_internal", None) == "grouped_mm"]
+    for config in configs:
+        config._experts_implementation_internal = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._experts_implementation_internal = "grouped_mm"
+
+
 def _blocks_that_run(model: nn.Module, example_inputs: dict, blocks: list[str], device
                      ) -> list[str]:
-    """`blocks` less those the inputs never run, when the model has several block lists: a
-    multimodal model given text alone (Gemma-3's vision tower) keeps its text layers as the
-    pipeline's blocks; the unused tower's weights are in no stage. One forward without grad
-    (on fake weights for a meta model) with a pre-hook per block finds them."""
-    if len({b.rsplit(".", 1)[0] for b in blocks}) < 2:
+    """`blocks` less those the inputs never run, when the model has several block lists or
+    layer types: a multimodal model given text alone (Gemma-3's vision tower) keeps its text
+    layers as the pipeline's blocks, and Mllama's cross-attention layers, skipped without an
+    image, are in no stage. One forward without grad (on fake weights for a meta model) with
+    a pre-hook per block finds them."""
+    if len({b.rsplit(".", 1)[0] for b in blocks}) < 2 \
+            and len({type(model.get_submodule(b)) for b in blocks}) < 2:
         return blocks
     ran: set[str] = set()
     hooks = [model.get_submodule(b).register_forward_pre_hook(
         lambda module, args, name=b: ran.add(name)) for b in blocks]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _traceable_experts(model):
             if has_meta_parameters(model):
                 with FakeWeights(model, device) as fake, fake.mode:
                     model(**prepare_inputs(model, fake.inputs(example_inputs)))

@@ -36,7 +36,7 @@ from merak.partition.graph_rewrite import (
     spec_paths,
     stack_paths,
 )
-from merak.partition.taps import escaping_modules
+from merak.partition.taps import drop_marks, escaping_modules, marking
 
 
 class CaptureError(RuntimeError):
@@ -71,8 +71,9 @@ def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
     gm = ep.module()
     cleanup(gm.graph)
     tapped = _tapped_submodules(model, gm.graph, blocks, ep.module_call_graph)
-    if tapped:  # again, with the signatures of the submodules whose outputs leave the blocks
-        ep = _export(model, kwargs, [*blocks, *leaf_modules, *tapped], dynamic_batch, strict)
+    if tapped:  # again, marking the outputs of the submodules whose values leave the blocks
+        with marking(model, tapped):
+            ep = _export(model, kwargs, [*blocks, *leaf_modules], dynamic_batch, strict)
         gm = ep.module()
         cleanup(gm.graph)
     if restore is not None:  # real weights back before stages bind them
@@ -83,9 +84,10 @@ def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
     # last block first: export shares values between blocks (a size or mask computed in
     # block 0 and read by block 1's nodes); once block 1 is one call, block 0 is their only user
     for b in reversed(blocks):
-        collapse_block(g, b, sigs[b], names, tap=(model, sigs) if tapped else None)
+        collapse_block(g, b, sigs[b], names, tap=model if tapped else None)
     for leaf in leaf_modules:
         collapse_block(g, leaf, sigs[leaf], names, is_block=False)
+    drop_marks(g)
     eagerize_dropout(g, model)
     canonicalize_attrs(g, model, gm)
     root_sig = sigs[""]

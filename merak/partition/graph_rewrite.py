@@ -34,15 +34,22 @@ def within(name: str, prefix: str) -> bool:
 
 
 def find_blocks(model: nn.Module) -> list[str]:
-    """FQNs of the children of every outermost ModuleList whose children all share one type and
-    hold parameters (a list of parameter-free modules, such as Granite-SWA's rotary embedding
-    per layer type, is glue, not layers)."""
+    """FQNs of the layers to split between stages: the children of every outermost ModuleList
+    of two or more modules that each hold parameters. The layers may be of several types
+    (hybrid models: Inkling-2's sliding and full attention layers, OLMo-hybrid's linear and
+    full attention, Mllama's self- and cross-attention); a list of parameter-free modules
+    (Granite-SWA's rotary embedding per layer type) is glue, not layers. A list of one layer
+    counts only when there is no longer one (Zamba-2 has an adapter list of one inside its
+    hybrid layer)."""
+    return _block_lists(model, 2) or _block_lists(model, 1)
+
+
+def _block_lists(model: nn.Module, least: int) -> list[str]:
     lists, blocks = [], []
     for name, m in model.named_modules():
-        if any(name.startswith(o + ".") for o in lists):
+        if any(name.startswith(o + ".") for o in lists) or not isinstance(m, nn.ModuleList):
             continue
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1 \
-                and any(True for _ in m.parameters()):
+        if len(m) >= least and all(any(True for _ in c.parameters()) for c in m):
             lists.append(name)
             blocks += [f"{name}.{i}" if name else str(i) for i in range(len(m))]
     return blocks
@@ -202,7 +209,7 @@ def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = Tru
     """Replace the nodes of module `fqn` by one call_module to the eager module. Blocks are
     placed on stages by the partition; other kept modules (`leaf_modules`) follow their inputs.
     An internal value read outside the block is taken from a tap (`taps.tap_value`) when `tap`
-    (model, preserved signatures) can say which submodule output it is."""
+    (the model, exported with `taps.marking`) can say which submodule output it is."""
     region = block_region(g, fqn)
     rset = set(region)
 
@@ -236,7 +243,7 @@ def collapse_block(g: fx.Graph, fqn: str, sig, names: dict, is_block: bool = Tru
         if bad:
             read = _same_value_outside(n, rset)
             if read is None and tap:
-                read = tap_value(g, tap[0], call, n, fqn, tap[1], spec_paths)
+                read = tap_value(g, tap, call, n, fqn)
             if read is None:
                 raise RuntimeError(f"{fqn}: internal value {n} used outside the block by {bad}")
             n.replace_all_uses_with(read, delete_user_cb=lambda u: u not in rset)

@@ -7,21 +7,69 @@ is an internal node of the block used by code after it, so the block cannot beco
 its eager module as it stands.
 
 The cure is generic: the submodule that produces the value (found from the node's module stack)
-gets its call signature preserved in a second export, which says which output of the submodule
-the value is. The block then stays one eager call, and a *tap* reads that output: a forward
-hook on the submodule keeps its latest output, and a `take_tap` node placed right after the
-block call (pinned to the block's stage) hands it to the rest of the graph, which sends it to
-later stages like any other value, gradients included.
+is exported again with every tensor of its output passed through `tap_mark`, an identity op
+whose arguments say which module and which leaf of its output the value is. The block then
+stays one eager call, and a *tap* reads that output: a forward hook on the submodule keeps its
+latest output, and a `take_tap` node placed right after the block call (pinned to the block's
+stage) hands it to the rest of the graph, which sends it to later stages like any other value,
+gradients included.
+
+Why a marker op rather than export's `preserve_module_call_signature` on the submodule: that
+refuses a module whose output holds anything but tensors and plain scalars, and routers return
+data-dependent sizes too (JetMoE's `expert_size` list is unbacked symbolic ints under export).
+The marker only touches the tensor leaves, so any output structure works.
 """
 
 from __future__ import annotations
 
 import operator
+from contextlib import contextmanager
 
+import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 _TAP_ATTR = "_merak_tap_output"
 _HOOK_ATTR = "_merak_tap_hook"
+
+
+@torch.library.custom_op("merak::tap_mark", mutates_args=())
+def tap_mark(value: torch.Tensor, module: str, leaf: int) -> torch.Tensor:
+    """Identity, marking `value` as leaf `leaf` of `module`'s output (export-time only)."""
+    return value.clone()
+
+
+@tap_mark.register_fake
+def _tap_mark_fake(value, module, leaf):
+    return torch.empty_like(value)
+
+
+tap_mark.register_autograd(lambda ctx, grad: (grad, None, None))
+_MARK = torch.ops.merak.tap_mark.default
+
+
+@contextmanager
+def marking(model: nn.Module, fqns: list[str]):
+    """While exporting: every tensor leaf of each module `fqns`' output goes through
+    `tap_mark`, so the graph says which module output an internal value is."""
+    handles = []
+
+    def hook_for(fqn):
+        def hook(module, args, output):
+            leaves, spec = pytree.tree_flatten(output)
+            leaves = [tap_mark(v, fqn, i) if isinstance(v, torch.Tensor) else v
+                      for i, v in enumerate(leaves)]
+            return pytree.tree_unflatten(leaves, spec)
+        return hook
+
+    try:
+        for fqn in fqns:
+            module = model.get_submodule(fqn)  # first, so that recorder hooks see the marks
+            handles.append(module.register_forward_hook(hook_for(fqn), prepend=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _keep_output(module: nn.Module, args, output) -> None:
@@ -34,20 +82,22 @@ def install_tap(module: nn.Module) -> None:
         setattr(module, _HOOK_ATTR, module.register_forward_hook(_keep_output))
 
 
-def take_tap(module: nn.Module, path: tuple, after: object = None):
-    """The element `path` of `module`'s output in the call just made (`after` is the block
-    call's result: an argument only so that the graph orders the read after the call)."""
+def take_tap(module: nn.Module, leaf: int, after: object = None):
+    """Leaf `leaf` (pytree order) of `module`'s output in the call just made (`after` is the
+    block call's result: an argument only so that the graph orders the read after the call)."""
     value = module.__dict__.pop(_TAP_ATTR, None)
     if value is None:
         raise RuntimeError(f"no output recorded for tapped module {type(module).__name__}: the "
                            f"block containing it did not run before its value was read")
-    for key in path:
-        value = value[key]
-    return value
+    return pytree.tree_leaves(value)[leaf]
 
 
 def is_tap_read(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is take_tap
+
+
+def is_mark(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is _MARK
 
 
 def escaping_modules(region: list[fx.Node], block: str, stack_paths, inside: set[fx.Node],
@@ -64,26 +114,31 @@ def escaping_modules(region: list[fx.Node], block: str, stack_paths, inside: set
     return found
 
 
-def tap_value(g: fx.Graph, model: nn.Module, call: fx.Node, node: fx.Node, block: str,
-              sigs: dict, spec_paths) -> fx.Node | None:
+def tap_value(g: fx.Graph, model: nn.Module, call: fx.Node, node: fx.Node, block: str
+              ) -> fx.Node | None:
     """A `take_tap` node after `call` giving the value of `node` (an internal node of `block`),
-    when `node` is an output of a submodule of `block` whose signature was preserved."""
-    for fqn, sig in sigs.items():
-        if sig is None or not fqn.startswith(block + "."):
-            continue
-        for out, path in zip(sig.outputs, spec_paths(sig.out_spec)):
-            if getattr(out, "name", None) != node.name:
-                continue
-            module = model.get_submodule(fqn)
-            install_tap(module)
-            anchor = call
-            while anchor.next.op == "call_function" and anchor.next.target is operator.getitem \
-                    and anchor.next.args[0] is call:
-                anchor = anchor.next
-            with g.inserting_after(anchor):
-                attr = g.get_attr(fqn)
-            with g.inserting_after(attr):
-                read = g.call_function(take_tap, (attr, tuple(path), call))
-            read.meta["val"] = node.meta.get("val")
-            return read
-    return None
+    when `node` is, or feeds, the `tap_mark` of an output of a submodule of `block`."""
+    marks = [node] if is_mark(node) else [u for u in node.users if is_mark(u)]
+    marks = [m for m in marks if m.args[1].startswith(block + ".")]
+    if not marks:
+        return None
+    _, fqn, leaf = marks[0].args
+    install_tap(model.get_submodule(fqn))
+    anchor = call
+    while anchor.next.op == "call_function" and anchor.next.target is operator.getitem \
+            and anchor.next.args[0] is call:
+        anchor = anchor.next
+    with g.inserting_after(anchor):
+        attr = g.get_attr(fqn)
+    with g.inserting_after(attr):
+        read = g.call_function(take_tap, (attr, leaf, call))
+    read.meta["val"] = node.meta.get("val")
+    return read
+
+
+def drop_marks(g: fx.Graph) -> None:
+    """Remove the `tap_mark`s left outside the collapsed blocks (they are identities)."""
+    for n in list(g.nodes):
+        if is_mark(n):
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)
