@@ -2,6 +2,7 @@
 
 from merak.build import parallelize
 from merak.distributed.parallel_context import ParallelContext, get_context, init
+from merak.generation import generate
 from merak.materialize.meta import init_empty_weights, materialize_
 from merak.materialize.safetensors import load_safetensors_
 from merak.partition.auto import AutoSplit, auto_split
@@ -48,6 +49,7 @@ __all__ = [
     "TimelineRecorder",
     "apply_tensor_parallel",
     "auto_split",
+    "generate",
     "get_context",
     "init",
     "init_empty_weights",

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from merak import lora
 from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_
@@ -44,7 +45,9 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
 
     Args:
-        model: an HF or plain model, ideally built inside `merak.init_empty_weights()`.
+        model: an HF or plain model, ideally built inside `merak.init_empty_weights()`; or a
+            peft LoRA model of one (`merak.lora`): its parameters keep the names of the model
+            peft wraps.
         example_inputs: one micro-batch of keyword inputs (with ``labels`` for the loss).
         ctx: the parallel context (default: the one from `merak.init`).
         tp_plan: the tensor-parallel plan (a `TPPlan`, or a dict of `merak.set_tp_layer_lists`'
@@ -66,6 +69,9 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         with model chunks, the `InterleavedStage`; either is ready for `PipelineInterpreter`.
     """
     ctx = ctx or get_context()
+    if lora.is_peft_model(model):  # LoRA: the peft layers live in the model peft wraps,
+        model = model.get_base_model()  # whose forward is the peft model's (with **kwargs)
+    adapters = any(lora.is_lora_layer(m) for m in model.modules())
     aliases = tied_aliases(model)
     if checkpoint_prefix:
         strip = lambda n: n.removeprefix(checkpoint_prefix)
@@ -84,6 +90,10 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         stage = PipelineStage(split.container, split, ctx.stage_id)
     if checkpoint is None:
         materialize_(stage, ctx.device)
+    elif adapters:  # the base model's checkpoint: its weights load, the adapters initialize
+        materialize_(stage, ctx.device)
+        load_safetensors_(stage, checkpoint, aliases=lora.base_aliases(stage, aliases),
+                          names=lora.base_names(stage, checkpoint, aliases))
     else:
         materialize_(stage, ctx.device, initialize=False)
         load_safetensors_(stage, checkpoint, aliases=aliases)

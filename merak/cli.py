@@ -7,6 +7,7 @@ import sys
 
 from merak.coverage.cli import add_coverage
 from merak.energy.cli import add_energy
+from merak.generation.cli import add_generate
 from merak.schedule.simulate_cli import add_simulate
 
 
@@ -14,14 +15,18 @@ def _add_export(subparsers) -> None:
     parser = subparsers.add_parser(
         "export", help="write a Merak checkpoint as a plain HF save_pretrained directory")
     parser.add_argument("checkpoint", help="a checkpoint-<step> directory")
-    parser.add_argument("out_dir", help="where to write config.json and model.safetensors")
+    parser.add_argument("out_dir", help="where to write config.json and model.safetensors "
+                                        "(for a LoRA checkpoint: a PEFT adapter directory)")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA: write the base model with the adapter merged in instead")
     parser.set_defaults(run=_export)
 
 
 def _export(args: argparse.Namespace) -> int:
     from merak.trainer.export import export_checkpoint
 
-    print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.out_dir)}")
+    out = export_checkpoint(args.checkpoint, args.out_dir, merge=args.merge)
+    print(f"exported {args.checkpoint} to {out}")
     return 0
 
 
@@ -32,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(subparsers)
     add_energy(subparsers)
     add_coverage(subparsers)
+    add_generate(subparsers)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -180,6 +180,12 @@ def test_every_merak_field_parses_from_the_command_line_and_has_help(capsys):
     ({"tp_plan": {"tp_attr_list": ["num_heads"]}}, "tp_plan: .* nothing would be split"),
     ({"tp_plan": "{not json"}, "tp_plan='{not json' is not a JSON object"),
     ({"tp_plan": ["fc1"]}, "tp_plan: a tp plan is a merak.TPPlan or a dict"),
+    ({"lora_config": "missing.json"}, "lora_config: no such file missing.json"),
+    ({"out_seq_length": 0}, "out_seq_length is the number of new tokens"),
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"text_generation": True, "sequence_parallel": True}, "text_generation runs without"),
+    ({"lora_config": '{"r": 4, "rank": 8}'}, "its keys must be peft LoraConfig fields"),
+    ({"lora_config": "{r: 4}"}, "is not valid JSON"),
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -188,7 +194,6 @@ def test_bad_values_name_the_field(kwargs, message):
 
 @pytest.mark.parametrize("kwargs", [
     {"zero_stage": 2}, {"zero_allgather_bucket_size": 1000},
-    {"text_generation": True}, {"lora_config": "{}"},
     {"dealloc_pipeoutput": True}, {"bf16_full_eval": True},
     {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"context_fn": "f"}},
 ])
@@ -240,7 +245,8 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
            "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url",
            "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
-           "activation_memory_budget", "tp_overlapping_level", "num_model_chunks", "tp_plan"}
+           "activation_memory_budget", "tp_overlapping_level", "num_model_chunks", "tp_plan",
+           "lora_config", "adapter_name", "text_generation", "out_seq_length", "temperature"}
 
 
 def _other_value(value):
@@ -352,6 +358,10 @@ def two_ranks(tmp_path_factory):
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(two_ranks):
     check(*two_ranks[1:], "fp16-overflow")
+
+
+def test_lora_config_trains_like_peft_exports_and_generates(two_ranks):
+    check(*two_ranks[1:], "lora-trainer")
 
 
 def test_push_to_hub_uploads_the_gathered_model_and_checkpoints(two_ranks):

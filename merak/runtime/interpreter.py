@@ -110,7 +110,8 @@ class PipelineInterpreter(StepTail):
         params = list({id(q): q for q in stage.parameters()}.values())
         self.grad_averager = GradientAverager(params, ctx.dp_group, bucket_bytes, grad_predivide)
         # replicated parameters that saw only this TP rank's heads or sequence shard
-        self._tp_partial = [q for q in params if getattr(q, "tp_partial_grad", False)]
+        self._tp_partial = [q for q in params
+                            if q.requires_grad and getattr(q, "tp_partial_grad", False)]
         self._tied = self._build_tied_groups()
         discovery = forward_schedule(p, 1, stages_per_rank=v, edges=split.edges or None,
                                      single_transfers=True)
@@ -191,7 +192,9 @@ class PipelineInterpreter(StepTail):
                 raise ValueError(f"the tied weight {tied.names} is {len(mine)} parameters on "
                                  f"rank {ctx.rank}; materialize the rank's chunks together "
                                  f"(materialize_(InterleavedStage(...)))")
-            params += [q for q in mine.values() if all(q is not r for r in params)]
+            # a frozen weight (a LoRA model's base) has no gradient to sum
+            params += [q for q in mine.values()
+                       if q.requires_grad and all(q is not r for r in params)]
         return tied_weight_groups(ctx, {ranks: params for ranks, params in by_ranks.items()
                                         if len(ranks) > 1})
 

@@ -118,13 +118,19 @@ class StageTransfers:
         return {k: torch.zeros(m.shape, dtype=m.dtype, device=self.ctx.device)
                 for k, m in zip(self.transfers[edge], self.metas[edge])}
 
-    def _single(self, op: _Op) -> None:
+    def exchange(self, action: Action, tensor: torch.Tensor, *, is_send: bool) -> None:
+        """One message outside any schedule (generation's hidden states): `tensor` sent to, or
+        received in place from, `action`'s peer, posted alone and complete on return. Both
+        sides must know its shape and post their messages in the same order."""
+        self._single(_Op(action, self.peer_rank(action), [tensor], is_send), what="hidden states")
+
+    def _single(self, op: _Op, what: str = "shapes") -> None:
         works = self._post([op])
         if self.strict:
-            self._complete_strictly([op], works, what="shapes")
+            self._complete_strictly([op], works, what=what)
         else:
             for work in works:
-                self._wait(work, op, " (shapes)")
+                self._wait(work, op, f" ({what})")
 
     def finish_step(self) -> None:
         """Wait for every send of the step (their buffers are then free)."""

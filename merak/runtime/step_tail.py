@@ -59,7 +59,8 @@ class StepTail:
 
     def _reduce_tied_grads(self, _: None = None) -> None:
         for group, params in self._tied:
-            finish_all_reduce(params, *launch_all_reduce(params, group))
+            if params:  # (every rank of the group holds the same frozen weights)
+                finish_all_reduce(params, *launch_all_reduce(params, group))
 
     def _reduce_grads(self, _: None = None) -> None:
         if self._tp_partial and self.ctx.tp > 1:

@@ -16,6 +16,7 @@ from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.partition.graph_rewrite import find_blocks, within
+from merak import lora
 from merak.tensor_parallel import layers, wrappers
 from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS
@@ -107,11 +108,19 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
                          f"(its TP plan has no sp_gather modules); set sequence_parallel=False")
     blocks = find_blocks(model)
     in_block = (lambda n: any(within(n, b) for b in blocks)) if blocks else (lambda n: True)
-    named = [(n, m) for n, m in model.named_modules() if in_block(n)]
+    lora_names = {n for n, m in model.named_modules() if lora.is_lora_layer(m)}
+    if lora_names and (sequence_parallel or overlap_level):
+        raise ValueError("LoRA adapters under tensor parallelism work without sequence "
+                         "parallelism and TP overlap; set sequence_parallel=False and "
+                         "tp_overlapping_level=0")
+    # a LoRA layer is converted whole (its base layer by the plan, its adapters to match)
+    named = [(n, m) for n, m in model.named_modules()
+             if in_block(n) and not lora.inside_lora(n, lora_names)]
     cache: dict = {}  # id(original parameter) -> its shard: tied weights stay tied
     styles: dict[str, str] = {}
     converted = _convert_linears(named, plan, config, group, rank, tp, cache, styles,
                                  sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+    lora.check_tp_targets(named, set(converted))
     converted += _divide_and_shard_heads(named, plan, rank, tp, cache, styles)
     converted += _convert_other_styles(named, plan, config, group, rank, tp, cache, styles)
     if not converted:
@@ -120,7 +129,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
     if parallel_vocab:
         converted += _split_vocabulary(model, plan, group, rank, tp, cache)
     _mark_partial_grads(model, plan, sequence_parallel, in_block)
-    tp_modules = {name: m for name, m in named if name in converted}
+    tp_modules = {name: lora.base_layer(m) for name, m in named if name in converted}
     install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, layers.ColumnParallel)
                            and not m.gather_output],
                    [m for m in tp_modules.values() if isinstance(m, layers.RowParallel)],
@@ -150,8 +159,10 @@ def _any(name: str, patterns) -> bool:
 def _convert_linears(named, plan: TPPlan, config, group, rank: int, tp: int, cache: dict,
                      styles: dict, **sp) -> list[str]:
     converted = []
-    for name, module in named:
+    for name, wrapper in named:
+        module = lora.base_layer(wrapper)  # a LoRA layer's base layer takes the plan's style
         style = plan.style(name, module)
+        chunks = None
         if style == "column":
             chunks = next((f(config) for p, f in plan.fused.items() if matches(name, p)), None)
             parts = next((n for p, n in plan.packed.items() if matches(name, p)), None)
@@ -167,6 +178,13 @@ def _convert_linears(named, plan: TPPlan, config, group, rank: int, tp: int, cac
             desc = "row-parallel" + ("" if module.input_is_parallel else ", full input sliced")
         else:
             continue
+        if module is not wrapper:
+            lora.shard_adapters(wrapper, name, style, group, rank, tp,
+                                chunks=chunks,
+                                gather_output=getattr(module, "gather_output", False),
+                                input_is_parallel=getattr(module, "input_is_parallel", True),
+                                cache=cache)
+            desc += ", LoRA adapters to match"
         styles[name] = _describe(plan, name, desc)
         converted.append(name)
     return converted
@@ -216,7 +234,8 @@ def _convert_other_styles(named, plan: TPPlan, config, group, rank: int, tp: int
 def _sharded_parents(named, plan: TPPlan) -> set[str]:
     """Modules directly holding a column-parallel layer whose output stays sharded."""
     return {name.rpartition(".")[0] for name, m in named
-            if isinstance(m, layers.ColumnParallel) and not m.gather_output}
+            if isinstance(lora.base_layer(m), layers.ColumnParallel)
+            and not lora.base_layer(m).gather_output}
 
 
 def _divide_heads(module: nn.Module, name: str, tp: int) -> None:

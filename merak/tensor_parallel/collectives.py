@@ -23,8 +23,15 @@ def tracing() -> bool:
     return torch.compiler.is_exporting() or is_fx_symbolic_tracing()
 
 
-def _skip(group: dist.ProcessGroup | None) -> bool:
-    return group is None or tracing() or dist.get_world_size(group) == 1
+def _skip(group: dist.ProcessGroup | None, x: torch.Tensor | None = None) -> bool:
+    return group is None or tracing() or dist.get_world_size(group) == 1 \
+        or (x is not None and x.is_meta)
+
+
+def _shapes_only(group, x: torch.Tensor) -> bool:
+    """While tracing, or for a meta tensor (a layer another pipeline stage holds, run for its
+    shapes during generation: `merak.generation`): shapes, no communication."""
+    return group is not None and (tracing() or x.is_meta)
 
 
 def communicates(group: dist.ProcessGroup | None) -> bool:
@@ -135,34 +142,34 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Identity; backward all-reduces (the input of a column-parallel layer)."""
-    return x if _skip(group) else _CopyToTP.apply(x, group)
+    return x if _skip(group, x) else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """All-reduce; backward identity (the output of a row-parallel layer)."""
-    return x if _skip(group) else _ReduceFromTP.apply(x, group)
+    return x if _skip(group, x) else _ReduceFromTP.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather shards along `dim`; backward keeps this rank's slice."""
-    if group is not None and tracing():  # the gathered shape, for the ops downstream
+    if _shapes_only(group, x):  # the gathered shape, for the ops downstream
         return torch.cat([x] * dist.get_world_size(group), dim=dim)
-    return x if _skip(group) else _GatherFromTP.apply(x, dim, group)
+    return x if _skip(group, x) else _GatherFromTP.apply(x, dim, group)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Keep this rank's slice along `dim`; backward all-gathers."""
-    if group is not None and tracing():
+    if _shapes_only(group, x):
         return x.narrow(dim, 0, x.shape[dim] // dist.get_world_size(group))
-    return x if _skip(group) else _ScatterToTP.apply(x, dim, group)
+    return x if _skip(group, x) else _ScatterToTP.apply(x, dim, group)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sequence parallelism: all-gather sequence shards; backward reduce-scatters."""
-    return x if _skip(group) else _GatherSequence.apply(x, dim, group)
+    return x if _skip(group, x) else _GatherSequence.apply(x, dim, group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sequence parallelism: sum the ranks' partial outputs and keep this rank's sequence
     shard; backward all-gathers."""
-    return x if _skip(group) else _ReduceScatterSequence.apply(x, dim, group)
+    return x if _skip(group, x) else _ReduceScatterSequence.apply(x, dim, group)

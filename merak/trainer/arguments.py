@@ -151,13 +151,19 @@ class MerakArguments(JobView, TrainingArguments):
     eval_iters: int | None = field(default=None, metadata=_help("evaluation",
         "evaluation steps per evaluate() (default: the whole eval set)"))
     text_generation: bool = field(default=False, metadata=_help("evaluation",
-        "generate text after training"))
+        "generate after training, with the pipelined model and a KV cache, for the trainer's "
+        "generation_prompts (else the first eval rows' first halves); written to "
+        "<output_dir>/generations.jsonl"))
     out_seq_length: int = field(default=1024, metadata=_help("evaluation",
-        "generated sequence length"))
-    temperature: float = field(default=0.9, metadata=_help("evaluation", "sampling temperature"))
+        "new tokens generated per prompt (text_generation, and trainer.generate's default)"))
+    temperature: float = field(default=0.9, metadata=_help("evaluation",
+        "sampling temperature of text_generation (0: greedy decoding)"))
     # ---- LoRA
-    lora_config: str | None = field(default=None, metadata=_help("LoRA", "peft LoRA config (JSON)"))
-    adapter_name: str = field(default="default", metadata=_help("LoRA", "peft adapter name"))
+    lora_config: str | None = field(default=None, metadata=_help(
+        "LoRA", "peft LoraConfig fields as a JSON file, a directory with adapter_config.json, "
+        "or JSON text: the model is wrapped with peft before the 3D build"))
+    adapter_name: str = field(default="default", metadata=_help(
+        "LoRA", "the name of the adapter lora_config adds (and that exports write)"))
     # ---- energy (Perseus)
     energy_gpu: str | None = field(default=None, metadata=_help("energy",
         "GPU clock control and energy counter: 'nvml' (NVIDIA GPUs) or 'simulated' "
@@ -182,6 +188,20 @@ class MerakArguments(JobView, TrainingArguments):
         self._check_choices()
         self._check_not_landed()
         self._check_inherited()
+        if self.out_seq_length < 1:
+            raise ValueError(f"MerakArguments.out_seq_length is the number of new tokens to "
+                             f"generate and must be >= 1, got {self.out_seq_length}")
+        if self.temperature < 0:
+            raise ValueError(f"MerakArguments.temperature must be >= 0 (0: greedy decoding), "
+                             f"got {self.temperature}")
+        if self.text_generation and (self.sequence_parallel or self.tp_overlapping_level):
+            raise ValueError("MerakArguments.text_generation runs without sequence_parallel and "
+                             "tp_overlapping_level (a decode step has one position); turn "
+                             "them off to generate")
+        if self.lora_config is not None:  # a bad config fails here, before any work
+            from merak.lora import load_lora_config
+
+            load_lora_config(self.lora_config)
         super().__post_init__()
 
     def _check_choices(self) -> None:
@@ -209,9 +229,9 @@ class MerakArguments(JobView, TrainingArguments):
         if self.eval_iters is not None and self.eval_iters < 1:
             raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
                              f"{self.eval_iters}")
-        if self.gradient_predivide_factor <= 0 or self.temperature <= 0:
-            raise ValueError("MerakArguments.gradient_predivide_factor and temperature must be "
-                             "positive")
+        if self.gradient_predivide_factor <= 0:
+            raise ValueError(f"MerakArguments.gradient_predivide_factor must be positive, got "
+                             f"{self.gradient_predivide_factor}")
         if self.sequence_dim not in (0, 1):
             raise ValueError(f"MerakArguments.sequence_dim must be 0 or 1, got "
                              f"{self.sequence_dim}")
@@ -293,10 +313,6 @@ class MerakArguments(JobView, TrainingArguments):
             "dealloc_pipeoutput": "deallocating pipeline outputs",
             "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "
                                           "each updated shard whole)",
-            "text_generation": "pipelined text generation",
-            "out_seq_length": "pipelined text generation",
-            "temperature": "pipelined text generation",
-            "lora_config": "LoRA through peft", "adapter_name": "LoRA through peft",
         }
         own = {f.name: f for f in dataclasses.fields(MerakArguments)}
         for name, feature in later.items():

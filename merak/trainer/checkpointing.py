@@ -19,6 +19,7 @@ import torch.distributed as dist
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import HubStrategy
 
+from merak import lora
 from merak.materialize.meta import has_meta_parameters
 from merak.trainer import checkpoint
 from merak.trainer.export import gather_full_tensors, save_hf_directory
@@ -58,6 +59,8 @@ class CheckpointMixin:
             config=getattr(self._user_model, "config", None),
             name_prefix="model." if self._wrapped_loss else "",
             keep=self.state.best_model_checkpoint)
+        if self._lora is not None and self.is_world_process_zero():  # `merak export` reads it
+            self._lora[0].save_pretrained(path)
         self.control.should_save = False
         self.control = self.callback_handler.on_save(args, self.state, self.control)
         if self.is_world_process_zero():
@@ -152,7 +155,10 @@ class CheckpointMixin:
                              "(init_empty_weights), so there are no weights to save yet")
         else:
             tensors = state_dict if state_dict is not None else user_model.state_dict()
-        if self.is_world_process_zero():
+        if self.is_world_process_zero() and self._lora is not None:  # as peft's save_pretrained
+            lora.save_adapter_directory(tensors, *self._lora,
+                                        getattr(user_model, "name_or_path", None), output_dir)
+        elif self.is_world_process_zero():
             save_hf_directory(tensors, user_model, output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

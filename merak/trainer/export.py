@@ -18,10 +18,15 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from merak import lora
 from merak.trainer.checkpoint import MARKER, full_tensors
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool = False
+                      ) -> Path:
+    """An HF directory from a Merak checkpoint. A LoRA checkpoint (it holds
+    adapter_config.json) becomes a PEFT adapter directory, or with `merge` the base model's HF
+    directory with the adapter merged into its weights."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not (checkpoint / MARKER).exists():
         raise FileNotFoundError(f"{checkpoint} is not a complete Merak checkpoint (no {MARKER})")
@@ -31,6 +36,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     prefix = json.loads((checkpoint / MARKER).read_text()).get("name_prefix", "")
     tensors = {name[len(prefix):] if prefix and name.startswith(prefix) else name:
                tensor.contiguous() for name, tensor in full_tensors(checkpoint).items()}
+    if (checkpoint / lora.ADAPTER_CONFIG).exists():
+        config = lora.load_lora_config(checkpoint)
+        adapter = lora.adapter_name_in(tensors)
+        if not merge:
+            return lora.save_adapter_directory(tensors, config, adapter,
+                                               config.base_model_name_or_path, out_dir)
+        tensors = lora.merged_tensors(tensors, config, adapter)
+    elif merge:
+        raise ValueError(f"--merge merges a LoRA adapter, but {checkpoint} has no "
+                         f"{lora.ADAPTER_CONFIG} (it was not trained with LoRA)")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(checkpoint / "config.json", out_dir / "config.json")

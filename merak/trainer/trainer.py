@@ -23,6 +23,7 @@ from transformers import Trainer
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 
+from merak import lora
 from merak.build import parallelize
 from merak.distributed.parallel_context import get_context
 from merak.runtime.interpreter import PipelineInterpreter
@@ -38,6 +39,7 @@ from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.grad_norm import GradNormClipper
 from merak.trainer.loss_scale import LossScaler
 from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
+from merak.trainer.text_generation import TextGenerationMixin
 from merak.trainer.model_setup import (
     default_loss_fn,
     pretrained_checkpoint,
@@ -47,7 +49,8 @@ from merak.trainer.model_setup import (
 from merak.trainer.timers import WallClockBreakdown
 
 
-class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer):
+class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGenerationMixin,
+                   Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -55,16 +58,24 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
         loss_fn: ``loss_fn(outputs, labels) -> scalar``; default: the model's own loss (when
             the batch has labels and the model returns ``.loss``).
         leaf_modules: modules the automatic split keeps opaque (see `merak.auto_split`).
+        generation_prompts: prompts (strings or token ids) for ``text_generation`` and
+            `generate` (see `merak.trainer.text_generation`).
     """
 
     def __init__(self, model: nn.Module, args: MerakArguments, *trainer_args,
                  loss_fn: Callable | None = None, leaf_modules: Sequence[str] = (),
-                 **trainer_kwargs):
+                 generation_prompts: Sequence | None = None, **trainer_kwargs):
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
         self.ctx = get_context()
+        if args.lora_config is not None:  # peft's LoRA layers, before anything is built
+            model = lora.wrap(model, args.lora_config, args.adapter_name)
+        # (peft config, adapter name): saves write the adapter as peft does
+        self._lora = (model.peft_config[args.adapter_name], args.adapter_name) \
+            if lora.is_peft_model(model) and args.adapter_name in model.peft_config else None
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
+        self.generation_prompts, self.generations = generation_prompts, None
         self.stage = self.engine = self.clipper = None
         self._user_model = model
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
@@ -87,6 +98,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
         if self.engine is not None:
             return
         args, model = self.args, self.model
+        if lora.is_peft_model(model):  # the peft layers live in the model peft wraps
+            model = model.get_base_model()
         self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
         if "labels" not in example:
             raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
@@ -304,6 +317,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, Trainer)
             if path is not None:
                 print(f"energy per step: {path} (compare runs with `merak energy report`)")
         self._load_best_merak_checkpoint()
+        if args.text_generation:
+            self._generate_after_training()
         self.log(metrics)  # as HF: the run's metrics (and the epoch) in the log history
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # HF's: wait for the uploads of the saves

@@ -1,7 +1,9 @@
 """Tensor parallelism (alone and composed with dp and pp) against the single-process model:
 meta build -> apply_tensor_parallel -> auto_split -> materialize own stage -> 1f1b interpreter,
 3 SGD steps; loss, every gradient (against this rank's slice of the full gradient) and the
-final parameters must match (see test_tensor_parallel)."""
+final parameters must match (see test_tensor_parallel). The 4- and 8-rank launches also run
+lora_parity.py's scenarios (LoRA through peft on TP layouts) and generation_parity.py's
+(pipelined generation against HF generate)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
 from hf_models import CustomMLP, batch
+import generation_parity
+import lora_parity
 from safetensors.torch import save_file, save_model
 from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES, tp_batch
 
@@ -235,6 +239,11 @@ SCENARIOS = {
         "dp2-tp2-pp2-gpt2-from-checkpoint": family("gpt2", 2, 2, 2, parallel_vocab=True,
                                                    from_checkpoint=True)},
 }
+
+
+for _size in (4, 8):  # LoRA and generation on TP layouts, in the same launches
+    SCENARIOS[_size].update(lora_parity.SCENARIOS[_size])
+    SCENARIOS[_size].update(generation_parity.SCENARIOS[_size])
 
 
 def scenario_names(world_size: int) -> list[str]:

@@ -14,6 +14,9 @@
 - auto_find_batch_size: a micro-batch of 8 rows "runs out of memory" on the last stage only (an
   injected out-of-memory error above 2 rows); both ranks agree to halve twice and train as a
   run with 2-row micro-batches does.
+- lora_config: LoRA through peft, against single-process peft, with the PEFT directories
+  `save_model` and `merak export` write (and `--merge`'s HF weights); then text_generation
+  against HF generate on the trained peft model.
 """
 
 from __future__ import annotations
@@ -244,7 +247,106 @@ def eval_metrics_inputs() -> None:
     assert per_step["eval_loss"] == whole["eval_loss"]
 
 
-SCENARIOS = {"push-to-hub": push_to_hub, "ignore-data-skip": ignore_data_skip,
+PROMPTS = [[5, 9, 11], [7, 3, 30, 2, 8, 1, 4], [12]]  # text_generation after LoRA training
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
+        "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
+
+
+def _lora_reference(items, lr: float) -> tuple[list[float], torch.nn.Module]:
+    """Single-process peft on the same model, data order and HF defaults (AdamW, linear decay
+    over STEPS, gradient norm clipped to 1): the losses HF logs and the trained model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("llama"), LoraConfig(**LORA))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (1 - step / STEPS)
+        total = 0.0
+        for micro in range(2):
+            rows = items[step * 4 + micro * 2: step * 4 + micro * 2 + 2]
+            batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+            loss = model(**batch).loss / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, model
+
+
+def lora_trainer() -> None:
+    """`lora_config` through MerakTrainer at pp=2: the losses of single-process peft, base
+    weights unchanged; `text_generation` (greedy) after training gives HF generate's tokens on
+    the trained peft model, as do `trainer.generate` and `merak generate` on the saved
+    checkpoint; `save_model` writes a PEFT directory
+    that loads to the trained model's logits; `merak export` turns the checkpoint into one too,
+    or merges it into HF weights."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from merak.trainer.export import export_checkpoint
+
+    merak.init(dp=1, tp=1, pp=2)
+    out, items = _shared_dir("lora-run"), dataset(16, 3)
+    trainer = _trainer(out, items, lora_config=json.dumps(LORA), save_strategy="steps",
+                       save_steps=STEPS, text_generation=True, out_seq_length=5,
+                       temperature=0.0)
+    trainer.generation_prompts = PROMPTS
+    before = {n: p.detach().clone() for n, p in trainer._user_model.named_parameters()
+              if not p.is_meta}
+    assert not before, "the meta model was materialized outside its stage"
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    want, reference = _lora_reference(items, 1e-3)
+    got = _losses(trainer)
+    np.testing.assert_allclose(got, want, rtol=1e-4, err_msg="losses against single-process peft")
+    base = dict(build("llama").named_parameters())
+    for name, param in trainer.stage.named_parameters():
+        plain = name.replace(".base_layer.", ".")
+        if ".lora_" in name:
+            assert param.requires_grad
+        else:
+            assert not param.requires_grad and torch.equal(param.detach(), base[plain]), name
+    want = []  # text_generation: greedy, as HF generate on the trained peft model
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        new = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=5, do_sample=False)[0, len(prompt):].tolist()
+        eos = reference.generation_config.eos_token_id
+        want.append(new[:new.index(eos) + 1] if eos in new else new)
+    assert trainer.generations == want, f"generated {trainer.generations}, HF {want}"
+    assert trainer.generate([PROMPTS[0]], max_new_tokens=3) == [want[0][:3]]
+    with mock.patch("builtins.print") as printed:  # `merak generate` on the checkpoint
+        from merak.cli import main
+
+        main(["generate", str(out / f"checkpoint-{STEPS}"), "--pp", "2", "--max-new-tokens",
+              "5", *[a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]])
+    if dist.get_rank() == 0:
+        lines = [c.args[0] for c in printed.call_args_list]
+        assert lines == [f"prompt_ids={p} generated_ids={w}" for p, w in zip(PROMPTS, want)], \
+            lines
+        rows = (out / "generations.jsonl").read_text().splitlines()
+        assert [json.loads(r)["generated_ids"] for r in rows] == want
+        ids = items[0]["input_ids"][None]
+        logits = reference(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(build("llama"), str(out / "final"))
+        torch.testing.assert_close(loaded(input_ids=ids).logits, logits, msg="save_model")
+        adapter = export_checkpoint(out / f"checkpoint-{STEPS}", out / "exported")
+        loaded = PeftModel.from_pretrained(build("llama"), str(adapter))
+        torch.testing.assert_close(loaded(input_ids=ids).logits, logits, msg="merak export")
+        merged = export_checkpoint(out / f"checkpoint-{STEPS}", out / "merged", merge=True)
+        plain = AutoModelForCausalLM.from_pretrained(str(merged))
+        torch.testing.assert_close(plain(input_ids=ids).logits, logits, msg="export --merge")
+    dist.barrier()
+
+
+SCENARIOS = {"lora-trainer": lora_trainer, "push-to-hub": push_to_hub, "ignore-data-skip": ignore_data_skip,
              "dataloader-workers": dataloader_workers, "auto-find-batch-size": auto_find_batch_size,
              "eval-metrics-inputs": eval_metrics_inputs}
 if __name__ == "__main__":
