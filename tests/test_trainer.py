@@ -181,7 +181,7 @@ def test_every_merak_field_parses_from_the_command_line_and_has_help(capsys):
     ({"tp_plan": "{not json"}, "tp_plan='{not json' is not a JSON object"),
     ({"tp_plan": ["fc1"]}, "tp_plan: a tp plan is a merak.TPPlan or a dict"),
     ({"lora_config": "missing.json"}, "lora_config: no such file missing.json"),
-    ({"out_seq_length": 0}, "out_seq_length is the number of new tokens"),
+    ({"out_seq_length": 0}, "out_seq_length must be >= 1"),
     ({"temperature": -0.5}, "temperature must be >= 0"),
     ({"text_generation": True, "sequence_parallel": True}, "text_generation runs without"),
     ({"lora_config": '{"r": 4, "rank": 8}'}, "its keys must be peft LoraConfig fields"),

@@ -188,9 +188,6 @@ class MerakArguments(JobView, TrainingArguments):
         self._check_choices()
         self._check_not_landed()
         self._check_inherited()
-        if self.out_seq_length < 1:
-            raise ValueError(f"MerakArguments.out_seq_length is the number of new tokens to "
-                             f"generate and must be >= 1, got {self.out_seq_length}")
         if self.temperature < 0:
             raise ValueError(f"MerakArguments.temperature must be >= 0 (0: greedy decoding), "
                              f"got {self.temperature}")
