@@ -62,13 +62,13 @@ def _timed(fn) -> tuple[object, float]:
 
 
 def _hf_generate(model) -> list[list[int]]:
-    from merak.generation.generate import _left_padded, _new_tokens
+    from merak.generation.generate import left_padded, new_tokens
 
-    ids, mask = _left_padded(_prompts(), 0, "cpu")
+    ids, mask = left_padded(_prompts(), 0, "cpu")
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                          do_sample=False, pad_token_id=0)
     eos = {model.generation_config.eos_token_id}
-    return [_new_tokens(row, eos) for row in out[:, ids.shape[1]:]]
+    return [new_tokens(row, eos) for row in out[:, ids.shape[1]:]]
 
 
 def _train_memory(ctx, lora: bool) -> dict:

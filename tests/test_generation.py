@@ -48,10 +48,10 @@ def test_position_limits_of_the_common_families():
     ([], "at least one prompt"), ([[1], []], "at least one"),
     (torch.zeros(2, 2, 2), "must be 1-D or 2-D")])
 def test_prompts_must_be_token_lists(prompts, message):
-    from merak.generation.generate import _as_prompts
+    from merak.generation.generate import as_prompts
 
     with pytest.raises(ValueError, match=message):
-        _as_prompts(prompts)
+        as_prompts(prompts)
 
 
 def test_a_manual_split_has_no_model_forward_to_generate_with():

@@ -22,7 +22,8 @@ from merak.generation.stage_view import StageView
 _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 
 
-def _as_prompts(prompts) -> list[list[int]]:
+def as_prompts(prompts) -> list[list[int]]:
+    """Token-id lists from a list of prompts or a 1-D / 2-D tensor (ValueError if empty)."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
             prompts = prompts[None]
@@ -76,7 +77,8 @@ def _share(n: int, parts: int, index: int) -> slice:
     return slice(index * n // parts, (index + 1) * n // parts)
 
 
-def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask): `prompts` left-padded with `pad` to the longest, as HF expects."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -86,7 +88,8 @@ def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def _new_tokens(row: torch.Tensor, eos: set[int]) -> list[int]:
+def new_tokens(row: torch.Tensor, eos: set[int]) -> list[int]:
+    """A generated row up to and including its first token in `eos` (HF pads after it)."""
     out = []
     for token in row.tolist():
         out.append(token)
@@ -119,7 +122,7 @@ def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContex
         ``eos_token_id``), the same on every rank.
     """
     ctx = ctx or get_context()
-    prompts = _as_prompts(prompts)
+    prompts = as_prompts(prompts)
     config = model.config
     check_generation_args(config, prompts, max_new_tokens, do_sample, temperature, top_k, top_p)
     gen_config = getattr(model, "generation_config", None)
@@ -133,7 +136,7 @@ def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContex
     mine = prompts[_share(len(prompts), ctx.dp, ctx.dp_rank)]
     rows: list[list[int]] = []
     if mine:
-        ids, mask = _left_padded(mine, pad_token_id, ctx.device)
+        ids, mask = left_padded(mine, pad_token_id, ctx.device)
         options = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                    "pad_token_id": pad_token_id, "eos_token_id": eos_token_id}
         if do_sample:
@@ -143,7 +146,7 @@ def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContex
                 torch.random.fork_rng(devices=devices, device_type=ctx.device.type):
             torch.manual_seed(seed)
             out = model.generate(input_ids=ids, attention_mask=mask, **options)
-        rows = [_new_tokens(row, eos) for row in out[:, ids.shape[1]:].cpu()]
+        rows = [new_tokens(row, eos) for row in out[:, ids.shape[1]:].cpu()]
     if ctx.dp == 1:
         return rows
     shares: list = [None] * ctx.dp

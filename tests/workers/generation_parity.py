@@ -10,6 +10,7 @@ import torch
 from hf_models import FAMILIES, batch
 
 import merak
+from merak.generation.generate import new_tokens
 from merak.runtime.p2p import StageTransfers
 
 SEED, NEW_TOKENS = 11, 6
@@ -31,13 +32,8 @@ def hf_greedy(family: str) -> list[list[int]]:
         ids = torch.tensor([p])
         tokens = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=NEW_TOKENS, pad_token_id=pad)[0, len(p):]
-        eos = model.generation_config.eos_token_id
-        row = []
-        for t in tokens.tolist():  # up to and including eos, as merak.generate returns
-            row.append(t)
-            if t == eos:
-                break
-        out.append(row)
+        # up to and including eos, as merak.generate returns
+        out.append(new_tokens(tokens, {model.generation_config.eos_token_id}))
     return out
 
 
