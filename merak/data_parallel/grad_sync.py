@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak.data_parallel.shards import local
+
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     buckets: list[list[nn.Parameter]] = []
@@ -38,7 +40,7 @@ def launch_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup,
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([local(p.grad).reshape(-1) for p in params])
     if predivide != 1.0:
         flat.div_(predivide)
     return flat, dist.all_reduce(flat, group=group, async_op=True)
@@ -52,8 +54,9 @@ def finish_all_reduce(params: list[nn.Parameter], flat: torch.Tensor, work: dist
         flat.div_(divisor)
     offset = 0
     for param in params:
-        param.grad.copy_(flat[offset:offset + param.numel()].view_as(param.grad))
-        offset += param.numel()
+        grad = local(param.grad)  # a ZeRO-2/3 shard: this rank's part only
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 class GradientAverager:

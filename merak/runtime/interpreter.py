@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from merak.data_parallel.grad_sync import GradientAverager
+from merak.data_parallel.shards import is_sharded
+from merak.data_parallel.zero import ZeroSharding
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
 from merak.recompute.stage_aware import stage_segments
@@ -62,6 +64,8 @@ class PipelineInterpreter(StepTail):
         measure_activations: count the activation bytes each stage keeps for backward;
             ``activation_peak`` then holds the last step's peak over this rank's stages.
         tp_rng: the model's `TPRandomState`, replayed by recomputation with the default RNG.
+        zero: the stage's ZeRO-2/3 sharding (`shard_stage`, applied before the optimizer was
+            built): its gradients are reduce-scattered by FSDP instead of all-reduced.
     """
 
     def __init__(self, stage: PipelineStage | InterleavedStage | Sequence[PipelineStage],
@@ -71,7 +75,7 @@ class PipelineInterpreter(StepTail):
                  lend_idle_cores: bool = True, autocast_dtype: torch.dtype | None = None,
                  grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
                  segment_size: int = 1, measure_activations: bool = False,
-                 tp_rng: object = None):
+                 tp_rng: object = None, zero: ZeroSharding | None = None):
         if not isinstance(stage, (PipelineStage, InterleavedStage)):
             stage = InterleavedStage(list(stage))
         self.stage = stage
@@ -108,7 +112,9 @@ class PipelineInterpreter(StepTail):
         self.batch_keys = list(dict.fromkeys(k for r in self.runners.values()
                                              for k in r.batch_keys))
         params = list({id(q): q for q in stage.parameters()}.values())
-        self.grad_averager = GradientAverager(params, ctx.dp_group, bucket_bytes, grad_predivide)
+        self.zero = zero
+        self.grad_averager = GradientAverager([q for q in params if not is_sharded(q)],
+                                              ctx.dp_group, bucket_bytes, grad_predivide)
         # replicated parameters that saw only this TP rank's heads or sequence shard
         self._tp_partial = [q for q in params
                             if q.requires_grad and getattr(q, "tp_partial_grad", False)]

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
+from merak.data_parallel.zero import ZeroSharding
 from merak.distributed.parallel_context import ParallelContext
 
 TiedGroups = list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]
@@ -48,7 +49,8 @@ class StepTail:
     """The per-step actions (`reduce_tied_grads`, `reduce_grads`, `optimizer_step`) of an
     interpreter holding ``ctx``, ``optimizer``, ``grad_averager`` (`GradientAverager`),
     ``_tied`` (`tied_weight_groups`), ``_tp_partial`` (replicated parameters that saw only this
-    TP rank's share) and ``skip_optimizer_step`` (set by an fp16 loss scaler)."""
+    TP rank's share), ``skip_optimizer_step`` (set by an fp16 loss scaler) and ``zero`` (ZeRO-2/3
+sharding, or None)."""
 
     ctx: ParallelContext
     optimizer: torch.optim.Optimizer
@@ -56,8 +58,11 @@ class StepTail:
     _tied: TiedGroups
     _tp_partial: list[torch.nn.Parameter]
     skip_optimizer_step: bool
+    zero: ZeroSharding | None
 
     def _reduce_tied_grads(self, _: None = None) -> None:
+        if self.zero is not None:  # the tail's first action: every shard's gradient, once
+            self.zero.reduce_scatter()
         for group, params in self._tied:
             if params:  # (every rank of the group holds the same frozen weights)
                 finish_all_reduce(params, *launch_all_reduce(params, group))

@@ -106,7 +106,10 @@ class MerakArguments(JobView, TrainingArguments):
     gradient_predivide_factor: float = field(default=1.0, metadata=_help("data parallel",
         "divide gradients by this before the all-reduce, the rest after"))
     zero_stage: int = field(default=0, metadata=_help("data parallel",
-        "0: no ZeRO; 1: shard optimizer state"))
+        "0: no ZeRO; 1: shard optimizer state; 2: and gradients; 3: and parameters (2 and 3 "
+        "through PyTorch FSDP2 over the dp ranks)"))
+    zero_allow_untested_optimizer: bool = field(default=False, metadata=_help("data parallel",
+        "let zero_stage 2/3 step an optimizer not known to be element-wise"))
     zero_allgather_bucket_size: int = field(default=500_000_000, metadata=_help("data parallel",
         "ZeRO parameter all-gather bucket, elements"))
     zero_reduce_bucket_size: int = field(default=500_000_000, metadata=_help("data parallel",
@@ -309,7 +312,8 @@ class MerakArguments(JobView, TrainingArguments):
         later = {
             "dealloc_pipeoutput": "deallocating pipeline outputs",
             "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "
-                                          "each updated shard whole)",
+                                          "each updated shard whole; ZeRO-2/3's FSDP2 "
+                                          "all-gathers one block at a time)",
         }
         own = {f.name: f for f in dataclasses.fields(MerakArguments)}
         for name, feature in later.items():
@@ -324,15 +328,39 @@ class MerakArguments(JobView, TrainingArguments):
                     raise ValueError(f"MerakArguments.{name} only applies with fp16=True")
         if self.fp16 and self.bf16:
             raise ValueError("MerakArguments: choose one of fp16 and bf16")
-        if self.zero_stage > 1:
-            raise NotSupportedYetError(f"MerakArguments.zero_stage={self.zero_stage}: only 0 and "
-                                       f"1 (optimizer-state sharding) work; ZeRO-2/3 are not "
-                                       f"supported yet")
+        if self.zero_stage >= 2:
+            self._check_fsdp()
+        elif self.zero_allow_untested_optimizer:
+            raise ValueError("MerakArguments.zero_allow_untested_optimizer only applies with "
+                             "zero_stage 2 or 3 (ZeRO-0/1 step whole parameters)")
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ValueError("MerakArguments: prescale_gradients divides by dp before the "
                              "all-reduce; do not also set gradient_predivide_factor")
         if self.save and str(self.save_strategy).lower().endswith("no"):
             self.save_strategy = "steps"
+
+    def _check_fsdp(self) -> None:
+        """What ZeRO-2/3 (FSDP2) cannot take, named before anything is built."""
+        name = f"MerakArguments.zero_stage={self.zero_stage}"
+        if SCHEDULES[self.train_schedule].splits_backward:
+            raise NotSupportedYetError(f"{name} with train_schedule={self.train_schedule!r} is "
+                                       f"not supported yet (FSDP2 cannot follow a backward "
+                                       f"split into input and weight halves); use 1f1b, "
+                                       f"interleaved_1f1b, gpipe or Merak's schedules")
+        if self.prescale_gradients or self.gradient_predivide_factor != 1.0:
+            raise NotSupportedYetError(f"{name} with prescale_gradients or "
+                                       f"gradient_predivide_factor is not supported yet (FSDP2's "
+                                       f"reduce-scatter divides by dp itself); leave both at "
+                                       f"their defaults")
+        if self.auto_find_batch_size:
+            raise NotSupportedYetError(f"{name} with auto_find_batch_size is not supported yet "
+                                       f"(its memory probe runs unsharded steps)")
+        own = {f.name: f for f in dataclasses.fields(MerakArguments)}
+        for field_name in ("zero_reduce_bucket_size", "ddp_bucket_cap_mb"):
+            if getattr(self, field_name) != _default(own[field_name]):
+                raise ValueError(f"{name}: {field_name} does not apply: FSDP2 reduce-scatters "
+                                 f"each block's gradients as one unit (the block is the "
+                                 f"bucket); leave {field_name} at its default")
 
     def _check_gradient_checkpointing(self) -> None:
         """HF's `gradient_checkpointing=True` is Merak's recomputation: every block of every

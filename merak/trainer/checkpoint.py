@@ -31,6 +31,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
 from merak.distributed.parallel_context import ParallelContext
 from merak.tensor_parallel.layers import ShardSpec
 
@@ -75,8 +76,11 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
+    params = dict(stage.named_parameters())
+    if any(is_sharded(p) for p in params.values()):  # ZeRO-2/3: every dp rank gathers
+        params = {n: whole(p) for n, p in params.items()}
     if ctx.dp_rank == 0:
-        tensors = {n: p.detach().contiguous().cpu() for n, p in stage.named_parameters()}
+        tensors = {n: p.detach().contiguous().cpu() for n, p in params.items()}
         specs = {n: json.dumps(asdict(p.tp_shard)) for n, p in stage.named_parameters()
                  if getattr(p, "tp_shard", None) is not None}
         save_file(tensors, partial / model_file(ctx), metadata=specs)
@@ -194,7 +198,7 @@ def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool
             spec = getattr(param, "tp_shard", None)
             if not same and spec is not None:
                 value = spec.take(value)
-            param.copy_(value)
+            local(param).copy_(this_ranks_part(value, param))  # (ZeRO-2/3: the dp shard)
     state = load_rank_state(path / f"rank{ctx.rank if same else 0}.pt")
     return state, same
 

@@ -20,6 +20,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import HubStrategy
 
 from merak import lora
+from merak.data_parallel.shards import optimizer_state_from_local, optimizer_state_to_local
 from merak.materialize.meta import has_meta_parameters
 from merak.trainer import checkpoint
 from merak.trainer.export import gather_full_tensors, save_hf_directory
@@ -43,12 +44,15 @@ class CheckpointMixin:
         best = self._best_checkpoint_dir()
         if best is not None:  # as HF's _save_checkpoint: the best one once it is on disk
             self.state.best_model_checkpoint = best
-        state = {"scheduler": self.lr_scheduler.state_dict(),
+        if self.zero is not None:  # the parameters as shards (an evaluation may gather them)
+            self.zero.reshard()
+        state = {"scheduler": self.lr_scheduler.state_dict(), "zero_stage": args.zero_stage,
                  "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
                              "log_history": self.state.log_history,
                              **{k: getattr(self.state, k) for k in _BEST_STATE}}}
         if not (args.no_save_optim or args.save_only_model):
-            state["optimizer"] = local_optimizer(self.optimizer).state_dict()
+            state["optimizer"] = optimizer_state_to_local(local_optimizer(self.optimizer)
+                                                          .state_dict())
         if not (args.no_save_rng or args.save_only_model):
             state["rng"] = checkpoint.rng_states(self._user_model)
         if self.scaler is not None:
@@ -82,11 +86,15 @@ class CheckpointMixin:
         the step (unless no_load_optim / no_load_rng)."""
         args = self.args
         path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
+        if self.zero is not None:
+            self.zero.reshard()
         state, same_layout = checkpoint.load_checkpoint(path, self.ctx, self.stage)
         if args.finetune:
             return
-        if not same_layout and not args.no_load_optim:
-            warnings.warn(f"{path} was saved with another (dp, tp, pp) layout: its weights were "
+        saved_zero = state.get("zero_stage", 0)  # each stage keeps its own optimizer shards
+        if (not same_layout or saved_zero != args.zero_stage) and not args.no_load_optim:
+            what = "(dp, tp, pp) layout" if not same_layout else f"zero_stage ({saved_zero})"
+            warnings.warn(f"{path} was saved with another {what}: its weights were "
                           f"resharded, but its optimizer state is not resharded yet; the "
                           f"optimizer starts fresh (pass no_load_optim=True to silence this)",
                           stacklevel=2)
@@ -94,7 +102,8 @@ class CheckpointMixin:
             if "optimizer" not in state:
                 raise KeyError(f"{path} holds no optimizer state (saved with no_save_optim); "
                                f"resume with no_load_optim=True")
-            local_optimizer(self.optimizer).load_state_dict(state["optimizer"])
+            optimizer = local_optimizer(self.optimizer)
+            optimizer.load_state_dict(optimizer_state_from_local(state["optimizer"], optimizer))
         self.lr_scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
@@ -129,6 +138,8 @@ class CheckpointMixin:
         if self.is_world_process_zero():
             print(f"loading the best model from {best} ({self.args.metric_for_best_model}: "
                   f"{self.state.best_metric})")
+        if self.zero is not None:
+            self.zero.reshard()
         checkpoint.load_checkpoint(checkpoint.resolve(best, self.args.output_dir), self.ctx,
                                    self.stage)
         if self.args.save_total_limit == 1 and self.is_world_process_zero():
@@ -147,6 +158,8 @@ class CheckpointMixin:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         user_model = self._user_model if self.stage is not None else self.model
         if self.stage is not None:
+            if self.zero is not None:
+                self.zero.reshard()
             gathered = gather_full_tensors(self.stage, self.ctx,
                                            "model." if self._wrapped_loss else "")
             tensors = state_dict if state_dict is not None else gathered

@@ -95,6 +95,8 @@ class EvaluationMixin:
                                                 compute_result=step == steps - 1)
             else:
                 gathered.append(parts)
+        if self.zero is not None:  # ZeRO-2 kept its blocks whole over the evaluation
+            self.zero.reshard()
         total = torch.tensor([weighted], dtype=torch.float64, device=ctx.device)
         if ctx.world_size > 1:
             dist.all_reduce(total)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from merak import lora
+from merak.data_parallel.shards import is_sharded, whole
 from merak.trainer.checkpoint import MARKER, full_tensors
 
 
@@ -58,9 +59,12 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     stage's parameters as CPU tensors; tensor-parallel shards are put back together
     (`ShardSpec.assemble`)."""
     mine = None
+    params = list(stage.named_parameters())
+    gather = any(is_sharded(p) for _, p in params)  # ZeRO-2/3: every dp rank takes part
+    tensors = [whole(p) if gather else p for _, p in params]
     if ctx.dp_rank == 0:
-        mine = [(name, getattr(p, "tp_shard", None), p.detach().cpu())
-                for name, p in stage.named_parameters()]
+        mine = [(name, getattr(p, "tp_shard", None), t.detach().cpu())
+                for (name, p), t in zip(params, tensors)]
     parts = [None] * ctx.world_size if ctx.rank == 0 else None
     if ctx.world_size > 1:
         dist.gather_object(mine, parts, dst=0)

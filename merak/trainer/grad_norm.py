@@ -4,7 +4,8 @@ compute on the whole model in one process.
 Each logical parameter is counted once: a tensor-parallel shard contributes its own squares;
 a parameter replicated over the tp ranks contributes 1/tp on each; a weight tied across k
 ranks contributes 1/k on each; dp replicas hold identical (already averaged) gradients, so the
-world-wide sum is divided by dp.
+world-wide sum is divided by dp, except for a ZeRO-2/3 shard, which each dp rank holds a
+different part of.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from merak.data_parallel.shards import is_sharded, local
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.stage import InterleavedStage
@@ -34,6 +36,8 @@ class GradNormClipper(InstructionHook):
             weight = 1.0 / tied.get(name, 1)
             if getattr(param, "tp_shard", None) is None:
                 weight /= ctx.tp
+            if is_sharded(param):
+                weight *= ctx.dp
             self.weighted.append((param, weight))
         self.last_norm: float | None = None
 
@@ -43,7 +47,7 @@ class GradNormClipper(InstructionHook):
         total = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         for param, weight in self.weighted:
             if param.grad is not None:
-                total += param.grad.detach().double().pow(2).sum() * weight
+                total += local(param.grad).detach().double().pow(2).sum() * weight
         if self.ctx.world_size > 1:
             dist.all_reduce(total)
         norm = (total / self.ctx.dp).sqrt().item()
@@ -52,4 +56,4 @@ class GradNormClipper(InstructionHook):
             coef = min(1.0, self.max_norm / (norm + 1e-6))
             for param, _ in self.weighted:
                 if param.grad is not None:
-                    param.grad.mul_(coef)
+                    local(param.grad).mul_(coef)

@@ -74,7 +74,8 @@ CHECKPOINT_KWARGS = {
 
 _NO_ACCELERATE = ("MerakTrainer drives data, tensor and pipeline parallelism itself (merak.init, "
                   "the pipeline interpreter); accelerate's Accelerator does not wrap the model")
-_ZERO = ("ZeRO-1 is zero_stage=1; FSDP-style ZeRO-2/3 for pipeline stages is not supported yet")
+_ZERO = ("ZeRO is MerakArguments.zero_stage: 1 shards optimizer state, 2 and 3 shard gradients "
+         "and parameters through PyTorch FSDP2 over the dp ranks of every pipeline stage")
 
 # inherited fields that cannot apply (yet): the reason, shown when one is set
 REFUSED = {

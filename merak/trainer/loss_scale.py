@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from merak.data_parallel.shards import local
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
 
@@ -34,7 +35,7 @@ class LossScaler(InstructionHook):
     def on_instruction_begin(self, name: str, action) -> None:
         if name != "optimizer_step":
             return
-        grads = [p.grad for p in self.engine.stage.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.engine.stage.parameters() if p.grad is not None]
         bad = torch.zeros(1, device=self.ctx.device)
         for grad in grads:
             grad.div_(self.scale)

@@ -9,6 +9,8 @@ eval dataset), sampling at ``temperature`` (greedy at 0); the results are in
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 from pathlib import Path
 
@@ -41,13 +43,16 @@ class TextGenerationMixin:
         if self.engine is None:  # not trained in this process: build for generation alone
             self._build(self._generation_example())
         args = self.args
-        return generate(
-            self._user_model, self.stage, token_lists, ctx=self.ctx,
-            max_new_tokens=args.out_seq_length if max_new_tokens is None else max_new_tokens,
-            do_sample=do_sample, temperature=args.temperature if temperature is None
-            else temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-            seed=args.seed if seed is None else seed,
-            prefix="model." if self._wrapped_loss else "")
+        gathered = self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
+        with gathered:  # ZeRO-3: the stage's parameters whole while decoding
+            return generate(
+                self._user_model, self.stage, token_lists, ctx=self.ctx,
+                max_new_tokens=args.out_seq_length if max_new_tokens is None
+                else max_new_tokens,
+                do_sample=do_sample, temperature=args.temperature if temperature is None
+                else temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                seed=args.seed if seed is None else seed,
+                prefix="model." if self._wrapped_loss else "")
 
     def _generate_after_training(self) -> None:
         """``text_generation=True``: sample at ``temperature`` (greedy at 0) and report."""

@@ -25,6 +25,7 @@ from transformers.trainer_utils import TrainOutput, enable_full_determinism, set
 
 from merak import lora
 from merak.build import parallelize
+from merak.data_parallel.zero import check_optimizer, shard_stage
 from merak.distributed.parallel_context import get_context
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.runtime.memory_probe import fits_in_memory
@@ -76,7 +77,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
         self.generation_prompts, self.generations = generation_prompts, None
-        self.stage = self.engine = self.clipper = None
+        self.stage = self.engine = self.clipper = self.zero = None
         self._user_model = model
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
             if args.remove_unused_columns else (lambda batch: batch)
@@ -133,6 +134,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             no_tie_modules=args.no_tie_modules)
         if args.torch_compile:  # before the interpreter wraps the blocks for recomputation
             compile_blocks(self.stage, args.torch_compile_backend, args.torch_compile_mode)
+        self.zero = shard_stage(self.stage, self.ctx, args.zero_stage) \
+            if args.zero_stage >= 2 else None  # before anything holds the parameters
         self.model = self.model_wrapped = self.stage
         self.clipper = GradNormClipper(self.stage, self.ctx, args.max_grad_norm or 0.0)
         self.timers = WallClockBreakdown() if args.wall_clock_breakdown else None
@@ -140,6 +143,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
         self.create_optimizer()
         if args.zero_stage == 1:
             self.optimizer = zero1(self.optimizer, self.ctx)
+        if self.zero is not None:
+            check_optimizer(self.optimizer, args.zero_allow_untested_optimizer)
         hooks = [self.clipper] + ([self.timers] if self.timers else [])
         self.neftune_noise = None
         if embedding is not None:  # HF's NEFTune, with noise the TP ranks of a group share
@@ -164,7 +169,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             else args.gradient_predivide_factor,
             recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp * chunks),
             segment_size=args.checkpoint_num_layers,
-            tp_rng=getattr(self._user_model, "merak_tp_rng", None))
+            tp_rng=getattr(self._user_model, "merak_tp_rng", None), zero=self.zero)
         self.scaler = None
         if args.fp16:  # unscale and check for overflow before clipping
             self.scaler = LossScaler(

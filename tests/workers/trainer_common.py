@@ -10,7 +10,6 @@ STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
 FAMILIES = ("llama", "gpt2")
 # run -> (family, fields for both trainers, MerakArguments-only fields)
 RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
-        "llama-bf16": ("llama", {"bf16": True}, {}),
         "llama-zero1": ("llama", {}, {"zero_stage": 1, "prescale_gradients": True}),
         # recomputation through MerakArguments: stage-aware ratios planned from a measurement
         "llama-shifted-stage-aware": ("llama", {}, {
@@ -19,8 +18,13 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
         "gpt2-zero-bubble-recompute": ("gpt2", {}, {
             "train_schedule": "zero_bubble", "activation_checkpointing": True,
             "checkpoint_num_layers": 2}),
-        "llama-deep-interleaved": ("llama-deep", {}, {
-            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2}),
+        # ZeRO-2/3 through FSDP2 (issue 17): gradients (and parameters) sharded over dp
+        "llama-bf16-zero2": ("llama", {"bf16": True}, {"zero_stage": 2}),
+        "llama-zero3": ("llama", {}, {"zero_stage": 3, "activation_checkpointing": True}),
+        "gpt2-zero3": ("gpt2", {}, {"zero_stage": 3}),  # embeddings tied across stages
+        "llama-deep-interleaved-zero3": ("llama-deep", {}, {
+            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 3}),
+        "llama-dp4-zero2": ("llama", {}, {"zero_stage": 2}),
         # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and
         # at the last step (6, 9, 10) plus one at the start (which never counts as the best);
         # on this random data the eval loss rises after step 6, so the best (lowest) is step 6,
@@ -39,6 +43,8 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
 # recomputation choices and schedules, which the pipeline alone decides
 PP2_RUNS = ("llama-hf-flow", "llama-shifted-stage-aware", "gpt2-zero-bubble-recompute")
 RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS[1:])
+# (dp, tp, pp) of the 8-rank runs that are not dp2 x tp2 x pp2
+LAYOUTS = {"llama-dp4-zero2": (4, 1, 2)}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,

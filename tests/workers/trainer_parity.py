@@ -14,6 +14,8 @@ import torch.distributed as dist
 from common import run_scenarios
 from trainer_common import (
     COMMON,
+    DP,
+    LAYOUTS,
     MICRO_BATCH,
     RESHARD_SAVE_STEP,
     RUNS,
@@ -26,6 +28,8 @@ from trainer_common import (
 )
 
 import merak
+from merak.data_parallel.shards import local
+from merak.trainer.export import gather_full_tensors
 from merak.trainer.model_setup import local_optimizer
 
 OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
@@ -33,12 +37,14 @@ OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
 
 def run(name: str) -> None:
     family, extra, merak_only = RUNS[name]
-    ctx = merak.init(dp=2, tp=2, pp=2)
+    dp, tp, pp = LAYOUTS.get(name, (2, 2, 2))
+    ctx = merak.init(dp=dp, tp=tp, pp=pp)
     with merak.init_empty_weights():
         model = build(family)
-    args = merak.MerakArguments(output_dir=str(OUT / name),
-                                per_device_train_batch_size=MICRO_BATCH,
-                                per_device_eval_batch_size=4 * MICRO_BATCH, parallel_vocab=True,
+    args = merak.MerakArguments(output_dir=str(OUT / name),  # the reference's global batch
+                                per_device_train_batch_size=MICRO_BATCH * DP // dp,
+                                per_device_eval_batch_size=4 * MICRO_BATCH * DP // dp,
+                                parallel_vocab=True,
                                 wall_clock_breakdown=True, **COMMON, **extra, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
@@ -56,15 +62,23 @@ def run(name: str) -> None:
             np.save(OUT / f"merak-{name}-labels.npy", predicted.label_ids)
     trainer.args.eval_iters = 1
     assert trainer.evaluate()["eval_steps"] == 1 and metrics["eval_steps"] == 2  # 24 of 32 rows
-    state_bytes = sum(t.numel() * t.element_size()
+    state_bytes = sum(local(t).numel() * t.element_size()  # (ZeRO-2/3: this rank's shard)
                       for s in local_optimizer(trainer.optimizer).state.values()
                       for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     param_bytes = sum(p.numel() * p.element_size() for p in trainer.stage.parameters())
     share = state_bytes / (2 * param_bytes)  # Adam keeps two tensors per parameter
-    if merak_only.get("zero_stage") == 1:
+    held = sum(local(p).numel() for p in trainer.stage.parameters()) / \
+        sum(p.numel() for p in trainer.stage.parameters())
+    zero = merak_only.get("zero_stage", 0)
+    if zero == 1:
         assert 0.3 < share < 0.7, f"ZeRO-1 kept {share:.2f} of the optimizer state"
+    if zero >= 2:  # parameters (at rest) and optimizer state: this dp rank's part
+        for what, value in (("optimizer state", share), ("parameters", held)):
+            assert abs(value - 1 / dp) < 0.1, f"ZeRO-{zero} kept {value:.2f} of the {what}"
     else:
-        assert share == 1.0, share
+        assert held == 1.0 and (zero == 1 or share == 1.0), (held, share)
+    if zero == 3:  # generation gathers the shards: HF generate's tokens on the trained model
+        _generates_as_hf(trainer, family)
     if ctx.rank == 0:
         (OUT / f"merak-{name}.json").write_text(json.dumps({"state_share": share,
             "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
@@ -72,6 +86,23 @@ def run(name: str) -> None:
             "eval_loss": metrics["eval_loss"],
             **flow}))
     dist.barrier()
+
+
+def _generates_as_hf(trainer, family: str) -> None:
+    prompts = [[5, 9, 3, 7], [11, 4]]
+    got = trainer.generate(prompts, max_new_tokens=4)
+    full = gather_full_tensors(trainer.stage, trainer.ctx,
+                               "model." if trainer._wrapped_loss else "")
+    if trainer.ctx.rank == 0:
+        reference = build(family)
+        missing, unexpected = reference.load_state_dict(full, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        reference.eval()
+        for prompt, new in zip(prompts, got):
+            ids = torch.tensor([prompt])
+            want = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=4, do_sample=False)[0, len(prompt):]
+            assert new == want.tolist(), (prompt, new, want.tolist())
 
 
 def save_for_reshard() -> None:

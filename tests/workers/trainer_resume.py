@@ -1,6 +1,7 @@
-"""Kill-and-resume with MerakTrainer (dp=1 x tp=2 x pp=2, GPT-2 with dropout): a run that saves
-at step 5 and crashes while writing its step-10 checkpoint resumes from step 5 and logs the same
-losses at steps 6-10 as an uninterrupted run (see test_trainer)."""
+"""Kill-and-resume with MerakTrainer (GPT-2 with dropout; dp=1 x tp=2 x pp=2, and dp=2 x pp=2
+with ZeRO-3): a run that saves at step 5 and crashes while writing its step-10 checkpoint
+resumes from step 5 and logs the same losses at steps 6-10 as an uninterrupted run (see
+test_trainer)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class SimulatedCrash(RuntimeError):
 def trainer(output_dir: str, **kwargs) -> merak.MerakTrainer:
     with merak.init_empty_weights():
         model = build()
-    options = {"max_steps": STEPS, "per_device_train_batch_size": 2,
+    options = {"max_steps": STEPS, "per_device_train_batch_size": 4 // merak.get_context().dp,
                "gradient_accumulation_steps": 2, "learning_rate": 1e-3, "logging_steps": 1,
                "seed": SEED, "report_to": "none", "disable_tqdm": True, "use_cpu": True}
     args = merak.MerakArguments(output_dir=output_dir, **{**options, **kwargs})
@@ -45,14 +46,15 @@ def losses(t: merak.MerakTrainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
 
 
-def kill_and_resume() -> None:
-    merak.init(dp=1, tp=2, pp=2)
-    shared = Path(os.environ["MERAK_RESUME_DIR"])  # one directory all ranks write into
+def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
+    merak.init(dp=dp, tp=tp, pp=2)
+    # one directory all ranks write into
+    shared = Path(os.environ["MERAK_RESUME_DIR"]) / f"dp{dp}-tp{tp}"
     out = str(shared / "run")
-    plain = trainer(str(shared / "plain"), save_strategy="no")
+    plain = trainer(str(shared / "plain"), save_strategy="no", **fields)
     plain.train()
     uninterrupted = losses(plain)
-    crashing = trainer(out, save_steps=5, save_total_limit=1)
+    crashing = trainer(out, save_steps=5, save_total_limit=1, **fields)
     real_save = torch.save
 
     def crash_on_second_save(obj, path, *a, **k):
@@ -69,7 +71,7 @@ def kill_and_resume() -> None:
             pass
     names = sorted(p.name for p in Path(out).iterdir())
     assert names == ["checkpoint-10.partial", "checkpoint-5"], names
-    resumed = trainer(out, save_strategy="no")
+    resumed = trainer(out, save_strategy="no", **fields)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed.train(resume_from_checkpoint=True)
@@ -79,10 +81,11 @@ def kill_and_resume() -> None:
     assert sorted(after) == list(range(1, STEPS + 1)), sorted(after)  # history kept
     for step in range(6, STEPS + 1):
         assert after[step] == uninterrupted[step], (step, after[step], uninterrupted[step])
-    finetuned = trainer(out, save_strategy="no", finetune=True, max_steps=1)
+    finetuned = trainer(out, save_strategy="no", finetune=True, max_steps=1, **fields)
     finetuned.train(resume_from_checkpoint=str(Path(out) / "checkpoint-5"))
     assert list(losses(finetuned)) == [1], "finetune must start a fresh run"
 
 
 if __name__ == "__main__":
-    run_scenarios({"kill-and-resume": kill_and_resume})
+    run_scenarios({"kill-and-resume": kill_and_resume,
+                   "kill-and-resume-zero3": lambda: kill_and_resume(dp=2, tp=1, zero_stage=3)})

@@ -1,0 +1,158 @@
+"""ZeRO-2 and ZeRO-3 for pipeline stages, through PyTorch's FSDP2 (`fully_shard` over the dp
+dimension of the job's mesh).
+
+What is sharded: each block of a stage (the split's repeated layers) is one FSDP unit, one
+all-gather and one reduce-scatter; the stage itself is the root unit holding the rest
+(embeddings, final norm, head). Under tensor parallelism a parameter is already this tp rank's
+shard: FSDP shards that over the dp ranks. Parameters stay fp32 (the master copy); mixed
+precision is the interpreter's autocast, as without ZeRO.
+
+When gradients travel: once per step. Every micro-batch's backward runs with FSDP's gradient
+sync off, so each unit's unsharded gradient accumulates locally (FSDP's ``no_sync``); the
+step tail then reduce-scatters every unit once, as `torch.distributed.pipelining` does in its
+REDUCE_GRAD action (FSDP's post-backward is called by hand: a pipeline's micro-batch backwards
+are separate autograd calls, so FSDP cannot tell which one is the last).
+
+When parameters are gathered:
+- ZeRO-2: a unit is gathered at the step's first forward and kept whole until the step's
+  reduce-scatter (``reshard_after_forward=False``, no reshard after each backward): one
+  all-gather per unit per step; parameters whole from the first forward to the tail.
+- ZeRO-3: a unit is gathered for each forward and each backward and freed right after
+  (``reshard_after_forward=True``, reshard after every backward), so at most the unit being
+  computed is whole. Keeping units whole across the step's micro-batches would save those
+  re-gathers, but that is exactly ZeRO-2's memory: the stage choice is the memory choice. (The
+  root unit stays whole between a forward and its backward, as FSDP always keeps its root.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from merak.distributed.parallel_context import ParallelContext
+from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
+
+# optimizers whose step is element-wise per parameter, so running it on each rank's shard is
+# the same as running it on the whole tensor (FSDP2's own tests use these); others (Adafactor's
+# row/column statistics, LAMB's per-tensor trust ratio, ...) see only the shard and differ
+SHARDABLE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad",
+                        "Adadelta", "RMSprop", "ASGD", "Rprop")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
+    name = type(optimizer).__name__
+    if name not in SHARDABLE_OPTIMIZERS and not allow_untested:
+        raise ValueError(
+            f"zero_stage 2/3 steps each dp rank's shard of every parameter; {name} is not one "
+            f"of the element-wise optimizers known to give the same result on shards "
+            f"({', '.join(SHARDABLE_OPTIMIZERS)}). Use one of them, or set "
+            f"zero_allow_untested_optimizer=True if {name} only works element by element")
+
+
+class ZeroSharding:
+    """FSDP2 over the dp group for the stages of one rank (see the module doc).
+
+    Args:
+        stage: this rank's stage, or its model chunks (`InterleavedStage`).
+        ctx: the parallel context (its mesh's ``dp`` dimension is what is sharded over).
+        zero_stage: 2 or 3.
+    """
+
+    def __init__(self, stage: PipelineStage | InterleavedStage, ctx: ParallelContext,
+                 zero_stage: int):
+        if zero_stage not in (2, 3):
+            raise ValueError(f"ZeroSharding is ZeRO-2 or ZeRO-3, got zero_stage={zero_stage}")
+        self.zero_stage, self.ctx = zero_stage, ctx
+        chunks = stage.stages if isinstance(stage, InterleavedStage) else [stage]
+        attributes = _merak_attributes(stage)
+        mesh = ctx.mesh["dp"]
+        reshard = zero_stage == 3
+        self.roots: list[FSDPModule] = []
+        for chunk in chunks:
+            for name in block_names(chunk.split, chunk.stage_id):
+                block = chunk.get_submodule(name)
+                if any(p.requires_grad for p in block.parameters()):
+                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard)
+            self.roots.append(chunk)
+        _restore_attributes(stage, attributes)
+        self._accumulate()
+
+    def modules(self) -> Iterator[FSDPModule]:
+        for root in self.roots:
+            yield from (m for m in root.modules() if isinstance(m, FSDPModule))
+
+    def _accumulate(self) -> None:
+        """Micro-batch backwards: keep unsharded gradients local; ZeRO-2 keeps parameters
+        whole until the step's reduce-scatter."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(False)
+            root.set_reshard_after_backward(self.zero_stage == 3)
+            root.set_is_last_backward(False)
+
+    def reduce_scatter(self) -> None:
+        """After the step's last backward: reduce-scatter every unit's accumulated gradient
+        (averaged over dp) into its shard's ``.grad`` and free the gathered parameters."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
+            root.set_is_last_backward(True)
+            # FSDP's post-backward by hand (private, as torch.distributed.pipelining's
+            # `perform_reduce_grad` calls it): idempotent for a unit already reduced
+            state = fully_shard.state(root)
+            for unit in state._state_ctx.all_states:
+                for group in unit._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        self._accumulate()
+
+    def reshard(self) -> None:
+        """Free whatever is gathered (after an evaluation, before a save)."""
+        for module in self.modules():
+            module.reshard()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit whole inside, and kept whole by the forwards run there (generation: the
+        dp ranks decode different numbers of steps, so no forward may all-gather); resharded
+        after."""
+        for module in self.modules():
+            module.unshard()
+        for root in self.roots:
+            root.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            for root in self.roots:  # every unit was wrapped with this value
+                root.set_reshard_after_forward(self.zero_stage == 3)
+            self.reshard()
+
+
+def shard_stage(stage: PipelineStage | InterleavedStage, ctx: ParallelContext,
+                zero_stage: int) -> ZeroSharding | None:
+    """ZeRO-2/3 for `stage`, or None with a warning where there is nothing to shard over."""
+    if ctx.dp == 1:
+        warnings.warn(f"zero_stage={zero_stage} with dp=1 shards nothing (ZeRO shards over the "
+                      f"data-parallel ranks); training runs unsharded", stacklevel=2)
+        return None
+    return ZeroSharding(stage, ctx, zero_stage)
+
+
+def _merak_attributes(stage: nn.Module) -> dict[str, dict]:
+    """What Merak attached to each parameter (``tp_shard``, ``tp_partial_grad``, ...), by name:
+    `fully_shard` replaces every parameter by a new DTensor one."""
+    return {name: dict(p.__dict__) for name, p in stage.named_parameters(remove_duplicate=False)
+            if p.__dict__}
+
+
+def _restore_attributes(stage: nn.Module, attributes: dict[str, dict]) -> None:
+    for name, param in stage.named_parameters(remove_duplicate=False):
+        for key, value in attributes.get(name, {}).items():
+            if not hasattr(param, key):
+                setattr(param, key, value)
+
