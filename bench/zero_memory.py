@@ -1,6 +1,6 @@
 """Per-rank memory of ZeRO-0/1/2/3 on a Llama, and each stage's tokens/s against ZeRO-0.
 
-    .venv/bin/python bench/zero_memory.py                 # dp=4, then dp=2 x pp=2 (~10 min CPU)
+    .venv/bin/python bench/zero_memory.py                 # dp=4, then dp=2 x pp=2 (~14 min CPU)
     .venv/bin/python bench/zero_memory.py --layouts 4x1   # dp=4 only
 
 For each layout and zero_stage 0, 1, 2, 3 one torchrun job (4 ranks, one thread each) builds
@@ -35,7 +35,7 @@ import torch
 CONFIG = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
           "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16,
           "tie_word_embeddings": False}
-ROWS, SEQ, MICROBATCHES, STEPS = 2, 64, 2, 3
+ROWS, SEQ, MICROBATCHES, STEPS = 1, 64, 2, 3
 
 
 def _bytes(tensors) -> int:
@@ -104,8 +104,9 @@ def _launch(out: Path, zero: int, dp: int, pp: int) -> list[dict]:
 
 def _report(dp: int, pp: int, runs: dict[int, list[dict]]) -> bool:
     mib = 2**20
-    print(f"\ndp={dp} x pp={pp}: MiB per rank (mean over ranks); ideal = stage total / dp; "
-          f"tokens/s per stage as a ratio to zero_stage=0")
+    print(f"\ndp={dp} x pp={pp}: MiB per rank (mean over ranks); ideal = the stage's "
+          f"parameters + gradients + AdamW state / dp; tokens/s per stage as a ratio to "
+          f"zero_stage=0")
     print(f"{'zero':>4} {'params':>8} {'grads':>8} {'optim':>8} {'sum':>8} {'ideal':>8} "
           f"{'gathered':>8} {'RSS':>8} " + " ".join(f"{'tok/s s' + str(s):>10}"
                                                    for s in range(pp)))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from dist_harness import WORKERS, check, launch
-from trainer_common import PP2_RUNS, RUNS_3D, STEPS, build
+from trainer_common import PP2_RUNS, PREDICTING, RUNS_3D, STEPS, build
 from transformers import HfArgumentParser
 
 from merak import MerakArguments, NotSupportedYetError
@@ -48,7 +48,7 @@ def test_merak_trainer_3d_matches_hf_trainer(runs, run):
     for key in ("loss", "grad_norm", "learning_rate"):
         assert ours[key] == pytest.approx(theirs[key], rel=rel, abs=1e-6), key
     assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=rel)
-    if run in ("llama", "gpt2"):  # fp32 runs also compare predict() outputs
+    if run in PREDICTING:  # fp32 runs also compare predict() outputs
         for what in ("logits", "labels"):
             mine = np.load(out / f"merak-{run}-{what}.npy")
             reference = np.load(out / f"reference-{run}-{what}.npy")
@@ -198,6 +198,7 @@ def test_bad_values_name_the_field(kwargs, message):
 @pytest.mark.parametrize("kwargs", [
     {"zero_allgather_bucket_size": 1000}, {"zero_stage": 3, "train_schedule": "zero_bubble"},
     {"zero_stage": 2, "prescale_gradients": True}, {"zero_stage": 3, "auto_find_batch_size": True},
+    {"zero_stage": 3, "torch_compile": True},
     {"dealloc_pipeoutput": True}, {"bf16_full_eval": True},
     {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"context_fn": "f"}},
 ])

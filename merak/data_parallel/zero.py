@@ -20,8 +20,7 @@ When parameters are gathered:
 - ZeRO-3: a unit is gathered for each forward and each backward and freed right after
   (``reshard_after_forward=True``, reshard after every backward), so at most the unit being
   computed is whole. Keeping units whole across the step's micro-batches would save those
-  re-gathers, but that is exactly ZeRO-2's memory: the stage choice is the memory choice. (The
-  root unit stays whole between a forward and its backward, as FSDP always keeps its root.)
+  re-gathers, but that is exactly ZeRO-2's memory: the stage choice is the memory choice.
 """
 
 from __future__ import annotations

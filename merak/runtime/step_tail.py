@@ -50,7 +50,7 @@ class StepTail:
     interpreter holding ``ctx``, ``optimizer``, ``grad_averager`` (`GradientAverager`),
     ``_tied`` (`tied_weight_groups`), ``_tp_partial`` (replicated parameters that saw only this
     TP rank's share), ``skip_optimizer_step`` (set by an fp16 loss scaler) and ``zero`` (ZeRO-2/3
-sharding, or None)."""
+    sharding, or None)."""
 
     ctx: ParallelContext
     optimizer: torch.optim.Optimizer

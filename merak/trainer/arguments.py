@@ -352,9 +352,12 @@ class MerakArguments(JobView, TrainingArguments):
                                        f"gradient_predivide_factor is not supported yet (FSDP2's "
                                        f"reduce-scatter divides by dp itself); leave both at "
                                        f"their defaults")
-        if self.auto_find_batch_size:
-            raise NotSupportedYetError(f"{name} with auto_find_batch_size is not supported yet "
-                                       f"(its memory probe runs unsharded steps)")
+        for other, why in (("auto_find_batch_size", "its memory probe runs unsharded steps"),
+                           ("lora_config", "FSDP2 would shard the frozen base weights too; "
+                                           "untested"),
+                           ("torch_compile", "compiled blocks under FSDP2 are untested")):
+            if getattr(self, other):
+                raise NotSupportedYetError(f"{name} with {other} is not supported yet ({why})")
         own = {f.name: f for f in dataclasses.fields(MerakArguments)}
         for field_name in ("zero_reduce_bucket_size", "ddp_bucket_cap_mb"):
             if getattr(self, field_name) != _default(own[field_name]):

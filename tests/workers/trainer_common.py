@@ -9,7 +9,7 @@ from tp_models import TP_FAMILIES
 STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
 FAMILIES = ("llama", "gpt2")
 # run -> (family, fields for both trainers, MerakArguments-only fields)
-RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
+RUNS = {"llama": ("llama", {}, {}),
         "llama-zero1": ("llama", {}, {"zero_stage": 1, "prescale_gradients": True}),
         # recomputation through MerakArguments: stage-aware ratios planned from a measurement
         "llama-shifted-stage-aware": ("llama", {}, {
@@ -43,6 +43,8 @@ RUNS = {"llama": ("llama", {}, {}), "gpt2": ("gpt2", {}, {}),
 # recomputation choices and schedules, which the pipeline alone decides
 PP2_RUNS = ("llama-hf-flow", "llama-shifted-stage-aware", "gpt2-zero-bubble-recompute")
 RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS[1:])
+# fp32 runs that also compare predict() outputs (GPT-2's under ZeRO-3: gathered per block)
+PREDICTING = ("llama", "gpt2-zero3")
 # (dp, tp, pp) of the 8-rank runs that are not dp2 x tp2 x pp2
 LAYOUTS = {"llama-dp4-zero2": (4, 1, 2)}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)

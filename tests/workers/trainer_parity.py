@@ -16,6 +16,7 @@ from trainer_common import (
     COMMON,
     DP,
     LAYOUTS,
+    PREDICTING,
     MICRO_BATCH,
     RESHARD_SAVE_STEP,
     RUNS,
@@ -54,7 +55,7 @@ def run(name: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == COMMON["max_steps"], f"{len(logs)} training logs"
     assert all(h["tokens_per_second"] > 0 and h["time_forward_ms"] > 0 for h in logs)
-    if not extra and not merak_only:  # predictions: logits of every sample, in dataset order
+    if name in PREDICTING:  # predictions: logits of every sample, in dataset order
         predicted = trainer.predict(eval_set())
         assert predicted.metrics["test_loss"] == metrics["eval_loss"]
         if ctx.rank == 0:
