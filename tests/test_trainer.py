@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from dist_harness import WORKERS, check, launch
-from trainer_common import PP2_RUNS, PREDICTING, RUNS_3D, STEPS, build
+from trainer_common import DP2_PP2_RUNS, PP2_RUNS, PREDICTING, RUNS_3D, STEPS, build
 from transformers import HfArgumentParser
 
 from merak import MerakArguments, NotSupportedYetError
@@ -38,7 +38,15 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("run", sorted(RUNS_3D))
 def test_merak_trainer_3d_matches_hf_trainer(runs, run):
-    out, results, output = runs
+    _matches_hf_trainer(runs[0], *runs[1:], run)
+
+
+@pytest.mark.parametrize("run", DP2_PP2_RUNS)
+def test_dp2_pp2_matches_hf_trainer(runs, reshards, run):
+    _matches_hf_trainer(runs[0], *reshards, run)
+
+
+def _matches_hf_trainer(out: Path, results: dict, output: str, run: str) -> None:
     check(results, output, f"trainer-{run}")
     ours = json.loads((out / f"merak-{run}.json").read_text())
     theirs = json.loads((out / f"reference-{run}.json").read_text())
@@ -300,7 +308,7 @@ def resumes(tmp_path_factory):
         del os.environ["MERAK_RESUME_DIR"]
 
 
-@pytest.mark.parametrize("scenario", ["kill-and-resume", "kill-and-resume-zero3"])
+@pytest.mark.parametrize("scenario", ["kill-and-resume", "kill-and-resume-zero3-fp16"])
 def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(resumes, scenario):
     check(*resumes, scenario)
 

@@ -95,7 +95,7 @@ class CheckpointMixin:
         if (not same_layout or saved_zero != args.zero_stage) and not args.no_load_optim:
             what = "(dp, tp, pp) layout" if not same_layout else f"zero_stage ({saved_zero})"
             warnings.warn(f"{path} was saved with another {what}: its weights were "
-                          f"resharded, but its optimizer state is not resharded yet; the "
+                          f"loaded, but its optimizer state is not resharded yet; the "
                           f"optimizer starts fresh (pass no_load_optim=True to silence this)",
                           stacklevel=2)
         elif not args.no_load_optim:

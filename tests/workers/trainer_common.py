@@ -19,12 +19,12 @@ RUNS = {"llama": ("llama", {}, {}),
             "train_schedule": "zero_bubble", "activation_checkpointing": True,
             "checkpoint_num_layers": 2}),
         # ZeRO-2/3 through FSDP2 (issue 17): gradients (and parameters) sharded over dp
-        "llama-bf16-zero2": ("llama", {"bf16": True}, {"zero_stage": 2}),
         "llama-zero3": ("llama", {}, {"zero_stage": 3, "activation_checkpointing": True}),
         "gpt2-zero3": ("gpt2", {}, {"zero_stage": 3}),  # embeddings tied across stages
+
         "llama-deep-interleaved-zero3": ("llama-deep", {}, {
             "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 3}),
-        "llama-dp4-zero2": ("llama", {}, {"zero_stage": 2}),
+        "llama-dp4-bf16-zero2": ("llama", {"bf16": True}, {"zero_stage": 2}),
         # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and
         # at the last step (6, 9, 10) plus one at the start (which never counts as the best);
         # on this random data the eval loss rises after step 6, so the best (lowest) is step 6,
@@ -39,14 +39,17 @@ RUNS = {"llama": ("llama", {}, {}),
             "gradient_checkpointing_kwargs": {"use_reentrant": False},
             "include_num_input_tokens_seen": True, "eval_accumulation_steps": 1,
             "torch_empty_cache_steps": 2}, {})}
-# runs made on dp1 x tp1 x pp2 in test_trainer's 2-rank launch (the others on dp2 x tp2 x pp2):
+# runs made on dp1 x tp1 x pp2 in test_trainer's 2-rank launch: HF's training flow, and
 # recomputation choices and schedules, which the pipeline alone decides
 PP2_RUNS = ("llama-hf-flow", "llama-shifted-stage-aware", "gpt2-zero-bubble-recompute")
-RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS[1:])
+# runs made on dp2 x tp1 x pp2 in test_trainer's 4-rank reshard launch
+DP2_PP2_RUNS = ("gpt2-zero3",)
+# the rest on dp2 x tp2 x pp2 (or LAYOUTS) in the 8-rank launch
+RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS + DP2_PP2_RUNS)
 # fp32 runs that also compare predict() outputs (GPT-2's under ZeRO-3: gathered per block)
 PREDICTING = ("llama", "gpt2-zero3")
-# (dp, tp, pp) of the 8-rank runs that are not dp2 x tp2 x pp2
-LAYOUTS = {"llama-dp4-zero2": (4, 1, 2)}
+# (dp, tp, pp) of the runs that are not dp2 x tp2 x pp2
+LAYOUTS = {"llama-dp4-bf16-zero2": (4, 1, 2), **{run: (2, 1, 2) for run in DP2_PP2_RUNS}}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,

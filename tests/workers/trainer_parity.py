@@ -107,14 +107,15 @@ def _generates_as_hf(trainer, family: str) -> None:
 
 
 def save_for_reshard() -> None:
-    """dp2 x tp2 x pp2 saves at step 4 and logs step 5: the reference for trainer_reshard."""
+    """dp2 x tp2 x pp2 under ZeRO-3 saves at step 4 and logs step 5: the reference for
+    trainer_reshard (which loads the checkpoint unsharded and under ZeRO-2)."""
     ctx = merak.init(dp=2, tp=2, pp=2)
     with merak.init_empty_weights():
         model = build_deep_llama()
     options = {**COMMON, "max_steps": RESHARD_SAVE_STEP + 1, "save_steps": RESHARD_SAVE_STEP}
     args = merak.MerakArguments(output_dir=str(OUT / "reshard"),
                                 per_device_train_batch_size=MICRO_BATCH, parallel_vocab=True,
-                                **options)
+                                zero_stage=3, **options)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
     trainer.train()
     if ctx.rank == 0:

@@ -1,7 +1,8 @@
-"""Resume a dp2 x tp2 x pp2 checkpoint (from trainer_parity's save-for-reshard) on 4 ranks as
-dp1 x tp1 x pp4 and dp4 x tp1 x pp1: the next step's loss must be the one the original run
-logged; `merak export` of the same checkpoint loads with `from_pretrained` and gives that loss
-too (see test_trainer)."""
+"""Resume a dp2 x tp2 x pp2 ZeRO-3 checkpoint (from trainer_parity's save-for-reshard) on 4
+ranks as dp1 x tp1 x pp4 and dp4 x tp1 x pp1 under ZeRO-2: the next step's loss must be the one
+the original run logged; `merak export` of the same checkpoint loads with `from_pretrained` and
+gives that loss too (see test_trainer). The same launch makes trainer_parity's dp2 x pp2 runs.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def expected_next_loss() -> float:
     return json.loads((OUT / "reshard-losses.json").read_text())[str(RESHARD_SAVE_STEP + 1)]
 
 
-def resume(dp: int, pp: int) -> None:
+def resume(dp: int, pp: int, **fields) -> None:
     ctx = merak.init(dp=dp, tp=1, pp=pp)
     with merak.init_empty_weights():
         model = build_deep_llama()
@@ -34,7 +35,7 @@ def resume(dp: int, pp: int) -> None:
                "gradient_accumulation_steps": GLOBAL_BATCH // (MICRO_BATCH * dp)}
     args = merak.MerakArguments(output_dir=str(OUT / f"resharded-dp{dp}-pp{pp}"),
                                 per_device_train_batch_size=MICRO_BATCH, save_strategy="no",
-                                no_load_optim=True, **options)
+                                no_load_optim=True, **options, **fields)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
     trainer.train(resume_from_checkpoint=str(CHECKPOINT))
     logs = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -75,7 +76,11 @@ def from_pretrained() -> None:
 
 
 if __name__ == "__main__":
-    run_scenarios({"reshard-dp1-tp1-pp4": lambda: resume(1, 4),
-                   "reshard-dp4-tp1-pp1": lambda: resume(4, 1),
+    import trainer_parity  # the HF Trainer parity runs at dp2 x pp2 share this launch
+    from trainer_common import DP2_PP2_RUNS
+
+    run_scenarios({**{f"trainer-{r}": (lambda r=r: trainer_parity.run(r)) for r in DP2_PP2_RUNS},
+                   "reshard-dp1-tp1-pp4": lambda: resume(1, 4),
+                   "reshard-dp4-tp1-pp1": lambda: resume(4, 1, zero_stage=2),
                    "export-from_pretrained": export_and_load,
                    "from_pretrained-on-meta": from_pretrained})
