@@ -46,14 +46,14 @@ def run(name: str) -> None:
                                 per_device_train_batch_size=MICRO_BATCH * DP // dp,
                                 per_device_eval_batch_size=4 * MICRO_BATCH * DP // dp,
                                 parallel_vocab=True,
-                                wall_clock_breakdown=True, **COMMON, **extra, **merak_only)
+                                wall_clock_breakdown=True, **{**COMMON, **extra}, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
     trainer.train()
     flow = flow_summary(trainer) if name.endswith("hf-flow") else {}
     metrics = trainer.evaluate()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == COMMON["max_steps"], f"{len(logs)} training logs"
+    assert len(logs) == args.max_steps, f"{len(logs)} training logs"
     assert all(h["tokens_per_second"] > 0 and h["time_forward_ms"] > 0 for h in logs)
     if name in PREDICTING:  # predictions: logits of every sample, in dataset order
         predicted = trainer.predict(eval_set())

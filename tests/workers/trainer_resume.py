@@ -1,6 +1,6 @@
 """Kill-and-resume with MerakTrainer (GPT-2 with dropout; dp=1 x tp=2 x pp=2, and dp=2 x pp=2
-with ZeRO-3 in fp16): a run that saves at step 5 and crashes while writing its step-10 checkpoint
-resumes from step 5 and logs the same losses at steps 6-10 as an uninterrupted run (see
+with ZeRO-3 in fp16): a run that saves at step 3 and crashes while writing its step-6 checkpoint
+resumes from step 3 and logs the same losses at steps 4-6 as an uninterrupted run (see
 test_trainer)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from trainer_common import dataset
 
 import merak
 
-STEPS, SEED = 10, 77
+STEPS, SAVE, SEED = 6, 3, 77
 
 
 def build():
@@ -56,13 +56,15 @@ def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
     plain.train()
     uninterrupted = losses(plain)
     assert all(math.isfinite(v) for v in uninterrupted.values()), uninterrupted
-    crashing = trainer(out, save_steps=5, save_total_limit=1, **fields)
+    if plain.scaler is not None:  # fp16: the optimizer stepped (not every step overflowed)
+        assert plain.scaler.skipped_steps < STEPS - 1, plain.scaler.skipped_steps
+    crashing = trainer(out, save_steps=SAVE, save_total_limit=1, **fields)
     real_save = torch.save
 
     def crash_on_second_save(obj, path, *a, **k):
-        if "checkpoint-10" in str(path):
+        if f"checkpoint-{STEPS}" in str(path):
             Path(path).write_bytes(b"half")
-            raise SimulatedCrash("killed while saving step 10")
+            raise SimulatedCrash(f"killed while saving step {STEPS}")
         real_save(obj, path, *a, **k)
 
     with mock.patch("torch.save", crash_on_second_save):
@@ -72,7 +74,7 @@ def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
         except SimulatedCrash:
             pass
     names = sorted(p.name for p in Path(out).iterdir())
-    assert names == ["checkpoint-10.partial", "checkpoint-5"], names
+    assert names == [f"checkpoint-{SAVE}", f"checkpoint-{STEPS}.partial"], names
     resumed = trainer(out, save_strategy="no", **fields)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -81,16 +83,16 @@ def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
         [str(w.message) for w in caught]
     after = losses(resumed)
     assert sorted(after) == list(range(1, STEPS + 1)), sorted(after)  # history kept
-    for step in range(6, STEPS + 1):
+    for step in range(SAVE + 1, STEPS + 1):
         assert after[step] == uninterrupted[step], (step, after[step], uninterrupted[step])
     if fields:
         return  # (finetune is not ZeRO's business)
     finetuned = trainer(out, save_strategy="no", finetune=True, max_steps=1)
-    finetuned.train(resume_from_checkpoint=str(Path(out) / "checkpoint-5"))
+    finetuned.train(resume_from_checkpoint=str(Path(out) / f"checkpoint-{SAVE}"))
     assert list(losses(finetuned)) == [1], "finetune must start a fresh run"
 
 
 if __name__ == "__main__":
     run_scenarios({"kill-and-resume": kill_and_resume,
-                   "kill-and-resume-zero3-fp16": lambda: kill_and_resume(dp=2, tp=1, zero_stage=3,
-                                                                          fp16=True)})
+                   "kill-and-resume-zero3-fp16": lambda: kill_and_resume(
+                       dp=2, tp=1, zero_stage=3, fp16=True, initial_scale_power=12)})
