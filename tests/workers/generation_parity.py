@@ -88,12 +88,12 @@ def _check_sampling(ctx, model, stage) -> None:
     assert all(e == first for e in everyone), "ranks took different sampling decisions"
 
 
-# pp=2 with tp=2 on 4 ranks for each family; dp x tp x pp on 8 (dp splits the prompts) for
-# Llama, with the vocab-parallel embedding and LM head (shadowed on the middle stages). Qwen2
-# and GPT-2 pass at (2, 2, 2) too; the suite's time budget keeps them to tp2 x pp2.
+# Llama at tp2 x pp2 on 4 ranks and at dp x tp x pp on 8 (dp splits the prompts), with the
+# vocab-parallel embedding and LM head (shadowed on the middle stages). Qwen2 and GPT-2 pass
+# here too; the suite's time budget leaves GPT-2 (tied embeddings) to test_trainer's ZeRO-3
+# run at dp2 x pp2, which generates greedily against HF generate as well.
 SCENARIOS = {
-    4: {f"generate-{f}-tp2-pp2": (lambda f=f: parity(f, 1, 2, 2, sampling=f == "llama"))
-        for f in ("llama", "gpt2")},
+    4: {"generate-llama-tp2-pp2": lambda: parity("llama", 1, 2, 2, sampling=True)},
     8: {"generate-llama-dp2-tp2-pp2": lambda: parity("llama", 2, 2, 2, parallel_vocab=True,
                                                      sampling=True)},
 }
