@@ -21,6 +21,10 @@ When parameters are gathered:
   (``reshard_after_forward=True``, reshard after every backward), so at most the unit being
   computed is whole. Keeping units whole across the step's micro-batches would save those
   re-gathers, but that is exactly ZeRO-2's memory: the stage choice is the memory choice.
+
+Outside a training step, an evaluation or a generation every unit is sharded: the step's
+reduce-scatter, the end of an evaluation (`reshard`) and `gathered` each leave it so, so
+checkpoints and exports always read the shards (DTensors).
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ class ZeroSharding:
         self._accumulate()
 
     def reshard(self) -> None:
-        """Free whatever is gathered (after an evaluation, before a save)."""
+        """Free whatever is gathered (after an evaluation)."""
         for module in self.modules():
             module.reshard()
 

@@ -44,8 +44,6 @@ class CheckpointMixin:
         best = self._best_checkpoint_dir()
         if best is not None:  # as HF's _save_checkpoint: the best one once it is on disk
             self.state.best_model_checkpoint = best
-        if self.zero is not None:  # the parameters as shards (an evaluation may gather them)
-            self.zero.reshard()
         state = {"scheduler": self.lr_scheduler.state_dict(), "zero_stage": args.zero_stage,
                  "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
                              "log_history": self.state.log_history,
@@ -86,8 +84,6 @@ class CheckpointMixin:
         the step (unless no_load_optim / no_load_rng)."""
         args = self.args
         path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
-        if self.zero is not None:
-            self.zero.reshard()
         state, same_layout = checkpoint.load_checkpoint(path, self.ctx, self.stage)
         if args.finetune:
             return
@@ -138,8 +134,6 @@ class CheckpointMixin:
         if self.is_world_process_zero():
             print(f"loading the best model from {best} ({self.args.metric_for_best_model}: "
                   f"{self.state.best_metric})")
-        if self.zero is not None:
-            self.zero.reshard()
         checkpoint.load_checkpoint(checkpoint.resolve(best, self.args.output_dir), self.ctx,
                                    self.stage)
         if self.args.save_total_limit == 1 and self.is_world_process_zero():
@@ -158,8 +152,6 @@ class CheckpointMixin:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         user_model = self._user_model if self.stage is not None else self.model
         if self.stage is not None:
-            if self.zero is not None:
-                self.zero.reshard()
             gathered = gather_full_tensors(self.stage, self.ctx,
                                            "model." if self._wrapped_loss else "")
             tensors = state_dict if state_dict is not None else gathered
