@@ -6,19 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from auto_split_parity import scenario_names
-from dist_harness import cached_launcher, check
+from dist_harness import check
 from hf_models import FAMILIES, CustomMLP, batch
 
 import merak
 from merak.partition import assign
 from merak.partition.auto import auto_split
 
+WORKER = "auto_split_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4)
-
-
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return cached_launcher("auto_split_parity.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world_size,scenario",

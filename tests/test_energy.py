@@ -14,7 +14,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from dist_harness import cached_launcher, check
+from dist_harness import check
 
 from merak.energy.deploy import ClockPlanHook
 from merak.energy.gpu import NVMLGPU, SimulatedGPU, SyntheticGPUModel
@@ -331,9 +331,8 @@ def test_plan_arguments_rebuild_the_interpreters_schedule():
     assert "--interleave" in plan_arguments(_schedule("interleaved_1f1b"))
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return cached_launcher("energy_e2e.py", tmp_path_factory)
+# pooled: launches(world_size), see conftest.py
+WORKER, WORLD_SIZES = "energy_e2e.py", (4,)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b",

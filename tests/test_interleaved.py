@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_harness import cached_launcher, check
+from dist_harness import check
 from interleaved_parity import scenario_names
 
 from merak import Action, ActionKind, CostModel, Schedule, ScheduleError, make_schedule, simulate
@@ -20,6 +20,7 @@ from merak.recompute.stage_aware import KeptBytes, choose_ratios, predict_peaks,
 from merak.schedule.validate import validate_schedule
 
 K = ActionKind
+WORKER = "interleaved_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4)
 
 
@@ -234,11 +235,6 @@ def test_cli_interleave(tmp_path, capsys):
     with pytest.raises(SystemExit, match="multiple of the pipeline ranks"):
         cli_main([*ARGS, "--schedule", "interleaved_1f1b", "--interleave", "2",
                   "--microbatches", "6"])
-
-
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return cached_launcher("interleaved_parity.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world_size,scenario",

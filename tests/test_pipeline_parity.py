@@ -10,15 +10,11 @@ the final parameters compared. Plus the p2p timeout error and `init`'s positiona
 from __future__ import annotations
 
 import pytest
-from dist_harness import cached_launcher, check
+from dist_harness import check
 from pipeline_parity import scenario_names
 
+WORKER = "pipeline_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4, 8)
-
-
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return cached_launcher("pipeline_parity.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world_size,scenario",

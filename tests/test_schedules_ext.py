@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from dist_harness import cached_launcher, check
+from dist_harness import check
 from hf_models import CustomMLP, batch
 from schedule_parity import scenario_names
 
@@ -22,12 +22,8 @@ from merak.schedule.validate import validate_schedule
 
 K = ActionKind
 MERAK = ("pre_recompute_1f1b", "last_no_recompute_1f1b", "shifted_critical_path")
+WORKER = "schedule_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4)
-
-
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return cached_launcher("schedule_parity.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world_size,scenario",

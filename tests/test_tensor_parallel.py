@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers as tf
-from dist_harness import cached_launcher, check
+from dist_harness import check
 from hf_models import CustomMLP
 from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES
 from tp_parity import scenario_names
@@ -24,12 +24,8 @@ from merak.tensor_parallel.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
 from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan, _from_config_plan, plan_for
 from merak.tensor_parallel.wrappers import PartialSum, RopeGradReduce
 
+WORKER = "tp_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4, 8)
-
-
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return cached_launcher("tp_parity.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world_size,scenario",

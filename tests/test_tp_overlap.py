@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers as tf
-from dist_harness import cached_launcher, check
+from dist_harness import check
 from hf_models import CustomMLP, MLPBlock, batch
 from tp_models import TP_FAMILIES
 from tp_overlap_parity import scenario_names
@@ -22,9 +22,8 @@ from merak.tensor_parallel.overlap import set_tp_overlap
 from merak.tensor_parallel.plans import TPPlan
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return cached_launcher("tp_overlap_parity.py", tmp_path_factory)
+# pooled: launches(world_size), see conftest.py
+WORKER, WORLD_SIZES = "tp_overlap_parity.py", (2,)
 
 
 @pytest.mark.parametrize("scenario", scenario_names())

@@ -14,8 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dist_harness import WORKERS, check, launch
-from trainer_common import DP2_PP2_RUNS, PP2_RUNS, PREDICTING, RUNS, RUNS_3D, STEPS, build
+from dist_harness import WORKERS, check, launch, launch_together
+from trainer_common import (
+    DP2_PP2_RUNS,
+    PP2_RUNS,
+    PREDICTING,
+    RESHARD_SOURCE,
+    RUNS,
+    RUNS_3D,
+    STEPS,
+    build,
+)
 from transformers import HfArgumentParser
 
 from merak import MerakArguments, NotSupportedYetError
@@ -298,19 +307,10 @@ def test_every_other_merak_field_refuses_a_non_default_value():
             MerakArguments(output_dir="out", **{f.name: value})
 
 
-@pytest.fixture(scope="module")
-def resumes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("resume")
-    os.environ["MERAK_RESUME_DIR"] = str(out)
-    try:
-        return launch("trainer_resume.py", 4, out / "ranks")
-    finally:
-        del os.environ["MERAK_RESUME_DIR"]
-
-
 @pytest.mark.parametrize("scenario", ["kill-and-resume", "kill-and-resume-zero3-fp16"])
-def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(resumes, scenario):
-    check(*resumes, scenario)
+def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(four_ranks, scenario):
+    results, output = four_ranks
+    check(results["trainer_resume.py"], output, scenario)
 
 
 def test_hf_trainer_api_save_model_metrics_and_a_partial_eval_batch(runs):
@@ -365,16 +365,30 @@ def test_a_checkpoint_loads_into_another_layout_and_exports_to_hf(runs, reshards
 
 
 @pytest.fixture(scope="module")
-def reshards(runs):
-    out, results, output = runs
-    check(results, output, "save-for-reshard")
-    build("llama").save_pretrained(out / "pretrained-llama")
-    os.environ["MERAK_TRAINER_OUT"] = str(out)
-    os.environ["MERAK_PRETRAINED"] = str(out / "pretrained-llama")
+def four_ranks(runs, tmp_path_factory):
+    """The one 4-rank launch: kill-and-resume (trainer_resume.py), and from the 8-rank launch's
+    ZeRO-3 checkpoint resharding and export, with the dp2 x pp2 HF parity runs
+    (trainer_reshard.py). Returns (worker -> results, output)."""
+    out, results, _ = runs
+    workers = ["trainer_resume.py"]
+    if results.get(f"trainer-{RESHARD_SOURCE}") == []:  # else the reshard tests report why
+        workers.append("trainer_reshard.py")
+        build("llama").save_pretrained(out / "pretrained-llama")
+    env = {"MERAK_TRAINER_OUT": str(out), "MERAK_PRETRAINED": str(out / "pretrained-llama"),
+           "MERAK_RESUME_DIR": str(tmp_path_factory.mktemp("resume"))}
+    os.environ.update(env)
     try:
-        return launch("trainer_reshard.py", 4, out / "reshard-ranks")
+        return launch_together(workers, 4, out / "four-ranks")
     finally:
-        del os.environ["MERAK_TRAINER_OUT"], os.environ["MERAK_PRETRAINED"]
+        for name in env:
+            del os.environ[name]
+
+
+@pytest.fixture(scope="module")
+def reshards(runs, four_ranks):
+    check(*runs[1:], f"trainer-{RESHARD_SOURCE}")
+    results, output = four_ranks
+    return results["trainer_reshard.py"], output
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,10 @@ def parity(family: str, pp: int) -> None:
         print(f"{family} pp={pp} {OPTIONS[family][pp]}\n{split.describe()}", flush=True)
 
 
+def scenarios(world_size: int) -> dict:
+    return {f"auto-{f}-pp{world_size}": (lambda f=f: parity(f, world_size))
+            for f in families(world_size)}
+
+
 if __name__ == "__main__":
-    world = int(os.environ["WORLD_SIZE"])
-    run_scenarios({f"auto-{f}-pp{world}": (lambda f=f: parity(f, world))
-                   for f in families(world)})
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,30 +20,90 @@ import merak
 Scenario = Callable[[], None]
 
 
-def run_scenarios(scenarios: dict[str, Scenario]) -> None:
-    """Run every scenario on this rank, recording failures; ranks meet at a barrier between."""
+_OUT: list[Path] = []  # the running worker's output directory (see `out_dir`)
+
+
+def out_dir() -> Path:
+    """The directory the running worker writes its results (and any files) to."""
+    return _OUT[-1]
+
+
+def _arguments(*extra: tuple[str, dict]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default=None, help="comma-separated scenario names")
-    args = parser.parse_args()
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
+    return parser.parse_args()
+
+
+def _start() -> int:
     torch.set_num_threads(1)
     merak.init(dp=1, tp=1, pp=int(os.environ["WORLD_SIZE"]), timeout=180)
-    rank = dist.get_rank()
+    return dist.get_rank()
+
+
+def run_scenarios(scenarios: dict[str, Scenario]) -> None:
+    """A worker's entry point: run every scenario on this rank, recording failures in
+    ``<out>/rank<r>.json``; ranks meet at a barrier between scenarios."""
+    args = _arguments()
+    rank = _start()
+    _run(scenarios, Path(args.out), rank, set(args.only.split(",")) if args.only else None)
+    dist.destroy_process_group()
+
+
+def run_workers() -> None:
+    """Several workers in one launch (`run_many.py`, the suite's pool: process start-up costs
+    more than most scenarios on 2 cores): each worker module's ``scenarios(world_size)`` runs
+    in turn, its results in ``<out>/<worker>/rank<r>.json``."""
+    import importlib
+
+    args = _arguments(("--workers", {"required": True, "help": "comma-separated worker files"}))
+    rank, world = _start(), int(os.environ["WORLD_SIZE"])
     only = set(args.only.split(",")) if args.only else None
+    for worker in args.workers.split(","):
+        stem = Path(worker).stem
+        try:
+            scenarios = importlib.import_module(stem).scenarios(world)
+        except Exception:  # noqa: BLE001 - reported as the worker's failure
+            scenarios = {f"{stem}-import": _raise(traceback.format_exc())}
+        merak.init(dp=1, tp=1, pp=world)  # each worker starts from the default layout
+        _run(scenarios, Path(args.out) / stem, rank, only)
+    dist.destroy_process_group()
+
+
+def _raise(text: str) -> Scenario:
+    def scenario() -> None:
+        raise RuntimeError(text)
+    return scenario
+
+
+def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | None) -> None:
     results: dict[str, str | None] = {}
-    path = Path(args.out) / f"rank{rank}.json"
+    path = out / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    _OUT.append(out)
+    # MERAK_TEST_PROFILE=DIR: rank 0 prints each scenario's wall time and writes cProfile
+    # stats to DIR/<scenario>.prof (to find where a slow launch spends its time)
+    profile_dir = os.environ.get("MERAK_TEST_PROFILE") if rank == 0 else None
     for name, scenario in scenarios.items():
         if only and name not in only:
             continue
+        profiler, start = cProfile.Profile() if profile_dir else None, time.perf_counter()
         try:
-            scenario()
+            if profiler:
+                profiler.runcall(scenario)
+            else:
+                scenario()
             results[name] = None
         except Exception:  # noqa: BLE001 - every failure is reported to pytest
             results[name] = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 6)))
+        if profiler:
+            profiler.dump_stats(Path(profile_dir) / f"{name}.prof")
+            print(f"[profile] {name}: {time.perf_counter() - start:.1f} s", flush=True)
         path.write_text(json.dumps(results, indent=1))
         dist.barrier()
-    dist.destroy_process_group()
+    _OUT.pop()
 
 
 def family_scenarios(build: Callable[[str], Any], families: Iterable[str],

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import run_scenarios
+from common import out_dir, run_scenarios
 from hf_models import CustomMLP, batch
 
 import merak
@@ -54,7 +52,6 @@ MODEL = SyntheticGPUModel(clock_step=90, forward_s=FORWARD_S)  # 6 clocks, 1410.
 # load delays instructions and p2p beyond the profile (up to 18% on time seen at a load of 80,
 # 1-5% on an idle machine); the bench prints the precise figures.
 TOLERANCE = {"time": 0.20, "energy": 0.10}
-OUT = Path(sys.argv[sys.argv.index("--out") + 1])
 REPORT: dict[str, dict] = {}
 
 
@@ -82,7 +79,7 @@ def _plan(name: str, engine, rows, ctx) -> dict:
     error: no rank is left waiting)."""
     shared = [None]
     if ctx.rank == 0:
-        write_profile(rows, OUT / f"profile-{name}.csv")
+        write_profile(rows, out_dir() / f"profile-{name}.csv")
         try:
             profiles, p2p_power = aggregate(rows)
             planner = EnergyPlanner(engine.schedule, profiles, p2p_power,
@@ -177,7 +174,7 @@ def _scenario(name: str) -> None:
               "measured_saving": 1 - measured["plan"][1] / measured["all-max"][1]}
     REPORT[name] = report
     if ctx.rank == 0:
-        (OUT / "energy_report.json").write_text(json.dumps(REPORT, indent=1))
+        (out_dir() / "energy_report.json").write_text(json.dumps(REPORT, indent=1))
     for what, predicted, got in (("all-max", plan["predicted_base"], measured["all-max"]),
                                  ("plan", plan["predicted_plan"], measured["plan"])):
         for i, unit in enumerate(("time", "energy")):
@@ -221,5 +218,11 @@ SCENARIOS = {f"energy-end-to-end-{name}": (lambda name=name: _scenario(name))
              for name in SCHEDULE_NAMES}
 SCENARIOS["energy-end-to-end-summary"] = summary
 
+
+def scenarios(world_size: int) -> dict:
+    assert world_size == RANKS, f"energy_e2e runs on {RANKS} ranks, not {world_size}"
+    return SCENARIOS
+
+
 if __name__ == "__main__":
-    run_scenarios(SCENARIOS)
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))

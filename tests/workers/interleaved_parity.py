@@ -153,8 +153,7 @@ class _Family:
                          f"eval {options}")
 
 
-def main() -> None:
-    world = int(os.environ["WORLD_SIZE"])
+def scenarios(world: int) -> dict:
     built: dict[tuple[str, int], _Family] = {}
 
     def scenario(family: str, variant: str):
@@ -168,9 +167,9 @@ def main() -> None:
                 built[family, blocks].check(variant)
         return run
 
-    run_scenarios({f"{family}-pp{world}-{variant}": scenario(family, variant)
-                   for family, variant in _order(world)})
+    return {f"{family}-pp{world}-{variant}": scenario(family, variant)
+            for family, variant in _order(world)}
 
 
 if __name__ == "__main__":
-    main()
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))

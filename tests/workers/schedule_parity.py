@@ -143,12 +143,11 @@ def stage_aware_memory() -> None:
             print("\n".join(report), flush=True)
 
 
-def main() -> None:
-    world = int(os.environ["WORLD_SIZE"])
-    scenarios = family_scenarios(lambda f: _Family(f, world), families(world), VARIANTS, world)
-    scenarios[f"llama-pp{world}-stage-aware-memory"] = stage_aware_memory
-    run_scenarios(scenarios)
+def scenarios(world: int) -> dict:
+    table = family_scenarios(lambda f: _Family(f, world), families(world), VARIANTS, world)
+    table[f"llama-pp{world}-stage-aware-memory"] = stage_aware_memory
+    return table
 
 
 if __name__ == "__main__":
-    main()
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))

@@ -198,6 +198,10 @@ def scenario_names() -> list[str]:
     return list(SCENARIOS)
 
 
+def scenarios(world_size: int) -> dict:
+    assert world_size == 2, f"tp_overlap_parity runs on 2 ranks, not {world_size}"
+    return SCENARIOS
+
+
 if __name__ == "__main__":
-    assert int(os.environ["WORLD_SIZE"]) == 2
-    run_scenarios(SCENARIOS)
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))

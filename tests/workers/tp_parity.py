@@ -250,5 +250,9 @@ def scenario_names(world_size: int) -> list[str]:
     return list(SCENARIOS[world_size])
 
 
+def scenarios(world_size: int) -> dict:
+    return SCENARIOS[world_size]
+
+
 if __name__ == "__main__":
-    run_scenarios(SCENARIOS[int(os.environ["WORLD_SIZE"])])
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))

@@ -9,6 +9,9 @@ from tp_models import TP_FAMILIES
 STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
 FAMILIES = ("llama", "gpt2")
 FIVE = {"max_steps": 5}  # ZeRO runs: the 5 steps issue 17 asks for (a reference of their own)
+# the run whose step-4 checkpoint (dp2 x tp2 x pp2, 2 chunks per rank, ZeRO-3) trainer_reshard
+# loads into other layouts; the step-5 loss it logged is what they must reproduce
+RESHARD_SOURCE, RESHARD_SAVE_STEP = "llama-deep-interleaved-zero3", 4
 # run -> (family, fields for both trainers, MerakArguments-only fields)
 RUNS = {"llama": ("llama", {}, {}),
         "llama-zero1": ("llama", FIVE, {"zero_stage": 1, "prescale_gradients": True}),
@@ -23,8 +26,9 @@ RUNS = {"llama": ("llama", {}, {}),
         "llama-zero3": ("llama", FIVE, {"zero_stage": 3, "activation_checkpointing": True}),
         "gpt2-zero3": ("gpt2", FIVE, {"zero_stage": 3}),  # embeddings tied across stages
 
-        "llama-deep-interleaved-zero3": ("llama-deep", FIVE, {
-            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 3}),
+        RESHARD_SOURCE: ("llama-deep", FIVE, {
+            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 3,
+            "save_steps": RESHARD_SAVE_STEP}),
         "llama-dp4-bf16-zero2": ("llama", {**FIVE, "bf16": True}, {"zero_stage": 2}),
         # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and
         # at the last step (6, 9, 10) plus one at the start (which never counts as the best);
@@ -108,8 +112,6 @@ def build_deep_llama():
     torch.manual_seed(SEED)
     return tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**{**ATTN, "num_hidden_layers": 4}))
 
-
-RESHARD_SAVE_STEP = 4
 
 
 def token_accuracy(prediction) -> dict[str, float]:

@@ -16,13 +16,11 @@ from trainer_common import (
     COMMON,
     DP,
     LAYOUTS,
-    PREDICTING,
     MICRO_BATCH,
-    RESHARD_SAVE_STEP,
+    PREDICTING,
     RUNS,
     RUNS_3D,
     build,
-    build_deep_llama,
     eval_set,
     flow_summary,
     train_set,
@@ -106,24 +104,6 @@ def _generates_as_hf(trainer, family: str) -> None:
             assert new == want.tolist(), (prompt, new, want.tolist())
 
 
-def save_for_reshard() -> None:
-    """dp2 x tp2 x pp2 under ZeRO-3 saves at step 4 and logs step 5: the reference for
-    trainer_reshard (which loads the checkpoint unsharded and under ZeRO-2)."""
-    ctx = merak.init(dp=2, tp=2, pp=2)
-    with merak.init_empty_weights():
-        model = build_deep_llama()
-    options = {**COMMON, "max_steps": RESHARD_SAVE_STEP + 1, "save_steps": RESHARD_SAVE_STEP}
-    args = merak.MerakArguments(output_dir=str(OUT / "reshard"),
-                                per_device_train_batch_size=MICRO_BATCH, parallel_vocab=True,
-                                zero_stage=3, **options)
-    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
-    trainer.train()
-    if ctx.rank == 0:
-        (OUT / "reshard-losses.json").write_text(json.dumps(
-            {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}))
-    dist.barrier()
-
-
 def hf_api() -> None:
     """HF Trainer's API on a dp2 x tp2 x pp2 job: save_model (an HF directory gathered from the
     shards; test_trainer loads it and evaluates it with HF Trainer), save_state, metrics files,
@@ -185,4 +165,4 @@ def hf_api() -> None:
 
 if __name__ == "__main__":
     run_scenarios({**{f"trainer-{r}": (lambda r=r: run(r)) for r in RUNS_3D},
-                   "save-for-reshard": save_for_reshard, "hf-api": hf_api})
+                   "hf-api": hf_api})

@@ -1,5 +1,5 @@
-"""Resume a dp2 x tp2 x pp2 ZeRO-3 checkpoint (from trainer_parity's save-for-reshard) on 4
-ranks as dp1 x tp1 x pp4 and dp4 x tp1 x pp1 under ZeRO-2: the next step's loss must be the one
+"""Resume a dp2 x tp2 x pp2 ZeRO-3 checkpoint with 2 chunks per rank (trainer_parity's
+RESHARD_SOURCE run) on 4 ranks as dp1 x tp1 x pp4 and dp4 x tp1 x pp1 under ZeRO-2: the next step's loss must be the one
 the original run logged; `merak export` of the same checkpoint loads with `from_pretrained` and
 gives that loss too (see test_trainer). The same launch makes trainer_parity's dp2 x pp2 runs.
 """
@@ -13,18 +13,27 @@ from pathlib import Path
 import torch
 import transformers as tf
 from common import assert_close, run_scenarios
-from trainer_common import COMMON, DP, MICRO_BATCH, RESHARD_SAVE_STEP, build_deep_llama, train_set
+from trainer_common import (
+    COMMON,
+    DP,
+    MICRO_BATCH,
+    RESHARD_SAVE_STEP,
+    RESHARD_SOURCE,
+    build_deep_llama,
+    train_set,
+)
 
 import merak
 from merak.trainer.export import export_checkpoint
 
 OUT = Path(os.environ["MERAK_TRAINER_OUT"])
-CHECKPOINT = OUT / "reshard" / f"checkpoint-{RESHARD_SAVE_STEP}"
+CHECKPOINT = OUT / RESHARD_SOURCE / f"checkpoint-{RESHARD_SAVE_STEP}"
 GLOBAL_BATCH = MICRO_BATCH * COMMON["gradient_accumulation_steps"] * DP
 
 
 def expected_next_loss() -> float:
-    return json.loads((OUT / "reshard-losses.json").read_text())[str(RESHARD_SAVE_STEP + 1)]
+    return json.loads((OUT / f"merak-{RESHARD_SOURCE}.json").read_text())["loss"][
+        RESHARD_SAVE_STEP]  # step RESHARD_SAVE_STEP + 1's
 
 
 def resume(dp: int, pp: int, **fields) -> None:
@@ -75,12 +84,17 @@ def from_pretrained() -> None:
     assert ctx.tp == 2
 
 
-if __name__ == "__main__":
+def scenarios(world_size: int) -> dict:
     import trainer_parity  # the HF Trainer parity runs at dp2 x pp2 share this launch
     from trainer_common import DP2_PP2_RUNS
 
-    run_scenarios({**{f"trainer-{r}": (lambda r=r: trainer_parity.run(r)) for r in DP2_PP2_RUNS},
-                   "reshard-dp1-tp1-pp4": lambda: resume(1, 4),
-                   "reshard-dp4-tp1-pp1": lambda: resume(4, 1, zero_stage=2),
-                   "export-from_pretrained": export_and_load,
-                   "from_pretrained-on-meta": from_pretrained})
+    assert world_size == 4, f"trainer_reshard runs on 4 ranks, not {world_size}"
+    return {**{f"trainer-{r}": (lambda r=r: trainer_parity.run(r)) for r in DP2_PP2_RUNS},
+            "reshard-dp1-tp1-pp4": lambda: resume(1, 4),
+            "reshard-dp4-tp1-pp1": lambda: resume(4, 1, zero_stage=2),
+            "export-from_pretrained": export_and_load,
+            "from_pretrained-on-meta": from_pretrained}
+
+
+if __name__ == "__main__":
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))

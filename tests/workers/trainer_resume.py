@@ -92,7 +92,12 @@ def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
     assert list(losses(finetuned)) == [1], "finetune must start a fresh run"
 
 
+def scenarios(world_size: int) -> dict:
+    assert world_size == 4, f"trainer_resume runs on 4 ranks, not {world_size}"
+    return {"kill-and-resume": kill_and_resume,
+            "kill-and-resume-zero3-fp16": lambda: kill_and_resume(
+                dp=2, tp=1, zero_stage=3, fp16=True, initial_scale_power=12)}
+
+
 if __name__ == "__main__":
-    run_scenarios({"kill-and-resume": kill_and_resume,
-                   "kill-and-resume-zero3-fp16": lambda: kill_and_resume(
-                       dp=2, tp=1, zero_stage=3, fp16=True, initial_scale_power=12)})
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))
