@@ -281,7 +281,7 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
            "activation_memory_budget", "tp_overlapping_level", "num_model_chunks", "tp_plan",
            "lora_config", "adapter_name", "text_generation", "out_seq_length", "temperature",
-           "zero_allow_untested_optimizer"}
+           "zero_allow_untested_optimizer", "dealloc_pipeoutput"}
 
 
 def _other_value(value):

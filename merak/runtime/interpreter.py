@@ -66,6 +66,8 @@ class PipelineInterpreter(StepTail):
         tp_rng: the model's `TPRandomState`, replayed by recomputation with the default RNG.
         zero: the stage's ZeRO-2/3 sharding (`shard_stage`, applied before the optimizer was
             built): its gradients are reduce-scattered by FSDP instead of all-reduced.
+        dealloc_outputs: free each sent activation's data once its sends ended, keeping its
+            autograd graph for the backward (`PipelineStage.freeable_outputs` says which).
     """
 
     def __init__(self, stage: PipelineStage | InterleavedStage | Sequence[PipelineStage],
@@ -75,7 +77,8 @@ class PipelineInterpreter(StepTail):
                  lend_idle_cores: bool = True, autocast_dtype: torch.dtype | None = None,
                  grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
                  segment_size: int = 1, measure_activations: bool = False,
-                 tp_rng: object = None, zero: ZeroSharding | None = None):
+                 tp_rng: object = None, zero: ZeroSharding | None = None,
+                 dealloc_outputs: bool = False):
         if not isinstance(stage, (PipelineStage, InterleavedStage)):
             stage = InterleavedStage(list(stage))
         self.stage = stage
@@ -107,6 +110,8 @@ class PipelineInterpreter(StepTail):
                         for s in stages}
         self.runners = {s.stage_id: StageRunner(s, BlockRecomputation([], [], ctx.device))
                         for s in stages}
+        for s in stages if dealloc_outputs else ():
+            self.runners[s.stage_id].freeable = s.freeable_outputs()
         self.transfers = StageTransfers(ctx, split, p2p_timeout_s,
                                         ctx.nccl_p2p_rules)
         self.batch_keys = list(dict.fromkeys(k for r in self.runners.values()
@@ -399,8 +404,8 @@ class PipelineInterpreter(StepTail):
                 runner.receive_grads(action.microbatch_id, values)
         for action in group:
             if action.kind in (K.SEND_ACT, K.SEND_GRAD):
-                self.runners[action.stage_id].sent(action.microbatch_id,
-                                                   action.kind is K.SEND_GRAD)
+                self.runners[action.stage_id].sent(
+                    action.microbatch_id, action.kind is K.SEND_GRAD, action.peer_stage)
         for action in group:
             for hook in hooks:
                 hook.on_instruction_end(action.name, action)

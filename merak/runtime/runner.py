@@ -48,6 +48,8 @@ class MicroBatchState:
     input_grads: dict[ValueKey, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     weight_grads: object = None  # what `backward_weight` needs, between the two halves
+    output_tokens: dict[ValueKey, object] = field(default_factory=dict)  # the meter's holds
+    unsent: set[int] = field(default_factory=set)  # stages the outputs still go to
 
 
 class StageRunner:
@@ -56,7 +58,12 @@ class StageRunner:
     Args:
         stage: the stage module.
         recompute: its block recomputation (no blocks: none).
-        meter: counts kept activations (None: not measured).
+        meter: counts kept activations (None: not measured), the outputs held for backward
+            included.
+
+    Attributes:
+        freeable: sent values whose data is freed once every send of them ended, keeping only
+            their autograd graph (``dealloc_pipeoutput``; `PipelineStage.freeable_outputs`).
     """
 
     def __init__(self, stage: PipelineStage, recompute: BlockRecomputation,
@@ -66,8 +73,9 @@ class StageRunner:
         self.stage_id = stage.stage_id
         self.is_last = self.stage_id == self.split.num_stages - 1
         self.batch_keys = self.split.batch_inputs(self.stage_id)
-        self.sent_keys = {k for keys in self.split.send_plan(self.stage_id).values()
-                          for k in keys}
+        self.send_plan = self.split.send_plan(self.stage_id)
+        self.sent_keys = {k for keys in self.send_plan.values() for k in keys}
+        self.freeable: frozenset[ValueKey] = frozenset()
         self.weights = [p for p in stage.parameters() if p.requires_grad]
         self.autocast_dtype: torch.dtype | None = None
         self.device = torch.device("cpu")
@@ -88,10 +96,13 @@ class StageRunner:
     def reset_microbatch(self, mb: int) -> None:
         """Forget what a pass over micro-batch `mb` left (shape discovery)."""
         if self.state:
+            self._drop_outputs(self.state[mb])
             self.state[mb] = MicroBatchState()
         self.losses, self.kept = [], []
 
     def end(self) -> None:
+        for state in self.state:
+            self._drop_outputs(state)
         self.state, self.microbatches = [], []
 
     def _autocast(self) -> torch.autocast:
@@ -115,13 +126,42 @@ class StageRunner:
     def input_grads(self, mb: int) -> dict[ValueKey, torch.Tensor]:
         return self.state[mb].input_grads
 
-    def sent(self, mb: int, kind_is_grad: bool) -> None:
-        """The group that sent micro-batch `mb`'s gradients (or, evaluating, its activations)
-        to every peer finished: drop them."""
+    def sent(self, mb: int, kind_is_grad: bool, peer_stage: int | None = None) -> None:
+        """The group that sent micro-batch `mb`'s gradients (or its activations, to
+        `peer_stage`) finished posting: drop them, or free the data of the `freeable`."""
+        state = self.state[mb]
         if kind_is_grad:
-            self.state[mb].input_grads = {}
+            state.input_grads = {}
         elif not torch.is_grad_enabled():
-            self.state[mb].outputs = {}
+            self._drop_outputs(state)
+        elif self.freeable:
+            state.unsent.discard(peer_stage)
+            pending = {k for stage in state.unsent for k in self.send_plan[stage]}
+            for key in self.freeable - pending:
+                self._free_data(state, key)
+
+    def _free_data(self, state: MicroBatchState, key: ValueKey) -> None:
+        """Free a sent output's data (the send holds its own reference until it ends). Its
+        shape stays, on a one-element stride-0 storage, so its backward checks the received
+        gradient against it; its autograd graph needs only what the graph saved. A value not
+        needing a gradient is just dropped; a view is left (its base holds the memory)."""
+        value = state.outputs.get(key)
+        if value is None or value._base is not None or value.untyped_storage().nbytes() <= \
+                value.element_size():
+            return
+        if value.requires_grad:
+            value.data = torch.empty((), dtype=value.dtype, device=value.device).expand(
+                value.shape)
+        else:
+            del state.outputs[key]
+        if self.meter is not None:
+            self.meter.release(state.output_tokens.pop(key, None))
+
+    def _drop_outputs(self, state: MicroBatchState) -> None:
+        if self.meter is not None:
+            for token in state.output_tokens.values():
+                self.meter.release(token)
+        state.outputs, state.output_tokens = {}, {}
 
     # -- compute ------------------------------------------------------------------------------
     def load(self, mb: int) -> None:
@@ -152,6 +192,10 @@ class StageRunner:
         state.outputs = {k: values[k] for k in self.sent_keys}
         if not torch.is_grad_enabled():  # evaluation: nothing waits for a backward
             state.inputs = {}
+            return
+        state.unsent = set(self.send_plan)
+        if self.meter is not None:  # kept until the backward (or freed once sent)
+            state.output_tokens = {k: self.meter.hold(v) for k, v in state.outputs.items()}
 
     def _roots(self, state: MicroBatchState) -> tuple[list[torch.Tensor], list]:
         """What the backward starts from: the scaled loss, or the outputs and their grads."""
@@ -184,7 +228,8 @@ class StageRunner:
         dinputs, state.weight_grads = backward_input(roots, grads, list(inputs.values()),
                                                      self.weights)
         state.input_grads = dict(zip(inputs, dinputs))
-        state.outputs, state.output_grads, state.loss = {}, {}, None
+        self._drop_outputs(state)
+        state.output_grads, state.loss = {}, None
 
     def backward_weight(self, mb: int) -> None:
         backward_weight(self.state[mb].weight_grads, self.weights)
@@ -192,6 +237,7 @@ class StageRunner:
 
     def _free(self, mb: int) -> None:
         state = self.state[mb]
-        state.inputs, state.outputs, state.output_grads, state.loss = {}, {}, {}, None
+        self._drop_outputs(state)
+        state.inputs, state.output_grads, state.loss = {}, {}, None
         state.weight_grads = None
         self.recompute.release(mb)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import warnings
+
 import torch
-from torch import nn
+from torch import fx, nn
 
 from merak.runtime.split import PipelineSplit, ValueKey
 
@@ -96,6 +98,37 @@ class PipelineStage(nn.Module):
             outputs = _outputs_of(result, self.split.pieces[piece_id].outputs, name)
             values.update(zip(self.split.output_keys(piece_id), outputs))
         return values
+
+    def freeable_outputs(self) -> frozenset[ValueKey]:
+        """The values this stage sends that nothing else on it reads, so their data may be
+        freed once sent (``dealloc_pipeoutput``): a piece's graph (an `fx.GraphModule`, as
+        the automatic split makes) computes each and uses it only as an output, and no later
+        piece of the stage reads it. Autograd may have saved a value that another operation
+        of the stage reads, and freeing it would corrupt that backward; a plain module's
+        insides are unknown, so its outputs are never listed (with a warning)."""
+        sent = {k for keys in self.split.send_plan(self.stage_id).values() for k in keys}
+        read = {k for i in self.piece_ids for k in self.split.input_keys(i)}
+        found, opaque = set(), []
+        for piece_id, name in zip(self.piece_ids, self._piece_names):
+            keys = [k for k in self.split.output_keys(piece_id) if k in sent and k not in read]
+            module = self._flat.get(name) or self.get_submodule(name)
+            if keys and not isinstance(module, fx.GraphModule):
+                opaque.append(name)
+                continue
+            out = next((n for n in module.graph.nodes if n.op == "output"), None) if keys \
+                else None
+            produced = out.args[0] if out is not None else None
+            for key in keys if isinstance(produced, dict) else ():
+                node = produced.get(key[0])
+                if isinstance(node, fx.Node) and node.op not in ("placeholder", "get_attr") \
+                        and set(node.users) == {out}:
+                    found.add(key)
+        if opaque:
+            warnings.warn(f"dealloc_pipeoutput: stage {self.stage_id} keeps what pieces "
+                          f"{opaque} send (plain modules: whether they read their outputs "
+                          f"again is unknown); an automatic split's stage graphs show it",
+                          stacklevel=2)
+        return frozenset(found)
 
 
 def _is_container(module: nn.Module) -> bool:

@@ -99,7 +99,8 @@ class MerakArguments(JobView, TrainingArguments):
     wall_clock_breakdown: bool = field(default=False, metadata=_help("runtime",
         "log the time of each instruction kind per step"))
     dealloc_pipeoutput: bool = field(default=False, metadata=_help("runtime",
-        "free pipeline outputs once sent (keep only their autograd graph)"))
+        "free each sent activation's data once its send ends, keeping only its autograd "
+        "graph for the backward (values the stage also reads itself are kept)"))
     # ---- data parallelism and optimizer state
     prescale_gradients: bool = field(default=False, metadata=_help("data parallel",
         "divide gradients by dp before the all-reduce"))
@@ -310,7 +311,6 @@ class MerakArguments(JobView, TrainingArguments):
 
     def _check_not_landed(self) -> None:
         later = {
-            "dealloc_pipeoutput": "deallocating pipeline outputs",
             "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "
                                           "each updated shard whole; ZeRO-2/3's FSDP2 "
                                           "all-gathers one block at a time)",

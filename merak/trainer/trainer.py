@@ -169,7 +169,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             else args.gradient_predivide_factor,
             recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp * chunks),
             segment_size=args.checkpoint_num_layers,
-            tp_rng=getattr(self._user_model, "merak_tp_rng", None), zero=self.zero)
+            tp_rng=getattr(self._user_model, "merak_tp_rng", None), zero=self.zero,
+            dealloc_outputs=args.dealloc_pipeoutput)
         self.scaler = None
         if args.fp16:  # unscale and check for overflow before clipping
             self.scaler = LossScaler(

@@ -40,20 +40,23 @@ def families(world_size: int) -> tuple[str, ...]:
 VARIANTS = {
     "1f1b": {"schedule": "1f1b"},
     "1f1b-recompute": {"schedule": "1f1b", "recompute_ratio": 1.0},
-    "1f1b-stage-aware-chunk2": {"schedule": "1f1b", "recompute_ratio": "falling",
-                                "segment_size": 2},
+    # with dealloc_pipeoutput: sent activations' data freed, their graphs kept
+    "1f1b-stage-aware-chunk2-dealloc": {"schedule": "1f1b", "recompute_ratio": "falling",
+                                        "segment_size": 2, "dealloc_outputs": True},
     "ds_default-recompute": {"schedule": "ds_default", "recompute_ratio": 1.0},
     "pre_recompute_1f1b": {"schedule": "pre_recompute_1f1b", "recompute_ratio": 1.0},
     "last_no_recompute_1f1b": {"schedule": "last_no_recompute_1f1b", "recompute_ratio": 1.0},
     "shifted_critical_path": {"schedule": "shifted_critical_path", "recompute_ratio": 1.0},
     "zero_bubble": {"schedule": "zero_bubble"},
-    "zero_bubble-recompute": {"schedule": "zero_bubble", "recompute_ratio": 0.5},
+    "zero_bubble-recompute-dealloc": {"schedule": "zero_bubble", "recompute_ratio": 0.5,
+                                      "dealloc_outputs": True},
 }
 
 
 def scenario_names(world_size: int) -> list[str]:
     return [f"{family}-pp{world_size}-{variant}" for family in families(world_size)
-            for variant in VARIANTS] + [f"llama-pp{world_size}-stage-aware-memory"]
+            for variant in VARIANTS] + [f"llama-pp{world_size}-stage-aware-memory",
+                                        f"llama-pp{world_size}-dealloc-memory"]
 
 
 class _Family:
@@ -143,9 +146,45 @@ def stage_aware_memory() -> None:
             print("\n".join(report), flush=True)
 
 
+def dealloc_memory() -> None:
+    """dealloc_outputs (``dealloc_pipeoutput``): over a 1F1B step each stage but the last keeps
+    at least one micro-batch's sent activation less at its peak, by the activation meter (which
+    counts the outputs held for backward); the last stage, which sends nothing, the same; the
+    loss unchanged."""
+    pp, m = int(os.environ["WORLD_SIZE"]), 4
+    ctx = merak.init(dp=1, tp=1, pp=pp)
+    config = tf.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2 * pp, **LLAMA_LIKE)
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_config(config)
+    split = auto_split(model, batch("llama", 0, ROWS), pp)
+    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    materialize_(stage)
+    data = batch("llama", 0, ROWS * m)
+    peaks, losses, freeable = {}, {}, {}
+    for dealloc in (False, True):
+        engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
+                                           m, p2p_timeout_s=120, measure_activations=True,
+                                           dealloc_outputs=dealloc)
+        losses[dealloc] = engine.train_step(data)
+        peaks[dealloc] = engine.activation_peak
+        freeable[dealloc] = engine.runners[ctx.stage_id].freeable
+    hidden = ROWS * data["input_ids"].shape[1] * config.hidden_size * 4  # one sent fp32 h
+    if ctx.rank == 0:
+        print(f"dealloc pp={pp}: stage 0 peak {peaks[False]} -> {peaks[True]} bytes "
+              f"(one sent activation: {hidden})", flush=True)
+    if ctx.is_last_stage:
+        assert not freeable[True] and peaks[True] == peaks[False], (freeable, peaks)
+    else:
+        assert freeable[True] and not freeable[False], freeable
+        assert peaks[False] - peaks[True] >= hidden, (peaks, hidden)
+    if ctx.is_last_stage:
+        assert losses[True] == losses[False], losses
+
+
 def scenarios(world: int) -> dict:
     table = family_scenarios(lambda f: _Family(f, world), families(world), VARIANTS, world)
     table[f"llama-pp{world}-stage-aware-memory"] = stage_aware_memory
+    table[f"llama-pp{world}-dealloc-memory"] = dealloc_memory
     return table
 
 

@@ -30,6 +30,10 @@ RUNS = {"llama": ("llama", {}, {}),
             "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 3,
             "save_steps": RESHARD_SAVE_STEP}),
         "llama-dp4-bf16-zero2": ("llama", {**FIVE, "bf16": True}, {"zero_stage": 2}),
+        # at dp2 x pp2: ZeRO-2 under the interleaved schedule in bf16, sent activations freed
+        "llama-deep-interleaved-zero2-bf16": ("llama-deep", {**FIVE, "bf16": True}, {
+            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 2,
+            "dealloc_pipeoutput": True}),
         # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and
         # at the last step (6, 9, 10) plus one at the start (which never counts as the best);
         # on this random data the eval loss rises after step 6, so the best (lowest) is step 6,
@@ -48,7 +52,7 @@ RUNS = {"llama": ("llama", {}, {}),
 # recomputation choices and schedules, which the pipeline alone decides
 PP2_RUNS = ("llama-hf-flow", "llama-shifted-stage-aware", "gpt2-zero-bubble-recompute")
 # runs made on dp2 x tp1 x pp2 in test_trainer's 4-rank reshard launch
-DP2_PP2_RUNS = ("gpt2-zero3",)
+DP2_PP2_RUNS = ("gpt2-zero3", "llama-deep-interleaved-zero2-bf16")
 # the rest on dp2 x tp2 x pp2 (or LAYOUTS) in the 8-rank launch
 RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS + DP2_PP2_RUNS)
 # fp32 runs that also compare predict() outputs (GPT-2's under ZeRO-3: gathered per block)

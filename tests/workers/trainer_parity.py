@@ -76,6 +76,10 @@ def run(name: str) -> None:
             assert abs(value - 1 / dp) < 0.1, f"ZeRO-{zero} kept {value:.2f} of the {what}"
     else:
         assert held == 1.0 and (zero == 1 or share == 1.0), (held, share)
+    if merak_only.get("dealloc_pipeoutput"):  # every sending chunk frees what it sent
+        runners = trainer.engine.runners
+        assert all(r.freeable for s, r in runners.items() if s < r.split.num_stages - 1), \
+            {s: r.freeable for s, r in runners.items()}
     if zero == 3:  # generation gathers the shards: HF generate's tokens on the trained model
         _generates_as_hf(trainer, family)
     if ctx.rank == 0:
