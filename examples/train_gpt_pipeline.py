@@ -56,7 +56,7 @@ def main() -> None:
     log(f"{ctx.describe()}\n{split.describe()}")
 
     optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr, weight_decay=0.0)
-    recorder = merak.TimelineRecorder(row=ctx.rank)
+    recorder = merak.TimelineRecorder(row=ctx.rank, device=ctx.device)
     engine = merak.PipelineInterpreter(stage, ctx, optimizer, args.microbatches,
                                        schedule=args.schedule, hooks=[recorder])
     global_batch = args.micro_batch_size * args.microbatches * args.dp

@@ -255,25 +255,45 @@ def test_simulated_gpu_times_every_instruction_kind_and_chunk():
     assert clock.now == pytest.approx(0.04 * 1.15 / 2 * model.slowdown(1050))
 
 
-def test_nvml_backend_with_a_mocked_nvml():
-    calls = []
-    nvml = SimpleNamespace(
-        nvmlInit=lambda: calls.append("init"),
-        nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
-        nvmlDeviceGetSupportedMemoryClocks=lambda h: [1215, 877],
-        nvmlDeviceGetSupportedGraphicsClocks=lambda h, mem: [900, 1410, 1395] if mem == 1215
-        else [],
-        nvmlDeviceSetGpuLockedClocks=lambda h, lo, hi: calls.append(("lock", h, lo, hi)),
-        nvmlDeviceResetGpuLockedClocks=lambda h: calls.append(("reset", h)),
-        nvmlDeviceGetTotalEnergyConsumption=lambda h: 123456)
-    gpu = NVMLGPU(1, nvml=nvml)
+def test_nvml_backend_with_a_mocked_nvml(monkeypatch):
+    """The GPU is found by UUID (NVML's order is not CUDA's), locking is probed at start (a
+    clear PermissionError without the right), and the first locked clock registers a reset
+    at exit."""
+    import atexit
+
+    calls, exits = [], []
+    monkeypatch.setattr(atexit, "register", exits.append)
+
+    def nvml(allowed=True):
+        def lock(h, lo, hi):
+            if not allowed:
+                raise RuntimeError("NVML_ERROR_NO_PERMISSION")
+            calls.append(("lock", h, lo, hi))
+        return SimpleNamespace(
+            nvmlInit=lambda: calls.append("init"),
+            nvmlDeviceGetHandleByUUID=lambda u: f"handle-{u}",
+            nvmlDeviceGetSupportedMemoryClocks=lambda h: [1215, 877],
+            nvmlDeviceGetSupportedGraphicsClocks=lambda h, mem: [900, 1410, 1395] if mem == 1215
+            else [],
+            nvmlDeviceSetGpuLockedClocks=lock,
+            nvmlDeviceResetGpuLockedClocks=lambda h: calls.append(("reset", h)),
+            nvmlDeviceGetTotalEnergyConsumption=lambda h: 123456)
+
+    gpu = NVMLGPU("GPU-1234", nvml=nvml())
     assert gpu.supported_clocks() == [1410, 1395, 900]
+    h = "handle-GPU-1234"
+    assert calls == ["init", ("lock", h, 1410, 1410), ("reset", h)] and not exits  # the probe
     gpu.set_clock(1395)
+    gpu.set_clock(900)
     gpu.reset_clock()
-    assert calls == ["init", ("lock", "gpu1", 1395, 1395), ("reset", "gpu1")]
+    assert calls[3:] == [("lock", h, 1395, 1395), ("lock", h, 900, 900), ("reset", h)]
+    assert exits == [gpu.reset_clock]  # once
     assert gpu.energy_j() == pytest.approx(123.456)
     with pytest.raises(ValueError, match="not a supported clock"):
         gpu.set_clock(1000)
+    with pytest.raises(PermissionError, match="nvidia-smi -acp UNRESTRICTED"):
+        NVMLGPU("GPU-1234", nvml=nvml(allowed=False))
+    assert NVMLGPU("GPU-1234", nvml=nvml(allowed=False), control=False).energy_j() > 0
 
 
 def test_plan_command_writes_plan_and_picture(tmp_path):

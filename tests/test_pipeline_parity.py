@@ -10,8 +10,8 @@ the final parameters compared. Plus the p2p timeout error and `init`'s positiona
 from __future__ import annotations
 
 import pytest
-from dist_harness import check
-from pipeline_parity import scenario_names
+from dist_harness import check, launch
+from pipeline_parity import ALONE, scenario_names
 
 WORKER = "pipeline_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4, 8)
@@ -21,4 +21,11 @@ WORLD_SIZES = (2, 4, 8)
                          [(w, s) for w in WORLD_SIZES for s in scenario_names(w)])
 def test_scenario(launches, world_size, scenario):
     results, output = launches(world_size)
+    check(results, output, scenario)
+
+
+@pytest.mark.parametrize("scenario", ALONE)
+def test_scenario_alone(tmp_path, scenario):
+    """A scenario that breaks the process group (a timed-out receive) in a launch of its own."""
+    results, output = launch(WORKER, 2, tmp_path, args=["--only", scenario])
     check(results, output, scenario)

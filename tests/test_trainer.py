@@ -206,6 +206,7 @@ def test_every_merak_field_parses_from_the_command_line_and_has_help(capsys):
     ({"lora_config": "{r: 4}"}, "is not valid JSON"),
     ({"zero_stage": 2, "zero_reduce_bucket_size": 1000}, "the block is the bucket"),
     ({"zero_allow_untested_optimizer": True}, "only applies with zero_stage 2 or 3"),
+    ({"zero_stage": 3, "zero_allgather_bucket_size": 10}, "the block is the bucket"),
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -213,10 +214,10 @@ def test_bad_values_name_the_field(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"zero_allgather_bucket_size": 1000}, {"zero_stage": 3, "train_schedule": "zero_bubble"},
+    {"zero_stage": 3, "train_schedule": "zero_bubble"},
     {"zero_stage": 2, "prescale_gradients": True}, {"zero_stage": 3, "auto_find_batch_size": True},
     {"zero_stage": 3, "torch_compile": True},
-    {"dealloc_pipeoutput": True}, {"bf16_full_eval": True},
+    {"bf16_full_eval": True},
     {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"context_fn": "f"}},
 ])
 def test_features_not_landed_say_so(kwargs):
@@ -281,7 +282,8 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
            "activation_memory_budget", "tp_overlapping_level", "num_model_chunks", "tp_plan",
            "lora_config", "adapter_name", "text_generation", "out_seq_length", "temperature",
-           "zero_allow_untested_optimizer", "dealloc_pipeoutput"}
+           "zero_allow_untested_optimizer", "dealloc_pipeoutput",
+           "zero_allgather_bucket_size"}  # the last refused with the reason (FSDP2's unit)
 
 
 def _other_value(value):
@@ -533,6 +535,28 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-8"]
     checkpoint.rotate(tmp_path, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-8"]
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 12, 3.0])
+def test_fused_unscale_matches_dividing_each_gradient_and_finds_overflow(scale):
+    """The fp16 scaler's fused unscale-and-check (one kernel per device and dtype, no host
+    sync per gradient) gives what dividing each gradient and testing it gave, and flags an inf
+    or nan in any one of them."""
+    from merak.trainer.loss_scale import unscale_and_check
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(shape, generator=g) * scale for shape in ((7, 5), (13,), (2, 3, 4))]
+    grads.append(torch.randn(6, generator=g).to(torch.bfloat16) * scale)  # another dtype group
+    expected = [x / scale for x in grads]
+    found = unscale_and_check(grads, scale, torch.device("cpu"))
+    assert found.item() == 0.0
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6 if got.dtype == torch.float32 else 1e-2,
+                                   atol=0)
+    for bad in (float("inf"), float("nan")):
+        grads = [torch.ones(4), torch.ones(3, dtype=torch.bfloat16)]
+        grads[1][2] = bad
+        assert unscale_and_check(grads, scale, torch.device("cpu")).item() == 1.0
 
 
 def test_loss_fn_replaces_the_models_own_loss():

@@ -171,29 +171,58 @@ class SimulatedGPU(GPUControl):
         self._since, self._running = end, None
 
 
-class NVMLGPU(GPUControl):
-    """An NVIDIA GPU through NVML (`pip install nvidia-ml-py`). Locking clocks needs root or
-    ``nvidia-smi -acp UNRESTRICTED``; the energy counter needs Volta or newer."""
+def nvml_uuid(device) -> str:
+    """NVML's UUID (``GPU-...``) of a torch CUDA device. NVML numbers GPUs in PCI order and
+    ignores ``CUDA_VISIBLE_DEVICES``, so torch's index is not NVML's: the UUID is the same in
+    both."""
+    import torch
 
-    def __init__(self, index: int = 0, nvml=None):
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+class NVMLGPU(GPUControl):
+    """An NVIDIA GPU through NVML (`pip install nvidia-ml-py`), found by its UUID (`nvml_uuid`).
+
+    With `control`, locking clocks is probed at start (it needs root or ``nvidia-smi -acp
+    UNRESTRICTED``; a clear `PermissionError` otherwise), and once a clock was set, the clocks
+    are reset at interpreter exit as well as by `reset_clock`, so a crash never leaves the GPU
+    locked. The energy counter needs Volta or newer."""
+
+    def __init__(self, uuid: str, nvml=None, control: bool = True):
         if nvml is None:
             try:
                 import pynvml as nvml
             except ImportError as error:
                 raise ImportError("the NVML backend needs nvidia-ml-py: pip install "
                                   "nvidia-ml-py") from error
-        self.nvml = nvml
+        self.nvml, self.uuid = nvml, uuid
         nvml.nvmlInit()
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self.handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
         memory = max(nvml.nvmlDeviceGetSupportedMemoryClocks(self.handle))
         self._clocks = sorted(nvml.nvmlDeviceGetSupportedGraphicsClocks(self.handle, memory),
                               reverse=True)
+        self._locked = False
+        if control:
+            try:  # the highest clock is what the GPU runs unlocked under load anyway
+                nvml.nvmlDeviceSetGpuLockedClocks(self.handle, self._clocks[0], self._clocks[0])
+                nvml.nvmlDeviceResetGpuLockedClocks(self.handle)
+            except Exception as error:  # pynvml.NVMLError_NoPermission and relatives
+                raise PermissionError(
+                    f"cannot lock the clocks of GPU {uuid} ({error}): run as root or let users "
+                    f"lock them (sudo nvidia-smi -acp UNRESTRICTED), or profile with "
+                    f"energy_gpu='simulated'") from error
 
     def supported_clocks(self) -> list[int]:
         return list(self._clocks)
 
     def set_clock(self, mhz: int) -> None:
         self.check_clock(mhz)
+        if not self._locked:
+            import atexit
+
+            atexit.register(self.reset_clock)
+            self._locked = True
         self.nvml.nvmlDeviceSetGpuLockedClocks(self.handle, mhz, mhz)
 
     def reset_clock(self) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from merak.energy.deploy import ClockPlanHook
-from merak.energy.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel
+from merak.energy.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel, nvml_uuid
 from merak.energy.plan_file import check_plan, load_plan
 from merak.schedule.actions import ActionKind, Schedule
 from merak.schedule.registry import SCHEDULES, make_schedule
@@ -41,7 +41,7 @@ def make_gpu(kind: str, simulated: str | None, num_ranks: int, chunks: int = 1) 
         if not torch.cuda.is_available():
             raise RuntimeError("energy_gpu='nvml' needs a CUDA GPU; on a CPU machine use "
                                "energy_gpu='simulated'")
-        return NVMLGPU(torch.cuda.current_device())
+        return NVMLGPU(nvml_uuid(torch.cuda.current_device()))
     overrides = {}
     if simulated:
         try:

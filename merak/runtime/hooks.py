@@ -3,10 +3,10 @@ interpreter without touching its handlers."""
 
 from __future__ import annotations
 
-import time
-
+import torch
 import torch.distributed as dist
 
+from merak.runtime.device_timer import DeviceTimer
 from merak.schedule.actions import Action
 from merak.schedule.timeline import TimelineEvent
 
@@ -29,25 +29,27 @@ class InstructionHook:
 
 
 class TimelineRecorder(InstructionHook):
-    """Records the actions of the most recent step on this rank."""
+    """Records the actions of the most recent step on this rank, timed on `device` (CUDA
+    events on a GPU, read once at the step's end; see `DeviceTimer`)."""
 
-    def __init__(self, row: int):
+    def __init__(self, row: int, device: torch.device | str | None = None):
         self.row = row
         self.events: list[TimelineEvent] = []
-        self._step_start = 0.0
-        self._open: dict[Action, float] = {}
+        self.timer = DeviceTimer(device)
 
     def on_step_begin(self, step: int) -> None:
         self.events = []
-        self._step_start = time.perf_counter()
+        self.timer.reset()
 
     def on_instruction_begin(self, name: str, action: Action) -> None:
-        self._open[action] = time.perf_counter() - self._step_start
+        self.timer.begin(action)
 
     def on_instruction_end(self, name: str, action: Action) -> None:
-        start = self._open.pop(action)
-        self.events.append(TimelineEvent(self.row, name, action.microbatch_id, start,
-                                         time.perf_counter() - self._step_start))
+        self.timer.end(action, (name, action.microbatch_id))
+
+    def on_step_end(self, step: int) -> None:
+        self.events = [TimelineEvent(self.row, name, mb, start, end)
+                       for (name, mb), start, end in self.timer.intervals()]
 
 
 def gather_events(events: list[TimelineEvent], dst: int = 0) -> list[TimelineEvent] | None:

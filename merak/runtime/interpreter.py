@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,13 @@ from merak.runtime.hooks import InstructionHook
 from merak.runtime.p2p import StageTransfers
 from merak.runtime.runner import StageRunner, split_microbatches
 from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
-from merak.runtime.step_tail import StepTail, TiedGroups, step_loss, tied_weight_groups
+from merak.runtime.step_tail import (
+    StepTail,
+    TiedGroups,
+    last_weight_backwards,
+    step_loss,
+    tied_weight_groups,
+)
 from merak.schedule.actions import Action, ActionKind, Schedule
 from merak.schedule.registry import forward_schedule, make_schedule
 from merak.schedule.validate import validate_schedule
@@ -118,12 +125,14 @@ class PipelineInterpreter(StepTail):
                                              for k in r.batch_keys))
         params = list({id(q): q for q in stage.parameters()}.values())
         self.zero = zero
-        self.grad_averager = GradientAverager([q for q in params if not is_sharded(q)],
-                                              ctx.dp_group, bucket_bytes, grad_predivide)
         # replicated parameters that saw only this TP rank's heads or sequence shard
         self._tp_partial = [q for q in params
                             if q.requires_grad and getattr(q, "tp_partial_grad", False)]
         self._tied = self._build_tied_groups()
+        self.grad_averager = GradientAverager(
+            [q for q in params if not is_sharded(q)], ctx.dp_group, bucket_bytes,
+            grad_predivide, late=self._tp_partial + [q for _, g in self._tied for q in g],
+            stages={s: list(r.stage.parameters()) for s, r in self.runners.items()})
         discovery = forward_schedule(p, 1, stages_per_rank=v, edges=split.edges or None,
                                      single_transfers=True)
         validate_schedule(discovery, training=False)
@@ -160,6 +169,7 @@ class PipelineInterpreter(StepTail):
                                  f"actions")
         self.segments, self.schedule = segments, schedule
         self.program: list[Action] = list(schedule.programs[ctx.pp_rank])
+        self._closing = last_weight_backwards(self.program)  # gradients final after these
         self._install_recomputation({s: segments[s] for s in self.runners})
         self.hooks = [h for h in self.hooks if not isinstance(h, IdleCoreLending)]
         if self._lend:
@@ -219,6 +229,7 @@ class PipelineInterpreter(StepTail):
         meter = next(iter(self.runners.values())).meter
         if meter is not None:
             meter.reset_peak()
+        self.grad_averager.begin_step()
         loss = self._run(self.program, batch, self.num_microbatches, self.hooks)
         if meter is not None:
             self.activation_peak = meter.peak
@@ -377,9 +388,11 @@ class PipelineInterpreter(StepTail):
              K.OPTIMIZER_STEP: self._optimizer_step}[action.kind]()
         else:
             runner, mb = self.runners[action.stage_id], action.microbatch_id
-            {K.LOAD: runner.load, K.FORWARD: runner.forward, K.BACKWARD: runner.backward,
-             K.RECOMPUTE: runner.recompute_blocks, K.BACKWARD_INPUT: runner.backward_input,
-             K.BACKWARD_WEIGHT: runner.backward_weight}[action.kind](mb)
+            closing = self._closing.get(action.stage_id) == action  # dp buckets may start
+            with self.grad_averager.last_backward(action.stage_id) if closing else nullcontext():
+                {K.LOAD: runner.load, K.FORWARD: runner.forward, K.BACKWARD: runner.backward,
+                 K.RECOMPUTE: runner.recompute_blocks, K.BACKWARD_INPUT: runner.backward_input,
+                 K.BACKWARD_WEIGHT: runner.backward_weight}[action.kind](mb)
         for hook in hooks:
             hook.on_instruction_end(action.name, action)
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
 from merak.data_parallel.zero import ZeroSharding
 from merak.distributed.parallel_context import ParallelContext
+from merak.schedule.actions import Action, ActionKind
 
 TiedGroups = list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]
 
@@ -32,6 +33,16 @@ def tied_weight_groups(ctx: ParallelContext,
                 if ctx.rank in ranks:
                     groups.append((group, params))
     return groups
+
+
+def last_weight_backwards(program: Sequence[Action]) -> dict[int, Action]:
+    """Per stage of a rank's `program`, its last action that writes weight gradients (a
+    backward, or a zero-bubble schedule's weight half): its gradients are final after it."""
+    last = {}
+    for action in program:
+        if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            last[action.stage_id] = action
+    return last
 
 
 def step_loss(ctx: ParallelContext, losses: Sequence[torch.Tensor]) -> float:

@@ -54,10 +54,18 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
-             for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    """The shards of `group` concatenated along `dim`: one `all_gather_into_tensor` into one
+    buffer (no list of parts and `cat`); along dim 0 that buffer is the result, along another
+    dimension one copy moves the shards into place."""
+    size, dim = dist.get_world_size(group), dim % x.dim()
+    # the concatenated form (gloo has no stacked one): rank r's shard is rows [r*n, (r+1)*n)
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    if dim == 0:
+        return out
+    shape = list(x.shape)
+    shape[dim] *= size
+    return out.view(size, *x.shape).movedim(0, dim).reshape(shape)
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -69,8 +77,17 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    # gloo has no reduce_scatter: all-reduce then keep this rank's slice (same sum, order-exact)
-    return _split(_all_reduce(x, group), dim, group)
+    """This rank's shard along `dim` of the sum over `group`: one `reduce_scatter_tensor`
+    (each rank receives only its shard's sum, not the whole sum)."""
+    size, dim = dist.get_world_size(group), dim % x.dim()
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {size} "
+                         f"tensor-parallel shards; make it divisible by tp={size}")
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    dist.reduce_scatter_tensor(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -112,7 +112,7 @@ class MerakArguments(JobView, TrainingArguments):
     zero_allow_untested_optimizer: bool = field(default=False, metadata=_help("data parallel",
         "let zero_stage 2/3 step an optimizer not known to be element-wise"))
     zero_allgather_bucket_size: int = field(default=500_000_000, metadata=_help("data parallel",
-        "ZeRO parameter all-gather bucket, elements"))
+        "DeepSpeed's all-gather bucket: does not apply (FSDP2 gathers a block at a time)"))
     zero_reduce_bucket_size: int = field(default=500_000_000, metadata=_help("data parallel",
         "gradient all-reduce bucket, elements"))
     # ---- tensor parallelism
@@ -190,7 +190,7 @@ class MerakArguments(JobView, TrainingArguments):
         self._check_gradient_checkpointing()
         self._check_tp_plan()
         self._check_choices()
-        self._check_not_landed()
+        self._check_buckets_and_scaler()
         self._check_inherited()
         if self.temperature < 0:
             raise ValueError(f"MerakArguments.temperature must be >= 0 (0: greedy decoding), "
@@ -309,18 +309,16 @@ class MerakArguments(JobView, TrainingArguments):
             raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
                              "(1 chunk per rank is train_schedule='1f1b')")
 
-    def _check_not_landed(self) -> None:
-        later = {
-            "zero_allgather_bucket_size": "a ZeRO all-gather bucket size (ZeRO-1 broadcasts "
-                                          "each updated shard whole; ZeRO-2/3's FSDP2 "
-                                          "all-gathers one block at a time)",
-        }
+    def _check_buckets_and_scaler(self) -> None:
         own = {f.name: f for f in dataclasses.fields(MerakArguments)}
-        for name, feature in later.items():
-            if getattr(self, name) != _default(own[name]):
-                raise NotSupportedYetError(
-                    f"MerakArguments.{name}={getattr(self, name)!r}: {feature} is not supported "
-                    f"yet; leave {name} at its default ({_default(own[name])!r})")
+        gather = own["zero_allgather_bucket_size"]
+        if self.zero_allgather_bucket_size != _default(gather):
+            raise ValueError(
+                f"MerakArguments.zero_allgather_bucket_size={self.zero_allgather_bucket_size} "
+                f"does not apply: ZeRO-2/3 (FSDP2) all-gather one block's parameters at a time "
+                f"(each block is one fully_shard unit: the block is the bucket), and ZeRO-1 "
+                f"broadcasts each rank's updated shard whole; leave it at its default "
+                f"({_default(gather)})")
         if not self.fp16:
             for name in ("loss_scale", "initial_scale_power", "loss_scale_window",
                          "hysteresis", "min_loss_scale"):

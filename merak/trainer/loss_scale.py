@@ -36,11 +36,7 @@ class LossScaler(InstructionHook):
         if name != "optimizer_step":
             return
         grads = [local(p.grad) for p in self.engine.stage.parameters() if p.grad is not None]
-        bad = torch.zeros(1, device=self.ctx.device)
-        for grad in grads:
-            grad.div_(self.scale)
-            if not torch.isfinite(grad).all():
-                bad.fill_(1.0)
+        bad = unscale_and_check(grads, self.scale, self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.overflowed = bool(bad.item())
@@ -71,3 +67,22 @@ class LossScaler(InstructionHook):
         self.scale, self._left = state["scale"], state["left"]
         self._clean_steps, self.skipped_steps = state["clean"], state["skipped"]
         self.engine.loss_scale = self.scale
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.device
+                      ) -> torch.Tensor:
+    """Multiply every gradient by 1 / `scale` in place; returns a one-element tensor on
+    `device`, 1.0 when any gradient holds an inf or nan. One fused kernel per (device, dtype)
+    (`torch._amp_foreach_non_finite_check_and_unscale_`, what `torch.amp.GradScaler` runs), with
+    no host synchronisation: the caller reads the flag once, after the all-reduce."""
+    found = torch.zeros(1, device=device)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (where, _), group in groups.items():
+        flag = found if where == found.device else torch.zeros(1, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            group, flag, torch.full((1,), 1.0 / scale, device=where))
+        if flag is not found:
+            found = torch.maximum(found, flag.to(device))
+    return found

@@ -138,7 +138,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             if args.zero_stage >= 2 else None  # before anything holds the parameters
         self.model = self.model_wrapped = self.stage
         self.clipper = GradNormClipper(self.stage, self.ctx, args.max_grad_norm or 0.0)
-        self.timers = WallClockBreakdown() if args.wall_clock_breakdown else None
+        self.timers = WallClockBreakdown(self.ctx.device) if args.wall_clock_breakdown else None
         self.optimizer = None  # built over this rank's stage
         self.create_optimizer()
         if args.zero_stage == 1:

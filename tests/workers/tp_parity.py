@@ -94,6 +94,35 @@ def custom_plan(tp: int):
                           plan_setup=setup)
 
 
+def collectives(tp: int) -> None:
+    """The tp collectives (`all_gather_into_tensor` / `reduce_scatter_tensor` into one buffer)
+    against the list all-gather + cat and the all-reduce + slice they replace, along every
+    dimension, with their autograd conjugates."""
+    from merak.tensor_parallel.collectives import gather_sequence, reduce_scatter_sequence
+
+    ctx = merak.init(dp=1, tp=tp, pp=1)
+    group, rank = ctx.tp_group, ctx.tp_rank
+    g = torch.Generator().manual_seed(11 + rank)
+    for dim in (0, 1, 2, -1, -2):
+        shape = [3, 5, 2]
+        shape[dim] = 2 * tp
+        x = torch.randn(shape, generator=g, requires_grad=True)
+        parts = [torch.empty_like(x) for _ in range(tp)]
+        dist.all_gather(parts, x.detach(), group=group)
+        gathered = gather_sequence(x, dim, group)
+        assert_close(gathered, torch.cat(parts, dim), f"all-gather along {dim}")
+        total = x.detach().clone()
+        dist.all_reduce(total, group=group)
+        scattered = reduce_scatter_sequence(x, dim, group)
+        assert_close(scattered, total.chunk(tp, dim)[rank], f"reduce-scatter along {dim}")
+        # backward: the gather's is a reduce-scatter, the reduce-scatter's an all-gather
+        up = torch.randn(gathered.shape, generator=g)
+        (gathered * up).sum().backward()
+        summed = up.clone()
+        dist.all_reduce(summed, group=group)
+        assert_close(x.grad, summed.chunk(tp, dim)[rank], f"gather's backward along {dim}")
+
+
 def vocab_parallel_loss(tp: int) -> None:
     ctx = merak.init(dp=1, tp=tp, pp=1)
     torch.manual_seed(SEED)
@@ -222,6 +251,7 @@ SCENARIOS = {
         "tp2-llama-sequence-parallel": family("llama", 1, 2, 1, sequence_parallel=True),
         "tp2-custom-set_tp_layer_lists": custom_plan(2),
         "tp2-vocab-parallel-cross-entropy": lambda: vocab_parallel_loss(2),
+        "tp2-collectives": lambda: collectives(2),
         "tp2-dropout-rng": lambda: dropout_rng(2),
         "tp2-checkpoint-shards": lambda: checkpoint_shards(2),
         **{f"tp2-hf-plan-{name}": (lambda n=name: hf_plan_parity(n, 2))
@@ -232,7 +262,8 @@ SCENARIOS = {
     # qkv); every family runs at tp=2 above (the suite's time budget)
     4: {**{f"tp4-{name}": family(name, 1, 4, 1) for name in TP4_FAMILIES},
         "tp2-pp2-llama-sequence-parallel": family("llama", 1, 2, 2, sequence_parallel=True),
-        "tp4-vocab-parallel-cross-entropy": lambda: vocab_parallel_loss(4)},
+        "tp4-vocab-parallel-cross-entropy": lambda: vocab_parallel_loss(4),
+        "tp4-collectives": lambda: collectives(4)},
     # dp2 x tp2 x pp2 Llama trains through MerakTrainer in test_trainer (and below with LoRA
     # and generation); every gradient is compared here for BERT and GPT-2
     8: {"dp2-tp2-pp2-bert": family("bert", 2, 2, 2),

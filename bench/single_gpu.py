@@ -1,0 +1,164 @@
+"""One GPU: MerakTrainer (dp = tp = pp = 1) against HF Trainer on the same HF Llama, batch and
+sequence length, in bf16: tokens/s, MFU and peak memory, Merak's as ratios to HF's.
+
+    torchrun --nproc_per_node 1 bench/single_gpu.py            # a Llama of about 1.1 B
+    torchrun --nproc_per_node 1 bench/single_gpu.py --tiny      # a smoke run (CPU too)
+
+Target (issue 19): Merak >= 1.0x HF Trainer's tokens/s and MFU >= 45% on an H100/H200.
+Both trainers run the same steps on the same random token windows, one after the other in this
+process; the first `--warmup` steps are not timed. A step's time is measured between the ends
+of consecutive optimizer steps, after a device synchronisation. MFU counts the model's FLOPs
+per token as 6 x parameters + 12 x layers x hidden x sequence (attention scores), over
+`--peak-tflops` (default: 989 dense bf16 TFLOP/s for H100 and H200).
+
+Not measured: pp=2 with both stages on the one GPU. Each pipeline rank is a process and NCCL
+refuses two ranks on one GPU, so two stages need two GPUs (or gloo, which is not a GPU path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+import merak
+from merak import MerakArguments, MerakTrainer
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide Llama")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
+    parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--out", default="runs/single_gpu.json")
+    return parser.parse_args()
+
+
+def llama_config(cli) -> LlamaConfig:
+    if cli.tiny:
+        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=cli.seq_len)
+    # TinyLlama-1.1B's shape
+    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                       num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                       max_position_embeddings=cli.seq_len)
+
+
+class RandomWindows(torch.utils.data.Dataset):
+    def __init__(self, count: int, seq_len: int, vocab: int):
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (count, seq_len), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class StepClock(TrainerCallback):
+    """The wall time of each optimizer step after the warm-up, the device synchronised."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.times, self._last = warmup, [], None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if state.global_step > self.warmup and self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+def run(name: str, cli, config: LlamaConfig, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    common = dict(output_dir=f"runs/single_gpu-{name}", max_steps=cli.steps,
+                  per_device_train_batch_size=cli.batch,
+                  gradient_accumulation_steps=cli.accumulation, learning_rate=1e-4,
+                  logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                  bf16=device.type == "cuda", use_cpu=device.type == "cpu", seed=0)
+    data = RandomWindows(cli.steps * cli.batch * cli.accumulation, cli.seq_len,
+                         config.vocab_size)
+    clock = StepClock(cli.warmup)
+    if name == "hf":
+        model = AutoModelForCausalLM.from_config(config)
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data,
+                          callbacks=[clock])
+    else:
+        with merak.init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+        trainer = MerakTrainer(model=model, args=MerakArguments(**common), train_dataset=data,
+                               callbacks=[clock])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    params = sum(p.numel() for p in model.parameters())
+    step_s = sorted(clock.times)[len(clock.times) // 2] if clock.times else float("nan")
+    tokens = cli.batch * cli.accumulation * cli.seq_len
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    del trainer, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "peak_bytes": peak,
+            "params": params}
+
+
+def main() -> None:
+    cli = parse_args()
+    ctx = merak.init(dp=1, tp=1, pp=1)  # NCCL on a GPU, gloo on CPU
+    device, config = ctx.device, llama_config(cli)
+    peak_tflops = cli.peak_tflops
+    if peak_tflops is None and device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    results = {name: run(name, cli, config, device) for name in ("hf", "merak")}
+    matmul_params = results["hf"]["params"] - config.vocab_size * config.hidden_size  # not the
+    per_token = 6 * matmul_params + 12 * config.num_hidden_layers \
+        * config.hidden_size * cli.seq_len  # input embedding: a lookup, no FLOPs
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: Llama "
+          f"{results['hf']['params'] / 1e9:.2f} B, seq {cli.seq_len}, "
+          f"{cli.batch} x {cli.accumulation} rows per step")
+    print(f"{'':8}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}")
+    for name, r in results.items():
+        r["mfu"] = per_token * r["tokens_per_s"] / (peak_tflops * 1e12) if peak_tflops else None
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "n/a"
+        print(f"{name:8}{r['tokens_per_s']:12.0f}{mfu:>8}{peak:>10}")
+    ratio = results["merak"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+    print(f"merak / HF tokens/s: {ratio:.3f} (target >= 1.0)")
+    if results["merak"]["mfu"] is not None:
+        print(f"merak MFU: {results['merak']['mfu']:.1%} (target >= 45%)")
+    if results["hf"]["peak_bytes"]:
+        print(f"merak / HF peak memory: "
+              f"{results['merak']['peak_bytes'] / results['hf']['peak_bytes']:.3f}")
+    Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(cli.out, "w") as handle:
+        json.dump({"config": vars(cli), "results": results, "tokens_per_s_ratio": ratio},
+                  handle, indent=1)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
