@@ -8,6 +8,7 @@ import sys
 from merak.coverage.cli import add_coverage
 from merak.energy.cli import add_energy
 from merak.generation.cli import add_generate
+from merak.plan.cli import add_plan
 from merak.schedule.simulate_cli import add_simulate
 
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     add_energy(subparsers)
     add_coverage(subparsers)
     add_generate(subparsers)
+    add_plan(subparsers)
     args = parser.parse_args(argv)
     return args.run(args)
 

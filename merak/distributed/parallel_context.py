@@ -9,9 +9,11 @@ context as an explicit argument.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -176,15 +178,30 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
                             rank=0, world_size=1, timeout=timeout, device_id=device_id)
 
 
-def init(dp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None, *,
-         timeout: datetime.timedelta | float = 600.0,
-         nccl_p2p_rules: bool | None = None) -> ParallelContext:
+def degrees_from_plan(path: str | Path) -> tuple[int, int, int]:
+    """(dp, tp, pp) of the layout a ``merak plan`` file chose."""
+    data = json.loads(Path(path).read_text())
+    chosen = data.get("chosen")
+    if not chosen:
+        raise ValueError(f"{path} holds no chosen plan (no candidate fitted); plan again with "
+                         f"more memory or ranks")
+    return chosen["dp"], chosen["tp"], chosen["pp"]
+
+
+def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
+         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
+         nccl_p2p_rules: bool | None = None, plan: str | Path | None = None
+         ) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh.
 
     Args:
-        dp: data-parallel degree.
-        tp: tensor-parallel degree.
-        pp: pipeline-parallel degree (number of stages).
+        dp: data-parallel degree. With no degree at all, every rank is data-parallel (dp =
+            world size): the layout to start from when ``MerakArguments(auto_parallel=True)``
+            plans the real one.
+        tp: tensor-parallel degree (default 1 when any degree is given).
+        pp: pipeline-parallel degree (number of stages; default 1 when any degree is given).
+        plan: a ``merak plan`` file (plan.json): its chosen degrees (the degree arguments must
+            be left out or agree).
         backend: torch.distributed backend; default ``nccl`` when CUDA is available, else ``gloo``.
             An explicit value is always honoured.
         timeout: collective timeout (seconds or timedelta) used when this call creates the
@@ -206,6 +223,17 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None, *,
         ValueError: a degree is not a positive int, or dp * tp * pp differs from the world size.
     """
     global _default_context
+    if plan is not None:
+        planned = degrees_from_plan(plan)
+        given = (dp, tp, pp)
+        if any(g is not None and g != p for g, p in zip(given, planned)):
+            raise ValueError(f"merak.init: (dp, tp, pp) = {given} disagree with the plan "
+                             f"{plan}'s {planned}; leave the degrees out to use the plan's")
+        dp, tp, pp = planned
+    elif dp is None and tp is None and pp is None:
+        dp = dist.get_world_size() if dist.is_initialized() else \
+            int(os.environ.get("WORLD_SIZE", "1"))
+    dp, tp, pp = (1 if d is None else d for d in (dp, tp, pp))
     _check_degrees(dp, tp, pp)
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))

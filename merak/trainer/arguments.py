@@ -58,6 +58,19 @@ class MerakArguments(JobView, TrainingArguments):
     `gradient_accumulation_steps` and a micro-batch is `per_device_train_batch_size` rows.
     """
 
+    # ---- automatic strategy (merak.plan)
+    auto_parallel: bool = field(default=False, metadata=_help("auto",
+        "plan dp x tp x pp, micro-batching, schedule, recomputation and ZeRO at train() "
+        "(measured, predicted, dry-run; merak.init() without degrees); the optimizer step's "
+        "global batch is per_device_train_batch_size x gradient_accumulation_steps"))
+    plan: str | None = field(default=None, metadata=_help("auto",
+        "a `merak plan` file (plan.json) to train with: its layout, micro-batching, schedule, "
+        "recomputation and ZeRO stage (merak.init(plan=...) for the degrees)"))
+    plan_memory_gib: float | None = field(default=None, metadata=_help("auto",
+        "auto_parallel: the per-rank memory limit (default: the device's)"))
+    plan_dry_runs: int = field(default=3, metadata=_help("auto",
+        "auto_parallel: best predicted candidates measured with a few real steps"))
+
     # ---- pipeline schedule and partitioning
     train_schedule: str = field(default="1f1b", metadata=_help("pipeline",
         f"pipeline schedule: {sorted(SCHEDULES)}"))
@@ -187,6 +200,7 @@ class MerakArguments(JobView, TrainingArguments):
         "http://127.0.0.1:7787 (`merak energy serve`)"))
 
     def __post_init__(self) -> None:
+        self._check_auto_parallel()
         self._check_gradient_checkpointing()
         self._check_tp_plan()
         self._check_choices()
@@ -204,6 +218,31 @@ class MerakArguments(JobView, TrainingArguments):
 
             load_lora_config(self.lora_config)
         super().__post_init__()
+
+    # what a plan chooses: the user leaves these at their defaults
+    PLANNED = ("train_schedule", "num_model_chunks", "zero_stage", "activation_checkpointing",
+               "activation_checkpoint_ratio", "activation_memory_budget")
+
+    def _check_auto_parallel(self) -> None:
+        if self.auto_parallel and self.plan:
+            raise ValueError("MerakArguments: give auto_parallel=True (plan at train()) or "
+                             "plan='plan.json' (a plan made before), not both")
+        if not (self.auto_parallel or self.plan):
+            extra = [n for n in ("plan_memory_gib",) if getattr(self, n) is not None]
+            if extra or self.plan_dry_runs != 3:
+                raise ValueError(f"MerakArguments.{(extra or ['plan_dry_runs'])[0]} only "
+                                 f"applies with auto_parallel=True")
+            return
+        own = {f.name: f for f in dataclasses.fields(MerakArguments)}
+        chosen = [n for n in self.PLANNED if not _same(getattr(self, n), _default(own[n]))]
+        if chosen:
+            raise ValueError(f"MerakArguments.{chosen[0]} is chosen by the plan with "
+                             f"{'auto_parallel' if self.auto_parallel else 'plan'}; leave it at "
+                             f"its default")
+        if self.plan_dry_runs < 1 or (self.plan_memory_gib is not None
+                                      and self.plan_memory_gib <= 0):
+            raise ValueError("MerakArguments.plan_dry_runs must be >= 1 and plan_memory_gib "
+                             "positive")
 
     def _check_choices(self) -> None:
         choices = {

@@ -32,6 +32,7 @@ from merak.runtime.memory_probe import fits_in_memory
 from merak.schedule.registry import SCHEDULES
 from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
+from merak.trainer.auto_plan import apply_plan
 from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.compile import compile_blocks
 from merak.trainer.data import StageBatches, loader_options, model_input_filter
@@ -227,6 +228,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
         if self.train_dataset is None:
             raise ValueError("MerakTrainer.train() needs a train_dataset")
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        if (args.auto_parallel or args.plan) and self.engine is None:  # before building
+            self.ctx = apply_plan(self, self._example(self.train_dataset, 1))
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._build(self._example(self.train_dataset, mbs))
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)

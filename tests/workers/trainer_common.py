@@ -34,6 +34,10 @@ RUNS = {"llama": ("llama", {}, {}),
         "llama-deep-interleaved-zero2-bf16": ("llama-deep", {**FIVE, "bf16": True}, {
             "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 2,
             "dealloc_pipeoutput": True}),
+        # issue 18: the planner chooses the layout, micro-batching, schedule, recomputation
+        # and ZeRO stage (2 dry runs) for the reference's global batch; the loss curve is the
+        # single-process one whatever it chose
+        "llama-auto": ("llama", {}, {"auto_parallel": True, "plan_dry_runs": 2}),
         # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and
         # at the last step (6, 9, 10) plus one at the start (which never counts as the best);
         # on this random data the eval loss rises after step 6, so the best (lowest) is step 6,
@@ -52,7 +56,7 @@ RUNS = {"llama": ("llama", {}, {}),
 # recomputation choices and schedules, which the pipeline alone decides
 PP2_RUNS = ("llama-hf-flow", "llama-shifted-stage-aware", "gpt2-zero-bubble-recompute")
 # runs made on dp2 x tp1 x pp2 in test_trainer's 4-rank reshard launch
-DP2_PP2_RUNS = ("gpt2-zero3", "llama-deep-interleaved-zero2-bf16")
+DP2_PP2_RUNS = ("gpt2-zero3", "llama-deep-interleaved-zero2-bf16", "llama-auto")
 # the rest on dp2 x tp2 x pp2 (or LAYOUTS) in the 8-rank launch
 RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS + DP2_PP2_RUNS)
 # fp32 runs that also compare predict() outputs (GPT-2's under ZeRO-3: gathered per block)

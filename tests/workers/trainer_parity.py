@@ -17,6 +17,7 @@ from trainer_common import (
     DP,
     LAYOUTS,
     MICRO_BATCH,
+    MICROBATCHES,
     PREDICTING,
     RUNS,
     RUNS_3D,
@@ -36,18 +37,27 @@ OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
 
 def run(name: str) -> None:
     family, extra, merak_only = RUNS[name]
+    auto = merak_only.get("auto_parallel", False)
     dp, tp, pp = LAYOUTS.get(name, (2, 2, 2))
-    ctx = merak.init(dp=dp, tp=tp, pp=pp)
+    # auto_parallel: from pure data parallelism, a step's global batch given whole
+    ctx = merak.init() if auto else merak.init(dp=dp, tp=tp, pp=pp)
     with merak.init_empty_weights():
         model = build(family)
     args = merak.MerakArguments(output_dir=str(OUT / name),  # the reference's global batch
-                                per_device_train_batch_size=MICRO_BATCH * DP // dp,
+                                per_device_train_batch_size=MICRO_BATCH * DP // (1 if auto
+                                                                                 else dp),
                                 per_device_eval_batch_size=4 * MICRO_BATCH * DP // dp,
                                 parallel_vocab=True,
                                 wall_clock_breakdown=True, **{**COMMON, **extra}, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
     trainer.train()
+    if auto:  # the layout chosen; evaluation at the reference's rows per dp rank
+        ctx, dp = trainer.ctx, trainer.ctx.dp
+        planned = json.loads((OUT / name / "plan.json").read_text())
+        assert planned["chosen"]["dp"] == dp and len(planned["measured"]) == 2, planned
+        args.per_device_eval_batch_size = 4 * MICRO_BATCH * DP * MICROBATCHES // (
+            dp * args.gradient_accumulation_steps)
     flow = flow_summary(trainer) if name.endswith("hf-flow") else {}
     metrics = trainer.evaluate()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -60,7 +70,8 @@ def run(name: str) -> None:
             np.save(OUT / f"merak-{name}-logits.npy", predicted.predictions)
             np.save(OUT / f"merak-{name}-labels.npy", predicted.label_ids)
     trainer.args.eval_iters = 1
-    assert trainer.evaluate()["eval_steps"] == 1 and metrics["eval_steps"] == 2  # 24 of 32 rows
+    if not auto:  # (the planned layout sets how many rows an evaluation step takes)
+        assert trainer.evaluate()["eval_steps"] == 1 and metrics["eval_steps"] == 2  # 24 of 32
     state_bytes = sum(local(t).numel() * t.element_size()  # (ZeRO-2/3: this rank's shard)
                       for s in local_optimizer(trainer.optimizer).state.values()
                       for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
@@ -68,7 +79,7 @@ def run(name: str) -> None:
     share = state_bytes / (2 * param_bytes)  # Adam keeps two tensors per parameter
     held = sum(local(p).numel() for p in trainer.stage.parameters()) / \
         sum(p.numel() for p in trainer.stage.parameters())
-    zero = merak_only.get("zero_stage", 0)
+    zero = trainer.args.zero_stage
     if zero == 1:
         assert 0.3 < share < 0.7, f"ZeRO-1 kept {share:.2f} of the optimizer state"
     if zero >= 2:  # parameters (at rest) and optimizer state: this dp rank's part

@@ -1,0 +1,174 @@
+"""The strategy planner (issue 18): offline on published configurations, online against a
+measured grid.
+
+    .venv/bin/python bench/auto_parallel.py --offline
+    .venv/bin/python -m torch.distributed.run --nproc_per_node 4 bench/auto_parallel.py --grid
+
+--grid (4 CPU ranks): for a Llama of about 20 M and one of about 80 M parameters, measure every
+candidate of a grid (each layout of 4 ranks x micro-batch 1, 2 x the schedules 1f1b,
+zero_bubble, interleaved_1f1b x recomputation off, full x ZeRO 0, 1) with a few real steps,
+then plan online (measured block costs and links, 3 dry runs) under two memory limits (the
+machine's share, and the grid's median measured peak); print the planner's choice, its measured
+tokens/s as a ratio to the best grid candidate within the limit, the planner's wall time as a
+ratio to the grid's, and every candidate's predicted against measured time and memory.
+Targets: chosen >= 0.9x the best, never over the limit, planner <= 0.25x the grid's time,
+predicted peak memory within 15% of measured.
+
+For Llama-3 8B on 8 H100s and Llama-3 70B on 64 H100s (8192-token sequences), the layout
+`merak plan --cluster h100` chooses, with its predicted step time, tokens/s and MFU, next to
+the layouts the anchors publish for the same jobs, each predicted by the same model (where
+Merak can express it: no context parallelism, and ZeRO-3 as Merak runs it).
+
+Published layouts (the anchors' configuration files):
+- torchtitan ``llama3_8b.toml``: FSDP over all 8 GPUs (tp 1), local batch 1;
+  ``llama3_70b.toml``: FSDP 8 x TP 8 on 64 GPUs, local batch 8.
+- NeMo / Megatron-LM recipes: 8B on 8 GPUs TP 1, PP 1, CP 2; 70B on 64 GPUs TP 4, PP 4,
+  CP 2 with 5 virtual stages.
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from transformers import LlamaConfig
+
+from merak.plan.cluster import cluster
+from merak.plan.costs import analytic_costs
+from merak.plan.predict import Candidate, Predictor
+from merak.plan.search import search
+from merak.plan.shape import ModelShape
+
+LLAMA3 = {
+    "8B": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    "70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+}
+# job -> (world size, global batch in sequences, published layouts as Merak candidates with
+# what Merak cannot express)
+JOBS = {
+    "8B": (8, 64, {
+        "torchtitan (FSDP 8)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 3), ""),
+        "Megatron/NeMo (TP1 PP1 CP2)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 1),
+                                        "CP2 not expressible: shown as dp 8"),
+    }),
+    "70B": (64, 512, {
+        "torchtitan (FSDP 8 x TP 8)": (Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3), ""),
+        "Megatron/NeMo (TP4 PP4 CP2 VP5)": (
+            Candidate(4, 4, 4, 1, 128, "interleaved_1f1b", "full", 1, 2),
+            "CP2 not expressible: shown as dp 4 (half the ranks), 2 chunks not 5"),
+    }),
+}
+
+
+def offline(seq: int) -> None:
+    h100 = cluster("h100")
+    for size, (world, batch, published) in JOBS.items():
+        shape = ModelShape.from_config(LlamaConfig(**LLAMA3[size]))
+        where = cluster("h100", world)
+        costs = {m: analytic_costs(shape, where, m, seq) for m in (1, 2, 4, 8)}
+        start = time.perf_counter()
+        plan = search(shape, costs, where, batch, seq)
+        took = time.perf_counter() - start
+        best = plan.ranked[0]
+        print(f"\nLlama-3 {size} ({shape.params / 1e9:.2f} B) on {world} x H100, global batch "
+              f"{batch} x {seq} tokens, {h100.memory_bytes / 2**30:.0f} GiB per GPU; planned in "
+              f"{took:.1f} s ({len(plan.ranked)} candidates fit, {len(plan.dropped)} dropped)")
+        print(f"  {'':34}{'layout':56}{'step s':>8}{'MFU':>7}{'GiB':>6}")
+        print(f"  {'merak plan':34}{best.candidate.label:56}{best.step_s:8.2f}"
+              f"{plan.mfu(best.step_s):7.1%}{best.peak_bytes / 2**30:6.1f}")
+        predict = Predictor(shape, costs, where, batch, seq).predict
+        for name, (candidate, note) in published.items():
+            p = predict(candidate)
+            fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"
+            print(f"  {name:34}{candidate.label:56}{p.step_s:8.2f}{plan.mfu(p.step_s):7.1%}"
+                  f"{p.peak_bytes / 2**30:6.1f}{fits}" + (f"\n  {'':34}{note}" if note else ""))
+        print("  why: " + plan.why.replace("\n", "\n  "))
+
+
+GRID_MODELS = {  # ~20 M and ~80 M parameters
+    "llama-20M": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2),
+    "llama-80M": dict(vocab_size=8192, hidden_size=704, intermediate_size=1888,
+                      num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def grid_candidates(shape: ModelShape, world: int, batch: int) -> list[Candidate]:
+    from merak.plan.search import candidates
+
+    return [c for c in candidates(shape, world, batch, micro_batch_sizes=(1, 2),
+                                  schedules=("1f1b", "zero_bubble", "interleaved_1f1b"),
+                                  zero_stages=(0, 1))
+            if c.recompute in ("off", "full")]
+
+
+def grid(seq: int, batch: int, steps: int) -> None:
+    import torch.distributed as dist
+
+    import merak
+    from merak.plan.dry_run import dry_run
+    from merak.plan.online import device_memory, plan_online
+
+    ctx = merak.init()
+    say = print if ctx.rank == 0 else (lambda *_, **__: None)
+    for name, sizes in GRID_MODELS.items():
+        config = LlamaConfig(**sizes)
+        shape = ModelShape.from_config(config)
+        start = time.perf_counter()
+        measured = {}
+        for c in grid_candidates(shape, ctx.world_size, batch):
+            measured[c] = dry_run(c, config, seq, steps)
+        grid_s = time.perf_counter() - start
+        peaks = sorted(m for _, m in measured.values())
+        limits = {"machine": device_memory(ctx), "median": peaks[len(peaks) // 2]}
+        say(f"\n{name} ({shape.params / 1e6:.1f} M), global batch {batch} x {seq}, "
+            f"{len(measured)} grid candidates measured in {grid_s:.0f} s")
+        for limit_name, limit in limits.items():
+            start = time.perf_counter()
+            plan = plan_online(config, batch, seq, limit, (1, 2), dry_runs=3, steps=steps)
+            plan_s = time.perf_counter() - start
+            fitting = {c: t for c, (t, m) in measured.items() if m <= limit}
+            best = min(fitting.values())
+            chosen = plan.chosen
+            chosen_s, chosen_m = measured.get(chosen) or dry_run(chosen, config, seq, steps)
+            predicted = {p.candidate: p for p in plan.ranked + plan.dropped}
+            errors = [abs(predicted[c].peak_bytes - m) / m for c, (_, m) in measured.items()
+                      if c in predicted and predicted[c].peak_bytes < float("inf")]
+            say(f"  limit {limit_name} ({limit / 2**20:.0f} MiB): chosen {chosen.label}: "
+                f"{best / chosen_s:.2f}x the best grid tokens/s (target >= 0.9), "
+                f"{chosen_m / 2**20:.0f} MiB measured ({'within' if chosen_m <= limit else 'OVER'}"
+                f" the limit); planner {plan_s:.0f} s = {plan_s / grid_s:.2f}x the grid's time "
+                f"(target <= 0.25); memory predicted within 15% for "
+                f"{sum(e <= 0.15 for e in errors)}/{len(errors)} candidates, median error "
+                f"{sorted(errors)[len(errors) // 2]:.0%}")
+        say(f"  {'candidate':58}{'pred s':>9}{'meas s':>9}{'pred MiB':>10}{'meas MiB':>10}")
+        for c, (t, m) in sorted(measured.items(), key=lambda item: item[1][0]):
+            p = predicted.get(c)
+            say(f"  {c.label:58}{p.step_s if p else float('nan'):9.3f}{t:9.3f}"
+                f"{(p.peak_bytes if p else float('nan')) / 2**20:10.1f}{m / 2**20:10.1f}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--offline", action="store_true",
+                      help="plan the published configurations")
+    mode.add_argument("--grid", action="store_true", help="under torchrun: measure a grid")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="default 8192 offline, 128 for the grid")
+    parser.add_argument("--global-batch", type=int, default=16, help="the grid's")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per dry run")
+    cli = parser.parse_args()
+    if cli.offline:
+        offline(cli.seq_len or 8192)
+    else:
+        grid(cli.seq_len or 128, cli.global_batch, cli.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""`merak plan`: choose dp x tp x pp, micro-batching, schedule, recomputation and ZeRO.
+
+Offline, for a described cluster (no process group, nothing run):
+
+    merak plan --model CONFIG_DIR --cluster h100 --world-size 64 --global-batch 512 \\
+        --seq-len 8192 [--memory-gib 70] [--out plan.json]
+
+Online, under torchrun on the job's own ranks: measures the links and the model's blocks,
+predicts, dry-runs the best few candidates and keeps the fastest measured:
+
+    torchrun --nproc_per_node 4 -m merak plan --model CONFIG_DIR --global-batch 16 \\
+        --seq-len 128 [--memory-gib 2] [--dry-runs 3] [--out plan.json]
+
+`merak.init(plan="plan.json")` and ``MerakArguments(plan="plan.json")`` reuse the choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_plan(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="choose the parallel layout, schedule, recomputation and ZeRO stage",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="an HF config directory or config.json (or a model directory)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks to plan for (default: the torchrun world size)")
+    parser.add_argument("--global-batch", type=int, required=True,
+                        help="sequences per optimizer step")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="per-rank memory limit (default: the cluster's or the device's)")
+    parser.add_argument("--cluster", default=None,
+                        help="offline: a preset (h100, h200, a100) or a cluster JSON file")
+    parser.add_argument("--micro-batch-sizes", default="1,2,4,8")
+    parser.add_argument("--dry-runs", type=int, default=5, help="online: candidates to run")
+    parser.add_argument("--dry-run-steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12, help="rows of the printed table")
+    parser.add_argument("--out", default="plan.json")
+    parser.set_defaults(run=_plan)
+
+
+def _config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from merak.plan.cluster import GIB, cluster
+    from merak.plan.costs import analytic_costs
+    from merak.plan.search import search
+    from merak.plan.shape import ModelShape
+
+    config = _config(args.model)
+    sizes = [int(m) for m in args.micro_batch_sizes.split(",")]
+    memory = args.memory_gib * GIB if args.memory_gib else None
+    if args.cluster:
+        world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or None
+        described = cluster(args.cluster, world)
+        shape = ModelShape.from_config(config)
+        costs = {m: analytic_costs(shape, described, m, args.seq_len) for m in sizes}
+        plan = search(shape, costs, described, args.global_batch, args.seq_len, memory)
+        print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
+              f"{described.world_size} x {described.name}")
+    else:
+        from merak.plan.online import plan_online
+
+        plan = plan_online(config, args.global_batch, args.seq_len, memory, sizes,
+                           dry_runs=args.dry_runs, steps=args.dry_run_steps)
+        if plan is None:  # not rank 0
+            return 0
+    print(plan.table(args.top))
+    print(f"chosen: {plan.chosen.label}\n{plan.why}")
+    print(f"{len(plan.ranked)} candidates fit, {len(plan.dropped)} dropped; searched in "
+          f"{plan.search_s:.2f} s")
+    plan.write(args.out)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,123 @@
+"""Per-block costs a plan is predicted from: forward and backward time, activation bytes.
+
+`analytic_costs` derives them from a `ModelShape` and a `Cluster` (offline plans: FLOPs over the
+device's effective rate). `measure_costs` times one real block of the model on this rank's
+device at each micro-batch size, and counts what its forward keeps with the activation meter
+(online plans). Either way the planner scales them to a layout: compute and the split
+activations divide by the tensor-parallel degree, and each block adds its tensor-parallel
+all-reduces (two in the forward, two in the backward) from the cluster's link model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from merak.plan.cluster import Cluster
+from merak.plan.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """One micro-batch of `rows` x `seq` tokens at tp = 1.
+
+    Attributes:
+        forward_s, backward_s: one block's forward, and its backward (input and weight
+            gradients).
+        activation_bytes: what one block's forward keeps for backward.
+        boundary_bytes: one block's input: what a recomputed block keeps, a pipeline message.
+        head_forward_s, head_backward_s: the LM head and loss (the embedding is negligible).
+        head_activation_bytes: what the head and loss keep.
+        dtype_bytes: bytes per activation element (2 with bf16 autocast).
+    """
+
+    rows: int
+    seq: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: float
+    boundary_bytes: float
+    head_forward_s: float
+    head_backward_s: float
+    head_activation_bytes: float
+    dtype_bytes: int = 2
+
+
+def analytic_costs(shape: ModelShape, cluster: Cluster, rows: int, seq: int,
+                   dtype_bytes: int = 2) -> BlockCosts:
+    """Block and head times from FLOPs at ``peak_flops x efficiency``; a backward costs twice
+    its forward (input and weight gradients, one matmul each)."""
+    rate = cluster.peak_flops * cluster.efficiency
+    forward = shape.block_flops(rows, seq) / rate
+    head = shape.head_flops(rows, seq) / rate
+    return BlockCosts(rows, seq, forward, 2 * forward,
+                      shape.block_activation_bytes(rows, seq, 1, dtype_bytes),
+                      shape.boundary_bytes(rows, seq, dtype_bytes), head, 2 * head,
+                      shape.head_activation_bytes(rows, seq), dtype_bytes)
+
+
+def measure_costs(config, rows: int, seq: int, device, dtype=None, repeats: int = 3
+                  ) -> BlockCosts:
+    """Measured on `device`: the HF model `config` builds, with one and with two decoder
+    blocks; their difference is one block (forward time, backward time, bytes its forward keeps
+    for backward, by the activation meter), the one-block model less one block is the rest
+    (embedding, head, loss)."""
+    import torch
+
+    one = _measure_model(config, 1, rows, seq, device, dtype, repeats)
+    two = _measure_model(config, 2, rows, seq, device, dtype, repeats)
+    block = [max(b - a, 0.0) for a, b in zip(one, two)]
+    head = [max(a - b, 0.0) for a, b in zip(one, block)]
+    element = torch.finfo(dtype).bits // 8 if dtype is not None else 4
+    shape = ModelShape.from_config(config)
+    return BlockCosts(rows, seq, block[0], block[1], block[2],
+                      shape.boundary_bytes(rows, seq, element), head[0], head[1], head[2],
+                      element)
+
+
+def _measure_model(config, layers: int, rows: int, seq: int, device, dtype, repeats: int
+                   ) -> tuple[float, float, float]:
+    """(forward s, backward s, bytes kept for backward) of `config` cut to `layers` blocks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from merak.recompute.meter import ActivationMeter
+
+    cut = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": layers,
+                                      "use_cache": False})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cut).to(device).train()
+    ids = torch.randint(0, cut.vocab_size, (rows, seq), device=device)
+
+    def forward():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            return model(input_ids=ids, labels=ids).loss
+
+    def forward_backward():
+        forward().backward()
+
+    forward_s = _time(device, forward, repeats)
+    total_s = _time(device, forward_backward, repeats)
+    meter = ActivationMeter(list(model.parameters()) + list(model.buffers()))
+    with meter.recording():
+        loss = forward()
+    kept = float(meter.peak)
+    del loss, model
+    return forward_s, max(total_s - forward_s, 0.0), kept
+
+
+def _time(device, run, repeats: int) -> float:
+    """The fastest of `repeats` runs after a warm-up (the least disturbed by other work)."""
+    import torch
+
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best

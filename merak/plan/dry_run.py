@@ -1,0 +1,110 @@
+"""Run a candidate's real training step for a few steps: its measured step time and memory.
+
+The step is the one `MerakTrainer` runs, built the same way (`merak.parallelize`, FSDP2 for
+ZeRO-2/3, `ZeroRedundancyOptimizer` for ZeRO-1, the `PipelineInterpreter` with the candidate's
+schedule and recomputation), on random token windows. Every rank of the job takes part (a
+collective); each returns the slowest rank's step time and the fullest rank's memory.
+
+Memory: on CUDA the allocator's peak; on CPU, where the allocator keeps no statistics, the
+bytes of the rank's model states (weights, gradients, optimizer state, counted from the live
+tensors after the steps) plus the activation meter's peak (what the step kept for backward).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+import merak
+from merak.plan.predict import Candidate
+
+
+def _state_bytes(stage: torch.nn.Module, optimizer) -> int:
+    seen, total = set(), 0
+
+    def count(tensor):
+        nonlocal total
+        if isinstance(tensor, torch.Tensor):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            key = local.untyped_storage().data_ptr()
+            if key and key not in seen:
+                seen.add(key)
+                total += local.untyped_storage().nbytes()
+
+    for param in stage.parameters():
+        count(param)
+        count(param.grad)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own shard
+    for state in inner.state.values():
+        for value in state.values():
+            count(value)
+    return total
+
+
+def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
+            recompute_ratios: list[float] | None = None,
+            dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """(seconds per step, the slowest rank's; peak bytes, the fullest rank's) of `candidate`
+    training the HF causal LM `config` describes, after one warm-up step."""
+    from transformers import AutoModelForCausalLM
+
+    from merak.data_parallel.zero import shard_stage
+    from merak.trainer.model_setup import zero1
+
+    c = candidate
+    ctx = merak.init(dp=c.dp, tp=c.tp, pp=c.pp)
+    torch.manual_seed(0)
+    with merak.init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    rows = c.micro_batch
+    ids = torch.randint(0, config.vocab_size, (rows, seq))
+    stage = merak.parallelize(model, {"input_ids": ids, "labels": ids}, ctx,
+                              num_model_chunks=c.chunks)
+    zero = shard_stage(stage, ctx, c.zero) if c.zero >= 2 else None
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+    if c.zero == 1:
+        optimizer = zero1(optimizer, ctx)
+    ratios = recompute_ratios if recompute_ratios is not None else \
+        (1.0 if c.recompute == "full" else 0.0)
+    engine = merak.PipelineInterpreter(stage, ctx, optimizer, c.microbatches,
+                                       schedule=c.schedule, recompute_ratio=ratios, zero=zero,
+                                       autocast_dtype=dtype,
+                                       measure_activations=ctx.device.type != "cuda")
+    generator = torch.Generator().manual_seed(ctx.dp_rank)
+    local = rows * c.microbatches
+
+    def batch():
+        ids = torch.randint(0, config.vocab_size, (local, seq), generator=generator)
+        return {"input_ids": ids, "labels": ids} if engine.batch_keys else None
+
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    engine.train_step(batch())  # warm-up: shapes, caches
+    times = []
+    for _ in range(steps):
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.train_step(batch())
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    if ctx.device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated())
+    else:
+        optimizer.zero_grad(set_to_none=False)  # count the gradients as a step holds them
+        for param in stage.parameters():
+            if param.grad is None and param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        peak = float(_state_bytes(stage, optimizer) + (engine.activation_peak or 0))
+    figures = torch.tensor([min(times), peak], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    engine.remove_recomputation()
+    del engine, optimizer, stage, model, zero
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return float(figures[0]), float(figures[1])

@@ -1,0 +1,90 @@
+"""Plan on the running job: measure, predict, dry-run the best few, keep the fastest measured.
+
+Every rank calls `plan_online` (under torchrun); all get the same `Plan`. Rank 0 measures the
+model's blocks (one rank suffices: the ranks are alike) and sends the costs to the others; the
+links are measured by all (`measure_links`). The best `dry_runs` predicted candidates (distinct
+layouts and schedules first) then run a few real steps each (`dry_run`); the fastest measured
+within the memory limit wins, and the table shows predicted against measured figures.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import merak
+from merak.plan.cluster import measure_links
+from merak.plan.costs import measure_costs
+from merak.plan.dry_run import dry_run
+from merak.plan.predict import Prediction
+from merak.plan.search import Plan, search
+from merak.plan.shape import ModelShape
+
+
+def device_memory(ctx) -> float:
+    """Memory one rank may use: the GPU's, or on CPU this node's RAM over its ranks."""
+    if ctx.device.type == "cuda":
+        return 0.9 * torch.cuda.get_device_properties(ctx.device).total_memory
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return 0.8 * pages / int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+
+
+def _distinct(ranked: list[Prediction], count: int) -> list[Prediction]:
+    """The best `count`, preferring ones that differ in layout or schedule from those taken."""
+    taken, keys = [], set()
+    for p in ranked:
+        c = p.candidate
+        key = (c.dp, c.tp, c.pp, c.schedule)
+        if key not in keys:
+            taken.append(p)
+            keys.add(key)
+        if len(taken) == count:
+            return taken
+    rest = [p for p in ranked if p not in taken]
+    return taken + rest[:count - len(taken)]
+
+
+def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None = None,
+                micro_batch_sizes=(1, 2, 4, 8), dry_runs: int = 5, steps: int = 3,
+                dtype: torch.dtype | None = None) -> Plan:
+    """The plan for `config` on this job (every rank calls it; every rank gets the plan)."""
+    if not dist.is_initialized():
+        merak.init()
+    ctx = merak.init(dp=dist.get_world_size())
+    start = time.perf_counter()
+    memory = memory_bytes or device_memory(ctx)
+    shape = ModelShape.from_config(config)
+    sizes = [m for m in micro_batch_sizes if global_batch % m == 0]
+    costs = [None]
+    if ctx.rank == 0:
+        costs = [{m: measure_costs(config, m, seq, ctx.device, dtype) for m in sizes}]
+    dist.broadcast_object_list(costs, src=0)
+    peak_flops = 1.0  # measured costs are times already; FLOP/s only enter offline plans
+    cluster = measure_links(ctx, memory, peak_flops)
+    plan = search(shape, costs[0], cluster, global_batch, seq, memory,
+                  micro_batch_sizes=sizes)
+    best = None
+    for prediction in _distinct(plan.ranked, dry_runs):
+        c = prediction.candidate
+        step_s, peak = dry_run(c, config, seq, steps,
+                               prediction.recompute_ratios if c.recompute == "budget" else None,
+                               dtype)
+        plan.measured[c.label] = step_s
+        plan.measured_memory[c.label] = peak
+        if peak <= memory and (best is None or step_s < plan.measured[best.candidate.label]):
+            best = prediction
+    if best is not None:
+        plan.chosen = best.candidate
+        first = plan.ranked[0].candidate
+        plan.why = (f"{best.candidate.label}: the fastest of {len(plan.measured)} dry runs, "
+                    f"{plan.measured[best.candidate.label]:.4g} s per step "
+                    f"(predicted {best.step_s:.4g} s)"
+                    + ("" if best.candidate == first else
+                       f"; the predicted best, {first.label}, measured "
+                       f"{plan.measured.get(first.label, float('nan')):.4g} s") + "\n" + plan.why)
+    merak.init(dp=dist.get_world_size())  # the default layout again
+    plan.search_s = time.perf_counter() - start
+    return plan

@@ -1,0 +1,287 @@
+"""Predict one candidate layout's step time and per-rank peak memory.
+
+Time: the schedule's programs are replayed by the simulator (`merak.schedule.simulator`) with
+per-rank forward, backward, recomputation and point-to-point times built from `BlockCosts`
+(blocks divided evenly over the stages, the LM head on the last), then the step's tail: the
+data-parallel gradient sum, of which only what outlasts the rank's last backward shows (the
+buckets start during it), and ZeRO-3's parameter gathers.
+
+Memory: model states (fp32 weights, fp32 gradients, Adam's two fp32 moments, divided as the
+ZeRO stage divides them in Merak's implementation) plus the activation peak the simulator's
+memory replay gives for the schedule, with each stage's recomputed blocks keeping only their
+inputs. ``recompute="budget"`` recomputes the fewest blocks that keep every rank within the
+memory limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from merak.plan.cluster import Cluster
+from merak.plan.costs import BlockCosts
+from merak.plan.shape import ModelShape
+from merak.recompute.stage_aware import KeptBytes
+from merak.schedule.registry import make_schedule
+from merak.schedule.simulator import CostModel, MemoryModel, simulate
+
+ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+RECOMPUTE_CHOICES = ("off", "full", "budget")
+EXACT_ROUNDS = 2  # schedules of up to this many rounds of pp micro-batches are replayed whole
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One training layout: degrees, micro-batching, schedule, recomputation, ZeRO stage."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    microbatches: int
+    schedule: str = "1f1b"
+    recompute: str = "off"
+    zero: int = 0
+    chunks: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+
+    @property
+    def label(self) -> str:
+        chunks = f" v{self.chunks}" if self.chunks > 1 else ""
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp}{chunks} mb{self.micro_batch}x"
+                f"{self.microbatches} {self.schedule} rc:{self.recompute} zero{self.zero}")
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    step_s: float = float("inf")
+    peak_bytes: float = float("inf")  # the highest rank's
+    state_bytes: list[float] = field(default_factory=list)  # per rank
+    activation_bytes: list[float] = field(default_factory=list)  # per rank, peak
+    recompute_ratios: list[float] = field(default_factory=list)  # per stage
+    pipeline_s: float = 0.0  # the simulated schedule, without the tail
+    tail_s: float = 0.0
+    error: str | None = None  # why the candidate cannot run
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None
+
+
+def stage_blocks(layers: int, stages: int) -> list[int]:
+    """Blocks per stage, as even as possible (the earlier stages take the remainder)."""
+    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+
+
+def state_bytes(params: float, zero: int, dp: int, largest_block: float) -> float:
+    """Bytes of one rank's model states for `params` parameters (its tp share) under `zero`.
+
+    Merak's ZeRO-2/3 are FSDP2 units that accumulate unsharded gradients over the step's
+    micro-batches and reduce-scatter them in the tail; ZeRO-2 keeps the gathered weights
+    through the step, ZeRO-3 one gathered unit (block) at a time."""
+    weights, grads, adam = 4 * params, 4 * params, ADAM_STATE_BYTES * params
+    if zero == 0:
+        return weights + grads + adam
+    if zero == 1:
+        return weights + grads + adam / dp
+    sharded = (weights + grads + adam) / dp
+    if zero == 2:
+        return sharded + weights + grads
+    return sharded + grads + 2 * 4 * largest_block  # a block gathered, the next prefetched
+
+
+class Predictor:
+    """Predicts candidates of one model, cluster, global batch and sequence length.
+
+    Args:
+        shape: the model's sizes.
+        costs: micro-batch size -> `BlockCosts` at that size (tp = 1).
+        cluster: devices and links.
+        global_batch: sequences per optimizer step.
+        seq: tokens per sequence.
+        memory_bytes: the per-rank limit (default the cluster's).
+    """
+
+    def __init__(self, shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
+                 global_batch: int, seq: int, memory_bytes: float | None = None):
+        self.shape, self.costs, self.cluster = shape, costs, cluster
+        self.global_batch, self.seq = global_batch, seq
+        self.memory_bytes = memory_bytes or cluster.memory_bytes
+        self._cache: dict[tuple, tuple[float, list[float]]] = {}
+        self._schedules: dict[tuple, object] = {}
+
+    # -- per stage ----------------------------------------------------------------------------
+    def _stage_params(self, c: Candidate) -> list[float]:
+        shape, stages = self.shape, c.pp * c.chunks
+        counts = stage_blocks(shape.layers, stages)
+        params = [n * shape.block_params for n in counts]
+        params[0] += shape.embedding_params
+        params[-1] += shape.head_params + (shape.embedding_params if shape.tied and stages > 1
+                                           else 0)
+        return [p / c.tp for p in params]
+
+    def _times(self, c: Candidate, cost: BlockCosts, counts: list[int], recomputed: list[int]
+               ) -> CostModel:
+        """Per-rank durations (a rank's stages summed; the simulator gives each 1/v)."""
+        cl, tp = self.cluster, c.tp
+        message = cost.boundary_bytes
+        tp_comm = 2 * cl.all_reduce_s(message, tp, 1)  # two all-reduces per block and pass
+        forward, backward, recompute = [0.0] * c.pp, [0.0] * c.pp, [0.0] * c.pp
+        stages = len(counts)
+        for s, n in enumerate(counts):
+            rank = s % c.pp
+            forward[rank] += n * (cost.forward_s / tp + tp_comm)
+            backward[rank] += n * (cost.backward_s / tp + tp_comm)
+            recompute[rank] += recomputed[s] * (cost.forward_s / tp + tp_comm)
+            if s == stages - 1:
+                forward[rank] += cost.head_forward_s / tp
+                backward[rank] += cost.head_backward_s / tp
+        p2p = cl.p2p_s(message, c.pp, c.dp * c.tp)
+        # the simulator charges each stage of a rank 1/v of the rank's figure
+        return CostModel(forward=forward, backward=backward, p2p=p2p,
+                         recompute=[r if r > 0 else f for r, f in zip(recompute, forward)],
+                         weight_grad=[b / 2 for b in backward])
+
+    def _kept(self, c: Candidate, cost: BlockCosts, counts: list[int]) -> list[KeptBytes]:
+        """Per stage, what one micro-batch's forward keeps with k blocks recomputed."""
+        shape, tp = self.shape, c.tp
+        block = cost.activation_bytes * shape.block_activation_bytes(
+            cost.rows, cost.seq, tp, cost.dtype_bytes) / shape.block_activation_bytes(
+            cost.rows, cost.seq, 1, cost.dtype_bytes)
+        head = cost.head_activation_bytes / tp
+        kept = []
+        for s, n in enumerate(counts):
+            extra = head if s == len(counts) - 1 else 0.0
+            kept.append(KeptBytes(tuple(int((n - k) * block + k * cost.boundary_bytes + extra)
+                                        for k in range(n + 1))))
+        return kept
+
+    # -- one candidate ------------------------------------------------------------------------
+    def predict(self, c: Candidate) -> Prediction:
+        result = Prediction(c)
+        cost = self.costs.get(c.micro_batch)
+        if cost is None:
+            result.error = f"no block costs for micro-batch size {c.micro_batch}"
+            return result
+        stages = c.pp * c.chunks
+        counts = stage_blocks(self.shape.layers, stages)
+        if min(counts) < 1:
+            result.error = f"{self.shape.layers} blocks cannot fill {stages} stages"
+            return result
+        params = self._stage_params(c)
+        largest = self.shape.block_params / c.tp
+        states = [0.0] * c.pp
+        for s, p in enumerate(params):
+            states[s % c.pp] += state_bytes(p, c.zero, c.dp, largest)
+        if max(states) > self.memory_bytes:  # no activation can fit: nothing to replay
+            rank = states.index(max(states))
+            result.peak_bytes = max(states)
+            result.error = (f"pipeline rank {rank}'s model states alone need "
+                            f"{max(states) / 2**30:.2f} GiB, over "
+                            f"{self.memory_bytes / 2**30:.2f} GiB")
+            return result
+        kept = self._kept(c, cost, counts)
+        try:
+            recomputed = self._recomputed(c, cost, kept, counts, states)
+            makespan, activations = self._simulate(c, cost, kept, counts, recomputed)
+        except ValueError as error:
+            result.error = str(error)
+            return result
+        result.recompute_ratios = [r / n for r, n in zip(recomputed, counts)]
+        result.state_bytes, result.activation_bytes = states, activations
+        peaks = [a + b for a, b in zip(states, activations)]
+        result.peak_bytes = max(peaks)
+        result.pipeline_s = makespan
+        result.tail_s = self._tail(c, params, cost, counts)
+        result.step_s = result.pipeline_s + result.tail_s
+        if result.peak_bytes > self.memory_bytes:
+            rank = peaks.index(result.peak_bytes)
+            result.error = (f"pipeline rank {rank} needs {result.peak_bytes / 2**30:.2f} GiB "
+                            f"({states[rank] / 2**30:.2f} model states, "
+                            f"{activations[rank] / 2**30:.2f} activations), over "
+                            f"{self.memory_bytes / 2**30:.2f} GiB")
+        return result
+
+    def _simulate(self, c: Candidate, cost: BlockCosts, kept: list[KeptBytes],
+                  counts: list[int], recomputed: list[int]) -> tuple[float, list[float]]:
+        """(makespan, per-rank activation peak); the same for every ZeRO stage (cached)."""
+        key = (c.tp, c.pp, c.dp, c.chunks, c.micro_batch, c.microbatches, c.schedule,
+               tuple(recomputed))
+        if key in self._cache:
+            return self._cache[key]
+        costs = self._times(c, cost, counts, recomputed)
+        memory = MemoryModel(full=[k.by_count[0] for k in kept],
+                             kept=[k.by_count[n] for k, n in zip(kept, recomputed)],
+                             per_stage=True)
+
+        def replay(m: int) -> tuple[float, list[float]]:
+            flags = tuple(k > 0 for k in recomputed)
+            shape = (c.schedule, c.pp, m, c.chunks, flags)
+            if shape not in self._schedules:
+                self._schedules[shape] = make_schedule(c.schedule, c.pp, m,
+                                                       stages_per_rank=c.chunks,
+                                                       recompute=list(flags))
+            simulated = simulate(self._schedules[shape], costs, memory)
+            return simulated.makespan, list(simulated.peak_memory)
+
+        # Past a few rounds of the pipeline, one more round of pp micro-batches adds the same
+        # time and memory (steady 1F1B: none; GPipe: pp micro-batches' worth): replay two
+        # short runs and extend the line, instead of replaying hundreds of micro-batches.
+        short = EXACT_ROUNDS * c.pp * c.chunks
+        if c.microbatches <= short + c.pp:
+            self._cache[key] = replay(c.microbatches)
+        else:
+            (t1, m1), (t2, m2) = replay(short), replay(short + c.pp)
+            rounds = (c.microbatches - short) / c.pp
+            self._cache[key] = (t1 + rounds * (t2 - t1),
+                                [a + rounds * (b - a) for a, b in zip(m1, m2)])
+        return self._cache[key]
+
+    def _recomputed(self, c: Candidate, cost: BlockCosts, kept: list[KeptBytes],
+                    counts: list[int], states: list[float]) -> list[int]:
+        """Blocks each stage recomputes. "budget": the fewest, the same number on every
+        stage (a bisection over it), that keep every rank within the memory limit; at run
+        time Merak's stage-aware choice (``activation_memory_budget``) lowers it further on
+        the later stages."""
+        if c.recompute == "off":
+            return [0] * len(counts)
+        if c.recompute == "full":
+            return list(counts)
+        if c.recompute != "budget":
+            raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {c.recompute!r}")
+
+        def fits(k: int) -> bool:
+            recomputed = [min(k, n) for n in counts]
+            _, activations = self._simulate(c, cost, kept, counts, recomputed)
+            return all(s + a <= self.memory_bytes for s, a in zip(states, activations))
+
+        low, high = 1, max(counts)  # the schedule may need some recomputation: k >= 1
+        if not fits(high):
+            raise ValueError("does not fit even recomputing every block")
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(middle) else (middle + 1, high)
+        return [min(low, n) for n in counts]
+
+    def _tail(self, c: Candidate, params: list[float], cost: BlockCosts,
+              counts: list[int]) -> float:
+        """The slowest rank's exposed data-parallel traffic (and ZeRO-3's gathers)."""
+        cl, worst = self.cluster, 0.0
+        for rank in range(c.pp):
+            mine = sum(p for s, p in enumerate(params) if s % c.pp == rank)
+            grads = 4 * mine
+            if c.zero >= 2:
+                sync = cl.all_gather_s(grads, c.dp, c.tp)  # reduce-scatter
+                if c.zero == 3:  # every micro-batch gathers each block for forward and backward
+                    sync += 2 * c.microbatches * cl.all_gather_s(4 * mine, c.dp, c.tp)
+                else:  # the weights gathered once per step, after the optimizer
+                    sync += cl.all_gather_s(4 * mine, c.dp, c.tp)
+            else:
+                sync = cl.all_reduce_s(grads, c.dp, c.tp)
+                # buckets start during the rank's last backward: what outlasts it shows
+                last_backward = sum(counts[s] for s in range(len(counts)) if s % c.pp == rank) \
+                    * cost.backward_s / c.tp / c.chunks
+                sync = max(sync - last_backward, 0.1 * sync)
+                if c.zero == 1:  # each rank steps its share, then broadcasts it
+                    sync += cl.all_gather_s(4 * mine, c.dp, c.tp)
+            worst = max(worst, sync)
+        return worst

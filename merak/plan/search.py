@@ -1,0 +1,214 @@
+"""Search the layouts of a model on a cluster: enumerate, predict, rank, explain.
+
+Every candidate is predicted (`Predictor`); those over the memory limit or that cannot run are
+dropped with their reason; the rest are ranked by predicted step time (ties: less memory). An
+online plan then dry-runs the best few (`merak.plan.dry_run`) and keeps the fastest measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from merak.plan.cluster import Cluster
+from merak.plan.costs import BlockCosts
+from merak.plan.predict import RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
+from merak.plan.shape import ModelShape
+from merak.schedule.registry import SCHEDULES
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def layouts(shape: ModelShape, world_size: int) -> list[tuple[int, int, int]]:
+    """(dp, tp, pp) with dp x tp x pp = world size, tp dividing the heads, pp <= blocks."""
+    found = []
+    for tp in shape.tp_degrees(world_size):
+        for pp in range(1, world_size // tp + 1):
+            if (world_size // tp) % pp == 0 and pp <= shape.layers:
+                found.append((world_size // (tp * pp), tp, pp))
+    return found
+
+
+def candidates(shape: ModelShape, world_size: int, global_batch: int,
+               micro_batch_sizes: Iterable[int] = MICRO_BATCH_SIZES,
+               schedules: Iterable[str] | None = None,
+               zero_stages: Iterable[int] = (0, 1, 2, 3)) -> Iterator[Candidate]:
+    """Every layout x micro-batch size x schedule x recomputation x ZeRO stage that the sizes
+    allow (a global batch divisible by dp x micro-batch size; interleaving needs two blocks
+    per rank; ZeRO needs dp > 1; Merak's reordering schedules need recomputation)."""
+    schedules = list(schedules or SCHEDULES)
+    for dp, tp, pp in layouts(shape, world_size):
+        for mb in micro_batch_sizes:
+            if global_batch % (dp * mb):
+                continue
+            m = global_batch // (dp * mb)
+            for name in schedules if pp > 1 else ["1f1b"]:
+                info = SCHEDULES[name]
+                chunks = 2 if info.several_stages_per_rank else 1
+                if chunks * pp > shape.layers or (chunks > 1 and m % pp):
+                    continue
+                for recompute in RECOMPUTE_CHOICES:
+                    if info.needs_recompute and recompute == "off":
+                        continue
+                    for zero in zero_stages if dp > 1 else (0,):
+                        yield Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks)
+
+
+@dataclass
+class Plan:
+    """The outcome of a search: every prediction (best first), the dry runs and the choice."""
+
+    model: str
+    cluster: Cluster
+    global_batch: int
+    seq: int
+    memory_bytes: float
+    ranked: list[Prediction]  # runnable, best predicted first
+    dropped: list[Prediction]  # with their reasons
+    measured: dict[str, float] = field(default_factory=dict)  # label -> measured step s
+    measured_memory: dict[str, float] = field(default_factory=dict)  # label -> peak bytes
+    chosen: Candidate | None = None
+    why: str = ""
+    search_s: float = 0.0
+    flops_per_token: float = 0.0  # model FLOPs of one token's forward and backward
+
+    def mfu(self, step_s: float) -> float:
+        """Model FLOPs utilisation at `step_s` against the cluster's peak (offline plans; a
+        measured cluster has no peak figure and gets 0)."""
+        if self.cluster.peak_flops <= 1.0:
+            return 0.0
+        return self.tokens_per_s(step_s) * self.flops_per_token / (
+            self.cluster.world_size * self.cluster.peak_flops)
+
+    def chosen_prediction(self) -> Prediction | None:
+        return next((p for p in self.ranked if p.candidate == self.chosen), None)
+
+    def tokens_per_s(self, step_s: float) -> float:
+        return self.global_batch * self.seq / step_s
+
+    def table(self, limit: int = 12) -> str:
+        """The ranked candidates: predicted step time, tokens/s and memory, measured time
+        where dry-run, and the choice."""
+        offline = self.cluster.peak_flops > 1.0
+        lines = [f"{'candidate':58} {'pred s':>9} {'tok/s':>10} {'mem GiB':>8} "
+                 + (f"{'MFU':>6}" if offline else f"{'meas s':>9} {'meas GiB':>8}")
+                 + "  chosen"]
+        shown = self.ranked[:limit] + [p for p in self.ranked[limit:]
+                                       if p.candidate.label in self.measured]
+        for p in shown:
+            label = p.candidate.label
+            measured, memory = self.measured.get(label), self.measured_memory.get(label)
+            figures = f"{self.mfu(p.step_s):6.1%}" if offline else (
+                f"{'' if measured is None else f'{measured:9.4g}':>9} "
+                f"{'' if memory is None else f'{memory / 2**30:8.3g}':>8}")
+            lines.append(f"{label:58} {p.step_s:9.4g} {self.tokens_per_s(p.step_s):10.4g} "
+                         f"{p.peak_bytes / 2**30:8.3g} {figures}  "
+                         f"{'<==' if p.candidate == self.chosen else ''}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        chosen = self.chosen_prediction()
+        return {"model": self.model, "cluster": self.cluster.to_json(),
+                "global_batch": self.global_batch, "seq": self.seq,
+                "memory_bytes": self.memory_bytes,
+                "chosen": asdict(self.chosen) if self.chosen else None,
+                "chosen_ratios": chosen.recompute_ratios if chosen else None, "why": self.why,
+                "search_s": self.search_s, "measured": self.measured,
+                "measured_memory": self.measured_memory,
+                "ranked": [{**_prediction_json(p), "mfu": self.mfu(p.step_s)}
+                           for p in self.ranked[:50]]}
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+
+def _prediction_json(p: Prediction) -> dict:
+    return {**asdict(p.candidate), "label": p.candidate.label, "step_s": p.step_s,
+            "peak_bytes": p.peak_bytes, "pipeline_s": p.pipeline_s, "tail_s": p.tail_s,
+            "recompute_ratios": p.recompute_ratios}
+
+
+def read_plan(path: str | Path) -> tuple[Candidate, list[float] | None]:
+    """The chosen candidate of a ``plan.json`` (`Plan.write`) and its per-stage recomputation
+    ratios."""
+    data = json.loads(Path(path).read_text())
+    if not data.get("chosen"):
+        raise ValueError(f"{path} holds no chosen plan (no candidate fitted)")
+    return Candidate(**data["chosen"]), data.get("chosen_ratios")
+
+
+def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
+           global_batch: int, seq: int, memory_bytes: float | None = None,
+           **options) -> Plan:
+    """Predict every candidate (`candidates`' keyword options) and rank them.
+
+    Raises:
+        ValueError: the global batch is not a positive multiple of some dp degree, no layout
+            fits the world size, or nothing fits in memory (the message names the candidate
+            with the least memory and what it needs).
+    """
+    start = time.perf_counter()
+    if memory_bytes is not None and memory_bytes <= 0:
+        raise ValueError(f"the memory limit must be positive, got {memory_bytes} bytes")
+    if global_batch < 1:
+        raise ValueError(f"the global batch must be >= 1 sequence, got {global_batch}")
+    if not layouts(shape, cluster.world_size):
+        raise ValueError(f"no dp x tp x pp layout of {cluster.world_size} ranks fits "
+                         f"{shape.name}: tp must divide {shape.heads} heads and "
+                         f"{shape.kv_heads} key-value heads, pp at most {shape.layers} blocks")
+    sizes = [m for m in options.pop("micro_batch_sizes", MICRO_BATCH_SIZES) if m in costs]
+    predictor = Predictor(shape, costs, cluster, global_batch, seq, memory_bytes)
+    ranked, dropped = [], []
+    done: dict[tuple, Prediction] = {}
+    for candidate in candidates(shape, cluster.world_size, global_batch, sizes, **options):
+        c = candidate
+        base = (c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.zero)
+        if c.recompute == "budget":  # only between an "off" that fails and a "full" that fits
+            off, full = done.get((*base, "off")), done.get((*base, "full"))
+            if (off is not None and off.fits) or full is None or not full.fits:
+                continue
+        prediction = done[(*base, c.recompute)] = predictor.predict(candidate)
+        ratios = set(prediction.recompute_ratios)
+        if candidate.recompute == "budget" and len(ratios) <= 1 and ratios <= {0.0, 1.0}:
+            continue  # recomputing nothing (or everything) is "off" (or "full") again
+        (ranked if prediction.fits else dropped).append(prediction)
+    if not ranked and not dropped:
+        raise ValueError(f"a global batch of {global_batch} sequences divides no dp degree x "
+                         f"micro-batch size of {cluster.world_size} ranks; use a multiple of "
+                         f"{cluster.world_size}")
+    ranked.sort(key=lambda p: (p.step_s, p.peak_bytes))
+    plan = Plan(shape.name, cluster, global_batch, seq, predictor.memory_bytes, ranked, dropped,
+                flops_per_token=shape.flops_per_token(seq))
+    if not ranked:
+        least = min(dropped, key=lambda p: p.peak_bytes)
+        raise ValueError(f"no candidate fits in {predictor.memory_bytes / 2**30:.2f} GiB per "
+                         f"rank: the least memory found is {least.peak_bytes / 2**30:.2f} GiB "
+                         f"({least.candidate.label}); raise the memory limit, use more ranks "
+                         f"or a smaller global batch")
+    plan.chosen = ranked[0].candidate
+    plan.why = explain(ranked)
+    plan.search_s = time.perf_counter() - start
+    return plan
+
+
+def explain(ranked: list[Prediction]) -> str:
+    """Why the first won: against the best candidate of each other layout family."""
+    best = ranked[0]
+    c = best.candidate
+    lines = [f"{c.label}: predicted {best.step_s:.4g} s per step ({best.pipeline_s:.4g} s "
+             f"pipeline, {best.tail_s:.4g} s exposed data-parallel traffic), "
+             f"{best.peak_bytes / 2**30:.3g} GiB on its fullest rank"]
+    seen = {(c.dp, c.tp, c.pp)}
+    for p in ranked[1:]:
+        o = p.candidate
+        if (o.dp, o.tp, o.pp) in seen:
+            continue
+        seen.add((o.dp, o.tp, o.pp))
+        lines.append(f"  best with dp{o.dp} tp{o.tp} pp{o.pp}: {o.label}, "
+                     f"{p.step_s / best.step_s:.2f}x the time")
+        if len(seen) > 4:
+            break
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""`MerakArguments(auto_parallel=True)` and `MerakArguments(plan=...)`: the layout, micro-batching,
+schedule, recomputation and ZeRO stage come from `merak.plan`, applied before the model is
+built (every rank reaches the same plan: the planner's measurements are shared and its dry runs
+are collectives)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import merak
+from merak.plan.predict import Candidate
+from merak.plan.search import read_plan
+
+
+def global_batch(args) -> int:
+    """The sequences of one optimizer step under a plan: what one process would step on."""
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+
+def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
+    """Plan (auto_parallel) or read the plan file, set the trainer's arguments to it and
+    re-initialize the parallel context with its degrees; returns the new context."""
+    args, ctx = trainer.args, trainer.ctx
+    if args.plan:
+        candidate, ratios = read_plan(args.plan)
+        planned = json.loads(Path(args.plan).read_text()).get("global_batch")
+        if planned is not None and planned != global_batch(args):
+            raise ValueError(f"{args.plan} was made for a global batch of {planned} sequences, "
+                             f"but per_device_train_batch_size x gradient_accumulation_steps = "
+                             f"{global_batch(args)}; set them to {planned} x 1 or plan again")
+    else:
+        from merak.plan.online import plan_online
+
+        model = trainer.model
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError("auto_parallel plans an HF causal LM from its config; "
+                             f"{type(model).__name__} has none (give merak.init the degrees)")
+        seq = example_rows["input_ids"].shape[-1]
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        plan = plan_online(config, global_batch(args), seq,
+                           args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
+                           dry_runs=args.plan_dry_runs, dtype=dtype)
+        if ctx.rank == 0:
+            print(plan.table(), f"\nchosen: {plan.chosen.label}\n{plan.why}", flush=True)
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            plan.write(Path(args.output_dir) / "plan.json")
+        candidate = plan.chosen
+        ratios = plan.chosen_prediction().recompute_ratios
+    if candidate.dp * candidate.tp * candidate.pp != ctx.world_size:
+        raise ValueError(f"the plan's layout {candidate.label} needs "
+                         f"{candidate.dp * candidate.tp * candidate.pp} ranks, this job has "
+                         f"{ctx.world_size}")
+    _set_arguments(args, candidate, ratios)
+    return merak.init(candidate.dp, candidate.tp, candidate.pp)
+
+
+def _set_arguments(args, c: Candidate, ratios: list[float] | None) -> None:
+    args.per_device_train_batch_size = c.micro_batch
+    args.gradient_accumulation_steps = c.microbatches
+    args.train_schedule, args.zero_stage = c.schedule, c.zero
+    if c.chunks > 1:
+        args.num_model_chunks = c.chunks
+    args.activation_checkpointing = c.recompute != "off"
+    if c.recompute == "budget" and ratios:
+        args.activation_checkpoint_ratio = list(ratios)

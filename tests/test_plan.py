@@ -1,0 +1,164 @@
+"""The strategy planner (merak.plan) in one process: model sizes, the candidates it
+enumerates, its memory and time predictions' directions, its errors, and offline planning
+through `merak plan --cluster` for published configurations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers as tf
+
+from merak.cli import main as merak_main
+from merak.plan.cluster import GIB, Cluster, cluster
+from merak.plan.costs import analytic_costs
+from merak.plan.predict import Candidate, Predictor, state_bytes
+from merak.plan.search import candidates, layouts, read_plan, search
+from merak.plan.shape import ModelShape
+from merak.schedule.registry import SCHEDULES
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+
+
+def tiny_llama(**extra) -> tf.LlamaConfig:
+    return tf.LlamaConfig(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=160,
+                                    num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2), **extra})
+
+
+@pytest.mark.parametrize("config", [tiny_llama(), tiny_llama(tie_word_embeddings=True),
+                                    tf.MistralConfig(vocab_size=300, hidden_size=96,
+                                                     intermediate_size=200, num_hidden_layers=3,
+                                                     num_attention_heads=6,
+                                                     num_key_value_heads=3)])
+def test_shape_counts_every_parameter_of_the_hf_model(config):
+    model = tf.AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(config).params == sum(p.numel() for p in model.parameters())
+
+
+def test_llama3_8b_has_its_published_size():
+    assert ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B)).params == 8_030_261_248
+
+
+def test_candidates_respect_the_sizes():
+    shape = ModelShape.from_config(tiny_llama())  # 4 heads, 2 kv heads, 4 blocks
+    assert sorted(layouts(shape, 8)) == sorted([(8, 1, 1), (4, 1, 2), (2, 1, 4), (4, 2, 1),
+                                                (2, 2, 2), (1, 2, 4)])
+    found = list(candidates(shape, 8, 16))
+    assert found
+    for c in found:
+        assert c.dp * c.tp * c.pp == 8 and c.dp * c.micro_batch * c.microbatches == 16
+        assert c.zero == 0 or c.dp > 1
+        assert c.recompute != "off" or not SCHEDULES[c.schedule].needs_recompute
+        assert c.pp > 1 or c.schedule == "1f1b"
+        assert c.chunks == (2 if SCHEDULES[c.schedule].several_stages_per_rank else 1)
+    assert {c.schedule for c in found} == set(SCHEDULES)
+
+
+def test_predictions_move_the_right_way():
+    shape = ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B))
+    h100 = cluster("h100")
+    costs = {m: analytic_costs(shape, h100, m, 4096) for m in (1, 2)}
+    predict = Predictor(shape, costs, h100, 32, 4096, memory_bytes=10**15).predict
+    base = Candidate(dp=2, tp=2, pp=2, micro_batch=1, microbatches=16, schedule="1f1b")
+    off, full = predict(base), predict(Candidate(**{**base.__dict__, "recompute": "full"}))
+    assert full.peak_bytes < off.peak_bytes and full.step_s > off.step_s  # memory for time
+    gpipe = predict(Candidate(**{**base.__dict__, "schedule": "ds_default"}))
+    assert gpipe.activation_bytes[0] > off.activation_bytes[0]  # all 16 in flight, not 2
+    zeros = [predict(Candidate(**{**base.__dict__, "zero": z})).state_bytes[0] for z in range(4)]
+    assert zeros[1] < zeros[0] and zeros[3] < zeros[2]
+    assert state_bytes(1000, 0, 4, 10) == 16000 and state_bytes(1000, 1, 4, 10) == 10000
+    wider = predict(Candidate(**{**base.__dict__, "micro_batch": 2, "microbatches": 8}))
+    assert wider.activation_bytes[1] > off.activation_bytes[1]
+
+
+def test_errors_name_the_problem():
+    shape = ModelShape.from_config(tiny_llama())
+    small = Cluster(world_size=4, gpus_per_node=4, peak_flops=1e12, memory_bytes=GIB,
+                    intra_bw=1e10, inter_bw=1e9)
+    costs = {m: analytic_costs(shape, small, m, 64) for m in (1, 2)}
+    with pytest.raises(ValueError, match="least memory found is .* GiB \\(dp"):
+        search(shape, costs, small, 8, 64, memory_bytes=1024)
+    with pytest.raises(ValueError, match="divides no dp degree"):
+        search(shape, costs, Cluster(**{**small.__dict__, "world_size": 7}), 6, 64)
+    with pytest.raises(ValueError, match="memory limit must be positive"):
+        search(shape, costs, small, 8, 64, memory_bytes=-1)
+    with pytest.raises(ValueError, match="unknown cluster"):
+        cluster("tpu-v9")
+    with pytest.raises(ValueError, match="must be positive"):
+        Cluster(world_size=4, gpus_per_node=4, peak_flops=0, memory_bytes=GIB, intra_bw=1,
+                inter_bw=1)
+
+
+def test_a_memory_limit_moves_the_choice_to_less_memory():
+    shape = ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B))
+    h100 = cluster("h100")
+    costs = {m: analytic_costs(shape, h100, m, 8192) for m in (1, 2)}
+    roomy = search(shape, costs, h100, 16, 8192)
+    tight = search(shape, costs, h100, 16, 8192, memory_bytes=40 * GIB)
+    assert roomy.ranked[0].peak_bytes <= h100.memory_bytes
+    assert tight.ranked[0].peak_bytes <= 40 * GIB < roomy.ranked[0].peak_bytes
+    assert all(p.peak_bytes <= 40 * GIB for p in tight.ranked)
+    assert tight.dropped and all(p.error for p in tight.dropped)
+
+
+def test_offline_plan_command_for_llama3_8b_on_8_h100(tmp_path, capsys):
+    config_dir = tmp_path / "llama3-8b"
+    tf.LlamaConfig(**LLAMA3_8B).save_pretrained(config_dir)
+    out = tmp_path / "plan.json"
+    assert merak_main(["plan", "--model", str(config_dir), "--cluster", "h100",
+                       "--world-size", "8", "--global-batch", "32", "--seq-len", "8192",
+                       "--micro-batch-sizes", "1,2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen:" in printed and "<==" in printed
+    chosen = read_plan(out)[0]
+    assert chosen.dp * chosen.tp * chosen.pp == 8
+    data = json.loads(out.read_text())
+    assert data["ranked"][0]["peak_bytes"] <= cluster("h100").memory_bytes
+    assert data["ranked"][0]["mfu"] > 0.2
+
+
+def test_plan_json_round_trips_into_init_degrees(tmp_path):
+    from merak.distributed.parallel_context import degrees_from_plan
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"chosen": Candidate(2, 1, 2, 1, 4).__dict__,
+                                "chosen_ratios": [0.0, 0.0]}))
+    assert degrees_from_plan(path) == (2, 1, 2)
+    path.write_text(json.dumps({"chosen": None}))
+    with pytest.raises(ValueError, match="no chosen plan"):
+        degrees_from_plan(path)
+
+
+def test_merak_arguments_of_the_planner_refuse_what_they_cannot_do(tmp_path):
+    from merak import MerakArguments
+
+    def bad(match: str, **fields):
+        with pytest.raises(ValueError, match=match):
+            MerakArguments(output_dir=str(tmp_path), **fields)
+
+    bad("not both", auto_parallel=True, plan="plan.json")
+    bad("train_schedule is chosen by the plan", auto_parallel=True, train_schedule="zero_bubble")
+    bad("zero_stage is chosen by the plan", plan="plan.json", zero_stage=1)
+    bad("activation_checkpointing is chosen", auto_parallel=True, activation_checkpointing=True)
+    bad("plan_memory_gib only applies with auto_parallel", plan_memory_gib=2.0)
+    bad("plan_dry_runs only applies", plan_dry_runs=5)
+    bad("plan_dry_runs must be >= 1", auto_parallel=True, plan_dry_runs=0)
+    args = MerakArguments(output_dir=str(tmp_path), auto_parallel=True, plan_dry_runs=2,
+                          plan_memory_gib=1.5)
+    assert args.auto_parallel and args.plan_dry_runs == 2
+
+
+def test_a_plan_file_sets_the_trainer_arguments(tmp_path):
+    from merak import MerakArguments
+    from merak.trainer.auto_plan import _set_arguments
+
+    args = MerakArguments(output_dir=str(tmp_path), plan="plan.json")
+    _set_arguments(args, Candidate(1, 1, 2, 2, 8, "interleaved_1f1b", "budget", 0, 2),
+                   [0.5, 0.25, 0.0, 0.0])
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 8)
+    assert (args.train_schedule, args.num_model_chunks, args.zero_stage) == \
+        ("interleaved_1f1b", 2, 0)
+    assert args.activation_checkpointing and args.activation_checkpoint_ratio == \
+        [0.5, 0.25, 0.0, 0.0]
