@@ -105,7 +105,7 @@ def grid_candidates(shape: ModelShape, world: int, batch: int) -> list[Candidate
             if c.recompute in ("off", "full")]
 
 
-def grid(seq: int, batch: int, steps: int) -> None:
+def grid(seq: int, batch: int, steps: int, models: list[str]) -> None:
     import torch.distributed as dist
 
     import merak
@@ -114,13 +114,16 @@ def grid(seq: int, batch: int, steps: int) -> None:
 
     ctx = merak.init()
     say = print if ctx.rank == 0 else (lambda *_, **__: None)
-    for name, sizes in GRID_MODELS.items():
-        config = LlamaConfig(**sizes)
+    for name in models:
+        config = LlamaConfig(**GRID_MODELS[name])
         shape = ModelShape.from_config(config)
         start = time.perf_counter()
         measured = {}
         for c in grid_candidates(shape, ctx.world_size, batch):
-            measured[c] = dry_run(c, config, seq, steps)
+            try:  # (a layout the model cannot take fails alike on every rank)
+                measured[c] = dry_run(c, config, seq, steps)
+            except (ValueError, RuntimeError) as error:
+                say(f"  {c.label}: cannot run ({str(error).splitlines()[0][:120]})")
         grid_s = time.perf_counter() - start
         peaks = sorted(m for _, m in measured.values())
         limits = {"machine": device_memory(ctx), "median": peaks[len(peaks) // 2]}
@@ -163,11 +166,13 @@ def main() -> None:
                         help="default 8192 offline, 128 for the grid")
     parser.add_argument("--global-batch", type=int, default=16, help="the grid's")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per dry run")
+    parser.add_argument("--models", default=",".join(GRID_MODELS),
+                        help=f"the grid's models, of {list(GRID_MODELS)}")
     cli = parser.parse_args()
     if cli.offline:
         offline(cli.seq_len or 8192)
     else:
-        grid(cli.seq_len or 128, cli.global_batch, cli.steps)
+        grid(cli.seq_len or 128, cli.global_batch, cli.steps, cli.models.split(","))
 
 
 if __name__ == "__main__":

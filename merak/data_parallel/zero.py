@@ -8,10 +8,14 @@ shard: FSDP shards that over the dp ranks. Parameters stay fp32 (the master copy
 precision is the interpreter's autocast, as without ZeRO.
 
 When gradients travel: once per step. Every micro-batch's backward runs with FSDP's gradient
-sync off, so each unit's unsharded gradient accumulates locally (FSDP's ``no_sync``); the
-step tail then reduce-scatters every unit once, as `torch.distributed.pipelining` does in its
-REDUCE_GRAD action (FSDP's post-backward is called by hand: a pipeline's micro-batch backwards
-are separate autograd calls, so FSDP cannot tell which one is the last).
+sync off, so each unit's unsharded gradient accumulates locally (FSDP's ``no_sync``). The
+interpreter knows which backward of a chunk is the step's last (FSDP cannot: a pipeline's
+micro-batch backwards are separate autograd calls) and runs it inside `last_backward`, with
+sync on: each unit reduce-scatters as soon as its own backward ends (FSDP's post-backward hook;
+on a GPU the collective overlaps the backward of the units before it). The step tail then
+calls FSDP's post-backward by hand for every unit, as `torch.distributed.pipelining` does in
+its REDUCE_GRAD action: a no-op for the units already reduced, the reduce-scatter of any the
+last backward did not reach.
 
 When parameters are gathered:
 - ZeRO-2: a unit is gathered at the step's first forward and kept whole until the step's
@@ -98,9 +102,25 @@ class ZeroSharding:
             root.set_reshard_after_backward(self.zero_stage == 3)
             root.set_is_last_backward(False)
 
+    @contextlib.contextmanager
+    def last_backward(self, stage_id: int) -> Iterator[None]:
+        """Around the step's last backward of chunk `stage_id`: its units reduce-scatter (and
+        reshard) as their backward ends."""
+        root = next(r for r in self.roots if r.stage_id == stage_id)
+        root.set_requires_gradient_sync(True)
+        root.set_reshard_after_backward(True)
+        root.set_is_last_backward(True)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(False)
+            root.set_reshard_after_backward(self.zero_stage == 3)
+            root.set_is_last_backward(False)
+
     def reduce_scatter(self) -> None:
-        """After the step's last backward: reduce-scatter every unit's accumulated gradient
-        (averaged over dp) into its shard's ``.grad`` and free the gathered parameters."""
+        """After the step's last backward: every unit's gradient reduce-scattered (averaged
+        over dp) into its shard's ``.grad`` (those `last_backward` reduced already are left
+        as they are) and the gathered parameters freed."""
         for root in self.roots:
             root.set_requires_gradient_sync(True)
             root.set_reshard_after_backward(True)

@@ -388,8 +388,8 @@ class PipelineInterpreter(StepTail):
              K.OPTIMIZER_STEP: self._optimizer_step}[action.kind]()
         else:
             runner, mb = self.runners[action.stage_id], action.microbatch_id
-            closing = self._closing.get(action.stage_id) == action  # dp buckets may start
-            with self.grad_averager.last_backward(action.stage_id) if closing else nullcontext():
+            closing = self._closing.get(action.stage_id) == action  # gradient sums may start
+            with self._gradients_final(action) if closing else nullcontext():
                 {K.LOAD: runner.load, K.FORWARD: runner.forward, K.BACKWARD: runner.backward,
                  K.RECOMPUTE: runner.recompute_blocks, K.BACKWARD_INPUT: runner.backward_input,
                  K.BACKWARD_WEIGHT: runner.backward_weight}[action.kind](mb)

@@ -4,7 +4,9 @@ the optimizer, report the loss."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,16 @@ class StepTail:
     _tp_partial: list[torch.nn.Parameter]
     skip_optimizer_step: bool
     zero: ZeroSharding | None
+
+    @contextlib.contextmanager
+    def _gradients_final(self, action: Action) -> Iterator[None]:
+        """Around the step's last action writing `action.stage_id`'s weight gradients: dp
+        buckets start their all-reduce, ZeRO units their reduce-scatter, as gradients become
+        final (ZeRO-2/3 run no split backward: zero-bubble schedules are refused there)."""
+        zero = self.zero.last_backward(action.stage_id) \
+            if self.zero is not None and action.kind is ActionKind.BACKWARD else nullcontext()
+        with self.grad_averager.last_backward(action.stage_id), zero:
+            yield
 
     def _reduce_tied_grads(self, _: None = None) -> None:
         if self.zero is not None:  # the tail's first action: every shard's gradient, once

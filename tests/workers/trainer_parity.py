@@ -3,6 +3,7 @@ learning rates and eval loss for test_trainer to compare with the HF Trainer ref
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -51,7 +52,11 @@ def run(name: str) -> None:
                                 wall_clock_breakdown=True, **{**COMMON, **extra}, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
-    trainer.train()
+    with _reduced_in_last_backward() as reduced:
+        trainer.train()
+    if args.zero_stage >= 2:  # every chunk's units reduce-scattered inside its last backward
+        chunks = args.num_model_chunks if args.train_schedule == "interleaved_1f1b" else 1
+        assert len(reduced) == chunks * args.max_steps and all(reduced), reduced
     if auto:  # the layout chosen; evaluation at the reference's rows per dp rank
         ctx, dp = trainer.ctx, trainer.ctx.dp
         planned = json.loads((OUT / name / "plan.json").read_text())
@@ -100,6 +105,34 @@ def run(name: str) -> None:
             "eval_loss": metrics["eval_loss"],
             **flow}))
     dist.barrier()
+
+
+@contextlib.contextmanager
+def _reduced_in_last_backward():
+    """Records, for each `ZeroSharding.last_backward` (the step's last backward of a chunk),
+    whether every trainable shard of the chunk had its gradient when it ended (ZeRO-2/3
+    reduce-scatter there, not in the tail)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from merak.data_parallel.zero import ZeroSharding
+
+    original, reduced = ZeroSharding.last_backward, []
+
+    @contextlib.contextmanager
+    def recording(self, stage_id):
+        with original(self, stage_id):
+            yield
+        root = next(r for r in self.roots if r.stage_id == stage_id)
+        shards = [p.sharded_param for unit in fully_shard.state(root)._state_ctx.all_states
+                  for group in unit._fsdp_param_groups for p in group.fsdp_params
+                  if p.sharded_param.requires_grad]  # (ZeRO-2 runs on the gathered ones)
+        reduced.append(bool(shards) and all(p.grad is not None for p in shards))
+
+    ZeroSharding.last_backward = recording
+    try:
+        yield reduced
+    finally:
+        ZeroSharding.last_backward = original
 
 
 def _generates_as_hf(trainer, family: str) -> None:
