@@ -52,17 +52,34 @@ RUNS = {"llama": ("llama", {}, {}),
             "gradient_checkpointing_kwargs": {"use_reentrant": False},
             "include_num_input_tokens_seen": True, "eval_accumulation_steps": 1,
             "torch_empty_cache_steps": 2}, {})}
+# issue 17's grid: ZeRO-2 and -3 x (dp, tp, pp) in (2,1,2), (2,2,2), (4,1,2) x 1f1b and
+# interleaved_1f1b x fp32 and bf16, 5 steps each against HF Trainer; the 4 combinations the
+# runs above make already are left out
+ZERO_LAYOUTS = {"dp2tp1pp2": (2, 1, 2), "dp2tp2pp2": (2, 2, 2), "dp4tp1pp2": (4, 1, 2)}
+_MADE = {(3, "dp2tp2pp2", "1f1b", False), (3, "dp2tp2pp2", "interleaved_1f1b", False),
+         (2, "dp4tp1pp2", "1f1b", True), (2, "dp2tp1pp2", "interleaved_1f1b", True)}
+ZERO_GRID = {
+    f"grid-zero{zero}-{layout}-{schedule}-{'bf16' if bf16 else 'fp32'}": (
+        "llama-deep" if schedule == "interleaved_1f1b" else "llama",
+        {**FIVE, "bf16": True} if bf16 else FIVE,
+        {"zero_stage": zero, "train_schedule": schedule,
+         **({"num_model_chunks": 2} if schedule == "interleaved_1f1b" else {})})
+    for zero in (2, 3) for layout in ZERO_LAYOUTS for schedule in ("1f1b", "interleaved_1f1b")
+    for bf16 in (False, True) if (zero, layout, schedule, bf16) not in _MADE}
+RUNS.update(ZERO_GRID)
 # runs made on dp1 x tp1 x pp2 in test_trainer's 2-rank launch: HF's training flow, and
 # recomputation choices and schedules, which the pipeline alone decides
 PP2_RUNS = ("llama-hf-flow", "llama-shifted-stage-aware", "gpt2-zero-bubble-recompute")
 # runs made on dp2 x tp1 x pp2 in test_trainer's 4-rank reshard launch
-DP2_PP2_RUNS = ("gpt2-zero3", "llama-deep-interleaved-zero2-bf16", "llama-auto")
+DP2_PP2_RUNS = ("gpt2-zero3", "llama-deep-interleaved-zero2-bf16", "llama-auto",
+                *(run for run in ZERO_GRID if "-dp2tp1pp2-" in run))
 # the rest on dp2 x tp2 x pp2 (or LAYOUTS) in the 8-rank launch
 RUNS_3D = tuple(run for run in RUNS if run not in PP2_RUNS + DP2_PP2_RUNS)
 # fp32 runs that also compare predict() outputs (GPT-2's under ZeRO-3: gathered per block)
 PREDICTING = ("llama", "gpt2-zero3")
 # (dp, tp, pp) of the runs that are not dp2 x tp2 x pp2
-LAYOUTS = {"llama-dp4-bf16-zero2": (4, 1, 2), **{run: (2, 1, 2) for run in DP2_PP2_RUNS}}
+LAYOUTS = {"llama-dp4-bf16-zero2": (4, 1, 2), **{run: (2, 1, 2) for run in DP2_PP2_RUNS},
+           **{run: ZERO_LAYOUTS[run.split("-")[2]] for run in ZERO_GRID}}
 # HF fields shared by both runs (the reference uses per_device = MICRO_BATCH * DP)
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,

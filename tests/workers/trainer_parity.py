@@ -22,6 +22,7 @@ from trainer_common import (
     PREDICTING,
     RUNS,
     RUNS_3D,
+    ZERO_GRID,
     build,
     eval_set,
     flow_summary,
@@ -96,7 +97,8 @@ def run(name: str) -> None:
         runners = trainer.engine.runners
         assert all(r.freeable for s, r in runners.items() if s < r.split.num_stages - 1), \
             {s: r.freeable for s, r in runners.items()}
-    if zero == 3:  # generation gathers the shards: HF generate's tokens on the trained model
+    if zero == 3 and name not in ZERO_GRID:  # generation gathers the shards: HF generate's
+        # tokens on the trained model
         _generates_as_hf(trainer, family)
     if ctx.rank == 0:
         (OUT / f"merak-{name}.json").write_text(json.dumps({"state_share": share,
