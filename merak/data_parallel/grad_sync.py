@@ -112,13 +112,12 @@ class GradientAverager:
         # this step's bucket starts, in order: (bucket index, "backward" when a gradient hook
         # started it, "after backward" at the end of a closing backward, "tail" in `average`)
         self.launch_log: list[tuple[int, str]] = []
-        self._hooks = []
-        if self.world_size > 1:
+        if self.world_size > 1:  # (a weak reference: an averager replaced leaves no-op hooks)
             this = weakref.ref(self)
             for p in self.params:
                 if id(p) in self._holders:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda param, this=this: this() and this()._accumulated(param)))
+                    p.register_post_accumulate_grad_hook(
+                        lambda param, this=this: this() and this()._accumulated(param))
 
     # -- the step -----------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -180,11 +179,6 @@ class GradientAverager:
         for bucket in self.buckets:
             bucket.finish(self.world_size / self.predivide)
         self._pending, self._next = {}, 0
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
 
 class _Bucket:
