@@ -51,9 +51,7 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
                 micro_batch_sizes=(1, 2, 4, 8), dry_runs: int = 5, steps: int = 3,
                 dtype: torch.dtype | None = None) -> Plan:
     """The plan for `config` on this job (every rank calls it; every rank gets the plan)."""
-    if not dist.is_initialized():
-        merak.init()
-    ctx = merak.init(dp=dist.get_world_size())
+    ctx = merak.init()  # every rank data-parallel while measuring
     start = time.perf_counter()
     memory = memory_bytes or device_memory(ctx)
     shape = ModelShape.from_config(config)
@@ -76,15 +74,20 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
         plan.measured_memory[c.label] = peak
         if peak <= memory and (best is None or step_s < plan.measured[best.candidate.label]):
             best = prediction
-    if best is not None:
-        plan.chosen = best.candidate
-        first = plan.ranked[0].candidate
-        plan.why = (f"{best.candidate.label}: the fastest of {len(plan.measured)} dry runs, "
-                    f"{plan.measured[best.candidate.label]:.4g} s per step "
-                    f"(predicted {best.step_s:.4g} s)"
-                    + ("" if best.candidate == first else
-                       f"; the predicted best, {first.label}, measured "
-                       f"{plan.measured.get(first.label, float('nan')):.4g} s") + "\n" + plan.why)
-    merak.init(dp=dist.get_world_size())  # the default layout again
+    if best is None:
+        label = min(plan.measured_memory, key=plan.measured_memory.get)
+        raise ValueError(f"every dry run went over the memory limit of {memory / 2**30:.3g} "
+                         f"GiB per rank; the least was {plan.measured_memory[label] / 2**30:.3g} "
+                         f"GiB ({label}): raise the limit, or use more ranks or a smaller "
+                         f"global batch")
+    plan.chosen = best.candidate
+    first = plan.ranked[0].candidate
+    plan.why = (f"{best.candidate.label}: the fastest of {len(plan.measured)} dry runs, "
+                f"{plan.measured[best.candidate.label]:.4g} s per step "
+                f"(predicted {best.step_s:.4g} s)"
+                + ("" if best.candidate == first else
+                   f"; the predicted best, {first.label}, measured "
+                   f"{plan.measured.get(first.label, float('nan')):.4g} s") + "\n" + plan.why)
+    merak.init()  # the default layout again
     plan.search_s = time.perf_counter() - start
     return plan
