@@ -39,6 +39,10 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
         if config is None:
             raise ValueError("auto_parallel plans an HF causal LM from its config; "
                              f"{type(model).__name__} has none (give merak.init the degrees)")
+        if "input_ids" not in example_rows:
+            raise ValueError(f"auto_parallel plans a causal LM trained on input_ids; the batches "
+                             f"hold {sorted(example_rows)} (plan offline with `merak plan` and "
+                             f"give MerakArguments(plan=...), or give merak.init the degrees)")
         seq = example_rows["input_ids"].shape[-1]
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         plan = plan_online(config, global_batch(args), seq,
