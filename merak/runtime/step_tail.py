@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -79,7 +78,8 @@ class StepTail:
         buckets start their all-reduce, ZeRO units their reduce-scatter, as gradients become
         final (ZeRO-2/3 run no split backward: zero-bubble schedules are refused there)."""
         zero = self.zero.last_backward(action.stage_id) \
-            if self.zero is not None and action.kind is ActionKind.BACKWARD else nullcontext()
+            if self.zero is not None and action.kind is ActionKind.BACKWARD \
+            else contextlib.nullcontext()
         with self.grad_averager.last_backward(action.stage_id), zero:
             yield
 
