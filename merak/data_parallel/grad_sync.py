@@ -127,6 +127,7 @@ class GradientAverager:
             return
         for bucket in self.buckets:
             bucket.attach()
+            bucket.final = 0
         self._pending = {k: set(v) for k, v in self._holders.items()}
         self._next, self.launch_log = 0, []
 
@@ -213,15 +214,12 @@ class _Bucket:
             else:
                 continue
             p.grad = view
-        self.final, self.work = 0, None
 
     def ready(self) -> bool:
         return not self.late and self.final == len(self.params)
 
     def launch(self, group: dist.ProcessGroup, predivide: float) -> None:
-        final = self.final
         self.attach()  # a gradient replaced since `begin_step` goes back into the buffer
-        self.final = final
         if predivide != 1.0:
             self.buffer.div_(predivide)
         self.work = dist.all_reduce(self.buffer, group=group, async_op=True)

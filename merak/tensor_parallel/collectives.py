@@ -68,11 +68,15 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.view(size, *x.shape).movedim(0, dim).reshape(shape)
 
 
-def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
     if x.shape[dim] % size:
         raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {size} "
                          f"tensor-parallel shards; make it divisible by tp={size}")
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_divisible(x, dim, size)
     return x.chunk(size, dim=dim)[rank].contiguous()
 
 
@@ -80,9 +84,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's shard along `dim` of the sum over `group`: one `reduce_scatter_tensor`
     (each rank receives only its shard's sum, not the whole sum)."""
     size, dim = dist.get_world_size(group), dim % x.dim()
-    if x.shape[dim] % size:
-        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {size} "
-                         f"tensor-parallel shards; make it divisible by tp={size}")
+    _check_divisible(x, dim, size)
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype,
                       device=x.device)
