@@ -79,7 +79,7 @@ def offline(seq: int) -> None:
         print(f"  {'':34}{'layout':56}{'step s':>8}{'MFU':>7}{'GiB':>6}")
         print(f"  {'merak plan':34}{best.candidate.label:56}{best.step_s:8.2f}"
               f"{plan.mfu(best.step_s):7.1%}{best.peak_bytes / 2**30:6.1f}")
-        predict = Predictor(shape, costs, where, batch, seq).predict
+        predict = Predictor(shape, costs, where).predict
         for name, (candidate, note) in published.items():
             p = predict(candidate)
             fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"

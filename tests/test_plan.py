@@ -60,7 +60,7 @@ def test_predictions_move_the_right_way():
     shape = ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B))
     h100 = cluster("h100")
     costs = {m: analytic_costs(shape, h100, m, 4096) for m in (1, 2)}
-    predict = Predictor(shape, costs, h100, 32, 4096, memory_bytes=10**15).predict
+    predict = Predictor(shape, costs, h100, memory_bytes=10**15).predict
     base = Candidate(dp=2, tp=2, pp=2, micro_batch=1, microbatches=16, schedule="1f1b")
     off, full = predict(base), predict(Candidate(**{**base.__dict__, "recompute": "full"}))
     assert full.peak_bytes < off.peak_bytes and full.step_s > off.step_s  # memory for time

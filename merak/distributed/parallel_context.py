@@ -9,7 +9,6 @@ context as an explicit argument.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import socket
 from dataclasses import dataclass, field, replace
@@ -180,12 +179,10 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
 
 def degrees_from_plan(path: str | Path) -> tuple[int, int, int]:
     """(dp, tp, pp) of the layout a ``merak plan`` file chose."""
-    data = json.loads(Path(path).read_text())
-    chosen = data.get("chosen")
-    if not chosen:
-        raise ValueError(f"{path} holds no chosen plan (no candidate fitted); plan again with "
-                         f"more memory or ranks")
-    return chosen["dp"], chosen["tp"], chosen["pp"]
+    from merak.plan.search import read_plan  # (merak.plan builds on this module)
+
+    chosen = read_plan(path)[0]
+    return chosen.dp, chosen.tp, chosen.pp
 
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,

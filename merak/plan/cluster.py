@@ -136,11 +136,11 @@ def measure_links(ctx, memory_bytes: float, peak_flops: float, sizes=(2**16, 2**
     for nbytes in sizes:
         tensor = torch.zeros(nbytes // 4, device=ctx.device)
         dist.all_reduce(tensor)  # warm-up
-        _synchronize(ctx.device)
+        synchronize(ctx.device)
         start = time.perf_counter()
         for _ in range(repeats):
             dist.all_reduce(tensor)
-        _synchronize(ctx.device)
+        synchronize(ctx.device)
         times.append((time.perf_counter() - start) / repeats)
     slowest = torch.tensor(times, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -154,7 +154,8 @@ def measure_links(ctx, memory_bytes: float, peak_flops: float, sizes=(2**16, 2**
                    latency_s=latency, efficiency=1.0, name=f"measured ({ctx.device.type})")
 
 
-def _synchronize(device) -> None:
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA)."""
     import torch
 
     if device.type == "cuda":

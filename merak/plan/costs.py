@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from merak.plan.cluster import Cluster
+from merak.plan.cluster import Cluster, synchronize
 from merak.plan.shape import ModelShape
 
 
@@ -96,8 +96,8 @@ def _measure_model(config, layers: int, rows: int, seq: int, device, dtype, repe
     def forward_backward():
         forward().backward()
 
-    forward_s = _time(device, forward, repeats)
-    total_s = _time(device, forward_backward, repeats)
+    forward_s = fastest(device, forward, repeats)
+    total_s = fastest(device, forward_backward, repeats)
     meter = ActivationMeter(list(model.parameters()) + list(model.buffers()))
     with meter.recording():
         loss = forward()
@@ -106,18 +106,15 @@ def _measure_model(config, layers: int, rows: int, seq: int, device, dtype, repe
     return forward_s, max(total_s - forward_s, 0.0), kept
 
 
-def _time(device, run, repeats: int) -> float:
-    """The fastest of `repeats` runs after a warm-up (the least disturbed by other work)."""
-    import torch
-
+def fastest(device, run, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` runs after one warm-up run (the least disturbed by
+    other work), the device synchronised around each."""
     run()
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best

@@ -13,34 +13,29 @@ tensors after the steps) plus the activation meter's peak (what the step kept fo
 from __future__ import annotations
 
 import gc
-import time
 
 import torch
 import torch.distributed as dist
 
 import merak
+from merak.data_parallel.shards import local
+from merak.plan.costs import fastest
 from merak.plan.predict import Candidate
+from merak.trainer.model_setup import local_optimizer, zero1
 
 
 def _state_bytes(stage: torch.nn.Module, optimizer) -> int:
+    """Bytes of the rank's weights, gradients and optimizer state, each storage once (a
+    bucket's gradients share its buffer)."""
     seen, total = set(), 0
-
-    def count(tensor):
-        nonlocal total
+    tensors = [t for p in stage.parameters() for t in (p, p.grad)] + [
+        v for state in local_optimizer(optimizer).state.values() for v in state.values()]
+    for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            key = local.untyped_storage().data_ptr()
-            if key and key not in seen:
-                seen.add(key)
-                total += local.untyped_storage().nbytes()
-
-    for param in stage.parameters():
-        count(param)
-        count(param.grad)
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own shard
-    for state in inner.state.values():
-        for value in state.values():
-            count(value)
+            storage = local(tensor).untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
     return total
 
 
@@ -52,7 +47,6 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
     from transformers import AutoModelForCausalLM
 
     from merak.data_parallel.zero import shard_stage
-    from merak.trainer.model_setup import zero1
 
     c = candidate
     ctx = merak.init(dp=c.dp, tp=c.tp, pp=c.pp)
@@ -74,33 +68,23 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
                                        autocast_dtype=dtype,
                                        measure_activations=ctx.device.type != "cuda")
     generator = torch.Generator().manual_seed(ctx.dp_rank)
-    local = rows * c.microbatches
+    rows_per_step = rows * c.microbatches
 
     def batch():
-        ids = torch.randint(0, config.vocab_size, (local, seq), generator=generator)
+        ids = torch.randint(0, config.vocab_size, (rows_per_step, seq), generator=generator)
         return {"input_ids": ids, "labels": ids} if engine.batch_keys else None
 
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    engine.train_step(batch())  # warm-up: shapes, caches
-    times = []
-    for _ in range(steps):
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.train_step(batch())
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    step_s = fastest(ctx.device, lambda: engine.train_step(batch()), steps)  # + a warm-up
     if ctx.device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated())
     else:
-        optimizer.zero_grad(set_to_none=False)  # count the gradients as a step holds them
-        for param in stage.parameters():
+        for param in stage.parameters():  # count the gradients as a step holds them
             if param.grad is None and param.requires_grad:
                 param.grad = torch.zeros_like(param)
         peak = float(_state_bytes(stage, optimizer) + (engine.activation_peak or 0))
-    figures = torch.tensor([min(times), peak], dtype=torch.float64, device=ctx.device)
+    figures = torch.tensor([step_s, peak], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     engine.remove_recomputation()
     del engine, optimizer, stage, model, zero

@@ -90,21 +90,19 @@ def state_bytes(params: float, zero: int, dp: int, largest_block: float) -> floa
 
 
 class Predictor:
-    """Predicts candidates of one model, cluster, global batch and sequence length.
+    """Predicts candidates of one model on one cluster (the global batch and sequence length
+    are those the block costs and the candidates' micro-batching were made for).
 
     Args:
         shape: the model's sizes.
         costs: micro-batch size -> `BlockCosts` at that size (tp = 1).
         cluster: devices and links.
-        global_batch: sequences per optimizer step.
-        seq: tokens per sequence.
         memory_bytes: the per-rank limit (default the cluster's).
     """
 
     def __init__(self, shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
-                 global_batch: int, seq: int, memory_bytes: float | None = None):
+                 memory_bytes: float | None = None):
         self.shape, self.costs, self.cluster = shape, costs, cluster
-        self.global_batch, self.seq = global_batch, seq
         self.memory_bytes = memory_bytes or cluster.memory_bytes
         self._cache: dict[tuple, tuple[float, list[float]]] = {}
         self._schedules: dict[tuple, object] = {}

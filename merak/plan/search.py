@@ -131,13 +131,14 @@ def _prediction_json(p: Prediction) -> dict:
             "recompute_ratios": p.recompute_ratios}
 
 
-def read_plan(path: str | Path) -> tuple[Candidate, list[float] | None]:
-    """The chosen candidate of a ``plan.json`` (`Plan.write`) and its per-stage recomputation
-    ratios."""
+def read_plan(path: str | Path) -> tuple[Candidate, list[float] | None, int | None]:
+    """The chosen candidate of a ``plan.json`` (`Plan.write`), its per-stage recomputation
+    ratios and the global batch it was planned for."""
     data = json.loads(Path(path).read_text())
     if not data.get("chosen"):
-        raise ValueError(f"{path} holds no chosen plan (no candidate fitted)")
-    return Candidate(**data["chosen"]), data.get("chosen_ratios")
+        raise ValueError(f"{path} holds no chosen plan (no candidate fitted); plan again with "
+                         f"more memory or ranks")
+    return Candidate(**data["chosen"]), data.get("chosen_ratios"), data.get("global_batch")
 
 
 def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
@@ -160,7 +161,7 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                          f"{shape.name}: tp must divide {shape.heads} heads and "
                          f"{shape.kv_heads} key-value heads, pp at most {shape.layers} blocks")
     sizes = [m for m in options.pop("micro_batch_sizes", MICRO_BATCH_SIZES) if m in costs]
-    predictor = Predictor(shape, costs, cluster, global_batch, seq, memory_bytes)
+    predictor = Predictor(shape, costs, cluster, memory_bytes)
     ranked, dropped = [], []
     done: dict[tuple, Prediction] = {}
     for candidate in candidates(shape, cluster.world_size, global_batch, sizes, **options):

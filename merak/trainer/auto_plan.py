@@ -5,7 +5,6 @@ are collectives)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,8 +24,7 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
     re-initialize the parallel context with its degrees; returns the new context."""
     args, ctx = trainer.args, trainer.ctx
     if args.plan:
-        candidate, ratios = read_plan(args.plan)
-        planned = json.loads(Path(args.plan).read_text()).get("global_batch")
+        candidate, ratios, planned = read_plan(args.plan)
         if planned is not None and planned != global_batch(args):
             raise ValueError(f"{args.plan} was made for a global batch of {planned} sequences, "
                              f"but per_device_train_batch_size x gradient_accumulation_steps = "
