@@ -40,6 +40,11 @@ class _BlockCall:
     outputs: Any = None            # the rerun's outputs (for the next block of the segment)
 
 
+def _rerun_unpack(_: int) -> torch.Tensor:
+    raise RuntimeError("backward through a recomputation's rerun; gradients flow through the "
+                       "original forward's graph")
+
+
 @dataclass(frozen=True)
 class _FromBlock:
     """Placeholder in a block's args: leaf `leaf` of the output of call `call` of the segment."""
@@ -130,8 +135,11 @@ class BlockRecomputation:
               kwargs: dict) -> Any:
         if self._recomputing is not None:  # a rerun: collect what the block saves
             saved = self._recomputing
+            # Detached: a saved tensor keeps its grad_fn, whose graph would keep this list
+            # through the hooks, a cycle through C++ that gc cannot see (the stage would leak).
+            # The rerun's own graph is never backpropagated; gradients use the original one.
             with torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: saved.append(t) or len(saved) - 1, lambda i: saved[i]):
+                    lambda t: saved.append(t.detach()) or len(saved) - 1, _rerun_unpack):
                 return original(*args, **kwargs)
         if self.current is None:  # eval, or outside the interpreter
             return original(*args, **kwargs)
