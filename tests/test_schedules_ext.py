@@ -18,7 +18,9 @@ from schedule_parity import scenario_names
 from merak import ActionKind, CostModel, Schedule, ScheduleError, make_schedule, simulate
 from merak.cli import main
 from merak.recompute.blocks import BlockRecomputation, checkpointed_blocks
+from merak.recompute.meter import ActivationMeter
 from merak.recompute.stage_aware import KeptBytes, choose_ratios, predict_peaks, stage_aware_ratios
+from merak.runtime.split_backward import backward_input, backward_weight
 from merak.schedule.simulator import MemoryModel
 from merak.schedule.validate import validate_schedule
 
@@ -213,3 +215,26 @@ def test_a_released_micro_batch_leaves_nothing_alive_without_gc():
         gc.enable()
         recompute.remove()
     assert not alive, f"{len(alive)} of {len(kept)} recomputed tensors outlive their backward"
+
+
+def test_the_activation_meter_frees_a_split_backward_through_a_softmax():
+    """A zero-bubble backward (input half, then weight half) of a stage ending in
+    cross-entropy: log_softmax saves its own output, which the meter's wrapper must not tie
+    back to the node (that cycle outlived the step, and gc, on every last stage)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 32)
+    weights = list(head.parameters())
+    meter = ActivationMeter(weights)
+    gc.disable()
+    try:
+        for _ in range(2):
+            x = torch.randn(8, 16, requires_grad=True)
+            with meter.recording():
+                loss = torch.nn.functional.cross_entropy(head(x), torch.arange(8))
+            assert meter.live > 0
+            _, pending = backward_input([loss], [None], [x], weights)
+            backward_weight(pending, weights)
+            del pending, loss, x
+            assert meter.live == 0, f"{meter.live} bytes still held after the weight half"
+    finally:
+        gc.enable()

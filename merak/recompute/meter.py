@@ -23,7 +23,10 @@ class _Held:
     __slots__ = ("meter", "tensor", "token")
 
     def __init__(self, meter: ActivationMeter, tensor: torch.Tensor):
-        self.tensor, self.meter = tensor, meter
+        # Detached: an op that saves its own output (log_softmax) would otherwise hold its node
+        # through this wrapper, a cycle through autograd's C++ graph that gc cannot collect; a
+        # zero-bubble weight pass never frees such a node's saved tensors, so it leaked.
+        self.tensor, self.meter = tensor.detach(), meter
         self.token = meter.hold(tensor)
 
     def __del__(self) -> None:
