@@ -17,7 +17,8 @@ predicted peak memory within 15% of measured.
 For Llama-3 8B on 8 H100s and Llama-3 70B on 64 H100s (8192-token sequences), the layout
 `merak plan --cluster h100` chooses, with its predicted step time, tokens/s and MFU, next to
 the layouts the anchors publish for the same jobs, each predicted by the same model (where
-Merak can express it: no context parallelism, and ZeRO-3 as Merak runs it).
+Merak can express it: no context parallelism, and ZeRO-3 as Merak runs it), all with the
+vocabulary split over TP ranks (``parallel_vocab``, as the anchors split it).
 
 Published layouts (the anchors' configuration files):
 - torchtitan ``llama3_8b.toml``: FSDP over all 8 GPUs (tp 1), local batch 1;
@@ -70,7 +71,7 @@ def offline(seq: int) -> None:
         where = cluster("h100", world)
         costs = {m: analytic_costs(shape, where, m, seq) for m in (1, 2, 4, 8)}
         start = time.perf_counter()
-        plan = search(shape, costs, where, batch, seq)
+        plan = search(shape, costs, where, batch, seq, parallel_vocab=True)
         took = time.perf_counter() - start
         best = plan.ranked[0]
         print(f"\nLlama-3 {size} ({shape.params / 1e9:.2f} B) on {world} x H100, global batch "
@@ -79,7 +80,7 @@ def offline(seq: int) -> None:
         print(f"  {'':34}{'layout':56}{'step s':>8}{'MFU':>7}{'GiB':>6}")
         print(f"  {'merak plan':34}{best.candidate.label:56}{best.step_s:8.2f}"
               f"{plan.mfu(best.step_s):7.1%}{best.peak_bytes / 2**30:6.1f}")
-        predict = Predictor(shape, costs, where).predict
+        predict = Predictor(shape, costs, where, parallel_vocab=True).predict
         for name, (candidate, note) in published.items():
             p = predict(candidate)
             fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"
@@ -119,13 +120,16 @@ def grid(seq: int, batch: int, steps: int, models: list[str]) -> None:
         shape = ModelShape.from_config(config)
         start = time.perf_counter()
         measured = {}
-        for c in grid_candidates(shape, ctx.world_size, batch):
+        grid = grid_candidates(shape, ctx.world_size, batch)
+        for i, c in enumerate(grid):
             try:  # (a layout the model cannot take fails alike on every rank)
                 measured[c] = dry_run(c, config, seq, steps)
+                say(f"  [{i + 1}/{len(grid)}] {c.label}: {measured[c].step_s:.3f} s, "
+                    f"{measured[c].peak_bytes / 2**20:.1f} MiB", flush=True)
             except (ValueError, RuntimeError) as error:
                 say(f"  {c.label}: cannot run ({str(error).splitlines()[0][:120]})")
         grid_s = time.perf_counter() - start
-        peaks = sorted(m for _, m in measured.values())
+        peaks = sorted(m.peak_bytes for m in measured.values())
         limits = {"machine": device_memory(ctx), "median": peaks[len(peaks) // 2]}
         say(f"\n{name} ({shape.params / 1e6:.1f} M), global batch {batch} x {seq}, "
             f"{len(measured)} grid candidates measured in {grid_s:.0f} s")
@@ -133,12 +137,14 @@ def grid(seq: int, batch: int, steps: int, models: list[str]) -> None:
             start = time.perf_counter()
             plan = plan_online(config, batch, seq, limit, (1, 2), dry_runs=3, steps=steps)
             plan_s = time.perf_counter() - start
-            fitting = {c: t for c, (t, m) in measured.items() if m <= limit}
+            fitting = {c: m.step_s for c, m in measured.items() if m.peak_bytes <= limit}
             best = min(fitting.values())
             chosen = plan.chosen
-            chosen_s, chosen_m = measured.get(chosen) or dry_run(chosen, config, seq, steps)
+            run = measured.get(chosen) or dry_run(chosen, config, seq, steps)
+            chosen_s, chosen_m = run.step_s, run.peak_bytes
             predicted = {p.candidate: p for p in plan.ranked + plan.dropped}
-            errors = [abs(predicted[c].peak_bytes - m) / m for c, (_, m) in measured.items()
+            errors = [abs(predicted[c].peak_bytes - m.peak_bytes) / m.peak_bytes
+                      for c, m in measured.items()
                       if c in predicted and predicted[c].peak_bytes < float("inf")]
             say(f"  limit {limit_name} ({limit / 2**20:.0f} MiB): chosen {chosen.label}: "
                 f"{best / chosen_s:.2f}x the best grid tokens/s (target >= 0.9), "
@@ -148,10 +154,11 @@ def grid(seq: int, batch: int, steps: int, models: list[str]) -> None:
                 f"{sum(e <= 0.15 for e in errors)}/{len(errors)} candidates, median error "
                 f"{sorted(errors)[len(errors) // 2]:.0%}")
         say(f"  {'candidate':58}{'pred s':>9}{'meas s':>9}{'pred MiB':>10}{'meas MiB':>10}")
-        for c, (t, m) in sorted(measured.items(), key=lambda item: item[1][0]):
+        for c, m in sorted(measured.items(), key=lambda item: item[1].step_s):
             p = predicted.get(c)
-            say(f"  {c.label:58}{p.step_s if p else float('nan'):9.3f}{t:9.3f}"
-                f"{(p.peak_bytes if p else float('nan')) / 2**20:10.1f}{m / 2**20:10.1f}")
+            say(f"  {c.label:58}{p.step_s if p else float('nan'):9.3f}{m.step_s:9.3f}"
+                f"{(p.peak_bytes if p else float('nan')) / 2**20:10.1f}"
+                f"{m.peak_bytes / 2**20:10.1f}")
     dist.destroy_process_group()
 
 

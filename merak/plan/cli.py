@@ -36,6 +36,9 @@ def add_plan(subparsers) -> None:
     parser.add_argument("--cluster", default=None,
                         help="offline: a preset (h100, h200, a100) or a cluster JSON file")
     parser.add_argument("--micro-batch-sizes", default="1,2,4,8")
+    parser.add_argument("--parallel-vocab", action="store_true",
+                        help="the job splits the embedding and LM head over TP ranks "
+                             "(MerakArguments.parallel_vocab)")
     parser.add_argument("--dry-runs", type=int, default=5, help="online: candidates to run")
     parser.add_argument("--dry-run-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12, help="rows of the printed table")
@@ -63,14 +66,16 @@ def _plan(args: argparse.Namespace) -> int:
         described = cluster(args.cluster, world)
         shape = ModelShape.from_config(config)
         costs = {m: analytic_costs(shape, described, m, args.seq_len) for m in sizes}
-        plan = search(shape, costs, described, args.global_batch, args.seq_len, memory)
+        plan = search(shape, costs, described, args.global_batch, args.seq_len, memory,
+                      args.parallel_vocab)
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
               f"{described.world_size} x {described.name}")
     else:
         from merak.plan.online import plan_online
 
         plan = plan_online(config, args.global_batch, args.seq_len, memory, sizes,
-                           dry_runs=args.dry_runs, steps=args.dry_run_steps)
+                           dry_runs=args.dry_runs, steps=args.dry_run_steps,
+                           parallel_vocab=args.parallel_vocab)
         if plan is None:  # not rank 0
             return 0
     print(plan.table(args.top))

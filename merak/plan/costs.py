@@ -56,17 +56,18 @@ def analytic_costs(shape: ModelShape, cluster: Cluster, rows: int, seq: int,
                       shape.head_activation_bytes(rows, seq), dtype_bytes)
 
 
-def measure_costs(config, rows: int, seq: int, device, dtype=None, repeats: int = 3
-                  ) -> BlockCosts:
-    """Measured on `device`: the HF model `config` builds, with one and with two decoder
-    blocks; their difference is one block (forward time, backward time, bytes its forward keeps
-    for backward, by the activation meter), the one-block model less one block is the rest
-    (embedding, head, loss)."""
+def measure_costs(config, rows: int, seq: int, device, dtype=None, repeats: int = 5,
+                  extra_blocks: int = 2) -> BlockCosts:
+    """Measured on `device`: the HF model `config` builds, with one decoder block and with
+    ``1 + extra_blocks``; their difference over `extra_blocks` is one block (forward time,
+    backward time, bytes its forward keeps for backward, by the activation meter; more than one
+    block in the difference steadies a small block's times), the one-block model less one block
+    is the rest (embedding, head, loss)."""
     import torch
 
     one = _measure_model(config, 1, rows, seq, device, dtype, repeats)
-    two = _measure_model(config, 2, rows, seq, device, dtype, repeats)
-    block = [max(b - a, 0.0) for a, b in zip(one, two)]
+    more = _measure_model(config, 1 + extra_blocks, rows, seq, device, dtype, repeats)
+    block = [max(b - a, 0.0) / extra_blocks for a, b in zip(one, more)]
     head = [max(a - b, 0.0) for a, b in zip(one, block)]
     element = torch.finfo(dtype).bits // 8 if dtype is not None else 4
     shape = ModelShape.from_config(config)

@@ -13,6 +13,7 @@ tensors after the steps) plus the activation meter's peak (what the step kept fo
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,11 +40,21 @@ def _state_bytes(stage: torch.nn.Module, optimizer) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A dry run's figures, each the highest over the ranks."""
+
+    step_s: float
+    peak_bytes: float
+    state_bytes: float       # weights, gradients, optimizer state
+    activation_bytes: float  # the peak of what the step kept for backward (CUDA: the rest)
+
+
 def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
             recompute_ratios: list[float] | None = None,
-            dtype: torch.dtype | None = None) -> tuple[float, float]:
-    """(seconds per step, the slowest rank's; peak bytes, the fullest rank's) of `candidate`
-    training the HF causal LM `config` describes, after one warm-up step."""
+            dtype: torch.dtype | None = None, parallel_vocab: bool = False) -> Measured:
+    """The figures of `candidate` training the HF causal LM `config` describes, timed after
+    one warm-up step."""
     from transformers import AutoModelForCausalLM
 
     from merak.data_parallel.zero import shard_stage
@@ -56,7 +67,7 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
     rows = c.micro_batch
     ids = torch.randint(0, config.vocab_size, (rows, seq))
     stage = merak.parallelize(model, {"input_ids": ids, "labels": ids}, ctx,
-                              num_model_chunks=c.chunks)
+                              num_model_chunks=c.chunks, parallel_vocab=parallel_vocab)
     zero = shard_stage(stage, ctx, c.zero) if c.zero >= 2 else None
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
     if c.zero == 1:
@@ -75,20 +86,21 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
         return {"input_ids": ids, "labels": ids} if engine.batch_keys else None
 
     if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     step_s = fastest(ctx.device, lambda: engine.train_step(batch()), steps)  # + a warm-up
-    if ctx.device.type == "cuda":
-        peak = float(torch.cuda.max_memory_allocated())
-    else:
-        for param in stage.parameters():  # count the gradients as a step holds them
-            if param.grad is None and param.requires_grad:
-                param.grad = torch.zeros_like(param)
-        peak = float(_state_bytes(stage, optimizer) + (engine.activation_peak or 0))
-    figures = torch.tensor([step_s, peak], dtype=torch.float64, device=ctx.device)
+    allocated = float(torch.cuda.max_memory_allocated()) if ctx.device.type == "cuda" else 0.0
+    for param in stage.parameters():  # count the gradients as a step holds them
+        if param.grad is None and param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    states = float(_state_bytes(stage, optimizer))
+    activations = allocated - states if allocated else float(engine.activation_peak or 0)
+    peak = states + activations
+    figures = torch.tensor([step_s, peak, states, activations], dtype=torch.float64,
+                           device=ctx.device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     engine.remove_recomputation()
     del engine, optimizer, stage, model, zero
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
-    return float(figures[0]), float(figures[1])
+    return Measured(*figures.tolist())

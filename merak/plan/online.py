@@ -1,8 +1,8 @@
 """Plan on the running job: measure, predict, dry-run the best few, keep the fastest measured.
 
-Every rank calls `plan_online` (under torchrun); all get the same `Plan`. Rank 0 measures the
-model's blocks (one rank suffices: the ranks are alike) and sends the costs to the others; the
-links are measured by all (`measure_links`). The best `dry_runs` predicted candidates (distinct
+Every rank calls `plan_online` (under torchrun); all get the same `Plan`. Every rank measures
+the model's blocks at the same time, as they will train (sharing a host's cores, a node's
+power), and the ranks' mean is used; the links are measured by all (`measure_links`). The best `dry_runs` predicted candidates (distinct
 layouts and schedules first) then run a few real steps each (`dry_run`); the fastest measured
 within the memory limit wins, and the table shows predicted against measured figures.
 """
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import fields, replace
 
 import torch
 import torch.distributed as dist
 
 import merak
 from merak.plan.cluster import measure_links
-from merak.plan.costs import measure_costs
+from merak.plan.costs import BlockCosts, measure_costs
 from merak.plan.dry_run import dry_run
 from merak.plan.predict import Prediction
 from merak.plan.search import Plan, search
@@ -30,6 +31,16 @@ def device_memory(ctx) -> float:
         return 0.9 * torch.cuda.get_device_properties(ctx.device).total_memory
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return 0.8 * pages / int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+
+
+def _averaged(costs: BlockCosts, ctx) -> BlockCosts:
+    """Every rank measures at once, as the job will run (ranks sharing a host's cores or a
+    node's power slow each other); the ranks' mean is the cost."""
+    names = [f.name for f in fields(costs) if isinstance(getattr(costs, f.name), float)]
+    values = torch.tensor([getattr(costs, n) for n in names], dtype=torch.float64,
+                          device=ctx.device)
+    dist.all_reduce(values)
+    return replace(costs, **dict(zip(names, (values / ctx.world_size).tolist())))
 
 
 def _distinct(ranked: list[Prediction], count: int) -> list[Prediction]:
@@ -49,30 +60,29 @@ def _distinct(ranked: list[Prediction], count: int) -> list[Prediction]:
 
 def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None = None,
                 micro_batch_sizes=(1, 2, 4, 8), dry_runs: int = 5, steps: int = 3,
-                dtype: torch.dtype | None = None) -> Plan:
-    """The plan for `config` on this job (every rank calls it; every rank gets the plan)."""
+                dtype: torch.dtype | None = None, parallel_vocab: bool = False) -> Plan:
+    """The plan for `config` on this job (every rank calls it; every rank gets the plan);
+    `parallel_vocab` as the job will build its TP model."""
     ctx = merak.init()  # every rank data-parallel while measuring
     start = time.perf_counter()
     memory = memory_bytes or device_memory(ctx)
     shape = ModelShape.from_config(config)
     sizes = [m for m in micro_batch_sizes if global_batch % m == 0]
-    costs = [None]
-    if ctx.rank == 0:
-        costs = [{m: measure_costs(config, m, seq, ctx.device, dtype) for m in sizes}]
-    dist.broadcast_object_list(costs, src=0)
+    costs = {m: _averaged(measure_costs(config, m, seq, ctx.device, dtype), ctx) for m in sizes}
     peak_flops = 1.0  # measured costs are times already; FLOP/s only enter offline plans
     cluster = measure_links(ctx, memory, peak_flops)
-    plan = search(shape, costs[0], cluster, global_batch, seq, memory,
+    plan = search(shape, costs, cluster, global_batch, seq, memory, parallel_vocab,
                   micro_batch_sizes=sizes)
     best = None
     for prediction in _distinct(plan.ranked, dry_runs):
         c = prediction.candidate
-        step_s, peak = dry_run(c, config, seq, steps,
-                               prediction.recompute_ratios if c.recompute == "budget" else None,
-                               dtype)
-        plan.measured[c.label] = step_s
-        plan.measured_memory[c.label] = peak
-        if peak <= memory and (best is None or step_s < plan.measured[best.candidate.label]):
+        run = dry_run(c, config, seq, steps,
+                      prediction.recompute_ratios if c.recompute == "budget" else None, dtype,
+                      parallel_vocab)
+        plan.measured[c.label] = run.step_s
+        plan.measured_memory[c.label] = run.peak_bytes
+        if run.peak_bytes <= memory and (best is None or
+                                         run.step_s < plan.measured[best.candidate.label]):
             best = prediction
     if best is None:
         label = min(plan.measured_memory, key=plan.measured_memory.get)

@@ -98,12 +98,15 @@ class Predictor:
         costs: micro-batch size -> `BlockCosts` at that size (tp = 1).
         cluster: devices and links.
         memory_bytes: the per-rank limit (default the cluster's).
+        parallel_vocab: the embedding and LM head are split over the TP ranks (Merak's
+            ``parallel_vocab``); otherwise every TP rank holds and runs them whole.
     """
 
     def __init__(self, shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
-                 memory_bytes: float | None = None):
+                 memory_bytes: float | None = None, parallel_vocab: bool = False):
         self.shape, self.costs, self.cluster = shape, costs, cluster
         self.memory_bytes = memory_bytes or cluster.memory_bytes
+        self.parallel_vocab = parallel_vocab
         self._cache: dict[tuple, tuple[float, list[float]]] = {}
         self._schedules: dict[tuple, object] = {}
 
@@ -111,11 +114,12 @@ class Predictor:
     def _stage_params(self, c: Candidate) -> list[float]:
         shape, stages = self.shape, c.pp * c.chunks
         counts = stage_blocks(shape.layers, stages)
-        params = [n * shape.block_params for n in counts]
-        params[0] += shape.embedding_params
-        params[-1] += shape.head_params + (shape.embedding_params if shape.tied and stages > 1
-                                           else 0)
-        return [p / c.tp for p in params]
+        params = [n * shape.block_params / c.tp for n in counts]
+        vocab_tp = c.tp if self.parallel_vocab else 1
+        params[0] += shape.embedding_params / vocab_tp
+        params[-1] += (shape.head_params + (shape.embedding_params if shape.tied and stages > 1
+                                            else 0)) / vocab_tp
+        return params
 
     def _times(self, c: Candidate, cost: BlockCosts, counts: list[int], recomputed: list[int]
                ) -> CostModel:
@@ -131,8 +135,9 @@ class Predictor:
             backward[rank] += n * (cost.backward_s / tp + tp_comm)
             recompute[rank] += recomputed[s] * (cost.forward_s / tp + tp_comm)
             if s == stages - 1:
-                forward[rank] += cost.head_forward_s / tp
-                backward[rank] += cost.head_backward_s / tp
+                vocab_tp = tp if self.parallel_vocab else 1
+                forward[rank] += cost.head_forward_s / vocab_tp
+                backward[rank] += cost.head_backward_s / vocab_tp
         p2p = cl.p2p_s(message, c.pp, c.dp * c.tp)
         # the simulator charges each stage of a rank 1/v of the rank's figure
         return CostModel(forward=forward, backward=backward, p2p=p2p,
@@ -145,7 +150,7 @@ class Predictor:
         block = cost.activation_bytes * shape.block_activation_bytes(
             cost.rows, cost.seq, tp, cost.dtype_bytes) / shape.block_activation_bytes(
             cost.rows, cost.seq, 1, cost.dtype_bytes)
-        head = cost.head_activation_bytes / tp
+        head = cost.head_activation_bytes
         kept = []
         for s, n in enumerate(counts):
             extra = head if s == len(counts) - 1 else 0.0

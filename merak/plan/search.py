@@ -143,8 +143,9 @@ def read_plan(path: str | Path) -> tuple[Candidate, list[float] | None, int | No
 
 def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
            global_batch: int, seq: int, memory_bytes: float | None = None,
-           **options) -> Plan:
-    """Predict every candidate (`candidates`' keyword options) and rank them.
+           parallel_vocab: bool = False, **options) -> Plan:
+    """Predict every candidate (`candidates`' keyword options) and rank them (`parallel_vocab`:
+    see `Predictor`).
 
     Raises:
         ValueError: the global batch is not a positive multiple of some dp degree, no layout
@@ -161,7 +162,7 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                          f"{shape.name}: tp must divide {shape.heads} heads and "
                          f"{shape.kv_heads} key-value heads, pp at most {shape.layers} blocks")
     sizes = [m for m in options.pop("micro_batch_sizes", MICRO_BATCH_SIZES) if m in costs]
-    predictor = Predictor(shape, costs, cluster, memory_bytes)
+    predictor = Predictor(shape, costs, cluster, memory_bytes, parallel_vocab)
     ranked, dropped = [], []
     done: dict[tuple, Prediction] = {}
     for candidate in candidates(shape, cluster.world_size, global_batch, sizes, **options):

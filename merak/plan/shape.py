@@ -103,10 +103,10 @@ class ModelShape:
         """One block's input (what a recomputed block keeps; a pipeline message)."""
         return rows * seq * self.hidden * dtype_bytes
 
-    def head_activation_bytes(self, rows: int, seq: int, tp: int = 1) -> float:
-        """The last stage's logits and their gradient in fp32 (split over TP ranks with a
-        vocab-parallel head)."""
-        return 2 * rows * seq * self.vocab * 4 / tp
+    def head_activation_bytes(self, rows: int, seq: int) -> float:
+        """The last stage's logits and their log-softmax in fp32 (whole on every TP rank: a
+        vocab-parallel head gathers its logits for the model's own loss)."""
+        return 2 * rows * seq * self.vocab * 4
 
     def flops_per_token(self, seq: int) -> float:
         """Forward and backward FLOPs of one token (3x the forward: matmuls and attention)."""

@@ -45,7 +45,8 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         plan = plan_online(config, global_batch(args), seq,
                            args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
-                           dry_runs=args.plan_dry_runs, dtype=dtype)
+                           dry_runs=args.plan_dry_runs, dtype=dtype,
+                           parallel_vocab=args.parallel_vocab)
         if ctx.rank == 0:
             print(plan.table(), f"\nchosen: {plan.chosen.label}\n{plan.why}", flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
