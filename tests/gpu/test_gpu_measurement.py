@@ -1,5 +1,7 @@
-"""On one GPU: the CUDA-event timer against torch.profiler, the activation meter against the
-CUDA allocator, and read-only NVML checks (UUID mapping, clocks, energy counter refresh)."""
+"""On one GPU: the CUDA-event timer's intervals, the activation meter against the CUDA
+allocator, and read-only NVML checks (UUID mapping, clocks, the energy counter). Figures read
+from clocks (timer against torch.profiler, NVML's refresh interval) are in
+bench/gpu_measurement.py."""
 
 from __future__ import annotations
 
@@ -12,26 +14,22 @@ from merak.recompute.meter import ActivationMeter
 from merak.runtime.device_timer import DeviceTimer
 
 
-def test_device_timer_matches_the_profilers_kernel_time():
+def test_device_timer_reads_one_ordered_interval_per_region():
+    """How close the events come to the profiler's kernel time is a figure
+    (bench/gpu_measurement.py); here only what the timer returns."""
     device = torch.device("cuda")
-    a = torch.randn(4096, 4096, device=device)
-    torch.cuda.synchronize()
+    a = torch.randn(1024, 1024, device=device)
     timer = DeviceTimer(device)
     timer.reset()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        timer.begin("matmuls")
-        for _ in range(20):
+    for name in ("first", "second"):
+        timer.begin(name)
+        for _ in range(4):
             a = (a @ a).tanh_()
-        timer.end("matmuls")
-        host_after_launch = time.perf_counter()
-        (_, start, end), = timer.intervals()
-        host_done = time.perf_counter()
-    kernels = sum(e.device_time for e in prof.events()  # the kernels themselves, us -> s
-                  if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
-    measured = end - start
-    assert measured == pytest.approx(kernels, rel=0.15), (measured, kernels)
-    # the timer read the events after the work ended (the host had run ahead of it)
-    assert host_done - host_after_launch > 0.5 * measured
+        timer.end(name)
+    intervals = timer.intervals()
+    assert [name for name, _, _ in intervals] == ["first", "second"]
+    (_, s1, e1), (_, s2, e2) = intervals
+    assert s1 < e1 <= s2 < e2, intervals
 
 
 def test_activation_meter_matches_the_cuda_allocator():
@@ -75,19 +73,15 @@ def test_nvml_finds_torchs_gpu_by_uuid(nvml):
     assert clocks == sorted(clocks, reverse=True) and len(clocks) > 1, clocks
 
 
-def test_nvml_energy_counter_refreshes_within_100_ms(nvml):
+def test_nvml_energy_counter_rises_under_load(nvml):
+    """Its refresh interval is a figure (bench/gpu_measurement.py)."""
     from merak.energy.gpu import NVMLGPU, nvml_uuid
 
     gpu = NVMLGPU(nvml_uuid(torch.cuda.current_device()), control=False)
     a = torch.randn(8192, 8192, device="cuda")
-    changes, last, start = [], gpu.energy_j(), time.perf_counter()
-    while time.perf_counter() - start < 2.0:
+    readings, start = [gpu.energy_j()], time.perf_counter()
+    while time.perf_counter() - start < 1.0:
         a = (a @ a).tanh_()  # keep the GPU drawing power
-        value = gpu.energy_j()
-        if value != last:
-            changes.append(time.perf_counter())
-            last = value
+        readings.append(gpu.energy_j())
     torch.cuda.synchronize()
-    gaps = [b - a for a, b in zip(changes, changes[1:])]
-    assert len(gaps) >= 5, f"the energy counter changed {len(changes)} times in 2 s"
-    assert max(sorted(gaps)[:len(gaps) // 2 + 1]) < 0.1, gaps  # median refresh under 100 ms
+    assert readings == sorted(readings) and readings[-1] > readings[0], readings[:: 10]
