@@ -31,7 +31,10 @@ Published layouts (the anchors' configuration files):
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 from transformers import LlamaConfig
 
@@ -106,29 +109,54 @@ def grid_candidates(shape: ModelShape, world: int, batch: int) -> list[Candidate
             if c.recompute in ("off", "full")]
 
 
-def grid(seq: int, batch: int, steps: int, models: list[str]) -> None:
+def measure_grid(config, shape: ModelShape, ctx, seq: int, batch: int, steps: int, say
+                 ) -> tuple[dict, float]:
+    """Every grid candidate's `Measured` figures, and the grid's wall time."""
+    from merak.plan.dry_run import dry_run
+
+    start = time.perf_counter()
+    measured = {}
+    grid = grid_candidates(shape, ctx.world_size, batch)
+    for i, c in enumerate(grid):
+        try:  # (a layout the model cannot take fails alike on every rank)
+            measured[c] = dry_run(c, config, seq, steps)
+            say(f"  [{i + 1}/{len(grid)}] {c.label}: {measured[c].step_s:.3f} s, "
+                f"{measured[c].peak_bytes / 2**20:.1f} MiB", flush=True)
+        except (ValueError, RuntimeError) as error:
+            say(f"  {c.label}: cannot run ({str(error).splitlines()[0][:120]})")
+    return measured, time.perf_counter() - start
+
+
+def grid(seq: int, batch: int, steps: int, models: list[str], out: Path,
+         reuse: bool) -> None:
+    """Measure the grid (or, with `reuse`, read the one a previous run wrote to `out`: for
+    working on the planner; the figures printed then say so), then plan under each limit."""
     import torch.distributed as dist
 
     import merak
-    from merak.plan.dry_run import dry_run
+    from merak.plan.dry_run import Measured, dry_run
     from merak.plan.online import device_memory, plan_online
 
     ctx = merak.init()
     say = print if ctx.rank == 0 else (lambda *_, **__: None)
+    out.mkdir(parents=True, exist_ok=True)
     for name in models:
         config = LlamaConfig(**GRID_MODELS[name])
         shape = ModelShape.from_config(config)
-        start = time.perf_counter()
-        measured = {}
-        grid = grid_candidates(shape, ctx.world_size, batch)
-        for i, c in enumerate(grid):
-            try:  # (a layout the model cannot take fails alike on every rank)
-                measured[c] = dry_run(c, config, seq, steps)
-                say(f"  [{i + 1}/{len(grid)}] {c.label}: {measured[c].step_s:.3f} s, "
-                    f"{measured[c].peak_bytes / 2**20:.1f} MiB", flush=True)
-            except (ValueError, RuntimeError) as error:
-                say(f"  {c.label}: cannot run ({str(error).splitlines()[0][:120]})")
-        grid_s = time.perf_counter() - start
+        saved = out / f"{name}-grid.json"
+        if reuse:
+            data = json.loads(saved.read_text())
+            measured = {Candidate(**row["candidate"]): Measured(**row["measured"])
+                        for row in data["rows"]}
+            grid_s = data["grid_s"]
+            say(f"\n{name}: the grid measured by an earlier run ({saved}), not this one")
+        else:
+            measured, grid_s = measure_grid(config, shape, ctx, seq, batch, steps, say)
+            if ctx.rank == 0:
+                saved.write_text(json.dumps({"grid_s": grid_s, "seq": seq, "batch": batch,
+                                             "rows": [{"candidate": asdict(c),
+                                                       "measured": asdict(m)}
+                                                      for c, m in measured.items()]}, indent=1))
         peaks = sorted(m.peak_bytes for m in measured.values())
         limits = {"machine": device_memory(ctx), "median": peaks[len(peaks) // 2]}
         say(f"\n{name} ({shape.params / 1e6:.1f} M), global batch {batch} x {seq}, "
@@ -137,15 +165,22 @@ def grid(seq: int, batch: int, steps: int, models: list[str]) -> None:
             start = time.perf_counter()
             plan = plan_online(config, batch, seq, limit, (1, 2), dry_runs=3, steps=steps)
             plan_s = time.perf_counter() - start
+            if ctx.rank == 0:
+                plan.write(out / f"{name}-{limit_name}-plan.json")
             fitting = {c: m.step_s for c, m in measured.items() if m.peak_bytes <= limit}
             best = min(fitting.values())
             chosen = plan.chosen
-            run = measured.get(chosen) or dry_run(chosen, config, seq, steps)
+            run = measured.get(chosen) or dry_run(
+                chosen, config, seq, steps, plan.chosen_prediction().recompute_ratios
+                if chosen.recompute == "budget" else None)
             chosen_s, chosen_m = run.step_s, run.peak_bytes
-            predicted = {p.candidate: p for p in plan.ranked + plan.dropped}
+            # every grid candidate predicted whole (a plan stops predicting a candidate whose
+            # states alone exceed its limit), from the costs and links this plan measured
+            predictor = Predictor(shape, plan.costs, plan.cluster, float("inf"))
+            predicted = {c: predictor.predict(c) for c in measured}
             errors = [abs(predicted[c].peak_bytes - m.peak_bytes) / m.peak_bytes
-                      for c, m in measured.items()
-                      if c in predicted and predicted[c].peak_bytes < float("inf")]
+                      for c, m in measured.items()]
+            say(plan.table(8) + f"\n  {plan.why}".replace("\n", "\n  "))
             say(f"  limit {limit_name} ({limit / 2**20:.0f} MiB): chosen {chosen.label}: "
                 f"{best / chosen_s:.2f}x the best grid tokens/s (target >= 0.9), "
                 f"{chosen_m / 2**20:.0f} MiB measured ({'within' if chosen_m <= limit else 'OVER'}"
@@ -175,11 +210,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per dry run")
     parser.add_argument("--models", default=",".join(GRID_MODELS),
                         help=f"the grid's models, of {list(GRID_MODELS)}")
+    parser.add_argument("--out", default="runs/auto_parallel",
+                        help="the grid's measurements and the plans are written here")
+    parser.add_argument("--reuse-grid", action="store_true",
+                        help="read the grid --out holds instead of measuring it (planner work)")
     cli = parser.parse_args()
     if cli.offline:
         offline(cli.seq_len or 8192)
     else:
-        grid(cli.seq_len or 128, cli.global_batch, cli.steps, cli.models.split(","))
+        grid(cli.seq_len or 128, cli.global_batch, cli.steps, cli.models.split(","),
+             Path(cli.out), cli.reuse_grid)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ class Cluster:
         latency_s: the fixed cost of one transfer step.
         efficiency: the fraction of `peak_flops` a transformer block's matmuls reach (offline
             plans; measured plans time the blocks instead).
+        memory_bw: bytes/s of one device's memory the optimizer step streams at (offline
+            plans; measured plans time the step).
         name: a label for reports.
     """
 
@@ -43,13 +45,14 @@ class Cluster:
     inter_bw: float
     latency_s: float = 5e-6
     efficiency: float = 0.5
+    memory_bw: float = 2e12
     name: str = "cluster"
 
     def __post_init__(self):
         for field in ("world_size", "gpus_per_node"):
             if getattr(self, field) < 1:
                 raise ValueError(f"Cluster.{field} must be >= 1, got {getattr(self, field)}")
-        for field in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw"):
+        for field in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw", "memory_bw"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Cluster.{field} must be positive, got {getattr(self, field)}")
 
@@ -100,13 +103,13 @@ class Cluster:
 CLUSTERS = {
     "h100": Cluster(world_size=8, gpus_per_node=8, peak_flops=989e12, memory_bytes=76 * GIB,
                     intra_bw=360e9, inter_bw=45e9, latency_s=8e-6, efficiency=0.55,
-                    name="H100 SXM, NVLink 4, 400 Gb/s InfiniBand per GPU"),
+                    memory_bw=3.35e12, name="H100 SXM, NVLink 4, 400 Gb/s InfiniBand per GPU"),
     "h200": Cluster(world_size=8, gpus_per_node=8, peak_flops=989e12, memory_bytes=135 * GIB,
                     intra_bw=360e9, inter_bw=45e9, latency_s=8e-6, efficiency=0.55,
-                    name="H200 SXM, NVLink 4, 400 Gb/s InfiniBand per GPU"),
+                    memory_bw=4.8e12, name="H200 SXM, NVLink 4, 400 Gb/s InfiniBand per GPU"),
     "a100": Cluster(world_size=8, gpus_per_node=8, peak_flops=312e12, memory_bytes=76 * GIB,
                     intra_bw=230e9, inter_bw=22e9, latency_s=10e-6, efficiency=0.55,
-                    name="A100 SXM 80 GB, NVLink 3, 200 Gb/s InfiniBand per GPU"),
+                    memory_bw=2.0e12, name="A100 SXM 80 GB, NVLink 3, 200 Gb/s InfiniBand per GPU"),
 }
 
 

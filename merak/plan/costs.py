@@ -11,10 +11,14 @@ all-reduces (two in the forward, two in the backward) from the cluster's link mo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from merak.plan.cluster import Cluster, synchronize
 from merak.plan.shape import ModelShape
+
+# AdamW reads weight, gradient and two moments and writes weight and moments, all fp32
+ADAMW_BYTES_PER_PARAM = 4 * (4 + 3)
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class BlockCosts:
         head_forward_s, head_backward_s: the LM head and loss (the embedding is negligible).
         head_activation_bytes: what the head and loss keep.
         dtype_bytes: bytes per activation element (2 with bf16 autocast).
+        optimizer_s_per_param: the optimizer step (AdamW over fp32 weights) per parameter it
+            steps.
     """
 
     rows: int
@@ -41,44 +47,53 @@ class BlockCosts:
     head_backward_s: float
     head_activation_bytes: float
     dtype_bytes: int = 2
+    optimizer_s_per_param: float = 0.0
 
 
 def analytic_costs(shape: ModelShape, cluster: Cluster, rows: int, seq: int,
                    dtype_bytes: int = 2) -> BlockCosts:
     """Block and head times from FLOPs at ``peak_flops x efficiency``; a backward costs twice
-    its forward (input and weight gradients, one matmul each)."""
+    its forward (input and weight gradients, one matmul each). The optimizer step streams
+    `ADAMW_BYTES_PER_PARAM` through the device's memory."""
     rate = cluster.peak_flops * cluster.efficiency
     forward = shape.block_flops(rows, seq) / rate
     head = shape.head_flops(rows, seq) / rate
     return BlockCosts(rows, seq, forward, 2 * forward,
                       shape.block_activation_bytes(rows, seq, 1, dtype_bytes),
                       shape.boundary_bytes(rows, seq, dtype_bytes), head, 2 * head,
-                      shape.head_activation_bytes(rows, seq), dtype_bytes)
+                      shape.head_activation_bytes(rows, seq), dtype_bytes,
+                      ADAMW_BYTES_PER_PARAM / cluster.memory_bw)
 
 
 def measure_costs(config, rows: int, seq: int, device, dtype=None, repeats: int = 5,
-                  extra_blocks: int = 2) -> BlockCosts:
+                  extra_blocks: int = 2, together: Callable[[], None] | None = None
+                  ) -> BlockCosts:
     """Measured on `device`: the HF model `config` builds, with one decoder block and with
     ``1 + extra_blocks``; their difference over `extra_blocks` is one block (forward time,
     backward time, bytes its forward keeps for backward, by the activation meter; more than one
     block in the difference steadies a small block's times), the one-block model less one block
-    is the rest (embedding, head, loss)."""
+    is the rest (embedding, head, loss); the larger model's AdamW step over its parameters
+    gives the optimizer's cost per parameter. `together` runs before every timed run (a barrier:
+    every rank of a job then runs the same work at once, contending as in training)."""
     import torch
 
-    one = _measure_model(config, 1, rows, seq, device, dtype, repeats)
-    more = _measure_model(config, 1 + extra_blocks, rows, seq, device, dtype, repeats)
-    block = [max(b - a, 0.0) / extra_blocks for a, b in zip(one, more)]
+    one = _measure_model(config, 1, rows, seq, device, dtype, repeats, together)
+    more = _measure_model(config, 1 + extra_blocks, rows, seq, device, dtype, repeats,
+                          together)
+    block = [max(b - a, 0.0) / extra_blocks for a, b in zip(one[:3], more[:3])]
     head = [max(a - b, 0.0) for a, b in zip(one, block)]
     element = torch.finfo(dtype).bits // 8 if dtype is not None else 4
     shape = ModelShape.from_config(config)
     return BlockCosts(rows, seq, block[0], block[1], block[2],
                       shape.boundary_bytes(rows, seq, element), head[0], head[1], head[2],
-                      element)
+                      element, more[3])
 
 
-def _measure_model(config, layers: int, rows: int, seq: int, device, dtype, repeats: int
-                   ) -> tuple[float, float, float]:
-    """(forward s, backward s, bytes kept for backward) of `config` cut to `layers` blocks."""
+def _measure_model(config, layers: int, rows: int, seq: int, device, dtype, repeats: int,
+                   together: Callable[[], None] | None
+                   ) -> tuple[float, float, float, float]:
+    """(forward s, backward s, bytes kept for backward, AdamW step s per parameter) of
+    `config` cut to `layers` blocks."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -97,23 +112,29 @@ def _measure_model(config, layers: int, rows: int, seq: int, device, dtype, repe
     def forward_backward():
         forward().backward()
 
-    forward_s = fastest(device, forward, repeats)
-    total_s = fastest(device, forward_backward, repeats)
+    forward_s = fastest(device, forward, repeats, together)
+    total_s = fastest(device, forward_backward, repeats, together)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step_s = fastest(device, optimizer.step, repeats, together)  # (the warm-up makes state)
+    params = sum(p.numel() for p in model.parameters())
     meter = ActivationMeter(list(model.parameters()) + list(model.buffers()))
     with meter.recording():
         loss = forward()
     kept = float(meter.peak)
-    del loss, model
-    return forward_s, max(total_s - forward_s, 0.0), kept
+    del loss, model, optimizer
+    return forward_s, max(total_s - forward_s, 0.0), kept, step_s / params
 
 
-def fastest(device, run, repeats: int) -> float:
+def fastest(device, run, repeats: int, together: Callable[[], None] | None = None) -> float:
     """Seconds of the fastest of `repeats` runs after one warm-up run (the least disturbed by
-    other work), the device synchronised around each."""
+    other work), the device synchronised around each; `together` runs before each (a barrier
+    lines up the ranks of a job)."""
     run()
     best = float("inf")
     for _ in range(repeats):
         synchronize(device)
+        if together is not None:
+            together()
         start = time.perf_counter()
         run()
         synchronize(device)

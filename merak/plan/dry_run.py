@@ -60,6 +60,9 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
     from merak.data_parallel.zero import shard_stage
 
     c = candidate
+    if c.recompute == "budget" and recompute_ratios is None:
+        raise ValueError(f"{c.label}: a budget recomputation needs its per-stage ratios "
+                         f"(the prediction's recompute_ratios)")
     ctx = merak.init(dp=c.dp, tp=c.tp, pp=c.pp)
     torch.manual_seed(0)
     with merak.init_empty_weights():
@@ -87,7 +90,8 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
 
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    step_s = fastest(ctx.device, lambda: engine.train_step(batch()), steps)  # + a warm-up
+    step_s = fastest(ctx.device, lambda: engine.train_step(batch()), steps,  # + a warm-up
+                     dist.barrier)
     allocated = float(torch.cuda.max_memory_allocated()) if ctx.device.type == "cuda" else 0.0
     for param in stage.parameters():  # count the gradients as a step holds them
         if param.grad is None and param.requires_grad:

@@ -68,7 +68,8 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
     memory = memory_bytes or device_memory(ctx)
     shape = ModelShape.from_config(config)
     sizes = [m for m in micro_batch_sizes if global_batch % m == 0]
-    costs = {m: _averaged(measure_costs(config, m, seq, ctx.device, dtype), ctx) for m in sizes}
+    costs = {m: _averaged(measure_costs(config, m, seq, ctx.device, dtype,
+                                        together=dist.barrier), ctx) for m in sizes}
     peak_flops = 1.0  # measured costs are times already; FLOP/s only enter offline plans
     cluster = measure_links(ctx, memory, peak_flops)
     plan = search(shape, costs, cluster, global_batch, seq, memory, parallel_vocab,

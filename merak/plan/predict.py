@@ -4,7 +4,7 @@ Time: the schedule's programs are replayed by the simulator (`merak.schedule.sim
 per-rank forward, backward, recomputation and point-to-point times built from `BlockCosts`
 (blocks divided evenly over the stages, the LM head on the last), then the step's tail: the
 data-parallel gradient sum, of which only what outlasts the rank's last backward shows (the
-buckets start during it), and ZeRO-3's parameter gathers.
+buckets start during it), ZeRO-3's parameter gathers, and the optimizer step.
 
 Memory: model states (fp32 weights, fp32 gradients, Adam's two fp32 moments, divided as the
 ZeRO stage divides them in Merak's implementation) plus the activation peak the simulator's
@@ -267,11 +267,13 @@ class Predictor:
 
     def _tail(self, c: Candidate, params: list[float], cost: BlockCosts,
               counts: list[int]) -> float:
-        """The slowest rank's exposed data-parallel traffic (and ZeRO-3's gathers)."""
+        """The slowest rank's exposed data-parallel traffic (and ZeRO-3's gathers) and its
+        optimizer step (over its 1/dp share under ZeRO)."""
         cl, worst = self.cluster, 0.0
         for rank in range(c.pp):
             mine = sum(p for s, p in enumerate(params) if s % c.pp == rank)
             grads = 4 * mine
+            step = cost.optimizer_s_per_param * (mine / c.dp if c.zero >= 1 else mine)
             if c.zero >= 2:
                 sync = cl.all_gather_s(grads, c.dp, c.tp)  # reduce-scatter
                 if c.zero == 3:  # every micro-batch gathers each block for forward and backward
@@ -286,5 +288,5 @@ class Predictor:
                 sync = max(sync - last_backward, 0.1 * sync)
                 if c.zero == 1:  # each rank steps its share, then broadcasts it
                     sync += cl.all_gather_s(4 * mine, c.dp, c.tp)
-            worst = max(worst, sync)
+            worst = max(worst, sync + step)
         return worst

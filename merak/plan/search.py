@@ -74,6 +74,7 @@ class Plan:
     why: str = ""
     search_s: float = 0.0
     flops_per_token: float = 0.0  # model FLOPs of one token's forward and backward
+    costs: dict[int, BlockCosts] = field(default_factory=dict)  # what it was predicted from
 
     def mfu(self, step_s: float) -> float:
         """Model FLOPs utilisation at `step_s` against the cluster's peak (offline plans; a
@@ -118,6 +119,7 @@ class Plan:
                 "chosen_ratios": chosen.recompute_ratios if chosen else None, "why": self.why,
                 "search_s": self.search_s, "measured": self.measured,
                 "measured_memory": self.measured_memory,
+                "costs": {m: asdict(c) for m, c in self.costs.items()},
                 "ranked": [{**_prediction_json(p), "mfu": self.mfu(p.step_s)}
                            for p in self.ranked[:50]]}
 
@@ -183,7 +185,7 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                          f"{cluster.world_size}")
     ranked.sort(key=lambda p: (p.step_s, p.peak_bytes))
     plan = Plan(shape.name, cluster, global_batch, seq, predictor.memory_bytes, ranked, dropped,
-                flops_per_token=shape.flops_per_token(seq))
+                flops_per_token=shape.flops_per_token(seq), costs=dict(costs))
     if not ranked:
         least = min(dropped, key=lambda p: p.peak_bytes)
         raise ValueError(f"no candidate fits in {predictor.memory_bytes / 2**30:.2f} GiB per "
