@@ -73,6 +73,28 @@ def test_predictions_move_the_right_way():
     assert wider.activation_bytes[1] > off.activation_bytes[1]
 
 
+def test_the_vocabulary_and_the_optimizer_step_are_where_merak_puts_them():
+    shape = ModelShape.from_config(tiny_llama())
+    small = Cluster(world_size=2, gpus_per_node=2, peak_flops=1e12, memory_bytes=GIB,
+                    intra_bw=1e10, inter_bw=1e9, memory_bw=1e9)
+    costs = {1: analytic_costs(shape, small, 1, 64)}
+    tp2 = Candidate(dp=1, tp=2, pp=1, micro_batch=1, microbatches=4)
+    # without parallel_vocab each TP rank holds the embedding and head whole (as merak builds)
+    whole = Predictor(shape, costs, small).predict(tp2).state_bytes[0]
+    split = Predictor(shape, costs, small, parallel_vocab=True).predict(tp2).state_bytes[0]
+    vocab = shape.embedding_params + shape.head_params - shape.hidden  # less the final norm
+    assert whole == pytest.approx(16 * (shape.layers * shape.block_params / 2 + vocab
+                                        + shape.hidden))
+    assert whole - split == pytest.approx(16 * vocab / 2)
+    # AdamW streams 28 bytes per parameter; ZeRO-1 steps a 1/dp share
+    assert costs[1].optimizer_s_per_param == pytest.approx(28 / 1e9)
+    dp2 = Candidate(dp=2, tp=1, pp=1, micro_batch=1, microbatches=2)
+    predict = Predictor(shape, costs, small).predict
+    zero0, zero1 = predict(dp2), predict(Candidate(**{**dp2.__dict__, "zero": 1}))
+    step = costs[1].optimizer_s_per_param * shape.params
+    assert zero0.tail_s >= step and zero1.tail_s < zero0.tail_s
+
+
 def test_errors_name_the_problem():
     shape = ModelShape.from_config(tiny_llama())
     small = Cluster(world_size=4, gpus_per_node=4, peak_flops=1e12, memory_bytes=GIB,

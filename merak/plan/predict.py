@@ -117,8 +117,9 @@ class Predictor:
         params = [n * shape.block_params / c.tp for n in counts]
         vocab_tp = c.tp if self.parallel_vocab else 1
         params[0] += shape.embedding_params / vocab_tp
-        params[-1] += (shape.head_params + (shape.embedding_params if shape.tied and stages > 1
-                                            else 0)) / vocab_tp
+        head = shape.head_params - shape.hidden  # the final norm stays whole
+        params[-1] += shape.hidden + (head + (shape.embedding_params if shape.tied and stages > 1
+                                              else 0)) / vocab_tp
         return params
 
     def _times(self, c: Candidate, cost: BlockCosts, counts: list[int], recomputed: list[int]
