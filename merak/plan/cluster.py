@@ -109,7 +109,8 @@ CLUSTERS = {
                     memory_bw=4.8e12, name="H200 SXM, NVLink 4, 400 Gb/s InfiniBand per GPU"),
     "a100": Cluster(world_size=8, gpus_per_node=8, peak_flops=312e12, memory_bytes=76 * GIB,
                     intra_bw=230e9, inter_bw=22e9, latency_s=10e-6, efficiency=0.55,
-                    memory_bw=2.0e12, name="A100 SXM 80 GB, NVLink 3, 200 Gb/s InfiniBand per GPU"),
+                    memory_bw=2.0e12,
+                    name="A100 SXM 80 GB, NVLink 3, 200 Gb/s InfiniBand per GPU"),
 }
 
 

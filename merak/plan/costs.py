@@ -10,6 +10,8 @@ all-reduces (two in the forward, two in the backward) from the cluster's link mo
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from merak.plan.shape import ModelShape
 
 # AdamW reads weight, gradient and two moments and writes weight and moments, all fp32
 ADAMW_BYTES_PER_PARAM = 4 * (4 + 3)
+MIN_SAMPLE_S = 0.1  # each timed sample of a block measurement lasts about this long
 
 
 @dataclass(frozen=True)
@@ -73,56 +76,100 @@ def measure_costs(config, rows: int, seq: int, device, dtype=None, repeats: int 
     backward time, bytes its forward keeps for backward, by the activation meter; more than one
     block in the difference steadies a small block's times), the one-block model less one block
     is the rest (embedding, head, loss); the larger model's AdamW step over its parameters
-    gives the optimizer's cost per parameter. `together` runs before every timed run (a barrier:
-    every rank of a job then runs the same work at once, contending as in training)."""
+    gives the optimizer's cost per parameter.
+
+    The two models' samples alternate, and each figure is the median of `repeats` samples of
+    about `MIN_SAMPLE_S`: both models then see the same conditions (a shared host's other work,
+    clock changes), which a difference of two small times is sensitive to. `together` runs
+    before every sample (a barrier: every rank of a job then runs the same work at once,
+    contending as in training)."""
     import torch
 
-    one = _measure_model(config, 1, rows, seq, device, dtype, repeats, together)
-    more = _measure_model(config, 1 + extra_blocks, rows, seq, device, dtype, repeats,
-                          together)
-    block = [max(b - a, 0.0) / extra_blocks for a, b in zip(one[:3], more[:3])]
+    probes = [_Probe(config, n, rows, seq, device, dtype) for n in (1, 1 + extra_blocks)]
+    times = {}
+    for phase in ("forward", "forward_backward", "step"):
+        runs = [getattr(probe, phase) for probe in probes]
+        times[phase] = _alternating(device, runs, repeats, together)
+    one, more = ([f, max(fb - f, 0.0), probe.kept()] for f, fb, probe in
+                 zip(times["forward"], times["forward_backward"], probes))
+    step_per_param = times["step"][1] / probes[1].params
+    del probes
+    block = [max(b - a, 0.0) / extra_blocks for a, b in zip(one, more)]
     head = [max(a - b, 0.0) for a, b in zip(one, block)]
     element = torch.finfo(dtype).bits // 8 if dtype is not None else 4
     shape = ModelShape.from_config(config)
     return BlockCosts(rows, seq, block[0], block[1], block[2],
                       shape.boundary_bytes(rows, seq, element), head[0], head[1], head[2],
-                      element, more[3])
+                      element, step_per_param)
 
 
-def _measure_model(config, layers: int, rows: int, seq: int, device, dtype, repeats: int,
-                   together: Callable[[], None] | None
-                   ) -> tuple[float, float, float, float]:
-    """(forward s, backward s, bytes kept for backward, AdamW step s per parameter) of
-    `config` cut to `layers` blocks."""
-    import torch
-    from transformers import AutoModelForCausalLM
+class _Probe:
+    """`config` cut to `layers` blocks, with what `measure_costs` times."""
 
-    from merak.recompute.meter import ActivationMeter
+    def __init__(self, config, layers: int, rows: int, seq: int, device, dtype):
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    cut = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": layers,
-                                      "use_cache": False})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cut).to(device).train()
-    ids = torch.randint(0, cut.vocab_size, (rows, seq), device=device)
+        cut = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": layers,
+                                          "use_cache": False})
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(cut).to(device).train()
+        self.ids = torch.randint(0, cut.vocab_size, (rows, seq), device=device)
+        self.device, self.dtype = device, dtype
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.params = sum(p.numel() for p in self.model.parameters())
 
-    def forward():
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            return model(input_ids=ids, labels=ids).loss
+    def loss(self):
+        import torch
 
-    def forward_backward():
-        forward().backward()
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            return self.model(input_ids=self.ids, labels=self.ids).loss
 
-    forward_s = fastest(device, forward, repeats, together)
-    total_s = fastest(device, forward_backward, repeats, together)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step_s = fastest(device, optimizer.step, repeats, together)  # (the warm-up makes state)
-    params = sum(p.numel() for p in model.parameters())
-    meter = ActivationMeter(list(model.parameters()) + list(model.buffers()))
-    with meter.recording():
-        loss = forward()
-    kept = float(meter.peak)
-    del loss, model, optimizer
-    return forward_s, max(total_s - forward_s, 0.0), kept, step_s / params
+    def forward(self) -> None:
+        self.loss()
+
+    def forward_backward(self) -> None:
+        self.loss().backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def kept(self) -> float:
+        """Bytes the forward keeps for backward (the activation meter)."""
+        from merak.recompute.meter import ActivationMeter
+
+        meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
+        with meter.recording():
+            loss = self.loss()
+        del loss
+        return float(meter.peak)
+
+
+def _alternating(device, runs: list[Callable[[], None]], repeats: int,
+                 together: Callable[[], None] | None) -> list[float]:
+    """Seconds of one call of each of `runs`: the median of `repeats` samples, the runs'
+    samples alternating, each sample repeating its run for about `MIN_SAMPLE_S` (a run far
+    shorter than the OS's time slice can catch a moment with a core to itself, which ranks
+    sharing cores do not have while they train)."""
+    inner = []
+    for run in runs:  # a warm-up call, which also sizes the samples
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        inner.append(max(1, math.ceil(MIN_SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, count, found in zip(runs, inner, samples):
+            synchronize(device)
+            if together is not None:
+                together()
+            start = time.perf_counter()
+            for _ in range(count):
+                run()
+            synchronize(device)
+            found.append((time.perf_counter() - start) / count)
+    return [statistics.median(found) for found in samples]
 
 
 def fastest(device, run, repeats: int, together: Callable[[], None] | None = None) -> float:

@@ -2,9 +2,10 @@
 
 Every rank calls `plan_online` (under torchrun); all get the same `Plan`. Every rank measures
 the model's blocks at the same time, as they will train (sharing a host's cores, a node's
-power), and the ranks' mean is used; the links are measured by all (`measure_links`). The best `dry_runs` predicted candidates (distinct
-layouts and schedules first) then run a few real steps each (`dry_run`); the fastest measured
-within the memory limit wins, and the table shows predicted against measured figures.
+power), and the ranks' mean is used; the links are measured by all (`measure_links`). The best
+`dry_runs` predicted candidates (distinct layouts and schedules first) then run a few real
+steps each (`dry_run`); the fastest measured within the memory limit wins, and the table shows
+predicted against measured figures.
 """
 
 from __future__ import annotations
