@@ -9,10 +9,13 @@ candidate of a grid (each layout of 4 ranks x micro-batch 1, 2 x the schedules 1
 zero_bubble, interleaved_1f1b x recomputation off, full x ZeRO 0, 1) with a few real steps,
 then plan online (measured block costs and links, 3 dry runs) under two memory limits (the
 machine's share, and the grid's median measured peak); print the planner's choice, its measured
-tokens/s as a ratio to the best grid candidate within the limit, the planner's wall time as a
-ratio to the grid's, and every candidate's predicted against measured time and memory.
-Targets: chosen >= 0.9x the best, never over the limit, planner <= 0.25x the grid's time,
-predicted peak memory within 15% of measured.
+tokens/s as a ratio to the best grid candidate within the limit (from the grid's one
+measurement of each, and again head to head: the two re-measured alternately, 3 times each),
+the planner's wall time as a ratio to the grid's, and every candidate's predicted against
+measured time and memory. Targets: chosen >= 0.9x the best, never over the limit, planner <=
+0.25x the grid's time, predicted peak memory within 15% of measured. The grid and the plans are
+written to --out; --reuse-grid plans against a grid written before (for work on the planner;
+the output says so).
 
 For Llama-3 8B on 8 H100s and Llama-3 70B on 64 H100s (8192-token sequences), the layout
 `merak plan --cluster h100` chooses, with its predicted step time, tokens/s and MFU, next to
