@@ -1,4 +1,5 @@
-"""Per-block costs a plan is predicted from: forward and backward time, activation bytes.
+"""Per-block costs a plan is predicted from: forward and backward time, activation bytes, and
+the optimizer step per parameter.
 
 `analytic_costs` derives them from a `ModelShape` and a `Cluster` (offline plans: FLOPs over the
 device's effective rate). `measure_costs` times one real block of the model on this rank's
@@ -151,24 +152,12 @@ def _alternating(device, runs: list[Callable[[], None]], repeats: int,
     samples alternating, each sample repeating its run for about `MIN_SAMPLE_S` (a run far
     shorter than the OS's time slice can catch a moment with a core to itself, which ranks
     sharing cores do not have while they train)."""
-    inner = []
-    for run in runs:  # a warm-up call, which also sizes the samples
-        synchronize(device)
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        inner.append(max(1, math.ceil(MIN_SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
+    # a warm-up call, which also sizes the samples
+    inner = [max(1, math.ceil(MIN_SAMPLE_S / max(_timed(device, run), 1e-9))) for run in runs]
     samples: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
         for run, count, found in zip(runs, inner, samples):
-            synchronize(device)
-            if together is not None:
-                together()
-            start = time.perf_counter()
-            for _ in range(count):
-                run()
-            synchronize(device)
-            found.append((time.perf_counter() - start) / count)
+            found.append(_timed(device, run, count, together))
     return [statistics.median(found) for found in samples]
 
 
@@ -177,13 +166,18 @@ def fastest(device, run, repeats: int, together: Callable[[], None] | None = Non
     other work), the device synchronised around each; `together` runs before each (a barrier
     lines up the ranks of a job)."""
     run()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        if together is not None:
-            together()
-        start = time.perf_counter()
+    return min(_timed(device, run, 1, together) for _ in range(repeats))
+
+
+def _timed(device, run: Callable[[], None], count: int = 1,
+           together: Callable[[], None] | None = None) -> float:
+    """Seconds per call of `count` calls of `run`, the device synchronised around them;
+    `together` runs first, untimed."""
+    synchronize(device)
+    if together is not None:
+        together()
+    start = time.perf_counter()
+    for _ in range(count):
         run()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    synchronize(device)
+    return (time.perf_counter() - start) / count
