@@ -15,13 +15,16 @@ the planner's wall time as a ratio to the grid's, and every candidate's predicte
 measured time and memory. Targets: chosen >= 0.9x the best, never over the limit, planner <=
 0.25x the grid's time, predicted peak memory within 15% of measured. The grid and the plans are
 written to --out; --reuse-grid plans against a grid written before (for work on the planner;
-the output says so).
+the output says so). --sequence-parallel also measures the sequence-parallel twin of each tp > 1
+grid candidate without recomputation (the grid holds none: the planner searches them) and
+prints its predicted and measured memory and time next to the twin without.
 
 For Llama-3 8B on 8 H100s and Llama-3 70B on 64 H100s (8192-token sequences), the layout
 `merak plan --cluster h100` chooses, with its predicted step time, tokens/s and MFU, next to
 the layouts the anchors publish for the same jobs, each predicted by the same model (where
 Merak can express it: no context parallelism, and ZeRO-3 as Merak runs it), all with the
-vocabulary split over TP ranks (``parallel_vocab``, as the anchors split it).
+vocabulary split over TP ranks (``parallel_vocab``, as the anchors split it) and sequence
+parallelism where they run TP (both anchors do).
 
 Published layouts (the anchors' configuration files):
 - torchtitan ``llama3_8b.toml``: FSDP over all 8 GPUs (tp 1), local batch 1;
@@ -63,9 +66,10 @@ JOBS = {
                                         "CP2 not expressible: shown as dp 8"),
     }),
     "70B": (64, 512, {
-        "torchtitan (FSDP 8 x TP 8)": (Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3), ""),
-        "Megatron/NeMo (TP4 PP4 CP2 VP5)": (
-            Candidate(4, 4, 4, 1, 128, "interleaved_1f1b", "full", 1, 2),
+        "torchtitan (FSDP 8 x TP 8 + SP)": (
+            Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3, sequence_parallel=True), ""),
+        "Megatron/NeMo (TP4 + SP PP4 CP2 VP5)": (
+            Candidate(4, 4, 4, 1, 128, "interleaved_1f1b", "full", 1, 2, True),
             "CP2 not expressible: shown as dp 4 (half the ranks), 2 chunks not 5"),
     }),
 }
@@ -105,12 +109,14 @@ GRID_MODELS = {  # ~20 M and ~80 M parameters
 }
 
 
-def grid_candidates(shape: ModelShape, world: int, batch: int) -> list[Candidate]:
+def grid_candidates(shape: ModelShape, world: int, batch: int, seq: int) -> list[Candidate]:
+    """A subset of the space the planner searches here (which also holds every schedule,
+    budget recomputation, ZeRO-2/3 and sequence parallelism)."""
     from merak.plan.search import candidates
 
-    return [c for c in candidates(shape, world, batch, micro_batch_sizes=(1, 2),
+    return [c for c in candidates(shape, world, batch, seq, micro_batch_sizes=(1, 2),
                                   schedules=("1f1b", "zero_bubble", "interleaved_1f1b"),
-                                  zero_stages=(0, 1))
+                                  zero_stages=(0, 1), sequence_parallel=(False,))
             if c.recompute in ("off", "full")]
 
 
@@ -121,7 +127,7 @@ def measure_grid(config, shape: ModelShape, ctx, seq: int, batch: int, steps: in
 
     start = time.perf_counter()
     measured = {}
-    grid = grid_candidates(shape, ctx.world_size, batch)
+    grid = grid_candidates(shape, ctx.world_size, batch, seq)
     for i, c in enumerate(grid):
         try:  # (a layout the model cannot take fails alike on every rank)
             measured[c] = dry_run(c, config, seq, steps)
@@ -132,8 +138,30 @@ def measure_grid(config, shape: ModelShape, ctx, seq: int, batch: int, steps: in
     return measured, time.perf_counter() - start
 
 
+def sequence_parallel_twins(config, measured: dict, predictor: Predictor, seq: int,
+                            steps: int, say) -> None:
+    """Measure each tp > 1, recomputation-free grid candidate again with sequence parallelism;
+    print both twins' predicted and measured memory and time."""
+    from merak.plan.dry_run import dry_run
+
+    say(f"  sequence parallelism: {'candidate':48}{'pred MiB':>10}{'meas MiB':>10}"
+        f"{'pred s':>8}{'meas s':>8}   without SP: meas MiB, meas s")
+    errors = []
+    for c, without in measured.items():
+        if c.tp == 1 or c.recompute != "off":
+            continue
+        twin = Candidate(**{**asdict(c), "sequence_parallel": True})
+        run, p = dry_run(twin, config, seq, steps), predictor.predict(twin)
+        errors.append(abs(p.peak_bytes - run.peak_bytes) / run.peak_bytes)
+        say(f"  {'':22}{twin.label:48}{p.peak_bytes / 2**20:10.1f}{run.peak_bytes / 2**20:10.1f}"
+            f"{p.step_s:8.3f}{run.step_s:8.3f}   {without.peak_bytes / 2**20:8.1f} "
+            f"{without.step_s:8.3f}")
+    say(f"  sequence-parallel memory predicted within 15% for {sum(e <= 0.15 for e in errors)}"
+        f"/{len(errors)} candidates, median error {sorted(errors)[len(errors) // 2]:.0%}")
+
+
 def grid(seq: int, batch: int, steps: int, models: list[str], out: Path,
-         reuse: bool) -> None:
+         reuse: bool, twins: bool) -> None:
     """Measure the grid (or, with `reuse`, read the one a previous run wrote to `out`: for
     working on the planner; the figures printed then say so), then plan under each limit."""
     import torch.distributed as dist
@@ -212,6 +240,8 @@ def grid(seq: int, batch: int, steps: int, models: list[str], out: Path,
             say(f"  {c.label:58}{p.step_s if p else float('nan'):9.3f}{m.step_s:9.3f}"
                 f"{(p.peak_bytes if p else float('nan')) / 2**20:10.1f}"
                 f"{m.peak_bytes / 2**20:10.1f}")
+        if twins:
+            sequence_parallel_twins(config, measured, predictor, seq, steps, say)
     dist.destroy_process_group()
 
 
@@ -232,12 +262,15 @@ def main() -> None:
                         help="the grid's measurements and the plans are written here")
     parser.add_argument("--reuse-grid", action="store_true",
                         help="read the grid --out holds instead of measuring it (planner work)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="the grid: also measure the sequence-parallel twins of its tp > 1 "
+                             "candidates without recomputation")
     cli = parser.parse_args()
     if cli.offline:
         offline(cli.seq_len or 8192)
     else:
         grid(cli.seq_len or 128, cli.global_batch, cli.steps, cli.models.split(","),
-             Path(cli.out), cli.reuse_grid)
+             Path(cli.out), cli.reuse_grid, cli.sequence_parallel)
 
 
 if __name__ == "__main__":

@@ -45,15 +45,23 @@ def test_candidates_respect_the_sizes():
     shape = ModelShape.from_config(tiny_llama())  # 4 heads, 2 kv heads, 4 blocks
     assert sorted(layouts(shape, 8)) == sorted([(8, 1, 1), (4, 1, 2), (2, 1, 4), (4, 2, 1),
                                                 (2, 2, 2), (1, 2, 4)])
-    found = list(candidates(shape, 8, 16))
+    found = list(candidates(shape, 8, 16, 128))
     assert found
     for c in found:
         assert c.dp * c.tp * c.pp == 8 and c.dp * c.micro_batch * c.microbatches == 16
+        assert not c.sequence_parallel or c.tp > 1
         assert c.zero == 0 or c.dp > 1
         assert c.recompute != "off" or not SCHEDULES[c.schedule].needs_recompute
         assert c.pp > 1 or c.schedule == "1f1b"
         assert c.chunks == (2 if SCHEDULES[c.schedule].several_stages_per_rank else 1)
     assert {c.schedule for c in found} == set(SCHEDULES)
+    # sequence parallelism: a twin of every tp > 1 candidate, where tp divides the sequence
+    split = [c for c in found if c.sequence_parallel]
+    assert {Candidate(**{**c.__dict__, "sequence_parallel": False}) for c in split} == \
+        {c for c in found if c.tp > 1 and not c.sequence_parallel}
+    assert not any(c.sequence_parallel for c in candidates(shape, 8, 16, 127))
+    assert not any(c.sequence_parallel for c in candidates(shape, 8, 16, 128,
+                                                           sequence_parallel=(False,)))
 
 
 def test_predictions_move_the_right_way():
@@ -71,6 +79,54 @@ def test_predictions_move_the_right_way():
     assert state_bytes(1000, 0, 4, 10) == 16000 and state_bytes(1000, 1, 4, 10) == 10000
     wider = predict(Candidate(**{**base.__dict__, "micro_batch": 2, "microbatches": 8}))
     assert wider.activation_bytes[1] > off.activation_bytes[1]
+
+
+def test_sequence_parallelism_splits_the_rest_of_a_blocks_activations():
+    shape = ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B))
+    h100 = cluster("h100")
+    costs = {1: analytic_costs(shape, h100, 1, 8192)}
+    predict = Predictor(shape, costs, h100, memory_bytes=10**15).predict
+    base = Candidate(dp=1, tp=4, pp=2, micro_batch=1, microbatches=8)
+    whole, split = predict(base), predict(Candidate(**{**base.__dict__,
+                                                       "sequence_parallel": True}))
+    assert split.state_bytes == whole.state_bytes  # the same weights
+    # per block 10 + 24 w / tp becomes (10 + 24 w) / tp (w: the MLP's width factor)
+    w = shape.intermediate / (4 * shape.hidden) * 1.5
+    expected = (10 + (8 + 16 * w)) / 4 / (10 + (8 + 16 * w) / 4)
+    assert shape.block_activation_bytes(1, 8192, 4, 2, True) / \
+        shape.block_activation_bytes(1, 8192, 4, 2) == pytest.approx(expected)
+    assert split.activation_bytes[0] < 0.8 * whole.activation_bytes[0]
+    # a recomputed block keeps its input's sequence shard only
+    full = [predict(Candidate(**{**base.__dict__, "recompute": "full",
+                                 "sequence_parallel": sp})).activation_bytes[0]
+            for sp in (False, True)]
+    assert full[1] < 0.6 * full[0]
+    assert "tp4+sp" in split.candidate.label
+
+
+def test_sequence_parallelism_is_searched_only_where_the_job_can_split_the_sequence(tmp_path):
+    from merak import MerakArguments
+    from merak.plan.search import sequence_parallel_choices
+    from merak.trainer.auto_plan import sequence_parallel_settings
+
+    assert sequence_parallel_choices(tiny_llama()) == (False, True)
+    gpt2 = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4)
+    assert sequence_parallel_choices(gpt2) == (False,)  # its TP plan names no sp_gather
+    assert sequence_parallel_choices(tiny_llama(), {"col_para_list": ["mlp.up_proj"],
+                                                    "row_para_list": ["mlp.down_proj"]}) \
+        == (False,)
+    args = MerakArguments(output_dir=str(tmp_path), auto_parallel=True)
+    assert sequence_parallel_settings(args, tiny_llama(), None) == (False, True)
+    args.lora_config = {"r": 4}
+    assert sequence_parallel_settings(args, tiny_llama(), None) == (False,)
+    shape = ModelShape.from_config(tiny_llama())
+    small = Cluster(world_size=4, gpus_per_node=4, peak_flops=1e12, memory_bytes=GIB,
+                    intra_bw=1e10, inter_bw=1e9)
+    costs = {1: analytic_costs(shape, small, 1, 64)}
+    plan = search(shape, costs, small, 8, 64, sequence_parallel=(False,))
+    assert not any(p.candidate.sequence_parallel for p in plan.ranked + plan.dropped)
+    plan = search(shape, costs, small, 8, 64)
+    assert any(p.candidate.sequence_parallel for p in plan.ranked)
 
 
 def test_the_vocabulary_and_the_optimizer_step_are_where_merak_puts_them():
@@ -164,6 +220,7 @@ def test_merak_arguments_of_the_planner_refuse_what_they_cannot_do(tmp_path):
     bad("train_schedule is chosen by the plan", auto_parallel=True, train_schedule="zero_bubble")
     bad("zero_stage is chosen by the plan", plan="plan.json", zero_stage=1)
     bad("activation_checkpointing is chosen", auto_parallel=True, activation_checkpointing=True)
+    bad("sequence_parallel is chosen by the plan", auto_parallel=True, sequence_parallel=True)
     bad("plan_memory_gib only applies with auto_parallel", plan_memory_gib=2.0)
     bad("plan_dry_runs only applies", plan_dry_runs=5)
     bad("plan_dry_runs must be >= 1", auto_parallel=True, plan_dry_runs=0)
@@ -184,3 +241,6 @@ def test_a_plan_file_sets_the_trainer_arguments(tmp_path):
         ("interleaved_1f1b", 2, 0)
     assert args.activation_checkpointing and args.activation_checkpoint_ratio == \
         [0.5, 0.25, 0.0, 0.0]
+    assert not args.sequence_parallel
+    _set_arguments(args, Candidate(1, 2, 2, 2, 8, "1f1b", sequence_parallel=True), None)
+    assert args.sequence_parallel and not args.activation_checkpointing

@@ -39,6 +39,9 @@ def add_plan(subparsers) -> None:
     parser.add_argument("--parallel-vocab", action="store_true",
                         help="the job splits the embedding and LM head over TP ranks "
                              "(MerakArguments.parallel_vocab)")
+    parser.add_argument("--no-sequence-parallel", action="store_true",
+                        help="plan without sequence parallelism (a job with LoRA adapters, "
+                             "text generation or TP overlap cannot split the sequence)")
     parser.add_argument("--dry-runs", type=int, default=5, help="online: candidates to run")
     parser.add_argument("--dry-run-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12, help="rows of the printed table")
@@ -55,10 +58,12 @@ def _config(path: str):
 def _plan(args: argparse.Namespace) -> int:
     from merak.plan.cluster import GIB, cluster
     from merak.plan.costs import analytic_costs
-    from merak.plan.search import search
+    from merak.plan.search import search, sequence_parallel_choices
     from merak.plan.shape import ModelShape
 
     config = _config(args.model)
+    sequence_parallel = (False,) if args.no_sequence_parallel else \
+        sequence_parallel_choices(config)
     sizes = [int(m) for m in args.micro_batch_sizes.split(",")]
     memory = args.memory_gib * GIB if args.memory_gib else None
     if args.cluster:
@@ -67,7 +72,7 @@ def _plan(args: argparse.Namespace) -> int:
         shape = ModelShape.from_config(config)
         costs = {m: analytic_costs(shape, described, m, args.seq_len) for m in sizes}
         plan = search(shape, costs, described, args.global_batch, args.seq_len, memory,
-                      args.parallel_vocab)
+                      args.parallel_vocab, sequence_parallel=sequence_parallel)
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
               f"{described.world_size} x {described.name}")
     else:
@@ -75,7 +80,8 @@ def _plan(args: argparse.Namespace) -> int:
 
         plan = plan_online(config, args.global_batch, args.seq_len, memory, sizes,
                            dry_runs=args.dry_runs, steps=args.dry_run_steps,
-                           parallel_vocab=args.parallel_vocab)
+                           parallel_vocab=args.parallel_vocab,
+                           sequence_parallel=sequence_parallel)
         if plan is None:  # not rank 0
             return 0
     print(plan.table(args.top))

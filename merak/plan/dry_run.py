@@ -70,7 +70,8 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
     rows = c.micro_batch
     ids = torch.randint(0, config.vocab_size, (rows, seq))
     stage = merak.parallelize(model, {"input_ids": ids, "labels": ids}, ctx,
-                              num_model_chunks=c.chunks, parallel_vocab=parallel_vocab)
+                              num_model_chunks=c.chunks, parallel_vocab=parallel_vocab,
+                              sequence_parallel=c.sequence_parallel)
     zero = shard_stage(stage, ctx, c.zero) if c.zero >= 2 else None
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
     if c.zero == 1:

@@ -22,7 +22,7 @@ from merak.plan.cluster import measure_links
 from merak.plan.costs import BlockCosts, measure_costs
 from merak.plan.dry_run import dry_run
 from merak.plan.predict import Prediction
-from merak.plan.search import Plan, search
+from merak.plan.search import Plan, search, sequence_parallel_choices
 from merak.plan.shape import ModelShape
 
 
@@ -61,9 +61,11 @@ def _distinct(ranked: list[Prediction], count: int) -> list[Prediction]:
 
 def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None = None,
                 micro_batch_sizes=(1, 2, 4, 8), dry_runs: int = 5, steps: int = 3,
-                dtype: torch.dtype | None = None, parallel_vocab: bool = False) -> Plan:
+                dtype: torch.dtype | None = None, parallel_vocab: bool = False,
+                sequence_parallel: tuple[bool, ...] | None = None) -> Plan:
     """The plan for `config` on this job (every rank calls it; every rank gets the plan);
-    `parallel_vocab` as the job will build its TP model."""
+    `parallel_vocab` as the job will build its TP model; `sequence_parallel`: the settings
+    to try where tp > 1 (default: `sequence_parallel_choices` of the config)."""
     ctx = merak.init()  # every rank data-parallel while measuring
     start = time.perf_counter()
     memory = memory_bytes or device_memory(ctx)
@@ -73,8 +75,10 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
                                         together=dist.barrier), ctx) for m in sizes}
     peak_flops = 1.0  # measured costs are times already; FLOP/s only enter offline plans
     cluster = measure_links(ctx, memory, peak_flops)
+    if sequence_parallel is None:
+        sequence_parallel = sequence_parallel_choices(config)
     plan = search(shape, costs, cluster, global_batch, seq, memory, parallel_vocab,
-                  micro_batch_sizes=sizes)
+                  micro_batch_sizes=sizes, sequence_parallel=sequence_parallel)
     best = None
     for prediction in _distinct(plan.ranked, dry_runs):
         c = prediction.candidate

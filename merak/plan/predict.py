@@ -42,11 +42,13 @@ class Candidate:
     recompute: str = "off"
     zero: int = 0
     chunks: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    sequence_parallel: bool = False  # the blocks' residual stream split over the TP ranks
 
     @property
     def label(self) -> str:
         chunks = f" v{self.chunks}" if self.chunks > 1 else ""
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp}{chunks} mb{self.micro_batch}x"
+        sp = "+sp" if self.sequence_parallel else ""
+        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}{chunks} mb{self.micro_batch}x"
                 f"{self.microbatches} {self.schedule} rc:{self.recompute} zero{self.zero}")
 
 
@@ -127,17 +129,27 @@ class Predictor:
         """Per-rank durations (a rank's stages summed; the simulator gives each 1/v)."""
         cl, tp = self.cluster, c.tp
         message = cost.boundary_bytes
-        tp_comm = 2 * cl.all_reduce_s(message, tp, 1)  # two all-reduces per block and pass
+        if c.sequence_parallel:
+            # an all-gather and a reduce-scatter in place of each all-reduce; the model's
+            # first block scatters its input (backward: an all-gather), its last gathers its
+            # output; the pipeline carries sequence shards
+            tp_comm = 4 * cl.all_gather_s(message, tp, 1)
+            ends, message = cl.all_gather_s(message, tp, 1), message / tp
+        else:
+            tp_comm = 2 * cl.all_reduce_s(message, tp, 1)  # two all-reduces per block and pass
+            ends = 0.0
         forward, backward, recompute = [0.0] * c.pp, [0.0] * c.pp, [0.0] * c.pp
         stages = len(counts)
         for s, n in enumerate(counts):
             rank = s % c.pp
             forward[rank] += n * (cost.forward_s / tp + tp_comm)
             backward[rank] += n * (cost.backward_s / tp + tp_comm)
+            if s == 0:
+                backward[rank] += ends
             recompute[rank] += recomputed[s] * (cost.forward_s / tp + tp_comm)
             if s == stages - 1:
                 vocab_tp = tp if self.parallel_vocab else 1
-                forward[rank] += cost.head_forward_s / vocab_tp
+                forward[rank] += ends + cost.head_forward_s / vocab_tp
                 backward[rank] += cost.head_backward_s / vocab_tp
         p2p = cl.p2p_s(message, c.pp, c.dp * c.tp)
         # the simulator charges each stage of a rank 1/v of the rank's figure
@@ -146,16 +158,18 @@ class Predictor:
                          weight_grad=[b / 2 for b in backward])
 
     def _kept(self, c: Candidate, cost: BlockCosts, counts: list[int]) -> list[KeptBytes]:
-        """Per stage, what one micro-batch's forward keeps with k blocks recomputed."""
-        shape, tp = self.shape, c.tp
+        """Per stage, what one micro-batch's forward keeps with k blocks recomputed (under
+        sequence parallelism a recomputed block keeps its input's sequence shard)."""
+        shape, tp, sp = self.shape, c.tp, c.sequence_parallel
         block = cost.activation_bytes * shape.block_activation_bytes(
-            cost.rows, cost.seq, tp, cost.dtype_bytes) / shape.block_activation_bytes(
+            cost.rows, cost.seq, tp, cost.dtype_bytes, sp) / shape.block_activation_bytes(
             cost.rows, cost.seq, 1, cost.dtype_bytes)
+        boundary = cost.boundary_bytes / tp if sp else cost.boundary_bytes
         head = cost.head_activation_bytes
         kept = []
         for s, n in enumerate(counts):
             extra = head if s == len(counts) - 1 else 0.0
-            kept.append(KeptBytes(tuple(int((n - k) * block + k * cost.boundary_bytes + extra)
+            kept.append(KeptBytes(tuple(int((n - k) * block + k * boundary + extra)
                                         for k in range(n + 1))))
         return kept
 
@@ -208,8 +222,8 @@ class Predictor:
     def _simulate(self, c: Candidate, cost: BlockCosts, kept: list[KeptBytes],
                   counts: list[int], recomputed: list[int]) -> tuple[float, list[float]]:
         """(makespan, per-rank activation peak); the same for every ZeRO stage (cached)."""
-        key = (c.tp, c.pp, c.dp, c.chunks, c.micro_batch, c.microbatches, c.schedule,
-               tuple(recomputed))
+        key = (c.tp, c.sequence_parallel, c.pp, c.dp, c.chunks, c.micro_batch, c.microbatches,
+               c.schedule, tuple(recomputed))
         if key in self._cache:
             return self._cache[key]
         costs = self._times(c, cost, counts, recomputed)

@@ -7,6 +7,7 @@ online plan then dry-runs the best few (`merak.plan.dry_run`) and keeps the fast
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -32,16 +33,21 @@ def layouts(shape: ModelShape, world_size: int) -> list[tuple[int, int, int]]:
     return found
 
 
-def candidates(shape: ModelShape, world_size: int, global_batch: int,
+def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
                micro_batch_sizes: Iterable[int] = MICRO_BATCH_SIZES,
                schedules: Iterable[str] | None = None,
-               zero_stages: Iterable[int] = (0, 1, 2, 3)) -> Iterator[Candidate]:
-    """Every layout x micro-batch size x schedule x recomputation x ZeRO stage that the sizes
-    allow (a global batch divisible by dp x micro-batch size; interleaving needs two blocks
-    per rank; ZeRO needs dp > 1; Merak's reordering schedules need recomputation)."""
+               zero_stages: Iterable[int] = (0, 1, 2, 3),
+               sequence_parallel: Iterable[bool] = (False, True)) -> Iterator[Candidate]:
+    """Every layout x sequence parallelism x micro-batch size x schedule x recomputation x
+    ZeRO stage that the sizes allow (a global batch divisible by dp x micro-batch size;
+    sequence parallelism needs tp > 1 dividing the sequence of `seq` tokens; interleaving
+    needs two blocks per rank; ZeRO needs dp > 1; Merak's reordering schedules need
+    recomputation). `sequence_parallel`: the settings to try where tp > 1 (``(False,)`` for a
+    job that cannot split the sequence: see `sequence_parallel_choices`)."""
     schedules = list(schedules or SCHEDULES)
     for dp, tp, pp in layouts(shape, world_size):
-        for mb in micro_batch_sizes:
+        sp_settings = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq % tp == 0)]
+        for sp, mb in itertools.product(sp_settings or [False], micro_batch_sizes):
             if global_batch % (dp * mb):
                 continue
             m = global_batch // (dp * mb)
@@ -54,7 +60,17 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int,
                     if info.needs_recompute and recompute == "off":
                         continue
                     for zero in zero_stages if dp > 1 else (0,):
-                        yield Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks)
+                        yield Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks, sp)
+
+
+def sequence_parallel_choices(config, tp_plan=None) -> tuple[bool, ...]:
+    """``(False, True)`` when the tensor-parallel plan of the model `config` describes
+    (`tp_plan` when the job gives one) can split the sequence (it names ``sp_gather``
+    modules), else ``(False,)``."""
+    from merak.tensor_parallel.plans import as_tp_plan, config_plan
+
+    plan = as_tp_plan(tp_plan) if tp_plan is not None else config_plan(config)
+    return (False, True) if plan is not None and plan.sp_gather else (False,)
 
 
 @dataclass
@@ -167,9 +183,9 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
     predictor = Predictor(shape, costs, cluster, memory_bytes, parallel_vocab)
     ranked, dropped = [], []
     done: dict[tuple, Prediction] = {}
-    for candidate in candidates(shape, cluster.world_size, global_batch, sizes, **options):
+    for candidate in candidates(shape, cluster.world_size, global_batch, seq, sizes, **options):
         c = candidate
-        base = (c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.zero)
+        base = (c.dp, c.tp, c.sequence_parallel, c.pp, c.micro_batch, c.schedule, c.zero)
         if c.recompute == "budget":  # only between an "off" that fails and a "full" that fits
             off, full = done.get((*base, "off")), done.get((*base, "full"))
             if (off is not None and off.fits) or full is None or not full.fits:

@@ -91,13 +91,15 @@ class ModelShape:
         return 2 * rows * seq * self.vocab * self.hidden
 
     def block_activation_bytes(self, rows: int, seq: int, tp: int = 1, dtype_bytes: int = 2,
-                               ) -> float:
+                               sequence_parallel: bool = False) -> float:
         """What one block's forward keeps for backward (Korthikanti et al. 2022, with
         memory-efficient attention: no score matrix): ``s b h (10 + 24 / tp)`` bytes at 16-bit,
-        the 24 being what tensor parallelism splits; scaled for the MLP's width and gating."""
+        the 24 being what tensor parallelism splits, and the 10 (norms, residuals, dropout
+        masks) split too under sequence parallelism; scaled for the MLP's width and gating."""
         width = self.intermediate / (4 * self.hidden) * (1.5 if self.gated_mlp else 1.0)
         split = 8 + 16 * width  # attention's q, k, v, output and dropout; the MLP's activations
-        return rows * seq * self.hidden * (10 + split / tp) * dtype_bytes / 2
+        whole = 10 / tp if sequence_parallel else 10
+        return rows * seq * self.hidden * (whole + split / tp) * dtype_bytes / 2
 
     def boundary_bytes(self, rows: int, seq: int, dtype_bytes: int = 2) -> float:
         """One block's input (what a recomputed block keeps; a pipeline message)."""

@@ -326,6 +326,15 @@ def _from_config_plan(config) -> TPPlan | None:
     return TPPlan(**fields) if fields else None
 
 
+def config_plan(config) -> TPPlan | None:
+    """The plan of the family `config` describes (Merak's table entry, else the config's
+    ``base_model_tp_plan``), or None."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILY_PLANS:
+        return FAMILY_PLANS[model_type]
+    return _from_config_plan(config)
+
+
 def plan_for(model: nn.Module, ctx: object = None,
              plan: TPPlan | Mapping | None = None) -> TPPlan:
     """The plan to shard `model` with: `plan` when given (see `as_tp_plan`), else the one
@@ -339,11 +348,9 @@ def plan_for(model: nn.Module, ctx: object = None,
         return chosen
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type in FAMILY_PLANS:
-        return FAMILY_PLANS[model_type]
-    derived = _from_config_plan(config) if config is not None else None
-    if derived is not None:
-        return derived
+    found = config_plan(config) if config is not None else None
+    if found is not None:
+        return found
     raise ValueError(f"no tensor-parallel plan for {type(model).__name__} (model_type "
                      f"{model_type!r}; plans exist for {sorted(FAMILY_PLANS)}): describe its "
                      f"layers with merak.set_tp_layer_lists(col_para_list=[...], "

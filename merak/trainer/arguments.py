@@ -221,7 +221,7 @@ class MerakArguments(JobView, TrainingArguments):
 
     # what a plan chooses: the user leaves these at their defaults
     PLANNED = ("train_schedule", "num_model_chunks", "zero_stage", "activation_checkpointing",
-               "activation_checkpoint_ratio", "activation_memory_budget")
+               "activation_checkpoint_ratio", "activation_memory_budget", "sequence_parallel")
 
     def _check_auto_parallel(self) -> None:
         if self.auto_parallel and self.plan:

@@ -19,6 +19,18 @@ def global_batch(args) -> int:
     return args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 
+def sequence_parallel_settings(args, config, ctx) -> tuple[bool, ...]:
+    """What the planner may try: sequence parallelism where the TP plan the job will use
+    can split the sequence and the job runs without what it excludes (LoRA adapters,
+    generation, TP overlap)."""
+    from merak.plan.search import sequence_parallel_choices
+    from merak.tensor_parallel.plans import registered_plan
+
+    if args.lora_config is not None or args.text_generation or args.tp_overlapping_level:
+        return (False,)
+    return sequence_parallel_choices(config, args.tp_plan or registered_plan(ctx))
+
+
 def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
     """Plan (auto_parallel) or read the plan file, set the trainer's arguments to it and
     re-initialize the parallel context with its degrees; returns the new context."""
@@ -46,7 +58,8 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
         plan = plan_online(config, global_batch(args), seq,
                            args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
                            dry_runs=args.plan_dry_runs, dtype=dtype,
-                           parallel_vocab=args.parallel_vocab)
+                           parallel_vocab=args.parallel_vocab,
+                           sequence_parallel=sequence_parallel_settings(args, config, ctx))
         if ctx.rank == 0:
             print(plan.table(), f"\nchosen: {plan.chosen.label}\n{plan.why}", flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -65,6 +78,7 @@ def _set_arguments(args, c: Candidate, ratios: list[float] | None) -> None:
     args.per_device_train_batch_size = c.micro_batch
     args.gradient_accumulation_steps = c.microbatches
     args.train_schedule, args.zero_stage = c.schedule, c.zero
+    args.sequence_parallel = c.sequence_parallel
     if c.chunks > 1:
         args.num_model_chunks = c.chunks
     args.activation_checkpointing = c.recompute != "off"
