@@ -6,16 +6,16 @@ measured grid.
 
 --grid (4 CPU ranks): for a Llama of about 20 M and one of about 80 M parameters, measure every
 candidate of a grid (each layout of 4 ranks x micro-batch 1, 2 x the schedules 1f1b,
-zero_bubble, interleaved_1f1b x recomputation off, full x ZeRO 0, 1) with a few real steps,
-then plan online (measured block costs and links, 3 dry runs) under two memory limits (the
-machine's share, and the grid's median measured peak); print the planner's choice, its measured
-tokens/s as a ratio to the best grid candidate within the limit (from the grid's one
-measurement of each, and again head to head: the two re-measured alternately, 3 times each),
-the planner's wall time as a ratio to the grid's, and every candidate's predicted against
+zero_bubble, interleaved_1f1b x recomputation off, full x ZeRO 0, 1) with a few real steps, then
+plan online (measured block costs and links, 5 dry runs, the default of `merak plan`) under two
+memory limits (the machine's share, and the grid's median measured peak); print the planner's
+choice, its measured tokens/s as a ratio to the best grid candidate within the limit (from the
+grid's one measurement of each, and again head to head: the two re-measured alternately, 3 times
+each), the planner's wall time as a ratio to the grid's, and every candidate's predicted against
 measured time and memory. Targets: chosen >= 0.9x the best, never over the limit, planner <=
 0.25x the grid's time, predicted peak memory within 15% of measured. The grid and the plans are
-written to --out; --reuse-grid plans against a grid written before (for work on the planner;
-the output says so). --sequence-parallel also measures the sequence-parallel twin of each tp > 1
+written to --out; --reuse-grid plans against a grid written before (for work on the planner; the
+output says so). --sequence-parallel also measures the sequence-parallel twin of each tp > 1
 grid candidate without recomputation (the grid holds none: the planner searches them) and
 prints its predicted and measured memory and time next to the twin without.
 
@@ -196,7 +196,7 @@ def grid(seq: int, batch: int, steps: int, models: list[str], out: Path,
             f"{len(measured)} grid candidates measured in {grid_s:.0f} s")
         for limit_name, limit in limits.items():
             start = time.perf_counter()
-            plan = plan_online(config, batch, seq, limit, (1, 2), dry_runs=3, steps=steps)
+            plan = plan_online(config, batch, seq, limit, (1, 2), dry_runs=5, steps=steps)
             plan_s = time.perf_counter() - start
             if ctx.rank == 0:
                 plan.write(out / f"{name}-{limit_name}-plan.json")

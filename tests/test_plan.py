@@ -129,6 +129,29 @@ def test_sequence_parallelism_is_searched_only_where_the_job_can_split_the_seque
     assert any(p.candidate.sequence_parallel for p in plan.ranked)
 
 
+def test_dry_runs_sample_the_layouts_predicted_near_the_best_first():
+    from merak.plan.online import _distinct
+
+    shape = ModelShape.from_config(tiny_llama())
+    small = Cluster(world_size=4, gpus_per_node=4, peak_flops=1e12, memory_bytes=GIB,
+                    intra_bw=1e10, inter_bw=1e9)
+    costs = {m: analytic_costs(shape, small, m, 64) for m in (1, 2)}
+    ranked = search(shape, costs, small, 8, 64).ranked
+
+    def layout(p):
+        return p.candidate.dp, p.candidate.tp, p.candidate.pp, p.candidate.sequence_parallel
+
+    near = {layout(p) for p in ranked if p.step_s <= 1.5 * ranked[0].step_s}
+    picked = _distinct(ranked, 5)
+    assert picked[0] is ranked[0] and len(picked) == 5 and len(set(map(id, picked))) == 5
+    assert {layout(p) for p in picked[:len(near)]} == near if len(near) <= 5 else \
+        len({layout(p) for p in picked}) == 5
+    # each layout's first pick is its best predicted candidate
+    for p in picked[:min(len(near), 5)]:
+        assert p is next(q for q in ranked if layout(q) == layout(p))
+    assert _distinct(ranked[:2], 5) == ranked[:2] and _distinct([], 3) == []
+
+
 def test_the_vocabulary_and_the_optimizer_step_are_where_merak_puts_them():
     shape = ModelShape.from_config(tiny_llama())
     small = Cluster(world_size=2, gpus_per_node=2, peak_flops=1e12, memory_bytes=GIB,

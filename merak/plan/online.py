@@ -44,17 +44,24 @@ def _averaged(costs: BlockCosts, ctx) -> BlockCosts:
     return replace(costs, **dict(zip(names, (values / ctx.world_size).tolist())))
 
 
-def _distinct(ranked: list[Prediction], count: int) -> list[Prediction]:
-    """The best `count`, preferring ones that differ in layout or schedule from those taken."""
-    taken, keys = [], set()
-    for p in ranked:
-        c = p.candidate
-        key = (c.dp, c.tp, c.pp, c.schedule)
-        if key not in keys:
-            taken.append(p)
-            keys.add(key)
-        if len(taken) == count:
-            return taken
+def _distinct(ranked: list[Prediction], count: int, within: float = 1.5) -> list[Prediction]:
+    """The `count` candidates to dry-run: first the best of each layout (dp x tp x pp, sequence
+    parallelism) predicted within `within` times the best, then the best of each layout and
+    schedule, then the next best. The model errs most between layouts (ranks sharing cores or
+    links, collectives), so the dry runs that correct it sample layouts first."""
+    if not ranked:
+        return []
+    near = [p for p in ranked if p.step_s <= within * ranked[0].step_s]
+    taken: list[Prediction] = []
+    for key in (lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel),
+                lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel, c.schedule)):
+        seen = {key(p.candidate) for p in taken}
+        for p in near:
+            if len(taken) == count:
+                return taken
+            if key(p.candidate) not in seen:
+                taken.append(p)
+                seen.add(key(p.candidate))
     rest = [p for p in ranked if p not in taken]
     return taken + rest[:count - len(taken)]
 

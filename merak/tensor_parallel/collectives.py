@@ -54,13 +54,13 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The shards of `group` concatenated along `dim`: one `all_gather_into_tensor` into one
+    """The shards of `group` concatenated along `dim`: one `all_gather_single` into one
     buffer (no list of parts and `cat`); along dim 0 that buffer is the result, along another
     dimension one copy moves the shards into place."""
     size, dim = dist.get_world_size(group), dim % x.dim()
     # the concatenated form (gloo has no stacked one): rank r's shard is rows [r*n, (r+1)*n)
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_single(out, x.contiguous(), group=group)
     if dim == 0:
         return out
     shape = list(x.shape)
@@ -81,14 +81,14 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """This rank's shard along `dim` of the sum over `group`: one `reduce_scatter_tensor`
+    """This rank's shard along `dim` of the sum over `group`: one `reduce_scatter_single`
     (each rank receives only its shard's sum, not the whole sum)."""
     size, dim = dist.get_world_size(group), dim % x.dim()
     _check_divisible(x, dim, size)
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    dist.reduce_scatter_tensor(out, front, group=group)
+    dist.reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 

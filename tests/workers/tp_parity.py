@@ -95,7 +95,7 @@ def custom_plan(tp: int):
 
 
 def collectives(tp: int) -> None:
-    """The tp collectives (`all_gather_into_tensor` / `reduce_scatter_tensor` into one buffer)
+    """The tp collectives (`all_gather_single` / `reduce_scatter_single` into one buffer)
     against the list all-gather + cat and the all-reduce + slice they replace, along every
     dimension, with their autograd conjugates."""
     from merak.tensor_parallel.collectives import gather_sequence, reduce_scatter_sequence
