@@ -88,15 +88,15 @@ def offline(seq: int) -> None:
         print(f"\nLlama-3 {size} ({shape.params / 1e9:.2f} B) on {world} x H100, global batch "
               f"{batch} x {seq} tokens, {h100.memory_bytes / 2**30:.0f} GiB per GPU; planned in "
               f"{took:.1f} s ({len(plan.ranked)} candidates fit, {len(plan.dropped)} dropped)")
-        print(f"  {'':34}{'layout':56}{'step s':>8}{'MFU':>7}{'GiB':>6}")
-        print(f"  {'merak plan':34}{best.candidate.label:56}{best.step_s:8.2f}"
+        print(f"  {'':38}{'layout':56}{'step s':>8}{'MFU':>7}{'GiB':>6}")
+        print(f"  {'merak plan':38}{best.candidate.label:56}{best.step_s:8.2f}"
               f"{plan.mfu(best.step_s):7.1%}{best.peak_bytes / 2**30:6.1f}")
         predict = Predictor(shape, costs, where, parallel_vocab=True).predict
         for name, (candidate, note) in published.items():
             p = predict(candidate)
             fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"
-            print(f"  {name:34}{candidate.label:56}{p.step_s:8.2f}{plan.mfu(p.step_s):7.1%}"
-                  f"{p.peak_bytes / 2**30:6.1f}{fits}" + (f"\n  {'':34}{note}" if note else ""))
+            print(f"  {name:38}{candidate.label:56}{p.step_s:8.2f}{plan.mfu(p.step_s):7.1%}"
+                  f"{p.peak_bytes / 2**30:6.1f}{fits}" + (f"\n  {'':38}{note}" if note else ""))
         print("  why: " + plan.why.replace("\n", "\n  "))
 
 
