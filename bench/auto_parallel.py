@@ -57,17 +57,24 @@ LLAMA3 = {
     "70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
 }
+# Why a published layout with pp 1 (one stage of every block) and full recomputation needs
+# more memory as Merak runs it than as its anchor does
+STAGE_RECOMPUTE = ("Merak recomputes a stage in one action before its backward, so all of "
+                   "its blocks' activations\nare live at once; the anchors recompute each "
+                   "block inside the backward and peak far lower")
 # job -> (world size, global batch in sequences, published layouts as Merak candidates with
 # what Merak cannot express)
 JOBS = {
     "8B": (8, 64, {
-        "torchtitan (FSDP 8)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 3), ""),
+        "torchtitan (FSDP 8)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 3), STAGE_RECOMPUTE),
         "Megatron/NeMo (TP1 PP1 CP2)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 1),
-                                        "CP2 not expressible: shown as dp 8"),
+                                        "CP2 not expressible: shown as dp 8\n"
+                                        + STAGE_RECOMPUTE),
     }),
     "70B": (64, 512, {
         "torchtitan (FSDP 8 x TP 8 + SP)": (
-            Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3, sequence_parallel=True), ""),
+            Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3, sequence_parallel=True),
+            STAGE_RECOMPUTE),
         "Megatron/NeMo (TP4 + SP PP4 CP2 VP5)": (
             Candidate(4, 4, 4, 1, 128, "interleaved_1f1b", "full", 1, 2, True),
             "CP2 not expressible: shown as dp 4 (half the ranks), 2 chunks not 5"),
@@ -96,7 +103,8 @@ def offline(seq: int) -> None:
             p = predict(candidate)
             fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"
             print(f"  {name:38}{candidate.label:56}{p.step_s:8.2f}{plan.mfu(p.step_s):7.1%}"
-                  f"{p.peak_bytes / 2**30:6.1f}{fits}" + (f"\n  {'':38}{note}" if note else ""))
+                  f"{p.peak_bytes / 2**30:6.1f}{fits}"
+                  + "".join(f"\n  {'':38}{line}" for line in note.splitlines()))
         print("  why: " + plan.why.replace("\n", "\n  "))
 
 
