@@ -149,6 +149,14 @@ def test_dry_runs_sample_the_layouts_predicted_near_the_best_first():
     # each layout's first pick is its best predicted candidate
     for p in picked[:min(len(near), 5)]:
         assert p is next(q for q in ranked if layout(q) == layout(p))
+    # then each layout's best at each other micro-batch size predicted near the best
+    def sized(p):
+        return (*layout(p), p.candidate.micro_batch)
+
+    firsts = list(dict.fromkeys(sized(p) for p in ranked if p.step_s <= 1.5 * ranked[0].step_s))
+    assert len(firsts) > len(near)  # the check below has something to check
+    many = [sized(p) for p in _distinct(ranked, len(firsts))]
+    assert many == many[:len(near)] + [k for k in firsts if k not in many[:len(near)]]
     assert _distinct(ranked[:2], 5) == ranked[:2] and _distinct([], 3) == []
 
 

@@ -47,13 +47,15 @@ def _averaged(costs: BlockCosts, ctx) -> BlockCosts:
 def _distinct(ranked: list[Prediction], count: int, within: float = 1.5) -> list[Prediction]:
     """The `count` candidates to dry-run: first the best of each layout (dp x tp x pp, sequence
     parallelism) predicted within `within` times the best, then the best of each layout and
-    schedule, then the next best. The model errs most between layouts (ranks sharing cores or
-    links, collectives), so the dry runs that correct it sample layouts first."""
+    micro-batch size, then of each layout and schedule, then the next best. The model errs
+    most between layouts (ranks sharing cores or links, collectives), then between micro-batch
+    sizes (per-micro-batch overheads it does not see), so the dry runs sample those first."""
     if not ranked:
         return []
     near = [p for p in ranked if p.step_s <= within * ranked[0].step_s]
     taken: list[Prediction] = []
     for key in (lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel),
+                lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel, c.micro_batch),
                 lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel, c.schedule)):
         seen = {key(p.candidate) for p in taken}
         for p in near:
