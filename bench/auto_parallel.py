@@ -57,8 +57,8 @@ LLAMA3 = {
     "70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
 }
-# Why a published layout with pp 1 (one stage of every block) and full recomputation needs
-# more memory as Merak runs it than as its anchor does
+# Why a published layout with one stage of every block (pp 1) and full recomputation needs
+# more memory as Merak runs it than as its anchor does (printed under each that does not fit)
 STAGE_RECOMPUTE = ("Merak recomputes a stage in one action before its backward, so all of "
                    "its blocks' activations\nare live at once; the anchors recompute each "
                    "block inside the backward and peak far lower")
@@ -66,15 +66,13 @@ STAGE_RECOMPUTE = ("Merak recomputes a stage in one action before its backward, 
 # what Merak cannot express)
 JOBS = {
     "8B": (8, 64, {
-        "torchtitan (FSDP 8)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 3), STAGE_RECOMPUTE),
+        "torchtitan (FSDP 8)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 3), ""),
         "Megatron/NeMo (TP1 PP1 CP2)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 1),
-                                        "CP2 not expressible: shown as dp 8\n"
-                                        + STAGE_RECOMPUTE),
+                                        "CP2 not expressible: shown as dp 8"),
     }),
     "70B": (64, 512, {
         "torchtitan (FSDP 8 x TP 8 + SP)": (
-            Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3, sequence_parallel=True),
-            STAGE_RECOMPUTE),
+            Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3, sequence_parallel=True), ""),
         "Megatron/NeMo (TP4 + SP PP4 CP2 VP5)": (
             Candidate(4, 4, 4, 1, 128, "interleaved_1f1b", "full", 1, 2, True),
             "CP2 not expressible: shown as dp 4 (half the ranks), 2 chunks not 5"),
@@ -102,6 +100,9 @@ def offline(seq: int) -> None:
         for name, (candidate, note) in published.items():
             p = predict(candidate)
             fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"
+            if not p.fits and candidate.pp * candidate.chunks == 1 \
+                    and candidate.recompute == "full":
+                note = "\n".join(filter(None, (note, STAGE_RECOMPUTE)))
             print(f"  {name:38}{candidate.label:56}{p.step_s:8.2f}{plan.mfu(p.step_s):7.1%}"
                   f"{p.peak_bytes / 2**30:6.1f}{fits}"
                   + "".join(f"\n  {'':38}{line}" for line in note.splitlines()))
