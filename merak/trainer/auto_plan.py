@@ -71,6 +71,7 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
                          f"{candidate.dp * candidate.tp * candidate.pp} ranks, this job has "
                          f"{ctx.world_size}")
     _set_arguments(args, candidate, ratios)
+    trainer._train_batch_size = candidate.micro_batch  # what evaluation cuts micro-batches by
     return merak.init(candidate.dp, candidate.tp, candidate.pp)
 
 
