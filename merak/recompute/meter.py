@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class _Held:
@@ -41,7 +42,10 @@ class ActivationMeter:
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self._excluded = {self._key(p) for p in parameters}
+        # a ZeRO-2/3 (FSDP2) parameter is a DTensor, which has no storage of its own: its
+        # local shard's is the one to exclude
+        self._excluded = {self._key(p.to_local() if isinstance(p, DTensor) else p)
+                          for p in parameters}
         self._count: dict[tuple, int] = {}
         self._bytes: dict[tuple, int] = {}
         self.live = 0
