@@ -51,6 +51,7 @@ def test_candidates_respect_the_sizes():
         assert c.dp * c.tp * c.pp == 8 and c.dp * c.micro_batch * c.microbatches == 16
         assert not c.sequence_parallel or c.tp > 1
         assert c.zero == 0 or c.dp > 1
+        assert c.zero < 2 or not SCHEDULES[c.schedule].splits_backward  # as MerakArguments
         assert c.recompute != "off" or not SCHEDULES[c.schedule].needs_recompute
         assert c.pp > 1 or c.schedule == "1f1b"
         assert c.chunks == (2 if SCHEDULES[c.schedule].several_stages_per_rank else 1)

@@ -41,7 +41,8 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
     """Every layout x sequence parallelism x micro-batch size x schedule x recomputation x
     ZeRO stage that the sizes allow (a global batch divisible by dp x micro-batch size;
     sequence parallelism needs tp > 1 dividing the sequence of `seq` tokens; interleaving
-    needs two blocks per rank; ZeRO needs dp > 1; Merak's reordering schedules need
+    needs two blocks per rank; ZeRO needs dp > 1, and ZeRO-2/3 a schedule that does not split
+    the backward, as `MerakArguments` requires; Merak's reordering schedules need
     recomputation). `sequence_parallel`: the settings to try where tp > 1 (``(False,)`` for a
     job that cannot split the sequence: see `sequence_parallel_choices`)."""
     schedules = list(schedules or SCHEDULES)
@@ -60,6 +61,8 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
                     if info.needs_recompute and recompute == "off":
                         continue
                     for zero in zero_stages if dp > 1 else (0,):
+                        if zero >= 2 and info.splits_backward:  # FSDP2 cannot follow it
+                            continue
                         yield Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks, sp)
 
 
