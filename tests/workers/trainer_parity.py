@@ -53,7 +53,7 @@ def run(name: str) -> None:
                                 wall_clock_breakdown=True, **{**COMMON, **extra}, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_set())
-    with _reduced_in_last_backward() as reduced:
+    with _reduced_in_last_backward(trainer) as reduced:
         trainer.train()
     if args.zero_stage >= 2:  # every chunk's units reduce-scattered inside its last backward
         chunks = args.num_model_chunks if args.train_schedule == "interleaved_1f1b" else 1
@@ -110,10 +110,11 @@ def run(name: str) -> None:
 
 
 @contextlib.contextmanager
-def _reduced_in_last_backward():
-    """Records, for each `ZeroSharding.last_backward` (the step's last backward of a chunk),
-    whether every trainable shard of the chunk had its gradient when it ended (ZeRO-2/3
-    reduce-scatter there, not in the tail)."""
+def _reduced_in_last_backward(trainer):
+    """Records, for each `ZeroSharding.last_backward` of `trainer`'s sharding (the step's last
+    backward of a chunk; not an auto_parallel plan's dry runs), whether every trainable shard
+    of the chunk had its gradient when it ended (ZeRO-2/3 reduce-scatter there, not in the
+    tail)."""
     from torch.distributed.fsdp import fully_shard
 
     from merak.data_parallel.zero import ZeroSharding
@@ -124,6 +125,8 @@ def _reduced_in_last_backward():
     def recording(self, stage_id):
         with original(self, stage_id):
             yield
+        if self is not trainer.zero:
+            return
         root = next(r for r in self.roots if r.stage_id == stage_id)
         shards = [p.sharded_param for unit in fully_shard.state(root)._state_ctx.all_states
                   for group in unit._fsdp_param_groups for p in group.fsdp_params
