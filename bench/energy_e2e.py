@@ -46,7 +46,6 @@ def main() -> None:
                         default="1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               MERAK_NCCL_P2P_RULES=os.environ.get("MERAK_NCCL_P2P_RULES", "1"),
                MERAK_ENERGY_E2E_FORWARD_S=str(args.forward_s),
                MERAK_ENERGY_E2E_MICROBATCHES=str(args.microbatches),
                MERAK_ENERGY_E2E_ROUNDS=str(args.rounds),

@@ -1,33 +1,44 @@
 """Test modules with a pooled worker name it in ``WORKER`` (a file in workers/ with
 ``scenarios(world_size)``) and its sizes in ``WORLD_SIZES``; their tests take the `launches`
-fixture, ``launches(world_size) -> (results, output)``. All pooled workers of one world size
-run in one torchrun launch (see dist_harness.WorkerPool)."""
+fixture, ``launches(world_size, backend) -> (results, output)``. All pooled workers of one
+world size and backend run in one torchrun launch (see dist_harness.WorkerPool)."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+_CONTRACT = Path(__file__).parent / "nccl_contract"
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+sys.path.insert(0, str(_CONTRACT))
+# Every process of the suite (this one, torchrun's ranks, the CLIs tests start) runs
+# point-to-point under NCCL's contract (tests/nccl_contract): its sitecustomize installs it
+# wherever torch.distributed is imported. MERAK_TEST_BACKEND=gloo runs the suite on plain gloo.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(_CONTRACT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
+import nccl_contract
 from dist_harness import WorkerPool
 
 _NEEDED = pytest.StashKey[dict]()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Which pooled workers the selected tests need, at which world sizes."""
-    needed: dict[int, list[str]] = {}
+    """Which pooled workers the selected tests need, at which world sizes and backends (a test
+    parametrized by ``backend`` names its own; the rest run on the NCCL contract)."""
+    needed: dict[tuple[int, str], list[str]] = {}
     for item in items:
         worker = getattr(item.module, "WORKER", None)
         if worker is None or "launches" not in getattr(item, "fixturenames", ()):
             continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         sizes = [params["world_size"]] if "world_size" in params else item.module.WORLD_SIZES
+        backend = params.get("backend", nccl_contract.default_backend())
         for size in sizes:
-            if worker not in needed.setdefault(size, []):
-                needed[size].append(worker)
+            if worker not in needed.setdefault((size, backend), []):
+                needed[(size, backend)].append(worker)
     config.stash[_NEEDED] = needed
 
 
@@ -38,5 +49,7 @@ def worker_pool(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launches(request, worker_pool):
+    """``launches(world_size, backend=None) -> (results, output)`` of the module's pooled
+    worker (backend None: the suite's)."""
     worker = request.module.WORKER
-    return lambda world_size: worker_pool.get(worker, world_size)
+    return lambda world_size, backend=None: worker_pool.get(worker, world_size, backend)

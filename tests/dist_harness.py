@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nccl_contract  # tests/nccl_contract, on sys.path and PYTHONPATH (conftest.py)
+
 WORKERS = Path(__file__).parent / "workers"
 
 
@@ -24,18 +26,22 @@ def _free_port() -> int:
 
 
 def launch(worker: str, nproc: int, out_dir: Path, timeout_s: int = 900,
-           args: list[str] = ()) -> tuple[dict[str, list[str]], str]:
-    """Run ``workers/<worker>`` on `nproc` ranks. Returns (scenario -> errors, launcher output)."""
-    output = _torchrun(worker, nproc, out_dir, timeout_s, args)
+           args: list[str] = (), backend: str | None = None) -> tuple[dict[str, list[str]], str]:
+    """Run ``workers/<worker>`` on `nproc` ranks. Returns (scenario -> errors, launcher output).
+
+    `backend`: "nccl-contract" (the suite's default: gloo presenting NCCL's point-to-point
+    contract, tests/nccl_contract) or "gloo" (plain gloo, as CPU users run it)."""
+    output = _torchrun(worker, nproc, out_dir, timeout_s, args, backend)
     return read_results(out_dir, nproc), output
 
 
-def _torchrun(worker: str, nproc: int, out_dir: Path, timeout_s: int, args) -> str:
+def _torchrun(worker: str, nproc: int, out_dir: Path, timeout_s: int, args,
+              backend: str | None = None) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", str(WORKERS / worker), "--out", str(out_dir), *args]
-    # every distributed test runs under NCCL's point-to-point rules unless told otherwise
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("MERAK_NCCL_P2P_RULES", "1")
+    if backend is not None:
+        env[nccl_contract.ENV] = backend
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
                           check=False)  # a failed launch still reports per-scenario results
     return proc.stdout + proc.stderr
@@ -56,35 +62,52 @@ def read_results(out_dir: Path, nproc: int) -> dict[str, list[str]]:
 
 
 class WorkerPool:
-    """One torchrun launch per world size for every pooled worker the session's tests use.
+    """One torchrun launch per world size and backend for every pooled worker the session's
+    tests use.
 
     Process start-up (Python, torch and transformers imports, the process group) costs about
     5 CPU-seconds per rank, more than most scenarios on a 2-core machine; a launch per test
-    module and world size paid it a dozen times. `needed` maps a world size to the worker
-    files (each with ``scenarios(world_size)``) the collected tests ask for at that size;
-    `get` launches all of them at the first request for that size (`workers/run_many.py`).
+    module and world size paid it a dozen times. `needed` maps (world size, backend) to the
+    worker files (each with ``scenarios(world_size)``) the collected tests ask for; `get`
+    launches all of them at the first request for that pair (`workers/run_many.py`). The
+    backend is "nccl-contract" (every test's default) or "gloo" (plain gloo).
     """
 
-    def __init__(self, root: Path, needed: dict[int, list[str]], timeout_s: int = 1800):
+    def __init__(self, root: Path, needed: dict[tuple[int, str], list[str]],
+                 timeout_s: int = 1800):
         self.root, self.needed, self.timeout_s = root, needed, timeout_s
-        self._launched: dict[int, tuple[list[str], str]] = {}
+        self._launched: dict[tuple[int, str], tuple[dict, str]] = {}
 
-    def get(self, worker: str, world_size: int) -> tuple[dict[str, list[str]], str]:
-        if world_size not in self._launched:
-            workers = list(dict.fromkeys([*self.needed.get(world_size, []), worker]))
-            self._launched[world_size] = launch_together(
-                workers, world_size, self.root / f"pool-{world_size}", self.timeout_s)
-        by_worker, output = self._launched[world_size]
+    def _dir(self, world_size: int, backend: str | None) -> Path:
+        return self.root / f"pool-{world_size}-{backend or nccl_contract.default_backend()}"
+
+    def get(self, worker: str, world_size: int, backend: str | None = None,
+            ) -> tuple[dict[str, list[str]], str]:
+        """`backend` None: the suite's (`nccl_contract.default_backend`)."""
+        backend = backend or nccl_contract.default_backend()
+        key = (world_size, backend)
+        if key not in self._launched:
+            workers = list(dict.fromkeys([*self.needed.get(key, []), worker]))
+            self._launched[key] = launch_together(workers, world_size,
+                                                  self._dir(world_size, backend),
+                                                  self.timeout_s, backend)
+        by_worker, output = self._launched[key]
         if worker not in by_worker:  # asked for by a test the collection did not see
-            return launch(worker, world_size, self.root / f"{Path(worker).stem}-{world_size}")
+            return launch(worker, world_size, self.root / f"{Path(worker).stem}-{world_size}",
+                          backend=backend)
         return by_worker[worker], output
+
+    def out_dir(self, worker: str, world_size: int, backend: str | None = None) -> Path:
+        """Where `worker`'s scenarios wrote their files (`common.out_dir()`) in that launch."""
+        return self._dir(world_size, backend) / Path(worker).stem
 
 
 def launch_together(workers: list[str], nproc: int, out_dir: Path, timeout_s: int = 1800,
-                    ) -> tuple[dict[str, dict[str, list[str]]], str]:
+                    backend: str | None = None) -> tuple[dict[str, dict[str, list[str]]], str]:
     """Run several workers one after another in one launch (`workers/run_many.py`). Returns
     (worker -> its results, launcher output)."""
-    output = _torchrun("run_many.py", nproc, out_dir, timeout_s, ["--workers", ",".join(workers)])
+    output = _torchrun("run_many.py", nproc, out_dir, timeout_s,
+                       ["--workers", ",".join(workers)], backend)
     return {w: read_results(out_dir / Path(w).stem, nproc) for w in workers}, output
 
 

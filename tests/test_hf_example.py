@@ -83,7 +83,6 @@ def runs(tmp_path_factory):
     args = [str(a) for a in ARGS]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(out / "datasets-cache"))
-    env.setdefault("MERAK_NCCL_P2P_RULES", "1")  # as every distributed test (dist_harness)
     merak = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
          f"--master_port={_free_port()}", str(MERAK_SCRIPT), *args,

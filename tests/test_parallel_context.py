@@ -1,8 +1,10 @@
-"""`merak.init` pieces that decide the device and the point-to-point rules, without NCCL."""
+"""`merak.init` pieces that decide the device, the host groups and the teardown, without NCCL."""
 
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,24 +25,10 @@ def test_no_visible_device_is_a_clear_error():
         pc.local_device_index(-1, 2)
 
 
-@pytest.mark.parametrize("value,expected", [
-    ("1", True), ("true", True), ("TRUE", True), ("Yes", True), ("on", True), (" On ", True),
-    ("0", False), ("false", False), ("off", False), ("", False), ("2", False), ("y", False),
-])
-def test_p2p_rules_environment_variable(monkeypatch, value, expected):
-    monkeypatch.setenv(pc.NCCL_P2P_RULES_ENV, value)
-    assert pc.resolve_nccl_p2p_rules("gloo", None) is expected
-
-
-def test_p2p_rules_keyword_wins_over_the_environment_and_nccl_always_has_them(monkeypatch):
-    monkeypatch.delenv(pc.NCCL_P2P_RULES_ENV, raising=False)
-    assert pc.resolve_nccl_p2p_rules("gloo", None) is False
-    assert pc.resolve_nccl_p2p_rules("gloo", True) is True
-    monkeypatch.setenv(pc.NCCL_P2P_RULES_ENV, "1")
-    assert pc.resolve_nccl_p2p_rules("gloo", False) is False
-    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
-        assert pc.resolve_nccl_p2p_rules(backend, False) is True
-        assert pc.resolve_nccl_p2p_rules(backend, None) is True
+@pytest.mark.parametrize("backend,cpu", [("gloo", True), ("nccl", False),
+                                         ("cpu:gloo,cuda:nccl", True), ("NCCL", False)])
+def test_which_backends_take_host_tensors(backend, cpu):
+    assert pc.handles_cpu_tensors(backend) is cpu
 
 
 def test_nccl_device_comes_from_local_rank_and_visible_devices(monkeypatch):
@@ -68,16 +56,36 @@ def test_process_group_is_bound_to_the_device(monkeypatch, torchrun):
     assert [c["backend"] for c in calls] == ["nccl", "gloo"]
 
 
-def test_init_records_the_p2p_rules(monkeypatch):
-    monkeypatch.delenv(pc.NCCL_P2P_RULES_ENV, raising=False)
+def test_init_joins_an_existing_nccl_group_with_one_collective(monkeypatch):
+    """A group made before `init` (HF's TrainingArguments, accelerate) started NCCL lazily: the
+    first `init` runs one all-reduce of every rank so no subset p2p comes first; later `init`s
+    (another layout) do not."""
     previous = pc._default_context
+    if not torch.distributed.is_initialized():
+        pc.init(1, 1, 1, backend="gloo")
+    calls = []
+    monkeypatch.setattr(pc, "_is_nccl", lambda backend: True)
+    monkeypatch.setattr(pc, "_local_device", lambda backend: torch.device("cpu"))
+    monkeypatch.setattr(pc, "_join_existing", lambda device: calls.append(device))
     try:
-        ctx = pc.init(1, 1, 1, backend=None if torch.distributed.is_initialized() else "gloo")
-        if ctx.backend == "gloo":
-            assert ctx.nccl_p2p_rules is False and ctx.device == torch.device("cpu")
-        assert pc.init(1, 1, 1, nccl_p2p_rules=True).nccl_p2p_rules is True
-        monkeypatch.setenv(pc.NCCL_P2P_RULES_ENV, "yes")
-        assert pc.init(1, 1, 1).nccl_p2p_rules is True
+        pc._default_context = None
+        ctx = pc.init(1, 1, 1)
+        pc.init(1, 1, 1)
+        assert calls == [torch.device("cpu")]
+        assert ctx.host_pp_group is not None
     finally:
         if previous is not None:
             pc._default_context = previous
+
+
+def test_init_destroys_the_process_group_at_exit(tmp_path):
+    """Left to the destructors, gloo's threads can abort the exiting process (SIGABRT)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist, merak\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+        "merak.init(1, 1, 1, backend='gloo')\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "initialized at exit: False" in run.stdout, run.stdout + run.stderr[-3000:]

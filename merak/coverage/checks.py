@@ -59,7 +59,7 @@ def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, timeout_s: float
+def parallel_step(small: SmallModel, dp: int, tp: int, pp: int
                   ) -> tuple[float, dict[str, torch.Tensor], nn.Module]:
     """One 1F1B training step at (dp, tp, pp): its loss (averaged over dp), this rank's
     gradients before the optimizer step, and its stage."""
@@ -71,8 +71,7 @@ def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, timeout_s: float
     stage = merak.parallelize(model, parts[0], ctx)
     snapshot = _GradSnapshot(stage)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
-                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot],
-                                       p2p_timeout_s=timeout_s)
+                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot])
     loss = engine.train_step(mine)
     return loss, snapshot.grads or {}, stage
 

@@ -8,6 +8,7 @@ context as an explicit argument.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
     from merak.tensor_parallel.plans import TPPlan
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
-# "1", "true", "yes" or "on": point-to-point follows NCCL's rules on any backend (`init`)
-NCCL_P2P_RULES_ENV = "MERAK_NCCL_P2P_RULES"
-_TRUE = frozenset({"1", "true", "yes", "on"})
 
 # The one piece of module-level state Merak keeps: the context built by the last `init()`.
 _default_context: ParallelContext | None = None
@@ -49,10 +47,9 @@ class ParallelContext:
     mesh: DeviceMesh
     # the TP plan `merak.set_tp_layer_lists` recorded for this job (`set_default_tp_plan`)
     tp_plan: TPPlan | None = field(default=None, compare=False, repr=False)
-    # point-to-point follows NCCL's rules on any backend (tags dropped, one ordered stream per
-    # rank, batch groups as the only concurrency); always on with NCCL, and the CPU test suite
-    # turns it on (MERAK_NCCL_P2P_RULES=1) so that gloo runs catch what would hang on NCCL
-    nccl_p2p_rules: bool = False
+    # this rank's groups for host (CPU) tensors, by mesh dimension and "world" (`host_group`)
+    host_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False,
+                                                       repr=False)
 
     @property
     def dp_rank(self) -> int:
@@ -94,6 +91,16 @@ class ParallelContext:
     @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
+
+    def host_group(self, dim: str = "world") -> dist.ProcessGroup:
+        """This rank's group of mesh dimension `dim` ("pp", "dp", "tp") or of every rank
+        ("world") for CPU tensors: the mesh's own groups where the backend moves CPU tensors
+        (gloo), gloo groups made by `init` beside an NCCL job. Small exchanges that must not make
+        the host wait for the device, and Python objects (`merak.distributed.host_objects`), go
+        over them: torch's object collectives would stage every payload on the GPU."""
+        if dim not in self.host_groups:
+            raise ValueError(f"no host group {dim!r}; choose one of {sorted(self.host_groups)}")
+        return self.host_groups[dim]
 
     def rank_of(self, *, pp_rank: int | None = None, dp_rank: int | None = None,
                 tp_rank: int | None = None) -> int:
@@ -142,17 +149,51 @@ def _is_nccl(backend: str) -> bool:
     return "nccl" in str(backend).lower()
 
 
-def env_flag(name: str) -> bool:
-    """Whether environment variable `name` is "1", "true", "yes" or "on" (any case)."""
-    return os.environ.get(name, "").strip().lower() in _TRUE
+def handles_cpu_tensors(backend: str) -> bool:
+    """Whether a process group of `backend` takes CPU tensors (gloo, alone or in a per-device
+    string such as ``cpu:gloo,cuda:nccl``)."""
+    backend = str(backend).lower()
+    return "gloo" in backend or not _is_nccl(backend)
 
 
-def resolve_nccl_p2p_rules(backend: str, requested: bool | None) -> bool:
-    """`init`'s ``nccl_p2p_rules``: always on with NCCL; otherwise `requested`, or when that is
-    None the environment variable MERAK_NCCL_P2P_RULES."""
-    if _is_nccl(backend):
-        return True
-    return env_flag(NCCL_P2P_RULES_ENV) if requested is None else bool(requested)
+def make_host_groups(mesh: DeviceMesh, backend: str) -> dict[str, dist.ProcessGroup]:
+    """The groups of `ParallelContext.host_group`: the mesh's own and the world where
+    `backend` moves CPU tensors; else new gloo groups (every rank creates every group of each
+    dimension, in one order, as `new_group` requires)."""
+    if handles_cpu_tensors(backend):
+        return {"world": dist.group.WORLD,
+                **{dim: mesh.get_group(dim) for dim in MESH_DIM_NAMES}}
+    groups = {"world": dist.new_group(backend="gloo")}
+    for index, dim in enumerate(MESH_DIM_NAMES):
+        lines = mesh.mesh.movedim(index, -1).reshape(-1, mesh.size(index))
+        groups[dim], _ = dist.new_subgroups_by_enumeration([row.tolist() for row in lines],
+                                                           backend="gloo")
+    return groups
+
+
+def process_group_timeout_s(device: torch.device) -> float | None:
+    """The default process group's current timeout on `device` in seconds (every wait of the
+    job ends after it), or None where the backend does not say."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options
+        return None
+
+
+def _join_existing(device: torch.device) -> None:
+    """A group created before `init` without ``device_id`` starts NCCL lazily, and a pipeline's
+    first operation would then be a point-to-point of a subset of the ranks (undefined in
+    torch's docs): one all-reduce of every rank creates the communicator now."""
+    dist.all_reduce(torch.zeros(1, device=device))
+
+
+def _destroy_at_exit() -> None:
+    """Tear the process group down before the interpreter exits: left to the destructors, a
+    backend's threads can outlive it and abort the process ("terminate called without an
+    active exception"), which torchrun reports as a failed job."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _local_device(backend: str) -> torch.device:
@@ -187,8 +228,7 @@ def degrees_from_plan(path: str | Path) -> tuple[int, int, int]:
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
          backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
-         nccl_p2p_rules: bool | None = None, plan: str | Path | None = None
-         ) -> ParallelContext:
+         plan: str | Path | None = None) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh.
 
     Args:
@@ -202,16 +242,15 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         backend: torch.distributed backend; default ``nccl`` when CUDA is available, else ``gloo``.
             An explicit value is always honoured.
         timeout: collective timeout (seconds or timedelta) used when this call creates the
-            process group.
-        nccl_p2p_rules: make point-to-point follow NCCL's rules on any backend (tags dropped,
-            one ordered stream per rank, batch groups as the only concurrency), so that a gloo
-            run fails where an NCCL run would hang; the CPU test suite turns it on. Always True
-            with NCCL. None: from the environment variable MERAK_NCCL_P2P_RULES ("1", "true",
-            "yes", "on").
+            process group: every wait of the job, collective or point-to-point, ends after it
+            with an error (a group created earlier keeps its own).
 
     With NCCL, this process uses CUDA device ``LOCAL_RANK % torch.cuda.device_count()`` (so a
     process that sees one GPU uses it whatever its local rank), made current before the process
-    group is created with it as ``device_id`` (NCCL initializes eagerly).
+    group is created with it as ``device_id`` (NCCL initializes eagerly); a group created
+    earlier (by HF's TrainingArguments or accelerate) is joined with one all-reduce of every
+    rank, so its communicator exists before any pipeline transfer. `init` also destroys the
+    process group when the process exits.
 
     Returns:
         The `ParallelContext`; it also becomes the default returned by `get_context()`.
@@ -247,6 +286,10 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         _init_process_group(backend, timeout, device_id=device if _is_nccl(backend) else None)
+    elif _is_nccl(backend) and _default_context is None:
+        _join_existing(device)
+    atexit.unregister(_destroy_at_exit)  # once, however many times init runs
+    atexit.register(_destroy_at_exit)
     world_size = dist.get_world_size()
     if dp * tp * pp != world_size:
         raise ValueError(
@@ -256,7 +299,7 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
     context = ParallelContext(dp=dp, tp=tp, pp=pp, rank=dist.get_rank(), world_size=world_size,
                               backend=backend, device=device, mesh=mesh,
-                              nccl_p2p_rules=resolve_nccl_p2p_rules(backend, nccl_p2p_rules))
+                              host_groups=make_host_groups(mesh, backend))
     _default_context = context
     return context
 
@@ -266,6 +309,19 @@ def get_context() -> ParallelContext:
     if _default_context is None:
         raise RuntimeError("merak has no parallel context yet: call merak.init(dp=, tp=, pp=) first")
     return _default_context
+
+
+def default_context() -> ParallelContext | None:
+    """The context built by the last `merak.init()`, or None before the first."""
+    return _default_context
+
+
+def restore_default_context(context: ParallelContext | None) -> None:
+    """Make `context` (one `default_context()` returned earlier) the default again: a piece of
+    work that built contexts of its own and destroyed their groups (a planner's dry runs,
+    `merak.distributed.teardown`) hands the caller's back."""
+    global _default_context
+    _default_context = context
 
 
 def set_default_tp_plan(plan: TPPlan | None) -> ParallelContext:

@@ -91,13 +91,11 @@ class StageView:
         model: the model given to `merak.parallelize` (TP already applied to it there).
         stage: this rank's `PipelineStage` or `InterleavedStage` of an automatic split.
         ctx: the parallel context.
-        timeout_s: longest wait on one hidden-state transfer.
         prefix: what the stage's names add to the model's (``"model."`` when `parallelize`
             was given the model wrapped with a custom loss).
     """
 
-    def __init__(self, model: nn.Module, stage: nn.Module, ctx, timeout_s: float = 300.0,
-                 prefix: str = ""):
+    def __init__(self, model: nn.Module, stage: nn.Module, ctx, prefix: str = ""):
         split = stage.split
         blocks = getattr(split, "blocks_of_stage", None)
         if not blocks:
@@ -117,7 +115,7 @@ class StageView:
         self.blocks = [(b.removeprefix(prefix), s % ctx.pp, s) for s in range(split.num_stages)
                        for b in blocks[s]]
         self.end_rank = self.blocks[-1][1]
-        self.transfers = StageTransfers(ctx, split, timeout_s, ctx.nccl_p2p_rules)
+        self.transfers = StageTransfers(ctx, split)
         self.step = 0  # forwards run so far: the micro-batch id in transfer errors
         self._undo: list = []
 

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 
 from merak.data_parallel.grad_sync import GradientAverager
 from merak.data_parallel.shards import is_sharded
 from merak.data_parallel.zero import ZeroSharding
+from merak.distributed.compat import all_gather_single
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
 from merak.recompute.stage_aware import stage_segments
@@ -56,7 +56,6 @@ class PipelineInterpreter(StepTail):
         num_microbatches: micro-batches per step (gradient accumulation steps).
         schedule: a name in `merak.schedule.registry.SCHEDULES` or an explicit `Schedule`.
         hooks: `InstructionHook`s called around every action.
-        p2p_timeout_s: longest wait on one point-to-point group before failing.
         bucket_bytes: dp all-reduce bucket size.
         lend_idle_cores: on CPU with every rank on one host, give compute actions that the
             schedule runs alone the cores of the ranks idling meanwhile (`IdleCoreLending`).
@@ -80,7 +79,7 @@ class PipelineInterpreter(StepTail):
     def __init__(self, stage: PipelineStage | InterleavedStage | Sequence[PipelineStage],
                  ctx, optimizer: torch.optim.Optimizer, num_microbatches: int,
                  schedule: str | Schedule = "1f1b", hooks: Sequence[InstructionHook] = (),
-                 p2p_timeout_s: float = 300.0, bucket_bytes: int = 25 * 2**20,
+                 bucket_bytes: int = 25 * 2**20,
                  lend_idle_cores: bool = True, autocast_dtype: torch.dtype | None = None,
                  grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
                  segment_size: int = 1, measure_activations: bool = False,
@@ -119,8 +118,7 @@ class PipelineInterpreter(StepTail):
                         for s in stages}
         for s in stages if dealloc_outputs else ():
             self.runners[s.stage_id].freeable = s.freeable_outputs()
-        self.transfers = StageTransfers(ctx, split, p2p_timeout_s,
-                                        ctx.nccl_p2p_rules)
+        self.transfers = StageTransfers(ctx, split)
         self.batch_keys = list(dict.fromkeys(k for r in self.runners.values()
                                              for k in r.batch_keys))
         params = list({id(q): q for q in stage.parameters()}.values())
@@ -336,21 +334,22 @@ class PipelineInterpreter(StepTail):
                 self._discover_shapes()
                 self.transfers.remember_shapes(key)
 
-    def _shape_key(self, microbatch: dict[str, torch.Tensor]) -> tuple[int, ...]:
-        """What the step's activation shapes depend on: the shapes and dtypes of micro-batch 0's
-        inputs on every rank of this pipeline that loads any (gathered over the pp group, on the
-        device), so every rank agrees on whether shapes must be discovered anew."""
+    def _shape_key(self, microbatch: dict[str, torch.Tensor]) -> tuple:
+        """What the step's activation shapes and requires-grad flags depend on: the shapes and
+        dtypes of micro-batch 0's inputs on every rank of this pipeline that loads any, and
+        whether gradients are on. The codes are exchanged as host tensors over the pipeline's
+        host group (`ParallelContext.host_group`), so the host never waits for the device;
+        every rank agrees on whether shapes must be discovered anew."""
         local = repr(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in microbatch.items()))
-        code = torch.tensor([zlib.crc32(local.encode())], dtype=torch.int64,
-                            device=self.ctx.device)
-        if self.ctx.pp == 1:
-            return (int(code.item()),)
-        codes = [torch.zeros_like(code) for _ in range(self.ctx.pp)]
-        self.transfers.wait_collective(
-            dist.all_gather(codes, code, group=self.ctx.pp_group, async_op=True),
-            "the batch-shape exchange that starts every step (an all-gather over the pipeline "
-            "ranks)")
-        return tuple(int(c.item()) for c in codes)
+        code = torch.tensor([zlib.crc32(local.encode())], dtype=torch.int64)
+        if self.ctx.pp > 1:
+            codes = torch.zeros(self.ctx.pp, dtype=torch.int64)
+            self.transfers.wait_collective(
+                all_gather_single(codes, code, group=self.ctx.host_group("pp"), async_op=True),
+                "the batch-shape exchange that starts every step (an all-gather over the "
+                "pipeline ranks)")
+            code = codes
+        return (torch.is_grad_enabled(), *code.numpy().tolist())  # host memory: no sync
 
     def _discover_shapes(self) -> None:
         """Run micro-batch 0's forward, in eval mode and without gradients, through a program

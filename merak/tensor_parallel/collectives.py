@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
+from merak.distributed.compat import all_gather_single, reduce_scatter_single
+
 
 def tracing() -> bool:
     """True while torch.export / TorchDynamo or torch.fx trace the model."""
@@ -60,7 +62,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     size, dim = dist.get_world_size(group), dim % x.dim()
     # the concatenated form (gloo has no stacked one): rank r's shard is rows [r*n, (r+1)*n)
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     if dim == 0:
         return out
     shape = list(x.shape)
@@ -88,7 +90,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    dist.reduce_scatter_single(out, front, group=group)
+    reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 

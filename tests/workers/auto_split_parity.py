@@ -56,8 +56,7 @@ def parity(family: str, pp: int) -> None:
     snapshot = GradSnapshot(stage)
     grads = snapshot.grads
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot],
-                                       p2p_timeout_s=120)
+                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot])
     losses = [engine.train_step(batch(family, step, ROWS * MICROBATCHES))
               for step in range(STEPS)]
 

@@ -81,12 +81,10 @@ class _Family:
         with torch.no_grad():
             self.eval_loss = reference(**batch(family, 99, ROWS * self.microbatches)).loss.item()
 
-    def _engine(self, hooks=(), p2p_timeout_s: float = 120, **options
-                ) -> merak.PipelineInterpreter:
+    def _engine(self, hooks=(), **options) -> merak.PipelineInterpreter:
         return merak.PipelineInterpreter(
             self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
-            self.microbatches, schedule="interleaved_1f1b", hooks=hooks,
-            p2p_timeout_s=p2p_timeout_s, **options)
+            self.microbatches, schedule="interleaved_1f1b", hooks=hooks, **options)
 
     def _stage_aware(self, engine: merak.PipelineInterpreter) -> list[float]:
         """Per-stage ratios from this model's measured activation bytes, installed in
@@ -144,7 +142,7 @@ class _Family:
             for name, param in self.stage.named_parameters():
                 param.copy_(self.final[name])
         for options in ({}, {"recompute_ratio": 1.0}):
-            engine = self._engine(p2p_timeout_s=60, **options)
+            engine = self._engine(**options)
             try:
                 eval_loss = engine.eval_step(batch(self.family, 99, ROWS * self.microbatches))
             finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import time
 
@@ -27,7 +28,8 @@ def scenario_names(world_size: int) -> list[str]:
     names = [f"parity-{kind}-pp{pp}-dp{dp}-{schedule}"
              for pp, dp in layouts(world_size) for kind in ("gpt", "skip")
              for schedule in ("ds_default", "1f1b")]
-    extra = {2: [], 4: ["context-positional-order"], 8: []}[world_size]
+    extra = {2: ["host-reads-pp2-dp1"], 4: ["context-positional-order", "host-reads-pp2-dp2"],
+             8: []}[world_size]
     return names + extra
 
 
@@ -98,7 +100,7 @@ def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     snapshot = GradSnapshot(stage)
     engine = merak.PipelineInterpreter(stage, ctx, optimizer, NUM_MICROBATCHES,
-                                       schedule=schedule, hooks=[snapshot], p2p_timeout_s=60,
+                                       schedule=schedule, hooks=[snapshot],
                                        bucket_bytes=16 * 1024)  # several dp buckets
     if dp > 1:
         probe = OverlapProbe(engine)
@@ -124,30 +126,80 @@ def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
 
 
 def p2p_timeout() -> None:
-    """Stage 1 waits for activations stage 0 never sends: it must fail within its timeout.
-    (Stage 0 takes part in the step's batch-shape exchange first, a collective.)"""
+    """Stage 1 waits for activations stage 0 never sends: it must fail once the process group's
+    timeout (here set to 2 s) has passed, naming both ranks. (Stage 0 takes part in the step's
+    batch-shape exchange first, a collective.)"""
     ctx = merak.init(dp=1, tp=1, pp=2)
     model, pieces = build("gpt")
     split = merak.manual_split(model, pieces, num_stages=2)
     stage = merak.PipelineStage(model, split, ctx.stage_id)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       2, schedule="1f1b", p2p_timeout_s=2.0)
+                                       2, schedule="1f1b")
     batch = global_batch("gpt", 0, 4)
-    if ctx.stage_id == 0:
-        engine._begin(batch, 2, None)  # the step's batch-shape exchange, then silence
-        time.sleep(8.0)  # alive but silent
-        return
-    start = time.perf_counter()
+    c10d = dist.distributed_c10d
+    before = c10d._get_default_group()._get_backend(ctx.device).options._timeout
+    c10d._set_pg_timeout(datetime.timedelta(seconds=2))
     try:
-        engine.train_step(batch)
-    except merak.P2PTimeoutError as error:
-        elapsed = time.perf_counter() - start
-        message = str(error)
-        for part in ("rank 1", "stage 1", "rank 0", "stage 0", "recv_act", "micro-batch 0"):
-            assert part in message, f"{part!r} missing from the timeout message: {message}"
-        assert elapsed < 6.0, f"the timeout of 2 s took {elapsed:.1f} s to fire"
-        return
-    raise AssertionError("stage 1 did not time out although stage 0 never sent")
+        if ctx.stage_id == 0:
+            engine._begin(batch, 2, None)  # the step's batch-shape exchange, then silence
+            time.sleep(8.0)  # alive but silent
+            return
+        start = time.perf_counter()
+        try:
+            engine.train_step(batch)
+        except merak.P2PTimeoutError as error:
+            elapsed = time.perf_counter() - start
+            message = str(error)
+            for part in ("rank 1", "stage 1", "rank(s) [0]", "stage 0", "recv_act",
+                         "micro-batch 0", "timeout (2s)"):
+                assert part in message, f"{part!r} missing from the timeout message: {message}"
+            assert elapsed < 6.0, f"the timeout of 2 s took {elapsed:.1f} s to fire"
+            return
+        raise AssertionError("stage 1 did not time out although stage 0 never sent")
+    finally:
+        c10d._set_pg_timeout(before)
+
+
+class HostReads:
+    """Counts the reads that make the host wait for the device (on CUDA): `.item()`,
+    `.tolist()`, `.cpu()`, `bool()`, `int()` and `float()` of a tensor, by kind, while entered."""
+
+    KINDS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def __enter__(self) -> HostReads:  # noqa: PYI034 - py3.10 has no typing.Self
+        self._original = {k: getattr(torch.Tensor, k) for k in self.KINDS}
+        for kind, method in self._original.items():
+            def counted(tensor, *args, _kind=kind, _method=method, **kwargs):
+                self.counts[_kind] = self.counts.get(_kind, 0) + 1
+                return _method(tensor, *args, **kwargs)
+            setattr(torch.Tensor, kind, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for kind, method in self._original.items():
+            setattr(torch.Tensor, kind, method)
+
+
+def host_reads(pp: int, dp: int) -> None:
+    """A 1F1B step after the first reads nothing from the device but the step's loss: the
+    activations' metadata travel only in the first step of a batch shape, the batch-shape key
+    goes over the host group, and dp buckets and tied weights reduce without host reads."""
+    ctx = merak.init(dp=dp, tp=1, pp=pp)
+    model, pieces = build("gpt")
+    stage = merak.PipelineStage(model, merak.manual_split(model, pieces, num_stages=pp),
+                                ctx.stage_id)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
+                                       NUM_MICROBATCHES, schedule="1f1b")
+    rows = NUM_MICROBATCHES * MICRO_BATCH_SIZE
+    batch = global_batch("gpt", 0, rows)
+    engine.train_step(batch)  # discovery and the metadata-carrying first step
+    for step in (1, 2):
+        with HostReads() as reads:
+            engine.train_step(global_batch("gpt", step, rows))
+        assert reads.counts == {"item": 1}, f"step {step}: host reads {reads.counts}"
 
 
 def context_positional_order() -> None:
@@ -180,6 +232,8 @@ def scenarios(world_size: int) -> dict:
             _, kind, pp, dp, schedule = name.split("-")
             table[name] = functools.partial(parity, kind, int(pp[2:]), int(dp[2:]), schedule)
     table["context-positional-order"] = context_positional_order
+    table["host-reads-pp2-dp1"] = functools.partial(host_reads, 2, 1)
+    table["host-reads-pp2-dp2"] = functools.partial(host_reads, 2, 2)
     return {n: table[n] for n in scenario_names(world_size)}
 
 
