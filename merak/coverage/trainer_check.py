@@ -66,9 +66,8 @@ def reference(family: str, out_dir: str) -> list[float]:
 
 
 def worker(families: list[str], out: Path) -> None:
-    import torch.distributed as dist
-
     import merak
+    from merak.distributed.host_objects import all_gather_objects
 
     for family in families:
         result: dict = {"family": family}
@@ -85,8 +84,7 @@ def worker(families: list[str], out: Path) -> None:
             result["loss"] = _losses(trainer)
         except Exception as error:  # a family's failure is its result
             result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
+        gathered = all_gather_objects(result)
         if ctx.rank == 0:
             failed = next((r for r in gathered if "error" in r), None)
             with open(out, "a") as f:

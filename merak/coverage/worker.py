@@ -22,9 +22,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from merak.coverage.checks import (compare, has_tp_plan, is_moe, parallel_step, reference,
-                                    split_in_process)
+from merak.coverage.checks import (
+    compare,
+    has_tp_plan,
+    is_moe,
+    parallel_step,
+    reference,
+    split_in_process,
+)
 from merak.coverage.shrink import TooLargeError, build_small
+from merak.distributed.host_objects import all_gather_objects
 
 
 class FamilyTimeout(Exception):
@@ -43,8 +50,7 @@ def _reason(error: BaseException) -> str:
 
 def _agree(ok: bool, reason: str) -> tuple[bool, str]:
     """Every rank's outcome of one check: it passed only if it passed everywhere."""
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (ok, reason))
+    outcomes = all_gather_objects((ok, reason))
     failed = [r for ok_r, r in outcomes if not ok_r]
     return (not failed), (failed[0] if failed else "")
 
@@ -119,7 +125,7 @@ def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float) 
         row["tp"] = NO_PLAN
     elif tp > 1:  # the user's path on every rank: parallelize + 1F1B interpreter
         def step():
-            loss, grads, stage = parallel_step(small, world // tp, tp, 1, timeout_s)
+            loss, grads, stage = parallel_step(small, world // tp, tp, 1)
             compare(loss, grads, stage, *refs[world // tp])
 
         ok, reason = _check("tp", step, timeout_s)

@@ -12,8 +12,7 @@ import json
 import urllib.error
 import urllib.request
 
-import torch.distributed as dist
-
+from merak.distributed.host_objects import all_gather_objects, broadcast_object
 from merak.energy.pfo_protocol import (
     GET_FREQUENCY_SCHEDULE_URL,
     REGISTER_JOB_URL,
@@ -79,8 +78,7 @@ def _on_every_rank(ctx, call):
         result = call()
     except PFOError as e:
         error = str(e)
-    errors = [None] * ctx.world_size
-    dist.all_gather_object(errors, error)
+    errors = all_gather_objects(error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         raise PFOError("; ".join(f"rank {rank}: {e}" for rank, e in failed))
@@ -91,9 +89,8 @@ def join_job(client: PFOClient, ctx, clocks: list[int], metadata: str | None = N
     """Register the job (rank 0) and every rank; returns the job id on every rank."""
     info = JobInfo(pp_degree=ctx.pp, dp_degree=ctx.dp, tp_degree=ctx.tp,
                    world_size=ctx.world_size, job_metadata=metadata)
-    shared = [_on_every_rank(ctx, lambda: client.register_job(info) if ctx.rank == 0 else None)]
-    dist.broadcast_object_list(shared, src=0)
-    job_id = shared[0]
+    job_id = broadcast_object(
+        _on_every_rank(ctx, lambda: client.register_job(info) if ctx.rank == 0 else None), src=0)
     _on_every_rank(ctx, lambda: client.register_rank(job_id, RankInfo(
         rank=ctx.rank, dp_rank=ctx.dp_rank, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank,
         available_frequencies=clocks)))
@@ -103,6 +100,4 @@ def join_job(client: PFOClient, ctx, clocks: list[int], metadata: str | None = N
 def fetch_schedules(client: PFOClient, job_id: str, ctx) -> list[dict]:
     """Every rank's schedule, on every rank (for `check_plan` to see the whole plan)."""
     mine = _on_every_rank(ctx, lambda: client.schedule(job_id, ctx.rank).model_dump())
-    schedules = [None] * ctx.world_size
-    dist.all_gather_object(schedules, mine)
-    return schedules
+    return all_gather_objects(mine)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from merak.distributed.host_objects import all_gather_objects
 from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.generation.stage_view import StageView
 
@@ -102,7 +102,7 @@ def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContex
              max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             seed: int = 0, timeout_s: float = 300.0, prefix: str = "") -> list[list[int]]:
+             seed: int = 0, prefix: str = "") -> list[list[int]]:
     """Generate from `prompts` with the pipelined model; call it on every rank.
 
     Args:
@@ -115,7 +115,8 @@ def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContex
         pad_token_id: left padding of shorter prompts (default: the model's pad, else eos,
             else 0); padded positions are masked out.
         seed: seeds sampling, identically on every rank of a pipeline.
-        timeout_s, prefix: as for `StageView`.
+        prefix: as for `StageView`. Every hidden-state wait ends after the process group's
+            timeout (`merak.init(timeout=)`).
 
     Returns:
         For each prompt in order, the new token ids (up to and including the first
@@ -142,13 +143,12 @@ def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContex
         if do_sample:
             options.update(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0)
         devices = [ctx.device] if ctx.device.type == "cuda" else []
-        with StageView(model, stage, ctx, timeout_s, prefix), \
+        with StageView(model, stage, ctx, prefix), \
                 torch.random.fork_rng(devices=devices, device_type=ctx.device.type):
             torch.manual_seed(seed)
             out = model.generate(input_ids=ids, attention_mask=mask, **options)
         rows = [new_tokens(row, eos) for row in out[:, ids.shape[1]:].cpu()]
     if ctx.dp == 1:
         return rows
-    shares: list = [None] * ctx.dp
-    dist.all_gather_object(shares, rows, group=ctx.dp_group)
+    shares = all_gather_objects(rows, ctx.host_group("dp"))
     return [row for share in shares for row in share]

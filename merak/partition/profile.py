@@ -87,7 +87,7 @@ def profile_blocks(model: nn.Module, blocks: list[str], example_inputs: dict,
     weights[-1] += glue * (1.0 - before)
     model.zero_grad(set_to_none=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        shared = [weights]
-        dist.broadcast_object_list(shared, src=0)
-        weights = shared[0]
+        from merak.distributed.host_objects import broadcast_object
+
+        weights = broadcast_object(weights, src=0)  # through host memory, not the GPU
     return weights

@@ -25,6 +25,7 @@ from transformers.trainer_utils import (
     denumpify_detensorize,
 )
 
+from merak.distributed.host_objects import broadcast_object
 from merak.trainer.data import EvalBatches
 
 
@@ -124,18 +125,25 @@ class EvaluationMixin:
 
     def _gather_from_last_stages(self, mine):
         """(logits, labels, ...) of a global batch, on every rank: each last-stage rank's share,
-        in dp order (tp ranks of a last stage hold the same values). The shares travel and
-        come back as CPU tensors (`all_gather_object` pickles them; on NCCL it stages the bytes
-        through the current CUDA device, so a CUDA tensor would unpickle onto the sender's
-        device index)."""
-        parts = [None] * self.ctx.world_size
+        in dp order (tp ranks of a last stage hold the same values: tp rank 0's travels).
+
+        The shares travel as CPU tensors through host memory, one share at a time from each
+        sender to every rank (`broadcast_object` over the host group): the result is needed on
+        the host (numpy for `compute_metrics`), and a rank holds one share in flight besides
+        it. (torch's `all_gather_object` staged world size times the largest share on every
+        rank's GPU under NCCL, a copy for each rank that has none.)"""
+        ctx = self.ctx
         if mine is not None:
             mine = tuple(t.detach().cpu() for t in mine)
-        if self.ctx.world_size > 1:
-            dist.all_gather_object(parts, mine if self.ctx.tp_rank == 0 else None)
-        else:
-            parts = [mine]
-        shares = [p for p in parts if p is not None]  # ranks are ordered by dp within a stage
+        if ctx.world_size == 1:
+            return [torch.cat(column) for column in zip(*[s for s in [mine] if s is not None])]
+        last = (self.engine.split.num_stages - 1) % ctx.pp  # the pipeline rank of the last stage
+        senders = [ctx.rank_of(pp_rank=last, dp_rank=d, tp_rank=0) for d in range(ctx.dp)]
+        if ctx.rank in senders and mine is None:
+            raise RuntimeError(f"rank {ctx.rank} runs the last stage but kept no outputs to "
+                               f"gather")
+        shares = [broadcast_object(mine if ctx.rank == src else None, src, ctx.host_group())
+                  for src in senders]
         return [torch.cat(column) for column in zip(*shares)]
 
 

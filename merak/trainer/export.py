@@ -14,12 +14,12 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
 from merak import lora
 from merak.data_parallel.shards import is_sharded, whole
+from merak.distributed.host_objects import receive_each
 from merak.trainer.checkpoint import MARKER, full_tensors
 
 
@@ -57,7 +57,13 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     """The whole model's parameters under their original names (`name_prefix` removed), on
     global rank 0 (None elsewhere); a collective. Each (pp, tp) rank of dp rank 0 sends its
     stage's parameters as CPU tensors; tensor-parallel shards are put back together
-    (`ShardSpec.assemble`)."""
+    (`ShardSpec.assemble`).
+
+    The shards travel through host memory over the job's host group (`ParallelContext.host_group`) and rank 0 takes
+    them one rank at a time (`receive_each`): besides the model it assembles, it holds one
+    rank's shard in flight. (torch's `gather_object` staged every rank's pickled shard on rank
+    0's GPU at once under NCCL; files in the output directory would need a file system shared
+    by every node.)"""
     mine = None
     params = list(stage.named_parameters())
     gather = any(is_sharded(p) for _, p in params)  # ZeRO-2/3: every dp rank takes part
@@ -65,22 +71,23 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     if ctx.dp_rank == 0:
         mine = [(name, getattr(p, "tp_shard", None), t.detach().cpu())
                 for (name, p), t in zip(params, tensors)]
-    parts = [None] * ctx.world_size if ctx.rank == 0 else None
-    if ctx.world_size > 1:
-        dist.gather_object(mine, parts, dst=0)
-    else:
-        parts = [mine]
-    if ctx.rank != 0:
-        return None
     shards: dict[str, dict] = {}
     specs = {}
-    for part in parts:
+
+    def take(_rank: int, part) -> None:
         for name, spec, tensor in part or ():
             specs.setdefault(name, spec)
             shards.setdefault(name, {})[spec.rank if spec is not None else 0] = tensor
+
+    if ctx.world_size > 1:
+        receive_each(mine, take, dst=0)
+    else:
+        take(0, mine)
+    if ctx.rank != 0:
+        return None
     out = {}
-    for name, pieces in shards.items():
-        spec = specs[name]
+    for name in list(shards):
+        pieces, spec = shards.pop(name), specs[name]  # each shard freed once assembled
         if spec is None:
             full = pieces[0]
         else:

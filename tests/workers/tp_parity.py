@@ -3,7 +3,8 @@ meta build -> apply_tensor_parallel -> auto_split -> materialize own stage -> 1f
 3 SGD steps; loss, every gradient (against this rank's slice of the full gradient) and the
 final parameters must match (see test_tensor_parallel). The 4- and 8-rank launches also run
 lora_parity.py's scenarios (LoRA through peft on TP layouts) and generation_parity.py's
-(pipelined generation against HF generate)."""
+(pipelined generation against HF generate); the 4-rank one host_objects.py's (objects between
+ranks through host memory)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
 from hf_models import CustomMLP, batch
 import generation_parity
+import host_objects
 import lora_parity
 from safetensors.torch import save_file, save_model
 from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES, tp_batch
@@ -48,8 +50,7 @@ def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None,
     snapshot = GradSnapshot(stage)
     grads = snapshot.grads
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot],
-                                       p2p_timeout_s=120)
+                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot])
     rows = ROWS * MICROBATCHES
     losses = []
     for step in range(STEPS):
@@ -275,6 +276,7 @@ SCENARIOS = {
 for _size in (4, 8):  # LoRA and generation on TP layouts, in the same launches
     SCENARIOS[_size].update(lora_parity.SCENARIOS[_size])
     SCENARIOS[_size].update(generation_parity.SCENARIOS[_size])
+SCENARIOS[4].update(host_objects.SCENARIOS[4])  # objects through host memory
 
 
 def scenario_names(world_size: int) -> list[str]:

@@ -161,7 +161,8 @@ def hf_api() -> None:
     """HF Trainer's API on a dp2 x tp2 x pp2 job: save_model (an HF directory gathered from the
     shards; test_trainer loads it and evaluates it with HF Trainer), save_state, metrics files,
     model card, and a partial last eval batch with preprocess_logits_for_metrics and
-    compute_metrics (also checked against HF Trainer there)."""
+    compute_metrics (also checked against HF Trainer there); neither the export nor the
+    evaluation calls a torch object collective (GPU staging under NCCL)."""
     import transformers as tf
     from trainer_common import dataset, token_accuracy
 
@@ -187,12 +188,16 @@ def hf_api() -> None:
                                  eval_dataset=dataset(21, 9), compute_metrics=token_accuracy,
                                  preprocess_logits_for_metrics=preprocess)
     trainer.train()
-    metrics = trainer.evaluate()
+    from host_objects import no_object_collectives
+
+    with no_object_collectives():  # predictions gathered through host memory
+        metrics = trainer.evaluate()
     # 21 rows, 3 per dp rank -> 2 micro-batches of 2 (one padded) -> 3 steps, the last partial
     assert metrics["eval_steps"] == 3, metrics
     if ctx.is_last_stage:
         assert shapes and all(s[-1] == model.config.vocab_size for s in shapes), shapes
-    trainer.save_model(str(out / "model"))
+    with no_object_collectives():  # the shards gathered one at a time through host memory
+        trainer.save_model(str(out / "model"))
     trainer.save_state()
     trainer.log_metrics("eval", metrics)
     trainer.save_metrics("eval", metrics)
