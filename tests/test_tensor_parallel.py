@@ -263,3 +263,45 @@ def test_a_shape_error_after_tp_names_the_module_and_style():
     assert explain_tp_failure(model, RuntimeError("CUDA out of memory")) is None
     assert explain_tp_failure(build(), caught.value) is None  # not tensor-parallel
     assert "use_cache" in _capture_hint(build(), "export", caught.value)
+
+
+class _FakeCudaGenerator:
+    """The current CUDA device's default generator, as torch.cuda's RNG functions see it."""
+
+    def __init__(self, monkeypatch):
+        self.state = torch.tensor([7], dtype=torch.uint8)
+        for name, fn in (("is_available", lambda: True), ("is_initialized", lambda: True),
+                         ("get_rng_state", lambda device="cuda": self.state.clone()),
+                         ("set_rng_state", self._set), ("manual_seed", self._seed),
+                         ("manual_seed_all", self._seed)):
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def _set(self, state, device="cuda"):
+        self.state = state.clone()
+
+    def _seed(self, seed):
+        self.state = torch.tensor([seed % 256], dtype=torch.uint8)
+
+
+def test_tp_rng_swaps_the_cuda_generator_too_on_shadowed_modules(monkeypatch):
+    """A TP region entered by a module on the meta device (generation shadows the layers other
+    stages hold) seeds this rank's stream into the CUDA generator as well: leaving must put
+    back both the CPU and the CUDA state, or pipeline ranks sample different tokens."""
+    from merak.tensor_parallel.rng import install_tp_rng
+
+    cuda = _FakeCudaGenerator(monkeypatch)
+    column, row = torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4, device="meta")
+    holder = torch.nn.Module()
+    install_tp_rng(holder, [column], [row], [], tp_rank=1, sequence_parallel=False)
+    torch.manual_seed(3)
+    cuda.state = torch.tensor([7], dtype=torch.uint8)
+    cpu_before = torch.get_rng_state()
+    seen = []
+    row.register_forward_pre_hook(lambda m, a: seen.append(cuda.state.clone()), prepend=True)
+    for _ in range(2):
+        row(column(torch.zeros(2, 4, device="meta")))
+        assert torch.equal(cuda.state, torch.tensor([7], dtype=torch.uint8))
+        assert torch.equal(torch.get_rng_state(), cpu_before)
+    own_seed = (3 + 2718 + 1) % 256
+    assert [s.item() for s in seen] == [own_seed, own_seed]  # inside: this rank's stream
+    assert holder.merak_tp_rng.own[1] is not None  # saved with it, resumed next time
