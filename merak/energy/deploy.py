@@ -3,7 +3,13 @@
 `ClockPlanHook` sets the GPU clock before each compute instruction (forward, backward,
 recompute, backward_input, backward_weight) from this rank's FrequencySchedule, checking the
 instruction name matches (as Zeus's client does) and that the step consumed the schedule exactly
-once. With a constant clock it is the measurement baseline.
+once: at each such boundary it synchronises the device, then sets the clock, so the work still
+queued (the previous instruction, communication in flight) finishes at the clock it was planned
+for.
+
+Without a schedule it only measures (the baseline): it sets no clock and adds no wait between
+instructions, so the measured run is the unmodified one (the GPU picks its own clocks); time and
+energy are read per step, after one synchronisation at each end of the step.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ from dataclasses import dataclass
 from merak.energy.gpu import GPUControl
 from merak.energy.plan_file import PlanError
 from merak.energy.profile_data import COMPUTE
-from merak.schedule.actions import Action
 from merak.runtime.hooks import InstructionHook
+from merak.schedule.actions import Action
 
 
 @dataclass
@@ -30,15 +36,14 @@ class ClockPlanHook(InstructionHook):
 
     Args:
         gpu: the `GPUControl` of this rank.
-        frequencies: this rank's schedule, in program order; None runs every instruction at
-            the highest clock (the baseline).
+        frequencies: this rank's schedule, in program order; None measures only (the
+            baseline: no clock set, no per-instruction synchronisation).
         pp_rank: this rank's pipeline rank (the simulated GPU times instructions by rank).
     """
 
     def __init__(self, gpu: GPUControl, frequencies: list[tuple[str, int]] | None,
                  pp_rank: int):
         self.gpu, self.frequencies, self.pp_rank = gpu, frequencies, pp_rank
-        self.max_clock = max(gpu.supported_clocks())
         self.steps: list[StepMeasurement] = []
         self.consumed: list[int] = []  # compute instructions each step ran (the plan's length)
         self._cursor = 0
@@ -46,12 +51,12 @@ class ClockPlanHook(InstructionHook):
 
     def on_step_begin(self, step: int) -> None:
         self._cursor = 0
+        self.gpu.synchronize()  # the step's window starts with an idle device
         self._start, self._energy = time.perf_counter(), self.gpu.energy_j()
 
     def on_instruction_begin(self, name: str, action: Action) -> None:
         if name not in COMPUTE:
             return
-        mhz = self.max_clock
         if self.frequencies is not None:
             if self._cursor >= len(self.frequencies):
                 raise PlanError(f"pipeline rank {self.pp_rank} runs more compute instructions "
@@ -60,8 +65,9 @@ class ClockPlanHook(InstructionHook):
             if planned != name:
                 raise PlanError(f"pipeline rank {self.pp_rank}: instruction {self._cursor} of "
                                 f"the step is {name} ({action}), the plan says {planned}")
+            self.gpu.synchronize()  # what is queued finishes at the clock planned for it
+            self.gpu.set_clock(mhz)
         self._cursor += 1
-        self.gpu.set_clock(mhz)
         self.gpu.instruction_begin(name, self.pp_rank)
 
     def on_instruction_end(self, name: str, action: Action) -> None:
@@ -73,5 +79,6 @@ class ClockPlanHook(InstructionHook):
             raise PlanError(f"pipeline rank {self.pp_rank} ran {self._cursor} compute "
                             f"instructions this step, its plan has {len(self.frequencies)}")
         self.consumed.append(self._cursor)
+        self.gpu.synchronize()  # the step's work, sends included, is in its window
         self.steps.append(StepMeasurement(step, time.perf_counter() - self._start,
                                           self.gpu.energy_j() - self._energy))

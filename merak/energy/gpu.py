@@ -1,7 +1,10 @@
 """GPU clock control behind one small interface: NVML for NVIDIA GPUs, a simulated GPU for CPU.
 
 `GPUControl` is all the profiler and the plan deployment need: the supported clocks, locking
-and unlocking the SM clock, and a cumulative energy counter in joules.
+and unlocking the SM clock, a cumulative energy counter in joules, and waiting for the device.
+Kernels run asynchronously to the host, so whoever reads the counter or changes the clock at an
+instruction boundary first calls `synchronize` (then reads, then sets: see
+`merak.energy.profiler`); the GPU itself never synchronises behind the caller's back.
 
 `SimulatedGPU` stands in for a GPU on CPU machines. Each compute instruction has a reference
 duration at the highest clock (`SyntheticGPUModel.reference_time`, by instruction kind and
@@ -38,6 +41,11 @@ class GPUControl(ABC):
     @abstractmethod
     def energy_j(self) -> float:
         """Energy drawn since an arbitrary origin, in joules."""
+
+    def synchronize(self) -> None:
+        """Wait until the work queued on this GPU (every stream: communication kernels too)
+        has finished, so the host clock and the energy counter cover it. Nothing to wait for
+        by default (the simulated GPU's work is done when `instruction_end` returns)."""
 
     # Instruction brackets: a real GPU needs none; the simulated one does its timing here.
     def instruction_begin(self, name: str, pp_rank: int) -> None:
@@ -231,16 +239,8 @@ class NVMLGPU(GPUControl):
     def energy_j(self) -> float:
         return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0  # mJ -> J
 
-    # kernels are asynchronous: the clock must change between instructions, not under them
-    def instruction_begin(self, name: str, pp_rank: int) -> None:
-        _synchronize()
+    def synchronize(self) -> None:
+        import torch
 
-    def instruction_end(self, name: str, pp_rank: int) -> None:
-        _synchronize()
-
-
-def _synchronize() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the current device: this rank's

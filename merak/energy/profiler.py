@@ -7,6 +7,15 @@ kind (a rank's model chunks alike); the time between them, when the rank is bloc
 communication, gives the p2p power.
 Profiling stops early once the mean instruction energy has risen for `patience` clocks in a row
 on every rank (lower clocks only get slower and costlier from there).
+
+At every boundary of a compute instruction the order is: synchronise the device, read the host
+clock and the energy counter, then (at a beginning) set the instruction's clock. Reading before
+the device is idle would leave the work still queued (the previous instruction's kernels, a
+communication in flight) in the wrong window; setting the clock before waiting would run that
+work at the new clock. Sends are posted by the interpreter and complete later on the
+communication stream (the runtime waits for them at a later group or at the step's end), so a
+send's own hook window covers its posting only; its transfer is measured here all the same,
+in the p2p window: the synchronisation that opens the next compute instruction waits for it.
 """
 
 from __future__ import annotations
@@ -18,10 +27,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from merak.distributed.host_objects import all_gather_objects
 from merak.energy.gpu import GPUControl
 from merak.energy.profile_data import COMPUTE, ProfileRow
-from merak.schedule.actions import Action
 from merak.runtime.hooks import InstructionHook
+from merak.schedule.actions import Action
 
 
 class ClockProfiler(InstructionHook):
@@ -38,22 +48,27 @@ class ClockProfiler(InstructionHook):
     def on_step_begin(self, step: int) -> None:
         self._idle_since = None
 
+    def _read(self) -> tuple[float, float]:
+        """The boundary: wait for the device, then read time and energy (see the module doc)."""
+        self.gpu.synchronize()
+        return time.perf_counter(), self.gpu.energy_j()
+
     def on_instruction_begin(self, name: str, action: Action) -> None:
         if name not in COMPUTE:
             return
-        self.gpu.set_clock(self.clock or max(self.gpu.supported_clocks()))
-        now, energy = time.perf_counter(), self.gpu.energy_j()
+        now, energy = self._read()
         if self._idle_since is not None and self.clock is not None:
             self.blocked[0] += now - self._idle_since[0]
             self.blocked[1] += energy - self._idle_since[1]
+        self.gpu.set_clock(self.clock or max(self.gpu.supported_clocks()))
         self.gpu.instruction_begin(name, self.pp_rank)
         self._begin, self._energy = now, energy
 
     def on_instruction_end(self, name: str, action: Action) -> None:
         if name not in COMPUTE:
             return
-        self.gpu.instruction_end(name, self.pp_rank)
-        now, energy = time.perf_counter(), self.gpu.energy_j()
+        self.gpu.instruction_end(name, self.pp_rank)  # the simulated GPU's work ends here
+        now, energy = self._read()
         if self.clock is not None:
             self.samples[(name, self.clock)].append((now - self._begin, energy - self._energy))
         self._idle_since = (now, energy)
@@ -100,6 +115,4 @@ def profile_clocks(step: Callable[[], None], profiler: ClockProfiler, ctx,
     rows = profiler.rows(ctx.rank, ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
     if ctx.world_size == 1:
         return rows
-    gathered: list[list[ProfileRow]] = [None] * ctx.world_size  # type: ignore[list-item]
-    dist.all_gather_object(gathered, rows)
-    return [row for part in gathered for row in part]
+    return [row for part in all_gather_objects(rows) for row in part]  # through host memory

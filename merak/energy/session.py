@@ -4,7 +4,8 @@
 `energy_profile`, `energy_plan`, `pfo_server_url`) before the interpreter, and `attach`ed to it
 once its schedule is final (after the recomputation planning), before the first step:
 
-- always: one `ClockPlanHook` per rank measures each step's time and GPU energy; the trainer
+- always: one `ClockPlanHook` per rank measures each step's time and GPU energy (without a plan
+  it changes no clock: the measured run is the unmodified one, the baseline); the trainer
   logs their means and rank 0 writes ``output_dir/energy_steps.csv`` (iteration time: the
   slowest rank; energy: every GPU), which `merak energy report` compares with a baseline;
 - `energy_profile`: `profile()` runs the clock profiler over training steps and writes its CSV;
@@ -34,14 +35,16 @@ from merak.schedule.registry import SCHEDULES, make_schedule
 STEPS_FILE = "energy_steps.csv"
 
 
-def make_gpu(kind: str, simulated: str | None, num_ranks: int, chunks: int = 1) -> GPUControl:
+def make_gpu(kind: str, simulated: str | None, num_ranks: int, chunks: int = 1,
+             control: bool = True) -> GPUControl:
     """The `energy_gpu` backend of this rank (`num_ranks` pipeline ranks, `chunks` model chunks
-    per rank: the simulated GPU's instruction times)."""
+    per rank: the simulated GPU's instruction times). Without `control` (measuring only) NVML
+    is not probed for clock locking, which needs root and changes the clock for a moment."""
     if kind == "nvml":
         if not torch.cuda.is_available():
             raise RuntimeError("energy_gpu='nvml' needs a CUDA GPU; on a CPU machine use "
                                "energy_gpu='simulated'")
-        return NVMLGPU(nvml_uuid(torch.cuda.current_device()))
+        return NVMLGPU(nvml_uuid(torch.cuda.current_device()), control=control)
     overrides = {}
     if simulated:
         try:
@@ -84,7 +87,9 @@ class TrainerEnergy:
         self.args, self.ctx = args, ctx
         info = SCHEDULES[args.train_schedule]
         chunks = args.num_model_chunks if info.several_stages_per_rank else 1
-        self.gpu = make_gpu(args.energy_gpu, args.simulated_gpu, ctx.pp, chunks)
+        # clocks change only to profile them or to follow a plan; else measuring changes none
+        self.controls = bool(args.energy_profile or args.energy_plan or args.pfo_server_url)
+        self.gpu = make_gpu(args.energy_gpu, args.simulated_gpu, ctx.pp, chunks, self.controls)
         self.schedule: Schedule | None = None  # the interpreter's, from `attach`
         self.source = "all-max"
         self.client = self.job_id = None
@@ -208,4 +213,5 @@ class TrainerEnergy:
         return path
 
     def close(self) -> None:
-        self.gpu.reset_clock()
+        if self.controls:
+            self.gpu.reset_clock()
