@@ -207,6 +207,12 @@ def test_every_merak_field_parses_from_the_command_line_and_has_help(capsys):
     ({"zero_stage": 2, "zero_reduce_bucket_size": 1000}, "the block is the bucket"),
     ({"zero_allow_untested_optimizer": True}, "only applies with zero_stage 2 or 3"),
     ({"zero_stage": 3, "zero_allgather_bucket_size": 10}, "the block is the bucket"),
+    # CUDA graphs (their replays reuse buffers live micro-batches and recomputation still need)
+    ({"torch_compile_mode": "reduce-overhead"},
+     r"torch_compile_mode='reduce-overhead' is not supported \(it captures CUDA graphs.*"
+     r"\['default', 'max-autotune-no-cudagraphs'\]"),
+    ({"torch_compile": True, "torch_compile_mode": "max-autotune"}, "captures CUDA graphs"),
+    ({"torch_compile_mode": "fast"}, "torch.compile has no such mode"),
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -277,7 +283,8 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "sequence_parallel", "sequence_dim", "eval_iters", "zero_stage",
            "prescale_gradients", "gradient_predivide_factor", "save", "finetune", "no_save_rng",
            "no_save_optim", "no_load_rng", "no_load_optim", "loss_scale",
-           "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+           "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+           "min_loss_scale",
            "energy_gpu", "simulated_gpu", "energy_profile", "energy_plan", "pfo_server_url",
            "activation_checkpointing", "checkpoint_num_layers", "activation_checkpoint_ratio",
            "activation_memory_budget", "tp_overlapping_level", "num_model_chunks", "tp_plan",
@@ -446,7 +453,7 @@ def test_neftune_noise_is_the_same_on_the_tp_ranks(two_ranks):
 
 
 def test_torch_compile_and_neftune_fields_take_hf_defaults():
-    args = MerakArguments(output_dir="out", torch_compile_mode="reduce-overhead")
+    args = MerakArguments(output_dir="out", torch_compile_mode="max-autotune-no-cudagraphs")
     assert args.torch_compile and args.torch_compile_backend == "inductor"
     args = MerakArguments(output_dir="out", torch_compile_backend="aot_eager")
     assert args.torch_compile and args.torch_compile_mode is None
@@ -620,35 +627,6 @@ def test_an_explicit_tp_plan_reaches_parallelize(monkeypatch):
         assert seen["tp_plan"] is args.tp_plan
     finally:
         set_default_tp_plan(None)
-
-
-def test_loss_scaler_window_static_scale_and_floor():
-    from types import SimpleNamespace
-
-    import torch
-
-    from merak.trainer.loss_scale import LossScaler
-
-    param = torch.nn.Parameter(torch.zeros(2))
-    engine = SimpleNamespace(stage=SimpleNamespace(parameters=lambda: [param]))
-    ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
-
-    def step(scaler, value):
-        param.grad = torch.full((2,), value * scaler.scale)
-        scaler.on_instruction_begin("optimizer_step", None)
-        return engine.skip_optimizer_step
-
-    dynamic = LossScaler(engine, ctx, initial_scale_power=2, window=2, hysteresis=2,
-                         min_scale=2.0)
-    assert not step(dynamic, 1.0) and torch.equal(param.grad, torch.ones(2))  # unscaled
-    assert not step(dynamic, 1.0) and dynamic.scale == 8.0  # 2 clean steps: doubled
-    assert step(dynamic, float("inf")) and dynamic.scale == 8.0  # hysteresis 2: kept once
-    assert step(dynamic, float("inf")) and dynamic.scale == 4.0
-    for _ in range(4):
-        step(dynamic, float("nan"))
-    assert dynamic.scale == 2.0 and dynamic.skipped_steps == 6  # never below min_loss_scale
-    static = LossScaler(engine, ctx, static_scale=128.0)
-    assert step(static, float("inf")) and static.scale == 128.0 and engine.loss_scale == 128.0
 
 
 def test_checkpoint_flags_without_optimizer_or_rng(tmp_path):

@@ -202,17 +202,28 @@ class _Bucket:
     def attach(self) -> None:
         """Each gradient a view of the buffer, keeping its value: a missing gradient (the
         optimizer dropped it, or the parameter was not reached) counts as zeros, one held
-        elsewhere (set by hand) is copied in."""
+        elsewhere (set by hand) is copied in.
+
+        At a step's start no gradient is a view yet (the optimizer dropped them all), so the
+        whole buffer is zeroed with one kernel rather than one per parameter; only when some
+        views already hold this step's values (a gradient replaced after `begin_step`) are
+        the missing ones zeroed one by one."""
         if self.buffer is None:
             p = self.params[0]
             self.buffer = torch.empty(self.numel, dtype=p.dtype, device=p.device)
-        for p, view in zip(self.params, self.views()):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                view.copy_(p.grad)
-            else:
+        views = self.views()
+        attached = [p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+                    and p.grad.shape == view.shape for p, view in zip(self.params, views)]
+        whole = not any(attached) and any(p.grad is None for p in self.params)
+        if whole:
+            self.buffer.zero_()
+        for p, view, done in zip(self.params, views, attached):
+            if done:
                 continue
+            if p.grad is not None:
+                view.copy_(p.grad)
+            elif not whole:
+                view.zero_()
             p.grad = view
 
     def ready(self) -> bool:

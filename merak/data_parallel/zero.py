@@ -4,8 +4,12 @@ dimension of the job's mesh).
 What is sharded: each block of a stage (the split's repeated layers) is one FSDP unit, one
 all-gather and one reduce-scatter; the stage itself is the root unit holding the rest
 (embeddings, final norm, head). Under tensor parallelism a parameter is already this tp rank's
-shard: FSDP shards that over the dp ranks. Parameters stay fp32 (the master copy); mixed
-precision is the interpreter's autocast, as without ZeRO.
+shard: FSDP shards that over the dp ranks. The shards stay fp32 (the master copy the optimizer
+steps). Under bf16 the all-gather casts them to bf16 first (FSDP2's `MixedPrecisionPolicy`:
+param_dtype bf16, reduce_dtype fp32): the forward's autocast would round every matmul weight to
+bf16 anyway, so gathering fp32 moved twice the bytes for nothing; gradients accumulate over the
+micro-batches and are reduce-scattered in fp32, so the sum over dp loses nothing. fp32 and fp16
+(whose loss-scaled gradients the fp16 scaler checks) gather the fp32 shards as they are.
 
 When gradients travel: once per step. Every micro-batch's backward runs with FSDP's gradient
 sync off, so each unit's unsharded gradient accumulates locally (FSDP's ``no_sync``). The
@@ -39,7 +43,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
@@ -68,13 +72,16 @@ class ZeroSharding:
         stage: this rank's stage, or its model chunks (`InterleavedStage`).
         ctx: the parallel context (its mesh's ``dp`` dimension is what is sharded over).
         zero_stage: 2 or 3.
+        param_dtype: the dtype parameters are gathered in for compute (torch.bfloat16 when
+            training in bf16); None gathers the fp32 shards as they are.
     """
 
     def __init__(self, stage: PipelineStage | InterleavedStage, ctx: ParallelContext,
-                 zero_stage: int):
+                 zero_stage: int, param_dtype: torch.dtype | None = None):
         if zero_stage not in (2, 3):
             raise ValueError(f"ZeroSharding is ZeRO-2 or ZeRO-3, got zero_stage={zero_stage}")
         self.zero_stage, self.ctx = zero_stage, ctx
+        policy = precision_policy(param_dtype)
         chunks = stage.stages if isinstance(stage, InterleavedStage) else [stage]
         attributes = _merak_attributes(stage)
         mesh = ctx.mesh["dp"]
@@ -84,8 +91,9 @@ class ZeroSharding:
             for name in block_names(chunk.split, chunk.stage_id):
                 block = chunk.get_submodule(name)
                 if any(p.requires_grad for p in block.parameters()):
-                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard)
+                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
+                                mp_policy=policy)
+            fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
             self.roots.append(chunk)
         _restore_attributes(stage, attributes)
         self._accumulate()
@@ -156,14 +164,25 @@ class ZeroSharding:
             self.reshard()
 
 
+def precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for ZeRO-2/3: gather in `param_dtype` and reduce-scatter in
+    fp32 (gradients accumulate over the micro-batches in fp32 too); None keeps the parameters'
+    own dtype throughout (FSDP2's default policy)."""
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
 def shard_stage(stage: PipelineStage | InterleavedStage, ctx: ParallelContext,
-                zero_stage: int) -> ZeroSharding | None:
-    """ZeRO-2/3 for `stage`, or None with a warning where there is nothing to shard over."""
+                zero_stage: int, param_dtype: torch.dtype | None = None
+                ) -> ZeroSharding | None:
+    """ZeRO-2/3 for `stage` (`param_dtype`: see `ZeroSharding`), or None with a warning where
+    there is nothing to shard over."""
     if ctx.dp == 1:
         warnings.warn(f"zero_stage={zero_stage} with dp=1 shards nothing (ZeRO shards over the "
                       f"data-parallel ranks); training runs unsharded", stacklevel=2)
         return None
-    return ZeroSharding(stage, ctx, zero_stage)
+    return ZeroSharding(stage, ctx, zero_stage, param_dtype)
 
 
 def _merak_attributes(stage: nn.Module) -> dict[str, dict]:

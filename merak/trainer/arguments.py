@@ -19,6 +19,7 @@ from merak.partition import assign
 from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
 from merak.schedule.registry import SCHEDULES
 from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
+from merak.trainer.compile import check_compile_mode
 from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 from merak.trainer.job import JobView
 
@@ -157,12 +158,15 @@ class MerakArguments(JobView, TrainingArguments):
         "do not load optimizer state"))
     # ---- mixed precision (fp16 loss scaling)
     loss_scale: float = field(default=0.0, metadata=_help("fp16", "fp16 static scale; 0 = dynamic"))
-    initial_scale_power: int = field(default=32, metadata=_help("fp16",
-        "dynamic scale starts at 2^this"))
+    initial_scale_power: int = field(default=16, metadata=_help("fp16",
+        "dynamic scale starts at 2^this (DeepSpeed's default 16: GradScaler's 65536)"))
     loss_scale_window: int = field(default=1000, metadata=_help("fp16",
         "steps without overflow before the scale grows"))
     hysteresis: int = field(default=2, metadata=_help("fp16",
-        "overflows tolerated before lowering"))
+        "overflows absorbed before the first halving; once used up, every overflow halves "
+        "until the scale grows again"))
+    consecutive_hysteresis: bool = field(default=False, metadata=_help("fp16",
+        "restore the hysteresis allowance on every step without overflow"))
     min_loss_scale: float = field(default=1.0, metadata=_help("fp16", "lowest dynamic scale"))
     # ---- evaluation and generation
     eval_iters: int | None = field(default=None, metadata=_help("evaluation",
@@ -206,6 +210,7 @@ class MerakArguments(JobView, TrainingArguments):
         self._check_choices()
         self._check_buckets_and_scaler()
         self._check_inherited()
+        check_compile_mode(self.torch_compile_mode)
         if self.temperature < 0:
             raise ValueError(f"MerakArguments.temperature must be >= 0 (0: greedy decoding), "
                              f"got {self.temperature}")
@@ -360,7 +365,7 @@ class MerakArguments(JobView, TrainingArguments):
                 f"({_default(gather)})")
         if not self.fp16:
             for name in ("loss_scale", "initial_scale_power", "loss_scale_window",
-                         "hysteresis", "min_loss_scale"):
+                         "hysteresis", "consecutive_hysteresis", "min_loss_scale"):
                 if getattr(self, name) != _default(own[name]):
                     raise ValueError(f"MerakArguments.{name} only applies with fp16=True")
         if self.fp16 and self.bf16:

@@ -21,6 +21,27 @@ from torch import nn
 from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
 
 
+# torch.compile modes a pipeline stage can take. "reduce-overhead" and "max-autotune" capture
+# CUDA graphs, which replay from static buffers: a stage keeps several micro-batches' forwards
+# alive at once (1F1B, GPipe) and recomputation reruns a block's forward, so a later replay
+# would overwrite the outputs an earlier micro-batch still needs for its backward.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_compile_mode(mode: str | None) -> None:
+    """Refuse a `torch_compile_mode` a pipeline stage cannot run (see `COMPILE_MODES`), when
+    the arguments are made: before any process group or model is built."""
+    if mode is None or mode in COMPILE_MODES:
+        return
+    why = ("it captures CUDA graphs, whose replays reuse static output buffers: several live "
+           "micro-batches (1F1B, GPipe) and recomputation's reruns of a block would overwrite "
+           "outputs a pending backward still needs" if mode in CUDA_GRAPH_MODES
+           else "torch.compile has no such mode")
+    raise ValueError(f"MerakArguments.torch_compile_mode={mode!r} is not supported ({why}); "
+                     f"use one of {list(COMPILE_MODES)}")
+
+
 def compile_blocks(stage: PipelineStage | InterleavedStage, backend: str | None = "inductor",
                    mode: str | None = None) -> list[str]:
     """Compile the forward of every block of this rank's stage(s); returns the blocks' names.

@@ -10,6 +10,8 @@ different part of.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -44,16 +46,45 @@ class GradNormClipper(InstructionHook):
     def on_instruction_begin(self, name: str, action) -> None:
         if name != "optimizer_step":
             return
-        total = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for param, weight in self.weighted:
-            if param.grad is not None:
-                total += local(param.grad).detach().double().pow(2).sum() * weight
+        total = self.local_sum_of_squares()
         if self.ctx.world_size > 1:
             dist.all_reduce(total)
         norm = (total / self.ctx.dp).sqrt().item()
         self.last_norm = norm
         if self.max_norm > 0:
             coef = min(1.0, self.max_norm / (norm + 1e-6))
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for param, _ in self.weighted:
                 if param.grad is not None:
-                    local(param.grad).mul_(coef)
+                    grad = local(param.grad)
+                    groups.setdefault((grad.device, grad.dtype), []).append(grad)
+            for grads in groups.values():
+                torch._foreach_mul_(grads, coef)
+
+    @torch.no_grad()
+    def local_sum_of_squares(self) -> torch.Tensor:
+        """This rank's weighted sum of squared gradients, a one-element fp64 tensor on the
+        context's device (what is all-reduced). A ZeRO-2/3 gradient counts its local shard.
+
+        A fixed number of kernels per (device, dtype) group, whatever the number of parameters
+        (`clip_grad_norm_`'s approach): one `torch._foreach_norm` of the group (in fp32 for
+        bf16/fp16 gradients, so no per-tensor norm is rounded to 8 bits), its norms scaled by
+        sqrt(weight) with a scalar list (no host-to-device copy), then squared and summed in
+        fp64. Copying every gradient to fp64 first took several kernels and a full-size copy
+        per parameter."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
+        for param, weight in self.weighted:
+            if param.grad is None:
+                continue
+            grad = local(param.grad)
+            if grad.numel():  # an empty ZeRO shard adds nothing
+                grads, roots = groups.setdefault((grad.device, grad.dtype), ([], []))
+                grads.append(grad)
+                roots.append(math.sqrt(weight))
+        total = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        for (_, dtype), (grads, roots) in groups.items():
+            wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+            norms = torch._foreach_mul(torch._foreach_norm(grads, 2.0, dtype=wide), roots)
+            squares = torch.stack(norms).double().square().sum()
+            total += squares.to(total.device)
+        return total

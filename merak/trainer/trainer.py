@@ -135,8 +135,9 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             no_tie_modules=args.no_tie_modules)
         if args.torch_compile:  # before the interpreter wraps the blocks for recomputation
             compile_blocks(self.stage, args.torch_compile_backend, args.torch_compile_mode)
-        self.zero = shard_stage(self.stage, self.ctx, args.zero_stage) \
-            if args.zero_stage >= 2 else None  # before anything holds the parameters
+        self.zero = shard_stage(  # before anything holds the parameters
+            self.stage, self.ctx, args.zero_stage,
+            param_dtype=torch.bfloat16 if args.bf16 else None) if args.zero_stage >= 2 else None
         self.model = self.model_wrapped = self.stage
         self.clipper = GradNormClipper(self.stage, self.ctx, args.max_grad_norm or 0.0)
         self.timers = WallClockBreakdown(self.ctx.device) if args.wall_clock_breakdown else None
@@ -177,7 +178,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             self.scaler = LossScaler(
                 self.engine, self.ctx, static_scale=args.loss_scale,
                 initial_scale_power=args.initial_scale_power, window=args.loss_scale_window,
-                hysteresis=args.hysteresis, min_scale=args.min_loss_scale)
+                hysteresis=args.hysteresis, consecutive_hysteresis=args.consecutive_hysteresis,
+                min_scale=args.min_loss_scale)
             self.engine.hooks.insert(self.engine.hooks.index(self.clipper), self.scaler)
 
     def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
