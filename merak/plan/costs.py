@@ -72,59 +72,91 @@ def analytic_costs(shape: ModelShape, cluster: Cluster, rows: int, seq: int,
 def measure_costs(config, rows: int, seq: int, device, dtype=None, repeats: int = 5,
                   extra_blocks: int = 2, together: Callable[[], None] | None = None
                   ) -> BlockCosts:
-    """Measured on `device`: the HF model `config` builds, with one decoder block and with
-    ``1 + extra_blocks``; their difference over `extra_blocks` is one block (forward time,
-    backward time, bytes its forward keeps for backward, by the activation meter; more than one
-    block in the difference steadies a small block's times), the one-block model less one block
-    is the rest (embedding, head, loss); the larger model's AdamW step over its parameters
-    gives the optimizer's cost per parameter.
+    """Measured on `device` from three probes of the HF model `config` builds:
 
-    The two models' samples alternate, and each figure is the median of `repeats` samples of
-    about `MIN_SAMPLE_S`: both models then see the same conditions (a shared host's other work,
-    clock changes), which a difference of two small times is sensitive to. `together` runs
-    before every sample (a barrier: every rank of a job then runs the same work at once,
-    contending as in training)."""
+    - the decoder alone (no embedding, head or loss: fed hidden states, its output summed) with
+      one block and with ``1 + extra_blocks``: their difference over `extra_blocks` is one
+      block (forward time, backward time, bytes its forward keeps for backward, by the
+      activation meter; more than one block in the difference steadies a small block's
+      times); the larger one's AdamW step over the parameters it trains gives the optimizer's
+      cost per parameter;
+    - the whole one-block causal LM: less one block, it is the rest (embedding, final norm,
+      head, loss).
+
+    Probes run one at a time, each freed (weights, gradients, optimizer state, outputs) before
+    the next is built: a 70B model's three-block probe with AdamW needs about 40 GB alone. The
+    head's full-vocabulary logits (the largest activation of a small model) live only in the
+    third probe, where they are what is measured; the decoder probes never compute them (their
+    difference would cancel them anyway). The price: the probes' samples no longer alternate,
+    so a change of conditions (a shared host's other work, clocks) between two probes shows in
+    the difference; each figure is the median of `repeats` samples of about `MIN_SAMPLE_S`.
+    `together` runs before every sample (a barrier: every rank of a job then runs the same
+    work at once, contending as in training)."""
     import torch
 
-    probes = [_Probe(config, n, rows, seq, device, dtype) for n in (1, 1 + extra_blocks)]
-    times = {}
-    for phase in ("forward", "forward_backward", "step"):
-        runs = [getattr(probe, phase) for probe in probes]
-        times[phase] = _alternating(device, runs, repeats, together)
-    one, more = ([f, max(fb - f, 0.0), probe.kept()] for f, fb, probe in
-                 zip(times["forward"], times["forward_backward"], probes))
-    step_per_param = times["step"][1] / probes[1].params
-    del probes
+    one = _measured(_Probe(config, 1, rows, seq, device, dtype), repeats, together)
+    more = _measured(_Probe(config, 1 + extra_blocks, rows, seq, device, dtype), repeats,
+                     together, step=True)
+    whole = _measured(_Probe(config, 1, rows, seq, device, dtype, with_head=True), repeats,
+                      together)
     block = [max(b - a, 0.0) / extra_blocks for a, b in zip(one, more)]
-    head = [max(a - b, 0.0) for a, b in zip(one, block)]
+    head = [max(a - b, 0.0) for a, b in zip(whole, block)]
     element = torch.finfo(dtype).bits // 8 if dtype is not None else 4
     shape = ModelShape.from_config(config)
     return BlockCosts(rows, seq, block[0], block[1], block[2],
                       shape.boundary_bytes(rows, seq, element), head[0], head[1], head[2],
-                      element, step_per_param)
+                      element, more[3])
+
+
+def _measured(probe: _Probe, repeats: int, together: Callable[[], None] | None,
+              step: bool = False) -> list[float]:
+    """[forward s, backward s, bytes kept, optimizer step s per parameter (with `step`, else
+    0)] of `probe`, which is freed before this returns (`_Probe.close`)."""
+    try:
+        forward = _median(probe.device, probe.forward, repeats, together)
+        both = _median(probe.device, probe.forward_backward, repeats, together)
+        kept = probe.kept()
+        per_param = 0.0
+        if step:
+            probe.add_optimizer()
+            per_param = _median(probe.device, probe.step, repeats, together) / probe.trained()
+        return [forward, max(both - forward, 0.0), kept, per_param]
+    finally:
+        probe.close()
 
 
 class _Probe:
-    """`config` cut to `layers` blocks, with what `measure_costs` times."""
+    """`config` cut to `layers` blocks, with what `measure_costs` times: the decoder alone fed
+    hidden states (requiring gradients, as a pipeline stage's input does), or `with_head` the
+    whole causal LM on token ids with its loss."""
 
-    def __init__(self, config, layers: int, rows: int, seq: int, device, dtype):
+    def __init__(self, config, layers: int, rows: int, seq: int, device, dtype,
+                 with_head: bool = False):
         import torch
         from transformers import AutoModelForCausalLM
 
         cut = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": layers,
                                           "use_cache": False})
         torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_config(cut).to(device).train()
-        self.ids = torch.randint(0, cut.vocab_size, (rows, seq), device=device)
-        self.device, self.dtype = device, dtype
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.params = sum(p.numel() for p in self.model.parameters())
+        model = AutoModelForCausalLM.from_config(cut)  # built on the host, moved without head
+        self.model = (model if with_head else model.base_model).to(device).train()
+        del model
+        self.with_head, self.device, self.dtype = with_head, device, dtype
+        self.optimizer = None
+        if with_head:
+            self.inputs = {"input_ids": torch.randint(0, cut.vocab_size, (rows, seq),
+                                                      device=device)}
+            self.inputs["labels"] = self.inputs["input_ids"]
+        else:
+            hidden = torch.randn(rows, seq, cut.hidden_size, device=device) * 0.02
+            self.inputs = {"inputs_embeds": hidden.requires_grad_()}
 
     def loss(self):
         import torch
 
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-            return self.model(input_ids=self.ids, labels=self.ids).loss
+            out = self.model(**self.inputs)
+            return out.loss if self.with_head else out[0].sum()
 
     def forward(self) -> None:
         self.loss()
@@ -132,8 +164,18 @@ class _Probe:
     def forward_backward(self) -> None:
         self.loss().backward()
 
+    def add_optimizer(self) -> None:
+        import torch
+
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
     def step(self) -> None:
         self.optimizer.step()
+
+    def trained(self) -> int:
+        """Parameters the optimizer steps: those with gradients (the decoder's unused
+        embedding has none, so AdamW skips it)."""
+        return sum(p.numel() for p in self.model.parameters() if p.grad is not None)
 
     def kept(self) -> float:
         """Bytes the forward keeps for backward (the activation meter)."""
@@ -145,20 +187,31 @@ class _Probe:
         del loss
         return float(meter.peak)
 
+    def close(self) -> None:
+        """Free the model, its gradients, the optimizer's state and the inputs now (and the
+        device's cached blocks), not when the last reference happens to go: the next probe
+        is built right after."""
+        import gc
 
-def _alternating(device, runs: list[Callable[[], None]], repeats: int,
-                 together: Callable[[], None] | None) -> list[float]:
-    """Seconds of one call of each of `runs`: the median of `repeats` samples, the runs'
-    samples alternating, each sample repeating its run for about `MIN_SAMPLE_S` (a run far
-    shorter than the OS's time slice can catch a moment with a core to itself, which ranks
-    sharing cores do not have while they train)."""
+        import torch
+
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        self.model.zero_grad(set_to_none=True)
+        self.model = self.optimizer = self.inputs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _median(device, run: Callable[[], None], repeats: int,
+            together: Callable[[], None] | None) -> float:
+    """Seconds of one call of `run`: the median of `repeats` samples, each repeating `run` for
+    about `MIN_SAMPLE_S` (a run far shorter than the OS's time slice can catch a moment with a
+    core to itself, which ranks sharing cores do not have while they train)."""
     # a warm-up call, which also sizes the samples
-    inner = [max(1, math.ceil(MIN_SAMPLE_S / max(_timed(device, run), 1e-9))) for run in runs]
-    samples: list[list[float]] = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, count, found in zip(runs, inner, samples):
-            found.append(_timed(device, run, count, together))
-    return [statistics.median(found) for found in samples]
+    inner = max(1, math.ceil(MIN_SAMPLE_S / max(_timed(device, run), 1e-9)))
+    return statistics.median(_timed(device, run, inner, together) for _ in range(repeats))
 
 
 def fastest(device, run, repeats: int, together: Callable[[], None] | None = None) -> float:

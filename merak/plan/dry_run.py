@@ -5,9 +5,17 @@ ZeRO-2/3, `ZeroRedundancyOptimizer` for ZeRO-1, the `PipelineInterpreter` with t
 schedule and recomputation), on random token windows. Every rank of the job takes part (a
 collective); each returns the slowest rank's step time and the fullest rank's memory.
 
-Memory: on CUDA the allocator's peak; on CPU, where the allocator keeps no statistics, the
-bytes of the rank's model states (weights, gradients, optimizer state, counted from the live
-tensors after the steps) plus the activation meter's peak (what the step kept for backward).
+Memory: on CUDA the device memory the steps took (`device_peak_bytes`: the caching allocator's
+peak reservation plus what the device holds outside it, NCCL communicators and the CUDA
+context among them: a candidate whose tensors fit can still run out of memory there); on CPU,
+where the allocator keeps no statistics, the bytes of the rank's model states (weights,
+gradients, optimizer state, counted from the live tensors after the steps) plus the activation
+meter's peak (what the step kept for backward).
+
+A dry run leaves no process group behind: the mesh its `merak.init` builds and the tied-weight
+groups are destroyed when it ends (`transient_process_groups`), and the default context is the
+caller's again; otherwise each candidate's communicators would stay on the GPU, outside the
+allocator, and the later candidates would be judged in less memory than training has.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch.distributed as dist
 
 import merak
 from merak.data_parallel.shards import local
+from merak.distributed.teardown import transient_process_groups
 from merak.plan.costs import fastest
 from merak.plan.predict import Candidate
 from merak.trainer.model_setup import local_optimizer, zero1
@@ -40,12 +49,24 @@ def _state_bytes(stage: torch.nn.Module, optimizer) -> int:
     return total
 
 
+def device_peak_bytes(device: torch.device) -> float:
+    """The most CUDA memory this process took since the peak statistics were reset: the
+    caching allocator's peak reservation (allocations, their fragmentation and the cache)
+    plus the device's used memory outside the allocator now (``mem_get_info``'s used less the
+    allocator's reservation: the CUDA context, NCCL's communicators and buffers, library
+    workspaces, all made by the first steps and alive at the end). Another process's memory
+    on the same GPU counts too: it is not this rank's to use either."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(total - free - torch.cuda.memory_reserved(device), 0)
+    return float(torch.cuda.max_memory_reserved(device) + outside)
+
+
 @dataclass(frozen=True)
 class Measured:
     """A dry run's figures, each the highest over the ranks."""
 
     step_s: float
-    peak_bytes: float
+    peak_bytes: float        # CUDA: `device_peak_bytes`; CPU: states + activations
     state_bytes: float       # weights, gradients, optimizer state
     activation_bytes: float  # the peak of what the step kept for backward (CUDA: the rest)
 
@@ -54,15 +75,27 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
             recompute_ratios: list[float] | None = None,
             dtype: torch.dtype | None = None, parallel_vocab: bool = False) -> Measured:
     """The figures of `candidate` training the HF causal LM `config` describes, timed after
-    one warm-up step."""
-    from transformers import AutoModelForCausalLM
-
-    from merak.data_parallel.zero import shard_stage
-
+    one warm-up step. The process groups it made are destroyed and the caller's default
+    context is restored before it returns."""
     c = candidate
     if c.recompute == "budget" and recompute_ratios is None:
         raise ValueError(f"{c.label}: a budget recomputation needs its per-stage ratios "
                          f"(the prediction's recompute_ratios)")
+    with transient_process_groups():
+        figures = _run(c, config, seq, steps, recompute_ratios, dtype, parallel_vocab)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return Measured(*figures)
+
+
+def _run(c: Candidate, config, seq: int, steps: int, recompute_ratios: list[float] | None,
+         dtype: torch.dtype | None, parallel_vocab: bool) -> list[float]:
+    """`dry_run`'s figures, with everything the steps made freed before it returns but the
+    process groups (the caller destroys those)."""
+    from transformers import AutoModelForCausalLM
+
+    from merak.data_parallel.zero import shard_stage
+
     ctx = merak.init(dp=c.dp, tp=c.tp, pp=c.pp)
     torch.manual_seed(0)
     with merak.init_empty_weights():
@@ -78,10 +111,10 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
         optimizer = zero1(optimizer, ctx)
     ratios = recompute_ratios if recompute_ratios is not None else \
         (1.0 if c.recompute == "full" else 0.0)
+    cuda = ctx.device.type == "cuda"
     engine = merak.PipelineInterpreter(stage, ctx, optimizer, c.microbatches,
                                        schedule=c.schedule, recompute_ratio=ratios, zero=zero,
-                                       autocast_dtype=dtype,
-                                       measure_activations=ctx.device.type != "cuda")
+                                       autocast_dtype=dtype, measure_activations=not cuda)
     generator = torch.Generator().manual_seed(ctx.dp_rank)
     rows_per_step = rows * c.microbatches
 
@@ -89,23 +122,22 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
         ids = torch.randint(0, config.vocab_size, (rows_per_step, seq), generator=generator)
         return {"input_ids": ids, "labels": ids} if engine.batch_keys else None
 
-    if ctx.device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     step_s = fastest(ctx.device, lambda: engine.train_step(batch()), steps,  # + a warm-up
                      dist.barrier)
-    allocated = float(torch.cuda.max_memory_allocated()) if ctx.device.type == "cuda" else 0.0
+    allocated = float(torch.cuda.max_memory_allocated(ctx.device)) if cuda else 0.0
+    device_peak = device_peak_bytes(ctx.device) if cuda else 0.0
     for param in stage.parameters():  # count the gradients as a step holds them
         if param.grad is None and param.requires_grad:
             param.grad = torch.zeros_like(param)
     states = float(_state_bytes(stage, optimizer))
     activations = allocated - states if allocated else float(engine.activation_peak or 0)
-    peak = states + activations
+    peak = device_peak if cuda else states + activations
     figures = torch.tensor([step_s, peak, states, activations], dtype=torch.float64,
                            device=ctx.device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     engine.remove_recomputation()
-    del engine, optimizer, stage, model, zero
+    engine = optimizer = stage = model = zero = None  # (freed before the groups go)
     gc.collect()
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return Measured(*figures.tolist())
+    return figures.tolist()

@@ -6,6 +6,11 @@ power), and the ranks' mean is used; the links are measured by all (`measure_lin
 `dry_runs` predicted candidates (distinct layouts and schedules first) then run a few real
 steps each (`dry_run`); the fastest measured within the memory limit wins, and the table shows
 predicted against measured figures.
+
+Memory: a dry run's figure on CUDA includes what the device holds outside the caching allocator
+(`dry_run.device_peak_bytes`), and each dry run destroys the process groups it made, as does
+the plan itself at its end (`transient_process_groups`): no candidate's communicators stay on
+the GPU while the next is judged.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import merak
+from merak.distributed.teardown import transient_process_groups
 from merak.plan.cluster import measure_links
 from merak.plan.costs import BlockCosts, measure_costs
 from merak.plan.dry_run import dry_run
@@ -75,8 +81,37 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
     """The plan for `config` on this job (every rank calls it; every rank gets the plan);
     `parallel_vocab` as the job will build its TP model; `sequence_parallel`: the settings
     to try where tp > 1 (default: `sequence_parallel_choices` of the config)."""
-    ctx = merak.init()  # every rank data-parallel while measuring
     start = time.perf_counter()
+    with transient_process_groups():  # (the measuring layout's groups too)
+        plan, best, memory = _plan_and_dry_run(config, global_batch, seq, memory_bytes,
+                                               micro_batch_sizes, dry_runs, steps, dtype,
+                                               parallel_vocab, sequence_parallel)
+    if best is None:
+        label = min(plan.measured_memory, key=plan.measured_memory.get)
+        raise ValueError(f"every dry run went over the memory limit of {memory / 2**30:.3g} "
+                         f"GiB per rank; the least was {plan.measured_memory[label] / 2**30:.3g} "
+                         f"GiB ({label}): raise the limit, or use more ranks or a smaller "
+                         f"global batch")
+    plan.chosen = best.candidate
+    first = plan.ranked[0].candidate
+    plan.why = (f"{best.candidate.label}: the fastest of {len(plan.measured)} dry runs, "
+                f"{plan.measured[best.candidate.label]:.4g} s per step "
+                f"(predicted {best.step_s:.4g} s)"
+                + ("" if best.candidate == first else
+                   f"; the predicted best, {first.label}, measured "
+                   f"{plan.measured.get(first.label, float('nan')):.4g} s") + "\n" + plan.why)
+    merak.init()  # the default layout again
+    plan.search_s = time.perf_counter() - start
+    return plan
+
+
+def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float | None,
+                      micro_batch_sizes, dry_runs: int, steps: int, dtype: torch.dtype | None,
+                      parallel_vocab: bool, sequence_parallel: tuple[bool, ...] | None
+                      ) -> tuple[Plan, Prediction | None, float]:
+    """`plan_online`'s measurements, search and dry runs: the plan, the fastest measured
+    prediction within the memory limit (None when none is) and that limit."""
+    ctx = merak.init()  # every rank data-parallel while measuring
     memory = memory_bytes or device_memory(ctx)
     shape = ModelShape.from_config(config)
     sizes = [m for m in micro_batch_sizes if global_batch % m == 0]
@@ -99,20 +134,4 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
         if run.peak_bytes <= memory and (best is None or
                                          run.step_s < plan.measured[best.candidate.label]):
             best = prediction
-    if best is None:
-        label = min(plan.measured_memory, key=plan.measured_memory.get)
-        raise ValueError(f"every dry run went over the memory limit of {memory / 2**30:.3g} "
-                         f"GiB per rank; the least was {plan.measured_memory[label] / 2**30:.3g} "
-                         f"GiB ({label}): raise the limit, or use more ranks or a smaller "
-                         f"global batch")
-    plan.chosen = best.candidate
-    first = plan.ranked[0].candidate
-    plan.why = (f"{best.candidate.label}: the fastest of {len(plan.measured)} dry runs, "
-                f"{plan.measured[best.candidate.label]:.4g} s per step "
-                f"(predicted {best.step_s:.4g} s)"
-                + ("" if best.candidate == first else
-                   f"; the predicted best, {first.label}, measured "
-                   f"{plan.measured.get(first.label, float('nan')):.4g} s") + "\n" + plan.why)
-    merak.init()  # the default layout again
-    plan.search_s = time.perf_counter() - start
-    return plan
+    return plan, best, memory

@@ -7,6 +7,12 @@ known (the interpreter's shape discovery, a collective forward without gradients
 runs its own stages' share of a step alone, on zero tensors of the received shapes: as many
 forwards as a 1F1B schedule keeps in flight on that stage (the peak of activations), then their
 backwards. Every rank then learns, by one all-reduce, whether all of them fit.
+
+The optimizer's state is not there yet when the probe runs before training: AdamW allocates
+its two moments at the first `step()`, and from the second step on they sit beside the
+activations. So the probe holds a block the size of the state the optimizer has yet to allocate
+(`pending_optimizer_state_bytes`) while its forwards and backwards run: a step that fits only
+without the state is answered "does not fit", as the second training step would be.
 """
 
 from __future__ import annotations
@@ -14,17 +20,57 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from accelerate.utils.memory import should_reduce_batch_size
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def _tensors_per_param(optimizer: torch.optim.Optimizer, group: dict) -> int:
+    """How many tensors shaped like each parameter `optimizer` allocates at its first step for
+    a parameter of `group`; an optimizer not named here counts as Adam's two (the usual
+    choice, and as many as most keep)."""
+    name = type(optimizer).__name__
+    if name in ("Adam", "AdamW"):
+        return 2 + int(bool(group.get("amsgrad")))  # moments (+ the running max)
+    if name == "SGD":
+        return int(group.get("momentum", 0) != 0)
+    if name == "RMSprop":
+        return 1 + int(group.get("momentum", 0) > 0) + int(bool(group.get("centered")))
+    if name == "Adagrad":
+        return 0  # allocated by its constructor: already there
+    if name == "ASGD":
+        return 1
+    return 2
+
+
+def pending_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the state `optimizer` will allocate at its next `step()` on this rank: for
+    each trainable parameter it steps that has no state yet, its per-parameter tensors
+    (AdamW: two, of the parameter's dtype, so 8 bytes per fp32 parameter). Under ZeRO-1 only
+    this rank's shard (`ZeroRedundancyOptimizer`'s local optimizer); the per-parameter step
+    counters (one element each) are left out."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    total = 0
+    for group in local.param_groups:
+        count = _tensors_per_param(local, group)
+        for param in group["params"]:
+            if param.requires_grad and not local.state.get(param):
+                total += count * param.numel() * param.element_size()
+    return total
 
 
 def fits_in_memory(engine, batch: dict[str, torch.Tensor] | None,
                    num_microbatches: int) -> bool:
     """Whether `engine` (a `PipelineInterpreter`) can train on `batch` (this rank's share) on
     every rank; a collective. Gradients, the optimizer and the random number generators are
-    left as they were."""
+    left as they were. The optimizer state the first step will allocate is held aside while
+    the stages run (see the module's docstring)."""
     rng = engine.rng_state()
     fits = True
+    reserve = None
     try:
         engine._begin(batch, num_microbatches, None)  # noqa: SLF001 - the runtime's own probe
+        # (after the collective shape discovery: from here on a rank may fail alone)
+        reserve = torch.empty(pending_optimizer_state_bytes(engine.optimizer),
+                              dtype=torch.uint8, device=engine.ctx.device)
         for runner in engine.runners.values():
             _stage_alone(runner, engine.split.num_stages, num_microbatches)
     except Exception as error:  # noqa: BLE001 - only an out-of-memory error is an answer
@@ -32,6 +78,7 @@ def fits_in_memory(engine, batch: dict[str, torch.Tensor] | None,
             raise
         fits = False
     finally:
+        del reserve
         for runner in engine.runners.values():
             runner.end()
         engine.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,125 @@
+"""What the planner and the batch-size probe hold in memory while they measure (issue 32: on a
+GPU these ran out of memory, or leaked memory outside the caching allocator, where a CPU run
+saw nothing wrong): one block-cost probe alive at a time and no full-vocabulary logits outside
+the head's own probe; dry runs that leave no process group behind; the batch-size probe that
+counts the optimizer state the first step will allocate."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+import transformers as tf
+from dist_harness import check
+
+from merak.plan import costs
+
+WORKER, WORLD_SIZES = "plan_dry_runs.py", (2,)  # pooled: launches(world_size), see conftest.py
+VOCAB = 101  # no other width of the tiny model's outputs is this
+
+
+def tiny_llama() -> tf.LlamaConfig:
+    return tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_block_cost_probes_are_built_one_at_a_time_and_only_the_head_probe_has_logits(
+        monkeypatch):
+    monkeypatch.setattr(costs, "MIN_SAMPLE_S", 0.0)
+    built, alive_at_build, vocab_wide = [], [], []
+    init = costs._Probe.__init__
+
+    def tracked(self, config, layers, *args, **kwargs):
+        gc.collect()
+        alive_at_build.append(sum(ref() is not None for ref in built))
+        init(self, config, layers, *args, **kwargs)
+        built.append(weakref.ref(self.model))
+        kind = (layers, bool(kwargs.get("with_head")))
+
+        def record(module, inputs, output):
+            if isinstance(output, torch.Tensor) and output.shape[-1] == VOCAB:
+                vocab_wide.append(kind)
+        for module in self.model.modules():
+            module.register_forward_hook(record)
+
+    monkeypatch.setattr(costs._Probe, "__init__", tracked)
+    measured = costs.measure_costs(tiny_llama(), 2, 8, torch.device("cpu"), repeats=1)
+    gc.collect()
+    assert len(built) == 3 and alive_at_build == [0, 0, 0], alive_at_build
+    assert all(ref() is None for ref in built), "a probe model outlived measure_costs"
+    assert vocab_wide and set(vocab_wide) == {(1, True)}, set(vocab_wide)
+    assert measured.activation_bytes > 0 and measured.head_activation_bytes > 0
+    assert measured.optimizer_s_per_param > 0
+
+
+def test_dry_runs_leave_no_process_group_behind(launches):
+    check(*launches(2), "dry-runs-free-their-groups")
+
+
+def test_an_online_plan_leaves_the_same_groups_whatever_its_number_of_dry_runs(launches):
+    check(*launches(2), "online-plan-frees-its-groups")
+
+
+def test_a_dry_run_on_cuda_counts_the_memory_outside_the_caching_allocator(monkeypatch):
+    """NCCL's communicators and the CUDA context take device memory the allocator never sees;
+    a candidate is judged by its peak reservation plus that."""
+    from merak.plan.dry_run import device_peak_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 40 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 45 * gib)
+    # 50 GiB used on the device, 40 of them the allocator's: 10 outside it
+    assert device_peak_bytes(torch.device("cuda", 0)) == 55 * gib
+
+
+def test_optimizer_state_the_first_step_allocates_is_counted_until_it_exists():
+    from merak.runtime.memory_probe import pending_optimizer_state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)  # frozen: never stepped, never given state
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adamw = torch.optim.AdamW(model.parameters())
+    assert pending_optimizer_state_bytes(adamw) == 2 * 4 * trainable  # two fp32 moments
+    assert pending_optimizer_state_bytes(torch.optim.Adam(model.parameters(), amsgrad=True)) \
+        == 3 * 4 * trainable
+    assert pending_optimizer_state_bytes(torch.optim.SGD(model.parameters(), lr=0.1)) == 0
+    model(torch.ones(1, 8)).sum().backward()
+    adamw.step()
+    assert pending_optimizer_state_bytes(adamw) == 0  # it exists now, in the live tensors
+
+
+def test_the_batch_size_probe_holds_the_optimizer_state_beside_the_step(monkeypatch):
+    """`fits_in_memory` runs the stage's forwards and backwards with a block the size of the
+    AdamW state (not there before the first step) alive, so a GPU runs out of memory in the
+    probe rather than at the second step."""
+    import merak
+    from merak.models.gpt import GPT, GPTConfig, gpt_pieces
+    from merak.runtime import memory_probe
+
+    ctx = merak.init(dp=1, tp=1, pp=1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(num_layers=2))
+    split = merak.manual_split(model, gpt_pieces(model), num_stages=1)
+    stage = merak.PipelineStage(model, split, 0)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters()), 2)
+    expected = 8 * sum(p.numel() for p in stage.parameters())
+    held = []
+    alone = memory_probe._stage_alone
+
+    def spied(runner, *args):
+        gc.collect()
+        held.append(sum(t.numel() for t in gc.get_objects() if type(t) is torch.Tensor
+                        and t.dtype == torch.uint8 and t.numel() == expected))
+        alone(runner, *args)
+
+    monkeypatch.setattr(memory_probe, "_stage_alone", spied)
+    ids = torch.randint(0, 256, (4, 16))
+    assert memory_probe.fits_in_memory(engine, {"input_ids": ids, "labels": ids}, 2)
+    assert held == [expected]
+    assert all(p.grad is None for p in stage.parameters()) and not engine.optimizer.state
+
+
+def test_zero1_sets_aside_only_this_ranks_shard_of_the_state(launches):
+    check(*launches(2), "zero1-pending-state-is-the-shard")

@@ -1,0 +1,108 @@
+"""What the planner's dry runs and the batch-size probe leave behind on 2 ranks (see
+test_plan_memory):
+
+- dry-runs-free-their-groups: candidate after candidate (pp2 with tied embeddings, so
+  tied-weight groups too; dp2 with ZeRO-1; tp2), each run makes process groups
+  (a mesh, tied groups) and the count of live groups is back where it was after each, whatever
+  the number of candidates; the caller's default context is the default again.
+- online-plan-frees-its-groups: `plan_online` with one and with two dry runs leaves the same
+  number of live groups behind (its final default layout's).
+- zero1-pending-state-is-the-shard: the optimizer state the batch-size probe sets aside under
+  ZeRO-1 is this rank's shard of AdamW's two moments, the ranks' shares summing to the whole.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers as tf
+from common import run_scenarios
+
+import merak
+from merak.distributed.teardown import live_process_groups
+from merak.plan import costs, dry_run
+from merak.plan.predict import Candidate
+
+SEQ = 16
+
+
+def tiny_llama() -> tf.LlamaConfig:
+    return tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          tie_word_embeddings=True)
+
+
+def dry_runs_free_their_groups() -> None:
+    ctx = merak.init(dp=1, tp=1, pp=2)
+    before = live_process_groups()
+    inside, after = [], []
+    run = dry_run._run
+
+    def counted(*args, **kwargs):
+        figures = run(*args, **kwargs)
+        inside.append(live_process_groups())  # the candidate's groups, still alive
+        return figures
+
+    dry_run._run = counted
+    try:
+        for c in (Candidate(1, 1, 2, 1, 2), Candidate(2, 1, 1, 1, 2, zero=1),
+                  Candidate(1, 2, 1, 1, 2)):
+            measured = dry_run.dry_run(c, tiny_llama(), SEQ, steps=1)
+            assert measured.step_s > 0 and measured.peak_bytes > 0, (c.label, measured)
+            after.append(live_process_groups())
+    finally:
+        dry_run._run = run
+    assert all(n > before for n in inside), (before, inside)  # each run did make groups
+    assert after == [before] * len(after), (before, after)
+    assert merak.get_context() is ctx
+    torch.distributed.barrier(ctx.pp_group)  # the caller's groups still work
+
+
+def online_plan_frees_its_groups() -> None:
+    from merak.plan.online import plan_online
+
+    merak.init(dp=1, tp=1, pp=2)
+    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
+    try:
+        left = []
+        for count in (1, 2):
+            before = live_process_groups()
+            plan = plan_online(tiny_llama(), 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(1,),
+                               dry_runs=count, steps=1)
+            assert len(plan.measured) == count, plan.measured
+            left.append(live_process_groups() - before)
+    finally:
+        costs.MIN_SAMPLE_S = sample_s
+    assert left[0] == left[1], left  # only the final default layout's groups, whatever count
+
+
+def zero1_pending_state_is_the_shard() -> None:
+    from merak.runtime.memory_probe import pending_optimizer_state_bytes
+    from merak.trainer.model_setup import local_optimizer, zero1
+
+    ctx = merak.init(dp=2, tp=1, pp=1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16),
+                                torch.nn.Linear(16, 4))
+    optimizer = zero1(torch.optim.AdamW(model.parameters()), ctx)
+    mine = sum(p.numel() for g in local_optimizer(optimizer).param_groups for p in g["params"])
+    total = sum(p.numel() for p in model.parameters())
+    pending = pending_optimizer_state_bytes(optimizer)
+    assert 0 < mine < total and pending == 8 * mine, (mine, total, pending)
+    shares = torch.tensor([pending])
+    torch.distributed.all_reduce(shares, group=ctx.dp_group)
+    assert shares.item() == 8 * total, (shares.item(), total)
+
+
+SCENARIOS = {"dry-runs-free-their-groups": dry_runs_free_their_groups,
+             "online-plan-frees-its-groups": online_plan_frees_its_groups,
+             "zero1-pending-state-is-the-shard": zero1_pending_state_is_the_shard}
+
+
+def scenarios(world_size: int) -> dict:
+    assert world_size == 2, f"plan_dry_runs runs on 2 ranks, not {world_size}"
+    return SCENARIOS
+
+
+if __name__ == "__main__":
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))
