@@ -5,15 +5,62 @@
 # checks), then the figures: bench/gpu_measurement.py (CUDA-event timer vs torch.profiler, NVML
 # energy refresh interval) and bench/single_gpu.py (a 1.1 B Llama in bf16: tokens/s, MFU, peak
 # memory against HF Trainer). Figures go to runs/gpu_check/.
+#
+# It runs on the machine as it is, with its own python3 (the lent GPU image: Python 3.12 with
+# a CUDA torch 2.11, transformers, accelerate, peft, nvidia-ml-py and pytest, and no network):
+# no virtualenv is made and nothing is downloaded. What the image lacks is installed offline
+# from the wheels carried in .whl/ (scripts/gpu_wheels.sh downloads them on a machine with
+# network; the device tool carries the git-ignored folder when `carry` names `.whl`), into a
+# folder of its own put on PYTHONPATH; the project itself is imported from this checkout
+# (PYTHONPATH), so nothing is built. PYTHON picks another interpreter, MERAK_GPU_SITE the folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup_env.sh
-.venv/bin/python -m pip install --quiet --disable-pip-version-check nvidia-ml-py
-.venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
+python=${PYTHON:-python3}
+site=${MERAK_GPU_SITE:-/tmp/merak-gpu-site}
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
 'no CUDA device: torch ' + torch.__version__ + ' sees no GPU')"
+
+# Distributions the checks import that the GPU image may lack: datasets (examples/hf_run_clm.py,
+# which the trainer test runs) with dill and multiprocess; lowtime (the energy planner's solver)
+# and pydantic (the Perseus protocol), which no check here needs yet.
+needed="datasets dill multiprocess lowtime pydantic pydantic-core annotated-types \
+typing-inspection"
+missing=$("$python" - $needed <<'EOF'
+import importlib.metadata as metadata
+import sys
+
+absent = []
+for name in sys.argv[1:]:
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        absent.append(name)
+print(" ".join(absent))
+EOF
+)
+if [ -n "$missing" ]; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        echo "installing from .whl/ (offline, no dependencies): $missing"
+        # shellcheck disable=SC2086  # one argument per distribution
+        "$python" -m pip install --quiet --disable-pip-version-check --no-index \
+            --find-links .whl --no-deps --target "$site" $missing
+    else
+        echo "missing: $missing; no .whl/ to install them from (run scripts/gpu_wheels.sh" \
+             "on a machine with network, then carry .whl to this one)" >&2
+    fi
+fi
+if ! error=$("$python" -c "import datasets" 2>&1); then
+    echo "the trainer checks (examples/hf_run_clm.py) need datasets, which does not import:" \
+         "${error##*$'\n'}. Carry its wheels here in .whl/ (scripts/gpu_wheels.sh downloads" \
+         "them on a machine with network)" >&2
+    exit 1
+fi
+"$python" -c "import lowtime" 2>/dev/null || echo "lowtime is absent: the checks that need" \
+    "the energy planner are skipped (scripts/gpu_wheels.sh downloads it into .whl/)"
 mkdir -p runs/gpu_check
-.venv/bin/python -m pytest tests/gpu -m gpu -v 2>&1 | tee runs/gpu_check/tests.log
-.venv/bin/python bench/gpu_measurement.py --out runs/gpu_check/gpu_measurement.json \
+"$python" -m pytest tests/gpu -m gpu -v 2>&1 | tee runs/gpu_check/tests.log
+"$python" bench/gpu_measurement.py --out runs/gpu_check/gpu_measurement.json \
     2>&1 | tee runs/gpu_check/gpu_measurement.log
-.venv/bin/python -m torch.distributed.run --nproc_per_node 1 bench/single_gpu.py \
+"$python" -m torch.distributed.run --nproc_per_node 1 bench/single_gpu.py \
     --out runs/gpu_check/single_gpu.json "$@" 2>&1 | tee runs/gpu_check/single_gpu.log

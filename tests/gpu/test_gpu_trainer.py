@@ -49,7 +49,11 @@ def _merak(tmp_path: Path, name: str, *extra: str) -> list[float]:
 @pytest.mark.parametrize("precision,rtol", [("bf16", 3e-2), ("fp16", 1e-2)])
 def test_merak_trainer_on_one_gpu_matches_hf_trainer(tmp_path, precision, rtol):
     flag = [f"--{precision}", "true"]
-    reference, merak = _hf(tmp_path, *flag), _merak(tmp_path, "merak", *flag)
+    # fp16: both scalers start at 2^16 (Merak's default is DeepSpeed's initial_scale_power 16)
+    # and neither grows within 20 steps (windows of 1000 and 2000); hysteresis 1 makes Merak
+    # halve on every overflow as torch.amp.GradScaler does, so both skip the same steps
+    scaler = ["--hysteresis", "1"] if precision == "fp16" else []
+    reference, merak = _hf(tmp_path, *flag), _merak(tmp_path, "merak", *flag, *scaler)
     assert len(merak) == len(reference) == STEPS
     for step, (a, b) in enumerate(zip(merak, reference)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: merak {a} vs HF {b} ({precision})"
