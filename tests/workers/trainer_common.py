@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hf_models import VOCAB
 from tp_models import TP_FAMILIES
@@ -87,6 +89,36 @@ COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed":
           "max_grad_norm": 0.5}
 
 
+# issue 32's grid: each schedule family through MerakTrainer at (dp, tp, pp) in (1,1,2),
+# (1,2,4), (2,1,2) and (2,2,2), on the NCCL-contract backend and on plain gloo
+# (test_trainer_matrix.py); HF references of their own (`trainer_reference.py --matrix`)
+MATRIX_STEPS = 4
+MATRIX_REFERENCES = {"matrix": ("llama-deep", {"max_steps": MATRIX_STEPS}, {}),
+                     "matrix8": ("llama-deep8", {"max_steps": MATRIX_STEPS}, {})}
+MATRIX_SCHEDULES = {"1f1b": {}, "interleaved_1f1b": {"num_model_chunks": 2},
+                    "zero_bubble": {},
+                    "shifted_critical_path": {"activation_checkpointing": True}}
+# the suite runs the 2- and 4-rank layouts; MERAK_TEST_MATRIX=full adds the 8-rank ones (each
+# rank traces the model, ~11 CPU-seconds a run: 8 ranks on 2 cores cost ~6 minutes a backend)
+MATRIX_LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 1, 2)]}
+if os.environ.get("MERAK_TEST_MATRIX") == "full":
+    MATRIX_LAYOUTS[8] = [(1, 2, 4), (2, 2, 2)]
+
+
+def matrix_runs(world_size: int) -> dict[str, tuple[str, tuple[int, int, int], dict]]:
+    """``matrix-dp1tp2pp4-zero_bubble`` -> (reference run, layout, MerakArguments fields)."""
+    runs = {}
+    for dp, tp, pp in MATRIX_LAYOUTS.get(world_size, []):
+        for schedule, fields in MATRIX_SCHEDULES.items():
+            reference, extra = "matrix", {}
+            if schedule == "interleaved_1f1b" and pp == 4:  # 8 stages of one layer; the
+                # micro-batches a multiple of pp (the reference's global batch, in 4 of 2 rows)
+                reference, extra = "matrix8", {"gradient_accumulation_steps": 4}
+            runs[f"matrix-dp{dp}tp{tp}pp{pp}-{schedule}"] = (
+                reference, (dp, tp, pp), {"train_schedule": schedule, **fields, **extra})
+    return runs
+
+
 def flow_summary(trainer) -> dict:
     """What test_trainer compares for a run with HF's training flow (either trainer)."""
     import os
@@ -118,9 +150,11 @@ def eval_set():
 
 
 def build(family: str):
-    """A model of `family` (``llama-deep``: `build_deep_llama`)."""
+    """A model of `family` (``llama-deep``: `build_deep_llama`; ``llama-deep8``: 8 layers)."""
     if family == "llama-deep":
         return build_deep_llama()
+    if family == "llama-deep8":
+        return build_deep_llama(8)
     torch.manual_seed(SEED)
     model = TP_FAMILIES[family]()
     # GPT2LMHeadModel's name matches no HF loss type, so HF Trainer would count position 0's
@@ -129,20 +163,21 @@ def build(family: str):
     return model
 
 
-def build_deep_llama():
-    """4 layers, so the checkpoint can be resharded onto 4 pipeline stages."""
+def build_deep_llama(layers: int = 4):
+    """4 layers, so the checkpoint can be resharded onto 4 pipeline stages (8: 2 model chunks
+    on each of 4 pipeline ranks)."""
     import transformers as tf
     from tp_models import ATTN
 
     torch.manual_seed(SEED)
-    return tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**{**ATTN, "num_hidden_layers": 4}))
+    return tf.AutoModelForCausalLM.from_config(
+        tf.LlamaConfig(**{**ATTN, "num_hidden_layers": layers}))
 
 
 
 def token_accuracy(prediction) -> dict[str, float]:
     """compute_metrics over argmax predictions (preprocess_logits_for_metrics): next-token
     accuracy, as HF's run_clm computes it."""
-    import numpy as np
 
     predicted, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
     mask = labels != -100

@@ -1,6 +1,7 @@
 """Single-process HF Trainer on the same data and init as trainer_parity (see test_trainer).
 
-    python trainer_reference.py --out DIR     # writes reference-<family>.json
+    python trainer_reference.py --out DIR     # writes reference-<run>.json
+    python trainer_reference.py --out DIR --matrix   # the schedule x layout grid's references
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import transformers as tf
 from trainer_common import (
     COMMON,
     DP,
+    MATRIX_REFERENCES,
     MICRO_BATCH,
     RUNS,
     build,
@@ -28,10 +30,13 @@ from trainer_common import (
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    out = Path(parser.parse_args().out)
+    parser.add_argument("--matrix", action="store_true", help="MATRIX_REFERENCES only")
+    options = parser.parse_args()
+    out = Path(options.out)
+    runs = MATRIX_REFERENCES if options.matrix else RUNS
     torch.set_num_threads(2)
     done: dict[str, str] = {}  # (family, HF fields) -> the run already made with them
-    for run, (family, extra, _) in RUNS.items():
+    for run, (family, extra, _) in runs.items():
         key = json.dumps([family, extra], sort_keys=True)
         if key in done:  # runs differing only in Merak's fields share one HF reference
             for suffix in (".json", "-logits.npy", "-labels.npy"):

@@ -1,0 +1,55 @@
+"""Issue 32's grid: each schedule family (1F1B, interleaved 1F1B, zero-bubble, Merak's shifted
+critical path with recomputation) through MerakTrainer at the layouts of this world size
+(`trainer_common.MATRIX_LAYOUTS`); each run writes its logged losses, grad norms and learning
+rates to ``merak-<scenario>.json`` for test_trainer_matrix to compare with single-process HF
+Trainer. Runs on the NCCL-contract backend and on plain gloo (one pooled launch each)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch.distributed as dist
+from common import out_dir, run_scenarios
+from trainer_common import (
+    COMMON,
+    DP,
+    MATRIX_REFERENCES,
+    MICRO_BATCH,
+    MICROBATCHES,
+    build,
+    matrix_runs,
+    train_set,
+)
+
+import merak
+
+
+def run(name: str, reference: str, layout: tuple[int, int, int], fields: dict) -> None:
+    dp, tp, pp = layout
+    merak.init(dp=dp, tp=tp, pp=pp)
+    family, hf_fields, _ = MATRIX_REFERENCES[reference]
+    with merak.init_empty_weights():
+        model = build(family)
+    fields = {**COMMON, **hf_fields, **fields}
+    rows = MICRO_BATCH * DP * MICROBATCHES  # the reference's global batch
+    args = merak.MerakArguments(output_dir=str(out_dir() / name), save_strategy="no",
+                                per_device_train_batch_size=rows // (
+                                    dp * fields["gradient_accumulation_steps"]), **fields)
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    if dist.get_rank() == 0:
+        (out_dir() / f"merak-{name}.json").write_text(json.dumps({
+            "reference": reference, "loss": [h["loss"] for h in logs],
+            "grad_norm": [h["grad_norm"] for h in logs],
+            "learning_rate": [h["learning_rate"] for h in logs]}))
+
+
+def scenarios(world_size: int) -> dict:
+    return {name: (lambda name=name, spec=spec: run(name, *spec))
+            for name, spec in matrix_runs(world_size).items()}
+
+
+if __name__ == "__main__":
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))
