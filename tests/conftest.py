@@ -19,8 +19,8 @@ sys.path.insert(0, str(_CONTRACT))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(_CONTRACT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
-import nccl_contract
-from dist_harness import WorkerPool
+import nccl_contract  # noqa: E402 - installs itself unless MERAK_TEST_BACKEND=gloo
+from dist_harness import WorkerPool  # noqa: E402
 
 _NEEDED = pytest.StashKey[dict]()
 

@@ -21,12 +21,21 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from merak.distributed.parallel_context import get_context
+from merak.distributed.parallel_context import default_context, handles_cpu_tensors
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """`group`, or every rank's host group of the default context."""
-    return group if group is not None else get_context().host_group()
+    """`group`, or every rank's host group: the default context's, or before any `merak.init`
+    the default group where its backend moves CPU tensors."""
+    if group is not None:
+        return group
+    if default_context() is not None:
+        return default_context().host_group()
+    if handles_cpu_tensors(dist.get_backend()):
+        return dist.group.WORLD
+    raise RuntimeError(f"objects between ranks travel over a gloo group, which merak.init makes "
+                       f"beside a {dist.get_backend()!r} job: call merak.init first, or pass a "
+                       f"gloo group")
 
 
 def _pickled(obj) -> torch.Tensor:
