@@ -72,7 +72,7 @@ def test_init_joins_an_existing_nccl_group_with_one_collective(monkeypatch):
         ctx = pc.init(1, 1, 1)
         pc.init(1, 1, 1)
         assert calls == [torch.device("cpu")]
-        assert ctx.host_pp_group is not None
+        assert ctx.host_group("pp") is ctx.pp_group  # gloo: the mesh's own
     finally:
         if previous is not None:
             pc._default_context = previous

@@ -99,7 +99,7 @@ def collectives_and_subgroups() -> None:
     assert value.item() == 3.0
     gathered = torch.zeros(2)
     all_gather_single(gathered, torch.tensor([float(dist.get_rank())]),
-                                group=ctx.host_pp_group if ctx.pp > 1 else ctx.dp_group)
+                                group=ctx.host_group())
     assert gathered.tolist() == [0.0, 1.0], gathered
 
 
