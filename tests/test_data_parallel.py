@@ -7,24 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import merak
 from merak.data_parallel.grad_sync import _Bucket
 from merak.data_parallel.zero import ZeroSharding
 from merak.models.gpt import GPT, GPTConfig, gpt_pieces
-
-
-class _Ops(TorchDispatchMode):
-    """Counts the aten ops run inside it (each one a kernel launch on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+from op_counter import OpCounter
 
 
 def _step(zero: ZeroSharding, stage, seen: dict) -> None:
@@ -73,7 +61,7 @@ def test_a_bucket_is_zeroed_with_one_kernel_when_every_gradient_was_dropped():
     set by hand is copied in, and a gradient already a view keeps its value."""
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((3, 4), (5,), (2, 2, 2))]
     bucket = _Bucket(params)
-    with _Ops() as ops:
+    with OpCounter() as ops:
         bucket.attach()
     assert ops.names.count("zero_") == 1 and "copy_" not in ops.names, ops.names
     for p, view in zip(params, bucket.views()):

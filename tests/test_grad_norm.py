@@ -12,21 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from merak.trainer.grad_norm import GradNormClipper
+from op_counter import OpCounter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _clipper(num_params: int, tp: int = 1, max_norm: float = 0.0, seed: int = 0):
@@ -84,7 +74,7 @@ def test_a_fixed_number_of_ops_per_dtype_whatever_the_number_of_parameters():
     runs = []
     for count in (8, 40):
         clipper, _ = _clipper(count)
-        with _Ops() as ops:
+        with OpCounter() as ops:
             clipper.local_sum_of_squares()
         runs.append(ops.names)
     assert runs[0] == runs[1], runs
