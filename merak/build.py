@@ -18,6 +18,7 @@ from torch import nn
 
 from merak import lora
 from merak.distributed.parallel_context import ParallelContext, get_context
+from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_
 from merak.partition.auto import AutoSplit, auto_split
@@ -58,8 +59,10 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         num_model_chunks: above 1, for interleaved schedules: the model is split into
             ``ctx.pp * num_model_chunks`` virtual stages and this rank's chunks are built and
             materialized together (tied weights within the rank stay one parameter).
-        checkpoint: an HF safetensors file or directory to load this rank's shard from;
-            default: initialize as the seeded single-process model would.
+        checkpoint: an HF safetensors file or directory to load this rank's shard from (in the
+            layout `save_pretrained` writes: tensors transformers converts on load, such as a
+            Mixtral's per-expert weights, are converted the same way); default: initialize as
+            the seeded single-process model would.
         checkpoint_prefix: a prefix of `model`'s parameter names that the checkpoint's names
             lack (a wrapper around the HF model, e.g. ``"model."``).
         split_options: passed to `merak.auto_split` (partition_method, split_method, ...).
@@ -73,6 +76,9 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         model = model.get_base_model()  # whose forward is the peft model's (with **kwargs)
     adapters = any(lora.is_lora_layer(m) for m in model.modules())
     aliases = tied_aliases(model)
+    # transformers' conversions for this model class (a Mixtral's per-expert checkpoint
+    # tensors), read off the whole model before tensor parallelism replaces its modules
+    layout = CheckpointLayout(model) if checkpoint is not None else None
     if checkpoint_prefix:
         strip = lambda n: n.removeprefix(checkpoint_prefix)
         aliases = {n: [strip(n), *map(strip, aliases.get(n, []))]
@@ -93,8 +99,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     elif adapters:  # the base model's checkpoint: its weights load, the adapters initialize
         materialize_(stage, ctx.device)
         load_safetensors_(stage, checkpoint, aliases=lora.base_aliases(stage, aliases),
-                          names=lora.base_names(stage, checkpoint, aliases))
+                          names=lora.base_names(stage, checkpoint, aliases), layout=layout)
     else:
         materialize_(stage, ctx.device, initialize=False)
-        load_safetensors_(stage, checkpoint, aliases=aliases)
+        load_safetensors_(stage, checkpoint, aliases=aliases, layout=layout)
     return stage
