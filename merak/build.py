@@ -18,8 +18,9 @@ from torch import nn
 
 from merak import lora
 from merak.distributed.parallel_context import ParallelContext, get_context
+from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
-from merak.materialize.safetensors import load_safetensors_
+from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoint
 from merak.partition.auto import AutoSplit, auto_split
 from merak.runtime.stage import InterleavedStage, interleaved_stage
 from merak.runtime.stage import PipelineStage
@@ -58,8 +59,11 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         num_model_chunks: above 1, for interleaved schedules: the model is split into
             ``ctx.pp * num_model_chunks`` virtual stages and this rank's chunks are built and
             materialized together (tied weights within the rank stay one parameter).
-        checkpoint: an HF safetensors file or directory to load this rank's shard from;
-            default: initialize as the seeded single-process model would.
+        checkpoint: an HF safetensors file or directory to load this rank's shard from (in the
+            layout `save_pretrained` writes: tensors transformers converts on load, such as a
+            Mixtral's per-expert weights, are converted the same way); default: the directory
+            of a model built by ``from_pretrained`` inside `init_empty_weights`, else initialize
+            as the seeded single-process model would.
         checkpoint_prefix: a prefix of `model`'s parameter names that the checkpoint's names
             lack (a wrapper around the HF model, e.g. ``"model."``).
         split_options: passed to `merak.auto_split` (partition_method, split_method, ...).
@@ -71,8 +75,13 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     ctx = ctx or get_context()
     if lora.is_peft_model(model):  # LoRA: the peft layers live in the model peft wraps,
         model = model.get_base_model()  # whose forward is the peft model's (with **kwargs)
+    if checkpoint is None:
+        checkpoint = pretrained_checkpoint(model)
     adapters = any(lora.is_lora_layer(m) for m in model.modules())
     aliases = tied_aliases(model)
+    # transformers' conversions for this model class (a Mixtral's per-expert checkpoint
+    # tensors), read off the whole model before tensor parallelism replaces its modules
+    layout = CheckpointLayout(model) if checkpoint is not None else None
     if checkpoint_prefix:
         strip = lambda n: n.removeprefix(checkpoint_prefix)
         aliases = {n: [strip(n), *map(strip, aliases.get(n, []))]
@@ -93,8 +102,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     elif adapters:  # the base model's checkpoint: its weights load, the adapters initialize
         materialize_(stage, ctx.device)
         load_safetensors_(stage, checkpoint, aliases=lora.base_aliases(stage, aliases),
-                          names=lora.base_names(stage, checkpoint, aliases))
+                          names=lora.base_names(stage, checkpoint, aliases), layout=layout)
     else:
         materialize_(stage, ctx.device, initialize=False)
-        load_safetensors_(stage, checkpoint, aliases=aliases)
+        load_safetensors_(stage, checkpoint, aliases=aliases, layout=layout)
     return stage

@@ -24,9 +24,16 @@ def _add_export(subparsers) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
+    """Exit status 1, with what is missing or malformed, for a checkpoint that is not whole:
+    nothing is written then (an export of part of a model would load with the rest random)."""
+    from merak.trainer.checkpoint_files import CheckpointError
     from merak.trainer.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out_dir, merge=args.merge)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, merge=args.merge)
+    except CheckpointError as error:
+        print(f"merak export: error: {error}", file=sys.stderr)
+        return 1
     print(f"exported {args.checkpoint} to {out}")
     return 0
 

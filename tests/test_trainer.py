@@ -533,18 +533,6 @@ def test_label_smoothed_loss_equals_hf_label_smoother():
         GPT2ForSequenceClassification))
 
 
-def test_rotation_keeps_the_newest_and_the_best(tmp_path):
-    from merak.trainer import checkpoint
-
-    for step in (2, 4, 6, 8):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        (tmp_path / f"checkpoint-{step}" / checkpoint.MARKER).write_text("{}")
-    checkpoint.rotate(tmp_path, 1, keep=tmp_path / "checkpoint-4")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-8"]
-    checkpoint.rotate(tmp_path, 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-8"]
-
-
 @pytest.mark.parametrize("scale", [2.0 ** 12, 3.0])
 def test_fused_unscale_matches_dividing_each_gradient_and_finds_overflow(scale):
     """The fp16 scaler's fused unscale-and-check (one kernel per device and dtype, no host
@@ -682,7 +670,7 @@ def test_from_config_with_a_config_from_a_directory_is_initialized_not_loaded(tm
     from trainer_common import SEED, train_set
 
     import merak
-    from merak.trainer.model_setup import pretrained_checkpoint
+    from merak.materialize.safetensors import pretrained_checkpoint
 
     merak.init(dp=1, tp=1, pp=1)
     build("llama").config.save_pretrained(tmp_path / "tiny-llama")

@@ -40,9 +40,11 @@ def batches(dp: int) -> list[dict[str, torch.Tensor]]:
     return [example_batch(ROWS, seed=k) for k in range(dp * MICROBATCHES)]
 
 
-def reference(small: SmallModel, dp: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss (mean over micro-batches and dp ranks) and gradients of the single-process model."""
-    model = small.build()
+def reference(small: SmallModel, dp: int, model: nn.Module | None = None
+              ) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss (mean over micro-batches and dp ranks) and gradients of the single-process model
+    (`small.build()`, or `model` when given: HF's own `from_pretrained` of a saved copy)."""
+    model = small.build() if model is None else model
     model.train()
     parts = batches(dp)
     total = 0.0
@@ -59,15 +61,16 @@ def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def parallel_step(small: SmallModel, dp: int, tp: int, pp: int
+def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, build=None
                   ) -> tuple[float, dict[str, torch.Tensor], nn.Module]:
     """One 1F1B training step at (dp, tp, pp): its loss (averaged over dp), this rank's
-    gradients before the optimizer step, and its stage."""
+    gradients before the optimizer step, and its stage. The model is `small.build()` on meta,
+    or `build()` (e.g. `from_pretrained` of a saved directory, loaded per rank)."""
     ctx = merak.init(dp=dp, tp=tp, pp=pp)
     parts = batches(dp)
     mine = _concat(parts[ctx.dp_rank * MICROBATCHES:(ctx.dp_rank + 1) * MICROBATCHES])
     with merak.init_empty_weights():
-        model = small.build()
+        model = (build or small.build)()
     stage = merak.parallelize(model, parts[0], ctx)
     snapshot = _GradSnapshot(stage)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),

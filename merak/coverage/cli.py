@@ -7,7 +7,9 @@ Every causal-LM model type of the installed transformers is shrunk (`shrink`), b
 checked on a small gloo job of `--tp` ranks (`worker`): a single-process forward/backward; the
 automatic split into `--stages` stages, run stage after stage in one process (the ranks take
 turns); and one 1F1B step at tp=`--tp` through `merak.parallelize` and the interpreter; each
-with its loss and every gradient compared with the single-process model. `--trainer` also trains the named families through MerakTrainer at
+with its loss and every gradient compared with the single-process model; and the load check:
+the model written by `save_pretrained` (the Hub layout) and loaded per rank at pp=`--stages` and
+tp=`--tp` against HF's own `from_pretrained` of the same directory. `--trainer` also trains the named families through MerakTrainer at
 dp x tp x pp = 2 x 2 x 2 against single-process HF Trainer (`trainer_check`). A family that
 crashes its worker is recorded as such and the sweep goes on with the next one.
 """
@@ -25,7 +27,8 @@ from pathlib import Path
 
 from merak.coverage.worker import NO_PLAN
 
-CHECKS = ("build", "single", "pp", "tp")
+CHECKS = ("build", "single", "pp", "tp", "load")
+OPTIONAL = ("pp", "tp", "load")  # what --checks can choose
 
 
 def add_coverage(subparsers) -> None:
@@ -38,6 +41,10 @@ def add_coverage(subparsers) -> None:
     parser.add_argument("--json", default=None, help="write the per-family results here")
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds per family and check before it counts as a failure")
+    parser.add_argument("--checks", default=",".join(OPTIONAL),
+                        help="which checks to run after build and single (default: pp,tp,load;"
+                             " load = save_pretrained, then per-rank from_pretrained at pp and "
+                             "tp against HF's from_pretrained)")
     parser.add_argument("--trainer", default="",
                         help="families to also train through MerakTrainer at dp=2 x tp=2 x "
                              "pp=2 against HF Trainer (8 ranks), e.g. olmo2,mixtral,qwen3_moe")
@@ -64,7 +71,7 @@ def _launch(families: list[str], args, out: Path) -> subprocess.Popen:
                "--master_port", str(29400 + os.getpid() % 1000),
                "-m", "merak.coverage.worker", "--families", ",".join(families),
                "--stages", str(args.stages), "--tp", str(args.tp),
-               "--timeout", str(args.timeout), "--out", str(out)]
+               "--timeout", str(args.timeout), "--out", str(out), "--checks", args.checks]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -118,6 +125,8 @@ def _print_row(row: dict) -> None:
 def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
     """The summary lines: how many families build, run, split and shard at parity."""
     runs = [r for r in rows if r.get("single") == "ok"]
+    ran_pp = any("pp" in r for r in runs) or not runs
+    ran_tp = any("tp" in r for r in runs) or not runs
     builds = [r for r in rows if r.get("build") == "ok"]
     planned = [r for r in runs if r.get("tp_plan")]
     any_plan = [r for r in runs if r.get("tp") not in (None, NO_PLAN)]
@@ -128,22 +137,32 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
 
     lines = [f"families: {len(rows)}; build: {len(builds)}; single-process forward/backward: "
              f"{len(runs)}"]
-    if stages > 1:
+    if stages > 1 and ran_pp:
         lines.append(f"pp={stages} parity: {share([r for r in runs if r.get('pp') == 'ok'], runs)}"
                      f" of the families that run")
-    if tp > 1:
+    if tp > 1 and ran_tp:
         lines.append(f"tp={tp} parity: {share([r for r in planned if r.get('tp') == 'ok'], planned)}"
                      f" of those with a base_model_tp_plan; "
                      f"{share([r for r in any_plan if r.get('tp') == 'ok'], any_plan)} of those "
                      f"with any plan (Merak's table or the config's)")
-    if stages > 1:
+    if stages > 1 and ran_pp:
         lines.append(f"MoE families at pp={stages} parity: "
                      f"{share([r for r in moe if r.get('pp') == 'ok'], moe)}")
+    loaded = [r for r in runs if "load" in r]
+    if loaded:
+        loaded_moe = [r for r in loaded if r.get("moe")]
+        lines.append(f"save_pretrained -> per-rank load (pp={stages}, tp={tp} where planned) "
+                     f"parity: {share([r for r in loaded if r['load'] == 'ok'], loaded)}; MoE "
+                     f"families: {share([r for r in loaded_moe if r['load'] == 'ok'], loaded_moe)}")
     return lines
 
 
 def run_coverage(args: argparse.Namespace) -> int:
     families = _families(args.families)
+    unknown = sorted(set(args.checks.split(",")) - set(OPTIONAL))
+    if unknown:
+        raise SystemExit(f"merak coverage: --checks {unknown} unknown; choose from "
+                         f"{', '.join(OPTIONAL)}")
     start = time.perf_counter()
     print(f"merak coverage: {len(families)} families, pp={args.stages}, tp={args.tp}", flush=True)
     rows = sweep(families, args) if families else []

@@ -48,19 +48,15 @@ def reference(family: str, out_dir: str) -> list[float]:
     (one per Merak micro-batch: dp x gradient accumulation of them).
 
     A mixture-of-experts loss is not linear in the batch (its auxiliary load-balancing term is
-    computed per forward), so the micro-batches must be the same ones; and HF Trainer, for a
-    model that takes ``num_items_in_batch``, sums the micro-batch losses undivided, which adds
-    the auxiliary term once per micro-batch (gradient_accumulation_steps times). Merak averages
-    the micro-batch losses, which is what HF Trainer does for models without loss kwargs, so
-    the reference runs in that mode (`model_accepts_loss_kwargs = False`). For a dense model
-    with equal token counts per micro-batch the two modes agree."""
+    computed per forward), so the micro-batches must be the same ones: HF Trainer, for a model
+    that takes ``num_items_in_batch``, sums the micro-batch losses (token losses over the
+    step's count, plus each micro-batch's auxiliary term), and so does MerakTrainer."""
     import transformers as tf
 
     options = {**COMMON, "gradient_accumulation_steps": MICROBATCHES * DP}
     args = tf.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO_BATCH,
                                 **options)
     trainer = tf.Trainer(model=_build(family), args=args, train_dataset=_train_set())
-    trainer.model_accepts_loss_kwargs = False
     trainer.train()
     return _losses(trainer)
 

@@ -14,10 +14,12 @@ import datetime
 import gc
 import json
 import os
+import shutil
 import signal
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -86,7 +88,46 @@ def _has_plan(small) -> bool:
     return True
 
 
-def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float) -> dict:
+def load_check(small, family: str, scratch: Path, stages: int, tp: int, timeout_s: float,
+               plan: bool) -> tuple[bool, str]:
+    """The family's model written by `save_pretrained` (the Hub layout, conversions reverted)
+    and loaded per rank under `init_empty_weights` (each rank reads and converts only its own
+    tensors) against HF's own `from_pretrained` of the same directory: one 1F1B step at
+    pp=`stages` (when the job has that many ranks) and one at tp=`tp` (when there is a plan)."""
+    import transformers as tf
+
+    world, hub = dist.get_world_size(), scratch / family
+
+    def save():
+        if dist.get_rank() == 0:
+            small.build().save_pretrained(hub)
+
+    ok, reason = _check("load", save, timeout_s)
+    if not ok:
+        return ok, f"save_pretrained: {reason}"
+
+    def load():
+        def build():
+            return tf.AutoModelForCausalLM.from_pretrained(hub)
+
+        layouts = ([(world // stages, 1, stages)] if stages > 1 and world % stages == 0 else [])
+        layouts += [(world // tp, tp, 1)] if tp > 1 and plan else []
+        for dp, tp_size, pp in layouts:
+            ref = reference(small, dp, tf.AutoModelForCausalLM.from_pretrained(hub))
+            loss, grads, stage = parallel_step(small, dp, tp_size, pp, build)
+            compare(loss, grads, stage, *ref)
+
+    try:
+        return _check("load", load, timeout_s)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(hub, ignore_errors=True)
+
+
+def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float,
+               checks: tuple[str, ...] = ("pp", "tp", "load"), scratch: Path | None = None
+               ) -> dict:
     world = dist.get_world_size()
     row: dict = {"family": family}
     start = time.perf_counter()
@@ -114,22 +155,26 @@ def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float) 
     row["single"] = "ok" if ok else reason
     if not ok:
         return row
-    if stages > 1:  # in one process, on one rank (the ranks take turns)
+    if stages > 1 and "pp" in checks:  # in one process, on one rank (the ranks take turns)
         def split():
             if dist.get_rank() == index % world:
                 compare(*split_in_process(small, stages), *refs[1])
 
         ok, reason = _check("pp", split, timeout_s)
         row["pp"] = "ok" if ok else reason
-    if tp > 1 and not _has_plan(small):
+    plan = tp > 1 and _has_plan(small)
+    if tp > 1 and not plan and "tp" in checks:
         row["tp"] = NO_PLAN
-    elif tp > 1:  # the user's path on every rank: parallelize + 1F1B interpreter
+    elif tp > 1 and "tp" in checks:  # the user's path on every rank: parallelize + 1F1B interpreter
         def step():
             loss, grads, stage = parallel_step(small, world // tp, tp, 1)
             compare(loss, grads, stage, *refs[world // tp])
 
         ok, reason = _check("tp", step, timeout_s)
         row["tp"] = "ok" if ok else reason
+    if "load" in checks and scratch is not None:
+        ok, reason = load_check(small, family, scratch, stages, tp, timeout_s, plan)
+        row["load"] = "ok" if ok else reason
     gc.collect()
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
@@ -142,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", default="pp,tp,load")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers
@@ -151,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout + 60))
     signal.signal(signal.SIGALRM, _alarm)
     for index, family in enumerate(args.families.split(",")):
-        row = run_family(family, index, args.stages, args.tp, args.timeout)
+        row = run_family(family, index, args.stages, args.tp, args.timeout,
+                         tuple(args.checks.split(",")), Path(args.out).parent / "hub")
         if dist.get_rank() == 0:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -12,7 +12,6 @@ rank 0 prints each prompt's continuation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -60,14 +59,14 @@ def load_for_generation(checkpoint: str | Path, ctx):
 
     import merak
     from merak import lora
-    from merak.trainer.checkpoint import MARKER, load_checkpoint
+    from merak.trainer.checkpoint import MARKER, load_checkpoint, read_layout
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(f"{checkpoint} has no config.json: give a Merak checkpoint "
                                 f"(checkpoint-<step>) or an HF save_pretrained directory")
     merak_checkpoint = (checkpoint / MARKER).exists()
-    if merak_checkpoint and json.loads((checkpoint / MARKER).read_text()).get("name_prefix"):
+    if merak_checkpoint and read_layout(checkpoint).name_prefix:  # (validated merak.json)
         raise ValueError(f"{checkpoint} was trained with a custom loss_fn (its names carry a "
                          f"prefix); export it first (`merak export`) and generate from that")
     with merak.init_empty_weights():

@@ -5,6 +5,11 @@ into the parameter's own memory: no second copy of the tensor is ever allocated 
 match, which keeps a rank's peak memory at its own share of the model (safetensors'
 `get_tensor` allocates a fresh tensor per read). A tensor on a GPU (or needing a dtype change or
 a tensor-parallel slice) is read into host memory once and copied over.
+
+A checkpoint that transformers converts on load (a Mixtral's per-expert tensors, stacked into
+fused experts in memory) is read through its `CheckpointLayout`: a parameter stored under
+another layout is derived, with transformers' own conversion for the model class, from just
+the checkpoint tensors it is made of (so a stage reads only its own layers' experts).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from merak.materialize.build_patches import PRETRAINED_ATTR
+from merak.materialize.conversion import CheckpointLayout, Derivation
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
@@ -49,7 +57,8 @@ def checkpoint_index(path: str | Path) -> dict[str, Path]:
 
 def load_safetensors_(module: nn.Module, path: str | Path,
                       aliases: Mapping[str, Iterable[str]] | None = None,
-                      names: Iterable[str] | None = None) -> list[str]:
+                      names: Iterable[str] | None = None,
+                      layout: CheckpointLayout | None = None) -> list[str]:
     """Fill `module`'s parameters and persistent buffers (or only `names`) from `path`, in place.
 
     Args:
@@ -60,36 +69,94 @@ def load_safetensors_(module: nn.Module, path: str | Path,
         names: the tensor names to load; default every parameter, and every buffer the
             checkpoint has (others, like rotary ``inv_freq``, keep the values they were built
             with).
+        layout: the conversions transformers applies when it loads this model
+            (`CheckpointLayout`, e.g. a Mixtral's per-expert tensors stacked into its fused
+            experts): a tensor missing by name is derived from the checkpoint tensors it is
+            made of, reading only those.
 
     Raises:
-        KeyError: a wanted tensor is in the checkpoint under none of its names.
-        ValueError: a stored shape differs from the module's.
+        KeyError: a wanted tensor is in the checkpoint under none of its names, and no
+            conversion makes it (the message names the conversion tried).
+        ValueError: a stored (or derived) shape differs from the module's.
     """
     index = checkpoint_index(path)
+    table = layout.derivations(index) if layout is not None else None
+    known = table if table is not None else index
     params = dict(module.named_parameters(remove_duplicate=False))
     tensors = {**module.state_dict(keep_vars=True), **params}
     aliases = aliases or {}
     if names is None:  # buffers absent from the checkpoint were non-persistent in the model
         names = [n for n in tensors if n in params
-                 or any(a in index for a in [n, *aliases.get(n, ())])]
+                 or any(a in known for a in [n, *aliases.get(n, ())])]
     wanted = list(dict.fromkeys(names))
     plan: dict[Path, list[tuple[str, str]]] = {}
+    derived: dict[int, tuple[Derivation, list[tuple[str, str]]]] = {}
     missing = []
     for name in wanted:
-        stored = next((n for n in [name, *aliases.get(name, ())] if n in index), None)
+        stored = next((n for n in [name, *aliases.get(name, ())] if n in known), None)
+        how = table[stored] if table is not None and stored is not None else None
         if stored is None:
             missing.append(name)
+        elif how is not None and how.converter is not None:
+            derived.setdefault(id(how), (how, []))[1].append((name, stored))
         else:
-            plan.setdefault(index[stored], []).append((name, stored))
+            source = how.sources[0][0] if how is not None else stored
+            plan.setdefault(index[source], []).append((name, source))
     if missing:
-        raise KeyError(f"{len(missing)} tensors are not in the checkpoint {path}: {missing[:8]}"
-                       f"{' ...' if len(missing) > 8 else ''}")
+        raise KeyError(_missing_message(missing, path, aliases, layout))
     for file, entries in plan.items():
         data_start, header = read_header(file)
         with open(file, "rb") as f:
             for name, stored in entries:
                 _read_into(f, data_start, header[stored], tensors[name], name, file)
+    headers: dict[Path, tuple[int, dict]] = {}
+    for how, entries in derived.values():
+        made = layout.derive(how, lambda key: _read_whole(index[key], key, headers))
+        for name, target in entries:
+            _copy_into(tensors[name], made[target], name, f"{how.describe()} in {path}")
     return wanted
+
+
+def _missing_message(missing: list[str], path, aliases, layout: CheckpointLayout | None) -> str:
+    shown = []
+    for name in missing[:8]:
+        tried = ""
+        if layout is not None and layout.converts:
+            tried = next((t for t in map(layout.tried, [*aliases.get(name, ()), name])
+                          if not t.startswith("a tensor")), "a tensor stored under this name")
+            tried = f" (tried: {tried})"
+        shown.append(f"{name}{tried}")
+    return (f"{len(missing)} tensors are not in the checkpoint {path}: {shown}"
+            f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _read_whole(file: Path, key: str, headers: dict) -> torch.Tensor:
+    """Checkpoint tensor `key` of `file`, as a new CPU tensor (headers cached in `headers`)."""
+    if file not in headers:
+        headers[file] = read_header(file)
+    data_start, header = headers[file]
+    info = header[key]
+    begin, end = info["data_offsets"]
+    raw = bytearray(end - begin)
+    with open(file, "rb") as f:
+        f.seek(data_start + begin)
+        if f.readinto(raw) != end - begin:
+            raise ValueError(f"{key}: the checkpoint {file} is truncated")
+    dtype = _DTYPES[info["dtype"]]
+    stored = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    return stored.view(tuple(info["shape"]))
+
+
+def _copy_into(tensor: torch.Tensor, full: torch.Tensor, name: str, where: str) -> None:
+    """Copy `full` (the whole tensor) into `tensor`, or this rank's tensor-parallel slice of it
+    into a shard; the dtype becomes the model's."""
+    spec = getattr(tensor, "tp_shard", None)
+    want = spec.full_shape if spec else tuple(tensor.shape)
+    if tuple(full.shape) != tuple(want):
+        raise ValueError(f"{name}: {where} gives shape {list(full.shape)}, the model has "
+                         f"{list(want)}")
+    with torch.no_grad():
+        tensor.data.copy_(spec.take(full) if spec else full)
 
 
 def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
@@ -115,3 +182,19 @@ def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
         stored = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         stored = stored.view(shape)
         target.copy_(spec.take(stored) if spec else stored)
+
+
+def pretrained_checkpoint(model: nn.Module) -> str | None:
+    """The safetensors directory a meta model came from (``from_pretrained(path)`` inside
+    `init_empty_weights` leaves its parameters on meta and records the path): each rank then
+    loads its own shard from it. None for a model to initialize (``from_config``, whatever
+    directory its config and so its ``name_or_path`` came from) or one with real weights."""
+    path = getattr(model, PRETRAINED_ATTR, None)
+    if not path or not any(p.is_meta for p in model.parameters()):
+        return None
+    if not any((Path(path) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):
+        raise FileNotFoundError(f"{type(model).__name__} was loaded from {path!r} on the meta "
+                                f"device, but {path} holds no {SINGLE_FILE} or {INDEX_FILE} to "
+                                f"load each rank's shard from (a hub id must be downloaded "
+                                f"first)")
+    return path

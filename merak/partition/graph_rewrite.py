@@ -7,6 +7,7 @@ tensor parallelism, LoRA and recomputation wrappers still apply to it after the 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import re
@@ -167,8 +168,34 @@ def export_with_blocks(model, kwargs, blocks, dynamic_batch=False, strict=False)
     dims = {0: Dim.AUTO, 1: Dim.AUTO} if dynamic_batch else {1: Dim.AUTO}
     dyn = {k: (dims if isinstance(v, torch.Tensor) and v.dim() >= 2 else None)
            for k, v in kwargs.items()}
-    return torch.export.export(model, (), kwargs=kwargs, strict=strict, dynamic_shapes=dyn,
-                               preserve_module_call_signature=tuple(blocks))
+    with _named_keywords(model, kwargs):
+        return torch.export.export(model, (), kwargs=kwargs, strict=strict, dynamic_shapes=dyn,
+                                   preserve_module_call_signature=tuple(blocks))
+
+
+@contextlib.contextmanager
+def _named_keywords(model: nn.Module, kwargs: dict):
+    """While exporting, a forward that names every input: inputs that reach the model through
+    its ``**kwargs`` (HF's ``num_items_in_batch``, padding-free ``cu_seq_lens_q``) would
+    otherwise have to be given `dynamic_shapes` as one nested dict, which torch.export cannot
+    flatten (2.11-2.13: "Must provide a tree_name when there might be a mismatch"). An instance
+    attribute, so the parameters keep their names."""
+    params = inspect.signature(model.forward).parameters
+    if not any(k not in params for k in kwargs) or "forward" in vars(model):
+        yield
+        return
+    bound = type(model).forward
+
+    def forward(**inputs):
+        return bound(model, **inputs)
+
+    forward.__signature__ = inspect.Signature(
+        [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in kwargs])
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def prepare_inputs(model, example_inputs):

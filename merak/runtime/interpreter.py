@@ -105,6 +105,9 @@ class PipelineInterpreter(StepTail):
         self.hooks = list(hooks)
         self.autocast_dtype, self.tp_rng = autocast_dtype, tp_rng
         self.loss_scale = 1.0  # set by an fp16 loss scaler
+        # a training step's loss: the micro-batch losses times this, summed (HF's token-
+        # weighted loss: each is already divided by the step's token count); None: their mean
+        self.loss_weight: float | None = None
         self.skip_optimizer_step = False  # set before the step by a hook (fp16 overflow)
         self.kept: torch.Tensor | None = None  # eval outputs kept (predict)
         self.activation_peak: int | None = None
@@ -228,7 +231,8 @@ class PipelineInterpreter(StepTail):
         if meter is not None:
             meter.reset_peak()
         self.grad_averager.begin_step()
-        loss = self._run(self.program, batch, self.num_microbatches, self.hooks)
+        loss = self._run(self.program, batch, self.num_microbatches, self.hooks,
+                         loss_weight=self.loss_weight)
         if meter is not None:
             self.activation_peak = meter.peak
         self.global_step += 1
@@ -280,8 +284,8 @@ class PipelineInterpreter(StepTail):
     # -- the walk -----------------------------------------------------------------------------
     def _run(self, program: Sequence[Action], batch: dict[str, torch.Tensor] | None,
              num_microbatches: int, hooks: Sequence[InstructionHook],
-             microbatches_used: int | None = None) -> float:
-        self._begin(batch, num_microbatches, microbatches_used)
+             microbatches_used: int | None = None, loss_weight: float | None = None) -> float:
+        self._begin(batch, num_microbatches, microbatches_used, loss_weight)
         for hook in hooks:
             hook.on_step_begin(self.global_step)
         index = 0
@@ -298,7 +302,7 @@ class PipelineInterpreter(StepTail):
             index = end
         self.transfers.finish_step()
         losses = [loss for r in self.runners.values() for loss in r.losses]
-        loss = step_loss(self.ctx, losses)
+        loss = step_loss(self.ctx, losses, loss_weight)
         for hook in hooks:
             hook.on_step_end(self.global_step)
         for runner in self.runners.values():
@@ -306,7 +310,7 @@ class PipelineInterpreter(StepTail):
         return loss
 
     def _begin(self, batch: dict[str, torch.Tensor] | None, num_microbatches: int,
-               microbatches_used: int | None) -> None:
+               microbatches_used: int | None, loss_weight: float | None = None) -> None:
         if self.batch_keys and batch is None:
             raise ValueError(f"rank {self.ctx.rank} reads {self.batch_keys} from the batch "
                              f"but got batch=None")
@@ -325,7 +329,7 @@ class PipelineInterpreter(StepTail):
                                    self.batch_keys)
         for runner in self.runners.values():
             runner.device, runner.autocast_dtype = device, self.autocast_dtype
-            runner.loss_scale = self.loss_scale
+            runner.loss_scale, runner.loss_weight = self.loss_scale, loss_weight
             runner.begin([{k: part[k] for k in runner.batch_keys} for part in parts],
                          microbatches_used or num_microbatches)
         if self.split.edges:

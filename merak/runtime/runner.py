@@ -80,6 +80,7 @@ class StageRunner:
         self.autocast_dtype: torch.dtype | None = None
         self.device = torch.device("cpu")
         self.loss_scale = 1.0
+        self.loss_weight: float | None = None  # per micro-batch loss; None: 1 / micro-batches
         self.keep: str | None = None  # a model output the last stage keeps (predict)
         self.kept: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []
@@ -200,7 +201,8 @@ class StageRunner:
     def _roots(self, state: MicroBatchState) -> tuple[list[torch.Tensor], list]:
         """What the backward starts from: the scaled loss, or the outputs and their grads."""
         if state.loss is not None:
-            return [state.loss * (self.loss_scale / len(self.state))], [None]
+            weight = self.loss_weight if self.loss_weight is not None else 1 / len(self.state)
+            return [state.loss * (self.loss_scale * weight)], [None]
         keys = list(state.output_grads)
         return [state.outputs[k] for k in keys], [state.output_grads[k] for k in keys]
 

@@ -46,12 +46,15 @@ def last_weight_backwards(program: Sequence[Action]) -> dict[int, Action]:
     return last
 
 
-def step_loss(ctx: ParallelContext, losses: Sequence[torch.Tensor]) -> float:
-    """The step's loss on every rank: the mean of the last stage's micro-batch losses, averaged
-    over the dp ranks (counted once per TP group). The sum travels on the rank's device."""
+def step_loss(ctx: ParallelContext, losses: Sequence[torch.Tensor],
+              weight: float | None = None) -> float:
+    """The step's loss on every rank: the mean of the last stage's micro-batch losses (with a
+    `weight`, their sum times it), averaged over the dp ranks (counted once per TP group). The
+    sum travels on the rank's device."""
     local = torch.zeros(1, dtype=torch.float64, device=ctx.device)
     if losses and ctx.tp_rank == 0:
-        local += torch.stack(list(losses)).double().mean().to(ctx.device)
+        stacked = torch.stack([loss.reshape(()) for loss in losses]).double()
+        local += (stacked.mean() if weight is None else stacked.sum() * weight).to(ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(local)
     return local.item() / ctx.dp

@@ -10,18 +10,19 @@ Layout of ``<output_dir>/checkpoint-<step>/``:
   from the step, since the data order is deterministic).
 - ``merak.json``: the layout and step, written last.
 
-Writing goes to ``checkpoint-<step>.partial``; after every rank has written, rank 0 renames it.
-A crash mid-save therefore leaves only a ``.partial`` directory, which resuming skips with a
-warning, and the previous checkpoint intact.
+Writing goes to ``checkpoint-<step>.partial``; after every rank has written, rank 0 writes the
+marker and renames the directory into place, keeping an existing checkpoint of the same step
+valid until then (`checkpoint_dirs`: listing, atomic replacement, recovery after a kill). Readers
+check the metadata and that every file the layout implies is there (`checkpoint_files`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
-import shutil
-import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,13 +30,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
 from merak.distributed.parallel_context import ParallelContext
 from merak.tensor_parallel.layers import ShardSpec
-
-PREFIX, PARTIAL, MARKER = "checkpoint-", ".partial", "merak.json"
+from merak.trainer.checkpoint_dirs import (  # noqa: F401 - the trainer's names for them
+    PARTIAL,
+    complete_checkpoints,
+    install,
+    remove_step,
+    repair,
+    resolve,
+    rotate,
+)
+from merak.trainer.checkpoint_files import (  # noqa: F401 - read_layout: for its users
+    MARKER,
+    PREFIX,
+    CheckpointError,
+    IncompleteCheckpointError,
+    Layout,
+    check_files,
+    check_model_tensors,
+    read_layout,
+)
 
 
 def rng_states(model=None) -> dict:
@@ -65,17 +83,42 @@ def model_file(ctx: ParallelContext) -> str:
     return f"model-pp{ctx.stage_id}-tp{ctx.tp_rank}.safetensors"
 
 
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, stage, state: dict,
                     *, save_total_limit: int | None = None, config=None,
-                    name_prefix: str = "", keep: str | Path | None = None) -> Path:
+                    name_prefix: str = "", keep: str | Path | None = None,
+                    before_marker: Callable[[Path], None] | None = None) -> Path:
     """Write this rank's part of ``checkpoint-<step>`` (collective: every rank calls it), then
-    keep at most `save_total_limit` checkpoints (`rotate`; `keep` is the best one)."""
+    keep at most `save_total_limit` checkpoints (`rotate`; `keep` is the best one).
+    `before_marker(dir)`: rank 0 writes more files (a LoRA adapter) before the checkpoint is
+    complete, so they are never missing from one that looks complete."""
     final = Path(output_dir) / f"{PREFIX}{step}"
-    partial = final.with_name(final.name + PARTIAL)
     if ctx.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
+        begin_save(final)
+    _barrier()
+    write_rank_files(final.with_name(final.name + PARTIAL), ctx, stage, state)
+    _barrier()
+    if ctx.rank == 0:
+        finish_save(final, Layout(step, ctx.dp, ctx.tp, ctx.pp, name_prefix), config=config,
+                    before_marker=before_marker)
+        rotate(output_dir, save_total_limit, keep)
+    _barrier()
+    return final
+
+
+def begin_save(final: Path) -> None:
+    """Rank 0: settle what interrupted saves left (`repair`), then an empty ``.partial``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    repair(final.parent)
+    final.with_name(final.name + PARTIAL).mkdir()  # (repair left no .partial behind)
+
+
+def write_rank_files(partial: Path, ctx: ParallelContext, stage, state: dict) -> None:
+    """This rank's files: its (pp, tp) weights (dp rank 0) and its state."""
     params = dict(stage.named_parameters())
     if any(is_sharded(p) for p in params.values()):  # ZeRO-2/3: every dp rank gathers
         params = {n: whole(p) for n, p in params.items()}
@@ -85,122 +128,112 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
                  if getattr(p, "tp_shard", None) is not None}
         save_file(tensors, partial / model_file(ctx), metadata=specs)
     torch.save(state, partial / f"rank{ctx.rank}.pt")
-    dist.barrier()
-    if ctx.rank == 0:
-        if config is not None:  # for `merak export`: a plain HF directory needs the config
-            config.save_pretrained(partial)
-        (partial / MARKER).write_text(json.dumps({"step": step, "dp": ctx.dp, "tp": ctx.tp,
-                                                  "pp": ctx.pp, "name_prefix": name_prefix}))
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-        rotate(output_dir, save_total_limit, keep)
-    dist.barrier()
-    return final
 
 
-def rotate(output_dir: str | Path, save_total_limit: int | None,
-           keep: str | Path | None = None) -> None:
-    """HF's `rotate_checkpoints`: delete the oldest checkpoints until `save_total_limit` are
-    left, never the newest (to resume from) nor `keep` (the best, with load_best_model_at_end
-    or save_strategy='best'), so with both protected two may stay."""
-    if not save_total_limit or save_total_limit <= 0:
-        return
-    found = complete_checkpoints(output_dir)
-    protected = {p.resolve() for p in found[-1:]} | ({Path(keep).resolve()} if keep else set())
-    remaining = len(found)
-    for old in found:
-        if remaining <= max(save_total_limit, len(protected)):
-            break
-        if old.resolve() not in protected:
-            shutil.rmtree(old)
-            remaining -= 1
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in `output_dir`, oldest first; warns about half-written ones."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        if path.name.startswith(PREFIX) and path.name.endswith(PARTIAL):
-            warnings.warn(f"ignoring the half-written checkpoint {path} (a save was interrupted)",
-                          stacklevel=2)
-        elif path.name.startswith(PREFIX) and (path / MARKER).exists():
-            found.append(path)
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def resolve(resume_from_checkpoint: str | bool, output_dir: str | Path) -> Path:
-    if resume_from_checkpoint is True:
-        found = complete_checkpoints(output_dir)
-        if not found:
-            raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir} has no "
-                                    f"complete Merak checkpoint")
-        return found[-1]
-    path = Path(resume_from_checkpoint)
-    if not (path / MARKER).exists():
-        raise FileNotFoundError(f"{path} is not a complete Merak checkpoint (no {MARKER}; "
-                                f"a half-written save ends in {PARTIAL})")
-    return path
+def finish_save(final: Path, layout: Layout, *, config=None,
+                before_marker: Callable[[Path], None] | None = None) -> None:
+    """Rank 0, once every rank has written: the config, the marker (atomically: the
+    checkpoint is complete from this rename on) and the rename into place (`install`)."""
+    partial = final.with_name(final.name + PARTIAL)
+    if config is not None:  # for `merak export`: a plain HF directory needs the config
+        config.save_pretrained(partial)
+    if before_marker is not None:
+        before_marker(partial)
+    check_files(partial, layout)  # every rank's file is there before it may count as complete
+    fields = {"step": layout.step, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+              "name_prefix": layout.name_prefix}
+    (partial / (MARKER + ".tmp")).write_text(json.dumps(fields))
+    os.replace(partial / (MARKER + ".tmp"), partial / MARKER)
+    install(partial, final)
 
 
 def full_tensors(path: Path, names=None) -> dict[str, torch.Tensor]:
     """Whole tensors from every (pp, tp) file of a checkpoint: tensor-parallel shards are put
-    back together (`ShardSpec.assemble`). `names`: only these (default: all)."""
+    back together (`ShardSpec.assemble`). `names`: only these (default: all, and then the
+    checkpoint must be whole: every file its layout implies and every parameter its config's
+    model has, or `IncompleteCheckpointError` names what is missing; what `merak export`
+    reads, so it never writes part of a model)."""
+    path = Path(path)
+    layout = check_files(path, rank_states=False)
     shards: dict[str, list[tuple[ShardSpec | None, Path]]] = {}
-    for file in sorted(path.glob("model-pp*-tp*.safetensors")):
-        with safe_open(file, framework="pt") as f:
+    for file in (path / name for name in layout.model_files()):
+        with _open(file) as f:
             meta = f.metadata() or {}
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if names is None or name in names:
-                    spec = ShardSpec(**_spec_args(meta[name])) if name in meta else None
+                    spec = _spec(meta[name], file, name) if name in meta else None
                     shards.setdefault(name, []).append((spec, file))
+    if names is None:
+        check_model_tensors(path, shards, layout)
     out = {}
     for name, parts in shards.items():
         spec, file = parts[0]
         if spec is None:
-            with safe_open(file, framework="pt") as f:
+            with _open(file) as f:
                 out[name] = f.get_tensor(name)
             continue
         pieces = {}
         for part_spec, part_file in parts:
-            with safe_open(part_file, framework="pt") as f:
+            with _open(part_file) as f:
                 pieces[part_spec.rank] = f.get_tensor(name)
         if sorted(pieces) != list(range(spec.size)):
-            raise ValueError(f"{path}: tensor {name} has shards {sorted(pieces)} of {spec.size}")
+            raise IncompleteCheckpointError(f"{path}: tensor {name} has shards "
+                                            f"{sorted(pieces)} of {spec.size}")
         out[name] = spec.assemble([pieces[r] for r in range(spec.size)])
     return out
 
 
-def _spec_args(text: str) -> dict:
-    args = json.loads(text)
-    return {**args, "chunks": tuple(args["chunks"]), "full_shape": tuple(args["full_shape"])}
+def _open(file: Path):
+    """`safe_open`, with an error naming the file when it is not a readable safetensors file
+    (cut short, overwritten)."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as error:  # noqa: BLE001 - safetensors' errors do not name the file
+        raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+def _spec(text: str, file: Path, name: str) -> ShardSpec:
+    try:
+        args = json.loads(text)
+        return ShardSpec(**{**args, "chunks": tuple(args["chunks"]),
+                            "full_shape": tuple(args["full_shape"])})
+    except (ValueError, TypeError, KeyError) as error:
+        raise CheckpointError(f"{file}: the shard metadata of {name} is malformed "
+                              f"({error!r})") from None
 
 
 def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool]:
     """Load this rank's weights into `stage` in place. Returns (its saved state, whether the
     layout matched). From another (dp, tp, pp) layout the weights are resharded (whole tensors
-    rebuilt from the saved shards, then cut for this rank) and the state is rank 0's."""
-    layout = json.loads((path / MARKER).read_text())
-    same = (layout["dp"], layout["tp"], layout["pp"]) == (ctx.dp, ctx.tp, ctx.pp)
+    rebuilt from the saved shards, then cut for this rank) and the state is rank 0's. Every
+    weight file and the state file it reads must be there (errors name the missing ones)."""
+    path = Path(path)
+    layout = check_files(path, rank_states=False)
+    same = (layout.dp, layout.tp, layout.pp) == (ctx.dp, ctx.tp, ctx.pp)
+    state_file = state_file_of(path, ctx, same)
+    if not state_file.is_file():
+        raise IncompleteCheckpointError(f"{path} is incomplete: it has no {state_file.name}")
     params = dict(stage.named_parameters())
     if same:
-        tensors = load_file(path / model_file(ctx))
+        with _open(path / model_file(ctx)) as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys() if n in params}  # noqa: SIM118
     else:
         tensors = full_tensors(path, set(params))
     with torch.no_grad():
         for name, param in params.items():
             if name not in tensors:
-                raise KeyError(f"checkpoint {path} has no tensor {name}")
+                raise IncompleteCheckpointError(f"checkpoint {path} has no tensor {name}")
             value = tensors[name]
             spec = getattr(param, "tp_shard", None)
             if not same and spec is not None:
                 value = spec.take(value)
             local(param).copy_(this_ranks_part(value, param))  # (ZeRO-2/3: the dp shard)
-    state = load_rank_state(path / f"rank{ctx.rank if same else 0}.pt")
-    return state, same
+    return load_rank_state(state_file), same
+
+
+def state_file_of(path: Path, ctx: ParallelContext, same_layout: bool) -> Path:
+    """The rank state a resume reads: its own in the same layout, else rank 0's."""
+    return Path(path) / f"rank{ctx.rank if same_layout else 0}.pt"
 
 
 def _safe_globals():
@@ -228,4 +261,8 @@ def load_rank_state(file: Path) -> dict:
             f"containers, which unpickling could run code for (Merak loads checkpoint states "
             f"with torch.load(weights_only=True)); only resume from checkpoints you trust that "
             f"Merak wrote. ({culprit})") from None
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{file} is missing") from None
+    except (EOFError, RuntimeError, OSError) as error:  # cut short or overwritten
+        raise CheckpointError(f"{file}: not a readable torch.save file ({error})") from None
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -23,9 +22,9 @@ from merak import lora
 from merak.data_parallel.shards import optimizer_state_from_local, optimizer_state_to_local
 from merak.materialize.meta import has_meta_parameters
 from merak.trainer import checkpoint
+from merak.trainer.checkpoint_files import check_trainer_state
 from merak.trainer.export import gather_full_tensors, save_hf_directory
 from merak.trainer.model_setup import local_optimizer
-
 
 # TrainerState fields a checkpoint keeps besides the step, epoch and log history
 _BEST_STATE = ("best_metric", "best_global_step", "best_model_checkpoint",
@@ -55,14 +54,13 @@ class CheckpointMixin:
             state["rng"] = checkpoint.rng_states(self._user_model)
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
-        path = checkpoint.save_checkpoint(
+        adapter = None if self._lora is None else self._lora[0].save_pretrained
+        path = checkpoint.save_checkpoint(  # (the adapter config: `merak export` reads it)
             args.output_dir, self.state.global_step, self.ctx, self.stage, state,
             save_total_limit=args.save_total_limit,
             config=getattr(self._user_model, "config", None),
             name_prefix="model." if self._wrapped_loss else "",
-            keep=self.state.best_model_checkpoint)
-        if self._lora is not None and self.is_world_process_zero():  # `merak export` reads it
-            self._lora[0].save_pretrained(path)
+            keep=self.state.best_model_checkpoint, before_marker=adapter)
         self.control.should_save = False
         self.control = self.callback_handler.on_save(args, self.state, self.control)
         if self.is_world_process_zero():
@@ -87,6 +85,8 @@ class CheckpointMixin:
         state, same_layout = checkpoint.load_checkpoint(path, self.ctx, self.stage)
         if args.finetune:
             return
+        saved = check_trainer_state(state, checkpoint.state_file_of(path, self.ctx, same_layout),
+                                    checkpoint.read_layout(path).step)
         saved_zero = state.get("zero_stage", 0)  # each stage keeps its own optimizer shards
         if (not same_layout or saved_zero != args.zero_stage) and not args.no_load_optim:
             what = "(dp, tp, pp) layout" if not same_layout else f"zero_stage ({saved_zero})"
@@ -105,7 +105,6 @@ class CheckpointMixin:
             self.scaler.load_state_dict(state["loss_scaler"])
         if not args.no_load_rng and "rng" in state:
             checkpoint.set_rng_states(state["rng"], self._user_model)
-        saved = state["trainer"]
         self.state.global_step, self.state.epoch = saved["global_step"], saved["epoch"]
         self.state.log_history = saved["log_history"]
         for key in _BEST_STATE:
@@ -138,8 +137,10 @@ class CheckpointMixin:
                                    self.stage)
         if self.args.save_total_limit == 1 and self.is_world_process_zero():
             for other in checkpoint.complete_checkpoints(self.args.output_dir):
-                if other.resolve() != Path(best).resolve():
-                    shutil.rmtree(other, ignore_errors=True)
+                step = checkpoint.read_layout(other).step  # (`other` may be a kept copy)
+                if other.with_name(f"{checkpoint.PREFIX}{step}").resolve() != \
+                        Path(best).resolve():
+                    checkpoint.remove_step(other.parent, step)
         if self.ctx.world_size > 1:
             dist.barrier()
 

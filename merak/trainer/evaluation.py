@@ -69,7 +69,7 @@ class EvaluationMixin:
         weighted = 0.0  # sum over this rank's real samples of their micro-batch's loss
         start, gathered, computed = time.perf_counter(), [], None
         for step in range(steps):
-            batch = data.step(step)
+            batch = self._counted(data.step(step), m)  # each micro-batch's own token count
             self.engine.eval_step(batch, m, keep="logits" if predictions else None)
             real = data.real_rows(step)
             row_losses = []  # each real row's micro-batch loss (HF's "loss" for metrics)

@@ -5,6 +5,10 @@ the weights were trained in.
 - `export_checkpoint` (``merak export <checkpoint> <dir>``): from a Merak checkpoint on disk.
 - `gather_full_tensors` + `save_hf_directory` (``MerakTrainer.save_model``): from the live
   stages of a job, gathered on global rank 0.
+
+Both write the layout `save_pretrained` writes for the same model: tied copies dropped and
+transformers' reverse conversions applied (`to_hub_layout`: a Mixtral's fused experts become the
+Hub's per-expert tensors again), so the directory is what the Hub and other tools expect.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from merak import lora
 from merak.data_parallel.shards import is_sharded, whole
 from merak.distributed.host_objects import receive_each
+from merak.materialize.conversion import meta_model_for, to_hub_layout
 from merak.trainer.checkpoint import MARKER, full_tensors
 
 
@@ -48,6 +53,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
         raise ValueError(f"--merge merges a LoRA adapter, but {checkpoint} has no "
                          f"{lora.ADAPTER_CONFIG} (it was not trained with LoRA)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoConfig
+
+    tensors = to_hub_layout(meta_model_for(AutoConfig.from_pretrained(checkpoint)), tensors)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(checkpoint / "config.json", out_dir / "config.json")
     return out_dir
@@ -102,11 +110,13 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
 def save_hf_directory(tensors: dict[str, torch.Tensor], model: nn.Module,
                       output_dir: str | Path) -> Path:
     """`tensors` (whole, original names) as an HF `save_pretrained` directory, with `model`'s
-    config and generation config (the user's model: its parameters may be on meta)."""
+    config and generation config (the user's model: its parameters may be on meta), in the
+    layout `save_pretrained` writes (`to_hub_layout`)."""
     from huggingface_hub import save_torch_state_dict
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tensors = to_hub_layout(model, tensors)
     save_torch_state_dict(tensors, out, metadata={"format": "pt"})
     config = getattr(model, "config", None)
     if config is not None:

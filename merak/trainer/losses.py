@@ -2,7 +2,8 @@
 
 `LabelSmoothedLoss(epsilon)(outputs, labels)` equals transformers' `LabelSmoother` as HF
 `Trainer.compute_loss` applies it: ``(1 - eps) * NLL + eps * mean_over_vocab(-log p)``, both
-averaged over the tokens whose label is not -100, the labels shifted by one for causal LMs.
+averaged over the tokens whose label is not -100 (or divided by ``num_items_in_batch``, HF's
+token count of the step, when given), the labels shifted by one for causal LMs.
 Given ``group`` (the TP group), the logits may be split along the vocabulary across it (Megatron's
 vocab-parallel LM head without a gather): the log-softmax normalizer, the target log-probability
 and the sum of log-probabilities over the vocabulary are then reduced across the group, as
@@ -29,7 +30,8 @@ class LabelSmoothedLoss:
         self.epsilon, self.shift_labels = epsilon, shift_labels
         self.ignore_index, self.group = ignore_index, group
 
-    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs, labels: torch.Tensor,
+                 num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
         logits = outputs["logits"] if isinstance(outputs, dict) else \
             getattr(outputs, "logits", outputs)
         if self.shift_labels:
@@ -53,7 +55,9 @@ class LabelSmoothedLoss:
         vocab = local_vocab * size
         smoothed = vocab * log_normalizer - _sum(shifted.sum(-1), group, size)
         valid = labels != self.ignore_index
-        count = valid.sum()  # as LabelSmoother: NaN when no label is valid
+        # as LabelSmoother: HF's token count of the step when given, else this batch's (NaN
+        # when no label is valid)
+        count = valid.sum() if num_items_in_batch is None else num_items_in_batch
         nll = (nll * valid).sum() / count
         smoothed = (smoothed * valid).sum() / (count * vocab)
         return (1 - self.epsilon) * nll + self.epsilon * smoothed

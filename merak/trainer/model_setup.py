@@ -1,19 +1,18 @@
-"""What `MerakTrainer` wraps around the user's model and optimizer: the loss function, a model
-loaded from a pretrained directory on meta, and ZeRO-1."""
+"""What `MerakTrainer` wraps around the user's model and optimizer: the loss function and
+ZeRO-1."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from merak.materialize.meta import PRETRAINED_ATTR
-from merak.materialize.safetensors import INDEX_FILE, SINGLE_FILE
+from merak.trainer.token_counts import ITEMS
+
 
 
 def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:
@@ -32,22 +31,6 @@ def zero1(optimizer: torch.optim.Optimizer, ctx) -> ZeroRedundancyOptimizer:
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                    process_group=ctx.dp_group, **defaults)
-
-
-def pretrained_checkpoint(model: nn.Module) -> str | None:
-    """The safetensors directory a meta model came from (``from_pretrained(path)`` inside
-    `init_empty_weights` leaves its parameters on meta and records the path): each rank then
-    loads its own shard from it. None for a model to initialize (``from_config``, whatever
-    directory its config and so its ``name_or_path`` came from) or one with real weights."""
-    path = getattr(model, PRETRAINED_ATTR, None)
-    if not path or not any(p.is_meta for p in model.parameters()):
-        return None
-    if not any((Path(path) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):
-        raise FileNotFoundError(f"{type(model).__name__} was loaded from {path!r} on the meta "
-                                f"device, but {path} holds no {SINGLE_FILE} or {INDEX_FILE} to "
-                                f"load each rank's shard from (a hub id must be downloaded "
-                                f"first)")
-    return path
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -69,7 +52,9 @@ class _WithLoss(nn.Module):
     def forward(self, labels: torch.Tensor, **inputs):
         if self.no_cache:  # a KV cache cannot be traced (and is useless in training)
             inputs.setdefault("use_cache", False)
-        return self.loss_fn(self.model(**inputs), labels)
+        count = inputs.pop(ITEMS, None)  # HF's token count, for the loss alone
+        extra = {ITEMS: count} if count is not None else {}
+        return self.loss_fn(self.model(**inputs), labels, **extra)
 
 
 def with_loss(model: nn.Module, loss_fn: Callable, input_names: Sequence[str]) -> _WithLoss:

@@ -112,4 +112,4 @@ class TextGenerationMixin:
             if dataset is not None:
                 return self._example(dataset, rows)
         ids = torch.zeros((rows, 16), dtype=torch.long)
-        return {"input_ids": ids, "labels": ids.clone()}
+        return self._counted({"input_ids": ids, "labels": ids.clone()}, 1)

@@ -27,6 +27,7 @@ from merak import lora
 from merak.build import parallelize
 from merak.data_parallel.zero import check_optimizer, shard_stage
 from merak.distributed.parallel_context import get_context
+from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.runtime.memory_probe import fits_in_memory
 from merak.schedule.registry import SCHEDULES
@@ -42,13 +43,9 @@ from merak.trainer.grad_norm import GradNormClipper
 from merak.trainer.loss_scale import LossScaler
 from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
 from merak.trainer.text_generation import TextGenerationMixin
-from merak.trainer.model_setup import (
-    default_loss_fn,
-    pretrained_checkpoint,
-    with_loss,
-    zero1,
-)
+from merak.trainer.model_setup import default_loss_fn, with_loss, zero1
 from merak.trainer.timers import WallClockBreakdown
+from merak.trainer.token_counts import takes_item_count, with_own_counts, with_step_count
 
 
 class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGenerationMixin,
@@ -77,6 +74,10 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             if lora.is_peft_model(model) and args.adapter_name in model.peft_config else None
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
+        base = model.get_base_model() if lora.is_peft_model(model) else model
+        self._loss, self._counts_items = self._choose_loss(base)
+        # HF's rule for which labels count (a causal LM's loss shifts them)
+        self._shifted_count = getattr(self, "_loss_shifts_labels", shifts_labels(base))
         self.generation_prompts, self.generations = generation_prompts, None
         self.stage = self.engine = self.clipper = self.zero = None
         self._user_model = model
@@ -106,13 +107,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
         if "labels" not in example:
             raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
                              "in the dataset or the data collator)")
-        loss_fn = self.loss_fn
-        if loss_fn is None and self.label_smoother is not None:  # label_smoothing_factor
-            # HF's LabelSmoother on the logits the last stage makes (gathered whole by the
-            # vocab-parallel LM head, so one TP rank's result is the full-vocabulary one)
-            loss_fn = LabelSmoothedLoss(self.label_smoother.epsilon, shifts_labels(model))
-        if loss_fn is None and "labels" not in inspect.signature(model.forward).parameters:
-            loss_fn = default_loss_fn  # the model computes no loss of its own
+        loss_fn = self._loss
         self._wrapped_loss = loss_fn is not None
         if loss_fn is not None:
             model = with_loss(model, loss_fn, list(example))
@@ -173,6 +168,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             segment_size=args.checkpoint_num_layers,
             tp_rng=getattr(self._user_model, "merak_tp_rng", None), zero=self.zero,
             dealloc_outputs=args.dealloc_pipeoutput)
+        if self._counts_items:  # HF: summed micro-batch losses, x dp when counted over dp
+            self.engine.loss_weight = self.ctx.dp if args.average_tokens_across_devices else 1
         self.scaler = None
         if args.fp16:  # unscale and check for overflow before clipping
             self.scaler = LossScaler(
@@ -182,6 +179,39 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
                 min_scale=args.min_loss_scale)
             self.engine.hooks.insert(self.engine.hooks.index(self.clipper), self.scaler)
 
+    def _choose_loss(self, model: nn.Module) -> tuple[Callable | None, bool]:
+        """The loss the last stage computes (None: the model's own), and whether it is HF's
+        token-weighted one (`merak.trainer.token_counts`): Merak's ``loss_fn`` when it takes
+        ``num_items_in_batch``; HF's ``compute_loss_func`` always; label smoothing and the
+        model's own loss when the model takes loss keyword arguments (HF's rules)."""
+        if self.loss_fn is not None:
+            return self.loss_fn, takes_item_count(self.loss_fn)
+        if self.compute_loss_func is not None:
+            func = self.compute_loss_func
+
+            def compute_loss_func(outputs, labels, num_items_in_batch=None):
+                return func(outputs, labels, num_items_in_batch=num_items_in_batch)
+
+            return compute_loss_func, True
+        if self.label_smoother is not None:  # label_smoothing_factor
+            # HF's LabelSmoother on the logits the last stage makes (gathered whole by the
+            # vocab-parallel LM head, so one TP rank's result is the full-vocabulary one)
+            return (LabelSmoothedLoss(self.label_smoother.epsilon, shifts_labels(model)),
+                    self.model_accepts_loss_kwargs)
+        if "labels" not in inspect.signature(model.forward).parameters:
+            return default_loss_fn, False  # the model computes no loss of its own
+        return None, self.model_accepts_loss_kwargs
+
+    def _counted(self, batch: dict | None, microbatches: int, step: bool = False) -> dict | None:
+        """`batch` with HF's token counts when the loss takes them (see `token_counts`): the
+        step's count in training (`step`), each micro-batch's own otherwise."""
+        if batch is None or not self._counts_items or "labels" not in batch:
+            return batch
+        if step:
+            return with_step_count(batch, microbatches, self._shifted_count, self.ctx,
+                                   self.args.average_tokens_across_devices)
+        return with_own_counts(batch, microbatches, self._shifted_count)
+
     def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
         """HF's auto_find_batch_size for a pipeline: halve the micro-batch until a step fits in
         memory on every rank (`fits_in_memory`: each rank tries its share alone, then all
@@ -189,7 +219,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
         split is traced for one micro-batch size, so each new size is a new build."""
         first = size
         while not fits_in_memory(self.engine, self._example(self.train_dataset,
-                                                            size * num_microbatches),
+                                                            size * num_microbatches,
+                                                            num_microbatches),
                                  num_microbatches):
             if size == 1:
                 raise RuntimeError("auto_find_batch_size: a training step does not fit in device "
@@ -219,8 +250,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             reads_data=self.engine is None or bool(self.engine.batch_keys),
             loader=loader_options(self.args))
 
-    def _example(self, dataset, rows: int) -> dict[str, torch.Tensor]:
-        return self._collate([dataset[i] for i in range(rows)])
+    def _example(self, dataset, rows: int, microbatches: int = 1) -> dict[str, torch.Tensor]:
+        return self._counted(self._collate([dataset[i] for i in range(rows)]), microbatches)
 
     # ---------------------------------------------------------------- training
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs) -> TrainOutput:
@@ -237,7 +268,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
         if args.auto_find_batch_size:
             mbs = self._train_batch_size = self._find_micro_batch_size(mbs, m)
-        recomputation.plan(self.engine, args, self._example(self.train_dataset, mbs * m))
+        recomputation.plan(self.engine, args, self._example(self.train_dataset, mbs * m, m))
         if self.energy is not None:  # the clock plan must fit the schedule that runs
             self.energy.attach(self.engine)
         data = self._batches(self.train_dataset, mbs, m)
@@ -276,7 +307,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
                 if tokens_per_step is None and batch is not None and "input_ids" in batch:
                     tokens_per_step = batch["input_ids"].numel() * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
-                loss = self.engine.train_step(batch)
+                loss = self.engine.train_step(self._counted(batch, m, step=True))
                 self._count_input_tokens(batch)
                 self._empty_device_cache(self.state.global_step)
                 if self.energy is not None:

@@ -141,8 +141,30 @@ def dataset(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
+def padded_rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Fine-tuning rows: each of its own length (SEQ/3 .. SEQ tokens), right-padded with id 0
+    to SEQ, the padding masked out of attention and labelled -100, so the micro-batches of a
+    step hold different numbers of target tokens (HF's token-weighted loss differs from the
+    mean of micro-batch means)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
+    lengths = torch.randint(SEQ // 3, SEQ + 1, (n,), generator=g)
+    rows = []
+    for row, length in zip(ids, lengths):
+        mask = (torch.arange(SEQ) < length).long()
+        row = row * mask
+        rows.append({"input_ids": row, "attention_mask": mask,
+                     "labels": row.masked_fill(mask == 0, -100)})
+    return rows
+
+
 def train_set():
     return dataset(STEPS * MICRO_BATCH * MICROBATCHES * DP, 7)
+
+
+def fine_tuning_set():
+    """The parity runs' training rows (RUNS and the matrix): padded, of varying length."""
+    return padded_rows(STEPS * MICRO_BATCH * MICROBATCHES * DP, 7)
 
 
 def eval_set():

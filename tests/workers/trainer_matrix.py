@@ -19,7 +19,7 @@ from trainer_common import (
     MICROBATCHES,
     build,
     matrix_runs,
-    train_set,
+    fine_tuning_set,
 )
 
 import merak
@@ -36,7 +36,7 @@ def run(name: str, reference: str, layout: tuple[int, int, int], fields: dict) -
     args = merak.MerakArguments(output_dir=str(out_dir() / name), save_strategy="no",
                                 per_device_train_batch_size=rows // (
                                     dp * fields["gradient_accumulation_steps"]), **fields)
-    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set())
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     if dist.get_rank() == 0:

@@ -25,6 +25,7 @@ from trainer_common import (
     ZERO_GRID,
     build,
     eval_set,
+    fine_tuning_set,
     flow_summary,
     train_set,
 )
@@ -51,7 +52,7 @@ def run(name: str) -> None:
                                 per_device_eval_batch_size=4 * MICRO_BATCH * DP // dp,
                                 parallel_vocab=True,
                                 wall_clock_breakdown=True, **{**COMMON, **extra}, **merak_only)
-    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set(),
                                  eval_dataset=eval_set())
     with _reduced_in_last_backward(trainer) as reduced:
         trainer.train()

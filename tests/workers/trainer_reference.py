@@ -22,8 +22,8 @@ from trainer_common import (
     RUNS,
     build,
     eval_set,
+    fine_tuning_set,
     flow_summary,
-    train_set,
 )
 
 
@@ -49,7 +49,7 @@ def main() -> None:
                                     per_device_train_batch_size=MICRO_BATCH * DP,
                                     per_device_eval_batch_size=MICRO_BATCH * DP,
                                     **{**COMMON, "save_strategy": "no", **extra})
-        trainer = tf.Trainer(model=model, args=args, train_dataset=train_set(),
+        trainer = tf.Trainer(model=model, args=args, train_dataset=fine_tuning_set(),
                              eval_dataset=eval_set())
         trainer.train()
         flow = flow_summary(trainer) if run.endswith("hf-flow") else {}

@@ -1,0 +1,195 @@
+"""What a whole Merak checkpoint is, checked before anything trusts one.
+
+A checkpoint directory is only as good as its weakest file: an export that silently skips a
+missing ``model-pp1-tp0.safetensors`` writes half a model, which ``from_pretrained`` then fills
+with random weights without a word; a resume from hand-edited metadata trains from step -3. So
+every reader goes through here first:
+
+- `read_layout`: ``merak.json`` parsed and validated (step, dp, tp, pp, name_prefix), errors
+  naming the file and the field.
+- `missing_files`: every (pp, tp) model file and every rank's state file the layout implies.
+- `missing_model_tensors`: every parameter the config's model has (``config.json``), so a
+  layout that is itself wrong (fewer stages recorded than trained) is caught too.
+- `check_trainer_state`: the step, epoch and log history a resume would continue from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFIX, MARKER = "checkpoint-", "merak.json"
+NAME = re.compile(r"checkpoint-(\d+)")  # the listable name; any suffix marks a non-checkpoint
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is: its message names the file and what is
+    wrong with it."""
+
+
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
+    """Files or tensors a checkpoint's layout or config implies are absent (also a
+    `FileNotFoundError`, as the old "not a complete Merak checkpoint" error was)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The contents of ``merak.json``: the step and the (dp, tp, pp) layout it was saved in."""
+
+    step: int
+    dp: int
+    tp: int
+    pp: int
+    name_prefix: str = ""
+
+    def model_files(self) -> list[str]:
+        return [f"model-pp{p}-tp{t}.safetensors" for p in range(self.pp) for t in range(self.tp)]
+
+    def rank_files(self) -> list[str]:
+        return [f"rank{r}.pt" for r in range(self.dp * self.tp * self.pp)]
+
+
+def step_of(name: str) -> int | None:
+    """The step of a directory named exactly ``checkpoint-<int>`` (None for anything else:
+    ``checkpoint-best``, ``checkpoint-4.partial``)."""
+    match = NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def _count(file: Path, fields: dict, key: str, minimum: int) -> int:
+    if key not in fields:
+        raise CheckpointError(f"{file}: field {key!r} is missing")
+    value = fields[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"{file}: field {key!r} must be an integer >= {minimum}, got "
+                              f"{value!r}")
+    return value
+
+
+def read_layout(path: str | Path) -> Layout:
+    """``<path>/merak.json`` as a `Layout`; `CheckpointError` naming the file and the field
+    when it is absent, not JSON, or holds a missing or impossible value."""
+    file = Path(path) / MARKER
+    try:
+        fields = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path} is not a complete Merak checkpoint (no "
+                                        f"{MARKER}; a half-written save ends in .partial)"
+                                        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: not readable JSON ({error})") from None
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(fields).__name__}")
+    prefix = fields.get("name_prefix", "")
+    if not isinstance(prefix, str):
+        raise CheckpointError(f"{file}: field 'name_prefix' must be a string, got {prefix!r}")
+    return Layout(step=_count(file, fields, "step", 0), dp=_count(file, fields, "dp", 1),
+                  tp=_count(file, fields, "tp", 1), pp=_count(file, fields, "pp", 1),
+                  name_prefix=prefix)
+
+
+def missing_files(path: str | Path, layout: Layout, *, rank_states: bool = True) -> list[str]:
+    """The files `layout` implies that `path` lacks (or holds empty: a file cut short).
+    `rank_states=False`: the weights only (what an export reads)."""
+    path = Path(path)
+    wanted = layout.model_files() + (layout.rank_files() if rank_states else [])
+    missing = []
+    for name in wanted:
+        try:
+            if (path / name).stat().st_size == 0:
+                missing.append(f"{name} (empty)")
+        except OSError:
+            missing.append(name)
+    return missing
+
+
+def check_files(path: str | Path, layout: Layout | None = None, *,
+                rank_states: bool = True) -> Layout:
+    """`read_layout` and `missing_files`; `IncompleteCheckpointError` naming every missing
+    file. Returns the layout."""
+    layout = layout or read_layout(path)
+    missing = missing_files(path, layout, rank_states=rank_states)
+    if missing:
+        raise IncompleteCheckpointError(
+            f"{path} is incomplete: its layout dp{layout.dp} x tp{layout.tp} x pp{layout.pp} "
+            f"({Path(path) / MARKER}) implies files it lacks: {', '.join(missing)}")
+    return layout
+
+
+def is_complete(path: Path) -> bool:
+    """Whether `path` is a checkpoint to resume from: valid metadata, every file present."""
+    try:
+        check_files(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def missing_model_tensors(path: str | Path, names, layout: Layout | None = None
+                          ) -> list[str]:
+    """Parameters of ``<path>/config.json``'s model that `names` (the checkpoint's tensor
+    names) lacks. A tied group (embeddings and head) needs one of its names; a LoRA
+    checkpoint's adapters are not asked for and its ``base_layer`` weights count as the base
+    model's. Empty when there is no config or transformers cannot build its class (nothing to
+    compare with)."""
+    from merak.materialize.conversion import meta_model_for
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        return []
+    from transformers import AutoConfig
+
+    model = meta_model_for(AutoConfig.from_pretrained(path))
+    if model is None:
+        return []
+    prefix = (layout or read_layout(path)).name_prefix
+    have = {n[len(prefix):] if prefix and n.startswith(prefix) else n for n in names}
+    have |= {n.replace(".base_layer.", ".") for n in have if ".base_layer." in n}
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return sorted(group[0] for group in groups.values() if not have.intersection(group))
+
+
+def check_model_tensors(path: str | Path, names, layout: Layout | None = None) -> None:
+    """`IncompleteCheckpointError` naming the config's parameters the checkpoint lacks."""
+    missing = missing_model_tensors(path, names, layout)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
+                                          else "")
+        raise IncompleteCheckpointError(
+            f"{path} is incomplete: {len(missing)} parameters of its config's model "
+            f"({Path(path) / 'config.json'}) are in none of its files: {shown} (a stage's "
+            f"file lost, or merak.json's layout wrong; parameters the training forward never "
+            f"ran, such as a vision tower given text alone, are in no stage either)")
+
+
+def check_trainer_state(state, file: str | Path, step: int) -> dict:
+    """The rank state's ``trainer`` entry (what a resume continues from), validated: a
+    ``global_step`` that is not the checkpoint's `step` would train from the wrong place
+    (from -3, or not at all from 1e9). `CheckpointError` naming the file and the field."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected a dict of states, got {type(state).__name__}")
+    for key in ("scheduler", "trainer"):
+        if not isinstance(state.get(key), dict):
+            raise CheckpointError(f"{file}: field {key!r} is " + (
+                "missing" if key not in state else f"not a dict ({type(state[key]).__name__})"))
+    saved = state["trainer"]
+    global_step = saved.get("global_step")
+    if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+        raise CheckpointError(f"{file}: field 'trainer.global_step' must be an integer >= 0, "
+                              f"got {global_step!r}")
+    if global_step != step:
+        raise CheckpointError(f"{file}: field 'trainer.global_step' is {global_step} but the "
+                              f"checkpoint is of step {step} ({MARKER})")
+    epoch = saved.get("epoch")  # (None, as HF's TrainerState before its first step)
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, (int, float))
+                              or not epoch >= 0):
+        raise CheckpointError(f"{file}: field 'trainer.epoch' must be a number >= 0, got "
+                              f"{epoch!r}")
+    if not isinstance(saved.get("log_history"), list):
+        raise CheckpointError(f"{file}: field 'trainer.log_history' must be a list, got "
+                              f"{saved.get('log_history')!r}")
+    return saved

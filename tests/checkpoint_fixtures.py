@@ -1,0 +1,114 @@
+"""Small Merak checkpoints written in one process, for the checkpoint safety tests.
+
+A two-stage (pp=2) layout of a tiny Llama, each "rank" a fake context and a stage that is just
+its share of the model's parameters, written with the same steps `save_checkpoint` takes on
+each rank (`begin_save` on rank 0, `write_rank_files` on every rank, `finish_save` and
+`rotate` on rank 0) minus the barriers. The weights of each save are `values(step, version)`,
+so a reader can tell which save a checkpoint it resolved holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from merak.trainer import checkpoint
+from merak.trainer.checkpoint_files import Layout
+
+PP = 2
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2,
+                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+
+
+_NAMES: dict[str, tuple[int, ...]] | None = None
+
+
+def shapes() -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the tiny Llama (built once, on meta)."""
+    global _NAMES
+    if _NAMES is None:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config())
+        _NAMES = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return _NAMES
+
+
+def stage_names(stage_id: int) -> list[str]:
+    """Stage 0: the embeddings and layer 0; stage 1: layer 1, the norm and the head."""
+    first = [n for n in shapes() if n.startswith(("model.embed_tokens", "model.layers.0."))]
+    return first if stage_id == 0 else [n for n in shapes() if n not in first]
+
+
+def values(step: int, version: int) -> dict[str, torch.Tensor]:
+    """The whole model's weights of save (step, version): distinct per save and per tensor."""
+    return {name: torch.full(shape, 1000.0 * version + step + i / 100)
+            for i, (name, shape) in enumerate(shapes().items())}
+
+
+class Stage:
+    """What `write_rank_files` reads of a pipeline stage: its named parameters."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.params = [(n, torch.nn.Parameter(t)) for n, t in tensors.items()]
+
+    def named_parameters(self):
+        return iter(self.params)
+
+
+def ctx(rank: int, pp: int = PP) -> SimpleNamespace:
+    """rank `rank` of a dp1 x tp1 x pp`pp` job."""
+    return SimpleNamespace(rank=rank, dp_rank=0, tp_rank=0, stage_id=rank, dp=1, tp=1, pp=pp,
+                           world_size=pp)
+
+
+def state(step: int, version: int) -> dict:
+    return {"scheduler": {}, "version": version,
+            "trainer": {"global_step": step, "epoch": step / 10, "log_history": []}}
+
+
+def save(root: Path, step: int, version: int, *, limit: int | None = None) -> Path:
+    """Every rank's part of ``checkpoint-<step>``, in `save_checkpoint`'s order."""
+    final = Path(root) / f"checkpoint-{step}"
+    whole = values(step, version)
+    checkpoint.begin_save(final)
+    for rank in range(PP):
+        stage = Stage({n: whole[n] for n in stage_names(rank)})
+        checkpoint.write_rank_files(final.with_name(final.name + ".partial"), ctx(rank), stage,
+                                    state(step, version))
+    checkpoint.finish_save(final, Layout(step, 1, 1, PP), config=config())
+    checkpoint.rotate(root, limit)
+    return final
+
+
+def model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every model file of `path`, read straight from the files."""
+    out = {}
+    for file in sorted(Path(path).glob("model-pp*-tp*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    return out
+
+
+def version_of(path: Path, step: int) -> int:
+    """Which save of `step` `path` holds, checked whole: every tensor of that save's weights
+    and every rank's state say the same version."""
+    layout = checkpoint.read_layout(path)
+    assert layout.step == step, (path, layout)
+    states = [checkpoint.load_rank_state(Path(path) / f"rank{r}.pt") for r in range(PP)]
+    versions = {s["version"] for s in states}
+    assert len(versions) == 1, (path, versions)
+    version = versions.pop()
+    tensors = checkpoint.full_tensors(Path(path))
+    expected = values(step, version)
+    assert sorted(tensors) == sorted(expected), path
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(tensor, expected[name], msg=f"{path}: {name}")
+    return version
