@@ -77,10 +77,14 @@ def base_layer(module: nn.Module) -> nn.Module:
     return module.get_base_layer() if is_lora_layer(module) else module
 
 
-def wrap(model: nn.Module, lora_config, adapter_name: str = "default") -> nn.Module:
+def wrap(model: nn.Module, lora_config, adapter_name: str = "default",
+         seed: int | None = None) -> nn.Module:
     """`model` with peft LoRA adapters (`lora_config`: a `LoraConfig` or a path for
-    `load_lora_config`). A meta model's adapters join its init record."""
+    `load_lora_config`). A meta model's adapters join its init record. With `seed`, the
+    adapters are made right after ``transformers.set_seed(seed)`` (recorded as a reseed, so
+    every layout initializes them as single-process peft would after that call)."""
     from peft import get_peft_model
+    from transformers import set_seed
 
     from merak.materialize.meta import init_empty_weights, record_of
 
@@ -93,11 +97,17 @@ def wrap(model: nn.Module, lora_config, adapter_name: str = "default") -> nn.Mod
         raise ValueError("lora_config: use_dora=True (DoRA) is not supported by Merak's "
                          "tensor-parallel LoRA; set use_dora=False")
     record = record_of(model) if any(p.is_meta for p in model.parameters()) else None
+
+    def make():
+        if seed is not None:
+            set_seed(seed)
+        return get_peft_model(model, config, adapter_name=adapter_name)
+
     try:
         if record is None:
-            return get_peft_model(model, config, adapter_name=adapter_name)
+            return make()
         with init_empty_weights(record):
-            return get_peft_model(model, config, adapter_name=adapter_name)
+            return make()
     except ValueError as error:
         if "not found in the base model" not in str(error):
             raise

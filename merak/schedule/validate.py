@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from merak.schedule.actions import (
-    BACKWARD_KINDS,
     P2P_KINDS,
     RECV_KINDS,
     STEP_KINDS,
-    Action,
     ActionKind,
     Schedule,
 )

@@ -288,8 +288,8 @@ def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict
                                      f"along dim {dim}: {size} is not divisible by "
                                      f"{parts * tp}" + (f" ({parts} packed parts)" if parts > 1
                                                         else "") + "; choose a tp that divides "
-                                     f"it (for experts: the config's moe_intermediate_size / "
-                                     f"intermediate_size)")
+                                     "it (for experts: the config's moe_intermediate_size / "
+                                     "intermediate_size)")
                 setattr(module, param_name, layers.shard_parameter(
                     param, dim, rank, tp, (size // parts,) * parts, cache))
                 styles[full] = _describe(plan, full, f"split along dim {dim}")

@@ -20,6 +20,7 @@ from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
 from merak.schedule.registry import SCHEDULES
 from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
 from merak.trainer.compile import check_compile_mode
+from merak.trainer.config_bases import keep_declared_defaults
 from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 from merak.trainer.job import JobView
 
@@ -202,6 +203,12 @@ class MerakArguments(JobView, TrainingArguments):
     pfo_server_url: str | None = field(default=None, metadata=_help("energy",
         "a Perseus (Zeus PFO) server to fetch the energy plan from, e.g. "
         "http://127.0.0.1:7787 (`merak energy serve`)"))
+
+    def __init_subclass__(cls, **kwargs):
+        """A config combining MerakArguments with another TrainingArguments subclass keeps
+        each field's default from the class that declared it (`config_bases`)."""
+        super().__init_subclass__(**kwargs)
+        keep_declared_defaults(cls)
 
     def __post_init__(self) -> None:
         self._check_auto_parallel()

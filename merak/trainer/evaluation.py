@@ -66,19 +66,32 @@ class EvaluationMixin:
         last = self.engine.runners.get(self.engine.split.num_stages - 1)
         extras = [x for x in ("inputs", "loss") if x in (args.include_for_metrics or ())]
         per_batch = args.batch_eval_metrics and self.compute_metrics is not None
-        weighted = 0.0  # sum over this rank's real samples of their micro-batch's loss
+        weighted = 0.0  # this rank's part of the sum over all samples of their loss
         start, gathered, computed = time.perf_counter(), [], None
         for step in range(steps):
-            batch = self._counted(data.step(step), m)  # each micro-batch's own token count
+            # HF's token-weighted loss: a step (HF's eval batch on each dp rank) is divided by
+            # its token count, over the dp ranks as in training
+            batch = self._counted(data.step(step), m, step=True)
             self.engine.eval_step(batch, m, keep="logits" if predictions else None)
             real = data.real_rows(step)
-            row_losses = []  # each real row's micro-batch loss (HF's "loss" for metrics)
-            if last is not None:
+            row_losses = []  # each real row's loss (HF's "loss" for metrics): its batch's
+            share = 0.0  # this rank's part of the sum over all samples of their loss
+            if last is not None and self._counts_items:
+                # the step's loss is the sum over dp ranks of their parts (each divided by the
+                # step's token count): every real row of the step takes it, as HF's rows take
+                # their batch's; a rank's own rows are shown HF's per-device value
+                part = torch.stack([x.reshape(()) for x in last.losses]).double().sum().item()
+                across = self.engine.loss_weight != 1
+                rows = sum(data.real_rows(step, r) for r in range(ctx.dp)) if across else real
+                share = part * rows
+                row_losses = [part * self.engine.loss_weight] * real
+            elif last is not None:  # the mean of each micro-batch
                 for i, loss in enumerate(last.losses):
                     rows = min(max(real - i * mbs, 0), mbs)
                     row_losses += [loss.double().item()] * rows  # padding only: a NaN loss
+                share = sum(row_losses)
             if ctx.tp_rank == 0:
-                weighted += sum(row_losses)
+                weighted += share
             if not predictions:
                 continue
             mine = None

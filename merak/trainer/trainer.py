@@ -33,6 +33,7 @@ from merak.runtime.memory_probe import fits_in_memory
 from merak.schedule.registry import SCHEDULES
 from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
+from merak.trainer.subclasses import check_overrides, trainer_keywords
 from merak.trainer.auto_plan import apply_plan
 from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.compile import compile_blocks
@@ -66,13 +67,16 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
                  generation_prompts: Sequence | None = None, **trainer_kwargs):
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
+        check_overrides(type(self))
         self.ctx = get_context()
-        if args.lora_config is not None:  # peft's LoRA layers, before anything is built
-            model = lora.wrap(model, args.lora_config, args.adapter_name)
+        if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
+            # made as single-process peft makes them right after set_seed(args.seed)
+            model = lora.wrap(model, args.lora_config, args.adapter_name, seed=args.seed)
         # (peft config, adapter name): saves write the adapter as peft does
         self._lora = (model.peft_config[args.adapter_name], args.adapter_name) \
             if lora.is_peft_model(model) and args.adapter_name in model.peft_config else None
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        # by name: a Trainer subclass may take other parameters second (DPOTrainer: ref_model)
+        super().__init__(model, args=args, **trainer_keywords(trainer_args, trainer_kwargs))
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
         base = model.get_base_model() if lora.is_peft_model(model) else model
         self._loss, self._counts_items = self._choose_loss(base)

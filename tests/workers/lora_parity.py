@@ -13,7 +13,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
+from common import GradSnapshot, assert_close, assert_close_grad
 from hf_models import FAMILIES, batch
 from host_objects import no_object_collectives
 from peft import LoraConfig, PeftModel, get_peft_model

@@ -167,6 +167,15 @@ def fine_tuning_set():
     return padded_rows(STEPS * MICRO_BATCH * MICROBATCHES * DP, 7)
 
 
+def fine_tuning_eval_set(padded: bool = False):
+    """Evaluation and prediction rows for runs trained on `fine_tuning_set`: padded ones (the
+    matrix, whose evaluation batches are HF's: its token-weighted eval loss depends on them), or
+    full-length ones with an attention mask (RUNS, which evaluate in other batches)."""
+    if padded:
+        return padded_rows(3 * MICRO_BATCH * MICROBATCHES * DP, 8)
+    return [{**row, "attention_mask": torch.ones_like(row["input_ids"])} for row in eval_set()]
+
+
 def eval_set():
     return dataset(3 * MICRO_BATCH * MICROBATCHES * DP, 8)
 

@@ -253,11 +253,15 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
 
 
 def _lora_reference(items, lr: float) -> tuple[list[float], torch.nn.Module]:
-    """Single-process peft on the same model, data order and HF defaults (AdamW, linear decay
-    over STEPS, gradient norm clipped to 1): the losses HF logs and the trained model."""
+    """Single-process peft on the same model (adapters made right after set_seed(seed)), data
+    order and HF defaults (AdamW, linear decay over STEPS, gradient norm clipped to 1): the
+    losses HF logs and the trained model."""
     from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
 
-    model = get_peft_model(build("llama"), LoraConfig(**LORA))
+    base = build("llama")
+    set_seed(3)  # _trainer's seed: MerakTrainer makes lora_config's adapters right after it
+    model = get_peft_model(base, LoraConfig(**LORA))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     losses = []

@@ -40,6 +40,8 @@ from trainer_common import (
     SEED,
     build,
     eval_set,
+    fine_tuning_eval_set,
+    fine_tuning_set,
     flow_summary,
     train_set,
 )
@@ -116,8 +118,8 @@ def pp2_run(name: str) -> None:
         **merak_only)
     if hf_flow:
         assert args.activation_checkpointing  # gradient_checkpointing is Merak's recomputation
-    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
-                                 eval_dataset=eval_set())
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set(),
+                                 eval_dataset=fine_tuning_eval_set())
     trainer.train()
     flow = flow_summary(trainer) if hf_flow else {}
     metrics = trainer.evaluate()  # with load_best_model_at_end, the best checkpoint's weights

@@ -18,8 +18,9 @@ from trainer_common import (
     MICRO_BATCH,
     MICROBATCHES,
     build,
-    matrix_runs,
+    fine_tuning_eval_set,
     fine_tuning_set,
+    matrix_runs,
 )
 
 import merak
@@ -33,17 +34,22 @@ def run(name: str, reference: str, layout: tuple[int, int, int], fields: dict) -
         model = build(family)
     fields = {**COMMON, **hf_fields, **fields}
     rows = MICRO_BATCH * DP * MICROBATCHES  # the reference's global batch
+    # evaluation in HF's batches (MICRO_BATCH * DP rows, over the dp ranks): on padded rows its
+    # token-weighted loss depends on them
     args = merak.MerakArguments(output_dir=str(out_dir() / name), save_strategy="no",
                                 per_device_train_batch_size=rows // (
-                                    dp * fields["gradient_accumulation_steps"]), **fields)
-    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set())
+                                    dp * fields["gradient_accumulation_steps"]),
+                                per_device_eval_batch_size=MICRO_BATCH * DP // dp, **fields)
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set(),
+                                 eval_dataset=fine_tuning_eval_set(padded=True))
     trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
     logs = [h for h in trainer.state.log_history if "loss" in h]
     if dist.get_rank() == 0:
         (out_dir() / f"merak-{name}.json").write_text(json.dumps({
             "reference": reference, "loss": [h["loss"] for h in logs],
             "grad_norm": [h["grad_norm"] for h in logs],
-            "learning_rate": [h["learning_rate"] for h in logs]}))
+            "learning_rate": [h["learning_rate"] for h in logs], "eval_loss": eval_loss}))
 
 
 def scenarios(world_size: int) -> dict:

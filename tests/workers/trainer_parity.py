@@ -24,7 +24,7 @@ from trainer_common import (
     RUNS_3D,
     ZERO_GRID,
     build,
-    eval_set,
+    fine_tuning_eval_set,
     fine_tuning_set,
     flow_summary,
     train_set,
@@ -53,7 +53,7 @@ def run(name: str) -> None:
                                 parallel_vocab=True,
                                 wall_clock_breakdown=True, **{**COMMON, **extra}, **merak_only)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set(),
-                                 eval_dataset=eval_set())
+                                 eval_dataset=fine_tuning_eval_set())
     with _reduced_in_last_backward(trainer) as reduced:
         trainer.train()
     if args.zero_stage >= 2:  # every chunk's units reduce-scattered inside its last backward
@@ -71,7 +71,7 @@ def run(name: str) -> None:
     assert len(logs) == args.max_steps, f"{len(logs)} training logs"
     assert all(h["tokens_per_second"] > 0 and h["time_forward_ms"] > 0 for h in logs)
     if name in PREDICTING:  # predictions: logits of every sample, in dataset order
-        predicted = trainer.predict(eval_set())
+        predicted = trainer.predict(fine_tuning_eval_set())
         assert predicted.metrics["test_loss"] == metrics["eval_loss"]
         if ctx.rank == 0:
             np.save(OUT / f"merak-{name}-logits.npy", predicted.predictions)

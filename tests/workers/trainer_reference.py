@@ -21,7 +21,7 @@ from trainer_common import (
     MICRO_BATCH,
     RUNS,
     build,
-    eval_set,
+    fine_tuning_eval_set,
     fine_tuning_set,
     flow_summary,
 )
@@ -50,11 +50,11 @@ def main() -> None:
                                     per_device_eval_batch_size=MICRO_BATCH * DP,
                                     **{**COMMON, "save_strategy": "no", **extra})
         trainer = tf.Trainer(model=model, args=args, train_dataset=fine_tuning_set(),
-                             eval_dataset=eval_set())
+                             eval_dataset=fine_tuning_eval_set(padded=options.matrix))
         trainer.train()
         flow = flow_summary(trainer) if run.endswith("hf-flow") else {}
         metrics = trainer.evaluate()
-        predicted = trainer.predict(eval_set())
+        predicted = trainer.predict(fine_tuning_eval_set(padded=options.matrix))
         np.save(out / f"reference-{run}-logits.npy", predicted.predictions)
         np.save(out / f"reference-{run}-labels.npy", predicted.label_ids)
         logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -20,6 +20,7 @@ from trainer_common import (
     RESHARD_SAVE_STEP,
     RESHARD_SOURCE,
     build_deep_llama,
+    fine_tuning_set,
     train_set,
 )
 
@@ -45,7 +46,7 @@ def resume(dp: int, pp: int, **fields) -> None:
     args = merak.MerakArguments(output_dir=str(OUT / f"resharded-dp{dp}-pp{pp}"),
                                 per_device_train_batch_size=MICRO_BATCH, save_strategy="no",
                                 no_load_optim=True, **options, **fields)
-    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set())
     trainer.train(resume_from_checkpoint=str(CHECKPOINT))
     logs = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     assert_close(torch.tensor(logs[RESHARD_SAVE_STEP + 1]), torch.tensor(expected_next_loss()),
@@ -59,7 +60,7 @@ def export_and_load() -> None:
         out = export_checkpoint(CHECKPOINT, OUT / "exported")
         model = tf.AutoModelForCausalLM.from_pretrained(out)
         start = RESHARD_SAVE_STEP * GLOBAL_BATCH
-        batch = tf.default_data_collator(train_set()[start:start + GLOBAL_BATCH])
+        batch = tf.default_data_collator(fine_tuning_set()[start:start + GLOBAL_BATCH])
         loss = model(**batch).loss
         assert_close(loss.detach(), torch.tensor(expected_next_loss()), "exported model's loss")
 
