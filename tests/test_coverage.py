@@ -41,7 +41,7 @@ def test_the_handful_splits_and_shards_at_parity(sweep):
     assert "MoE families at pp=2 parity: 1/1 (100%)" in stdout
     # saved by save_pretrained (Mixtral: per-expert tensors), loaded per rank at pp=2 and tp=2
     assert ("save_pretrained -> per-rank load (pp=2, tp=2 where planned) parity: 2/2 (100%); "
-            "MoE families: 1/1 (100%)") in stdout
+            "MoE families: 1/1 (100%) (of the families HF's from_pretrained loads back)") in stdout
 
 
 def test_the_summary_counts_failures_with_their_reasons():
@@ -57,8 +57,9 @@ def test_the_summary_counts_failures_with_their_reasons():
     assert lines[2].endswith("2/2 (100%) of those with any plan (Merak's table or the config's)")
     assert lines[3] == "MoE families at pp=2 parity: 1/1 (100%)"
     rows[0]["load"], rows[1]["load"] = "ok", "ParityError: loss 1 != single-process 2"
-    assert summarize(rows, 2, 2)[4] == ("save_pretrained -> per-rank load (pp=2, tp=2 where "
-                                        "planned) parity: 1/2 (50%); MoE families: 1/1 (100%)")
+    assert summarize(rows, 2, 2)[4] == (
+        "save_pretrained -> per-rank load (pp=2, tp=2 where planned) parity: 1/2 (50%); MoE "
+        "families: 1/1 (100%) (of the families HF's from_pretrained loads back)")
 
 
 def test_shrinking_is_generic_and_refuses_what_stays_large():

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from merak.coverage.worker import NO_PLAN
+from merak.coverage.worker import HF_CANNOT_LOAD, NO_PLAN
 
 CHECKS = ("build", "single", "pp", "tp", "load")
 OPTIONAL = ("pp", "tp", "load")  # what --checks can choose
@@ -148,12 +148,13 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
     if stages > 1 and ran_pp:
         lines.append(f"MoE families at pp={stages} parity: "
                      f"{share([r for r in moe if r.get('pp') == 'ok'], moe)}")
-    loaded = [r for r in runs if "load" in r]
+    loaded = [r for r in runs if "load" in r and not r["load"].startswith(HF_CANNOT_LOAD)]
     if loaded:
         loaded_moe = [r for r in loaded if r.get("moe")]
         lines.append(f"save_pretrained -> per-rank load (pp={stages}, tp={tp} where planned) "
                      f"parity: {share([r for r in loaded if r['load'] == 'ok'], loaded)}; MoE "
-                     f"families: {share([r for r in loaded_moe if r['load'] == 'ok'], loaded_moe)}")
+                     f"families: {share([r for r in loaded_moe if r['load'] == 'ok'], loaded_moe)}"
+                     f" (of the families HF's from_pretrained loads back)")
     return lines
 
 

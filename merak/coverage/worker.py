@@ -88,12 +88,17 @@ def _has_plan(small) -> bool:
     return True
 
 
+HF_CANNOT_LOAD = "HF's from_pretrained fails"  # a load row's prefix: not Merak's result
+
+
 def load_check(small, family: str, scratch: Path, stages: int, tp: int, timeout_s: float,
-               plan: bool) -> tuple[bool, str]:
+               layouts_ok: dict[str, bool]) -> tuple[bool, str]:
     """The family's model written by `save_pretrained` (the Hub layout, conversions reverted)
     and loaded per rank under `init_empty_weights` (each rank reads and converts only its own
     tensors) against HF's own `from_pretrained` of the same directory: one 1F1B step at
-    pp=`stages` (when the job has that many ranks) and one at tp=`tp` (when there is a plan)."""
+    pp=`stages` and one at tp=`tp`, each where the family runs at that layout on its own
+    (`layouts_ok`: "pp" / "tp" -> whether it does; a failure there is the pp or tp column's).
+    A directory HF itself cannot load back is reported as such (`HF_CANNOT_LOAD`)."""
     import transformers as tf
 
     world, hub = dist.get_world_size(), scratch / family
@@ -102,16 +107,28 @@ def load_check(small, family: str, scratch: Path, stages: int, tp: int, timeout_
         if dist.get_rank() == 0:
             small.build().save_pretrained(hub)
 
-    ok, reason = _check("load", save, timeout_s)
+    ok, reason = _check("load", save, timeout_s)  # every rank agrees: also a barrier
+    if ok:
+        ok, reason = _check("load", lambda: tf.AutoModelForCausalLM.from_pretrained(hub),
+                            timeout_s)
+        reason = f"{HF_CANNOT_LOAD}: {reason}"
+    else:
+        reason = f"save_pretrained: {reason}"
     if not ok:
-        return ok, f"save_pretrained: {reason}"
+        _remove(hub)
+        return ok, reason
 
     def load():
         def build():
             return tf.AutoModelForCausalLM.from_pretrained(hub)
 
-        layouts = ([(world // stages, 1, stages)] if stages > 1 and world % stages == 0 else [])
-        layouts += [(world // tp, tp, 1)] if tp > 1 and plan else []
+        layouts = []
+        if stages > 1 and world % stages == 0 and layouts_ok.get("pp", True):
+            layouts.append((world // stages, 1, stages))
+        if tp > 1 and layouts_ok.get("tp", True):
+            layouts.append((world // tp, tp, 1))
+        if not layouts:
+            raise ValueError("no layout to load at: the family runs at neither pp nor tp")
         for dp, tp_size, pp in layouts:
             ref = reference(small, dp, tf.AutoModelForCausalLM.from_pretrained(hub))
             loss, grads, stage = parallel_step(small, dp, tp_size, pp, build)
@@ -120,9 +137,13 @@ def load_check(small, family: str, scratch: Path, stages: int, tp: int, timeout_
     try:
         return _check("load", load, timeout_s)
     finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(hub, ignore_errors=True)
+        _remove(hub)
+
+
+def _remove(path: Path) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float,
@@ -173,7 +194,9 @@ def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float,
         ok, reason = _check("tp", step, timeout_s)
         row["tp"] = "ok" if ok else reason
     if "load" in checks and scratch is not None:
-        ok, reason = load_check(small, family, scratch, stages, tp, timeout_s, plan)
+        layouts_ok = {"pp": row.get("pp", "ok") == "ok",  # not run: try it
+                      "tp": plan and row.get("tp", "ok") == "ok"}
+        ok, reason = load_check(small, family, scratch, stages, tp, timeout_s, layouts_ok)
         row["load"] = "ok" if ok else reason
     gc.collect()
     row["seconds"] = round(time.perf_counter() - start, 1)
