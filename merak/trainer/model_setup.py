@@ -14,7 +14,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from merak.trainer.token_counts import ITEMS
 
 
-
 def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of next-token logits against labels (HF's causal-LM shift, -100 ignored)."""
     logits = outputs.logits if hasattr(outputs, "logits") else outputs

@@ -10,7 +10,6 @@ eval dataset), sampling at ``temperature`` (greedy at 0); the results are in
 from __future__ import annotations
 
 import contextlib
-
 import json
 from pathlib import Path
 

@@ -33,7 +33,6 @@ from merak.runtime.memory_probe import fits_in_memory
 from merak.schedule.registry import SCHEDULES
 from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
-from merak.trainer.subclasses import check_overrides, trainer_keywords
 from merak.trainer.auto_plan import apply_plan
 from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.compile import compile_blocks
@@ -43,8 +42,9 @@ from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.grad_norm import GradNormClipper
 from merak.trainer.loss_scale import LossScaler
 from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
-from merak.trainer.text_generation import TextGenerationMixin
 from merak.trainer.model_setup import default_loss_fn, with_loss, zero1
+from merak.trainer.subclasses import check_overrides, trainer_keywords
+from merak.trainer.text_generation import TextGenerationMixin
 from merak.trainer.timers import WallClockBreakdown
 from merak.trainer.token_counts import takes_item_count, with_own_counts, with_step_count
 
