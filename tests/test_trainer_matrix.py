@@ -3,9 +3,9 @@
 (2,2,2) train at loss parity with single-process HF Trainer, on the NCCL-contract backend (the
 very path NCCL takes: one Work per group, rendezvous sends, one stream) and on plain gloo.
 Each world size and backend is one pooled launch (workers/trainer_matrix.py). The suite runs the
-2- and 4-rank layouts on the NCCL contract (every other multi-rank test runs on it too; Merak
-has one p2p path, so plain gloo differs only below it); the whole grid, with plain gloo and the
-8-rank layouts:
+2-rank layout on the NCCL contract (every other multi-rank test runs on it too; Merak has one
+p2p path, so plain gloo differs only below it; dp > 1 on padded rows is test_trainer's); the
+whole grid, with plain gloo and the 4- and 8-rank layouts:
 
     MERAK_TEST_MATRIX=full .venv/bin/python -m pytest tests/test_trainer_matrix.py
 """

@@ -372,9 +372,11 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
 
     def _profile_energy(self, data: StageBatches) -> TrainOutput:
         """Profile mode (`energy_profile`): training steps at each GPU clock, then the CSV."""
-        def batches():
+        m = self.args.gradient_accumulation_steps
+
+        def batches():  # real training steps: with HF's token counts when the loss takes them
             for epoch in range(1_000_000):
-                yield from data.epoch(epoch)
+                yield from (self._counted(batch, m, step=True) for batch in data.epoch(epoch))
 
         stream = batches()
         start = time.perf_counter()
