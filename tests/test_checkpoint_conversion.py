@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoint_conversion import hub_tensors  # workers/, the trainer half of these checks
 from dist_harness import check
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from merak.build import tied_aliases
@@ -24,15 +24,6 @@ WORKER = "checkpoint_conversion.py"  # pooled: launches(world_size), see conftes
 WORLD_SIZES = (4,)
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "phimoe", "deepseek_v3")
 LAYER = 2  # the "stage": decoder layer 2 and the head (deepseek_v3's layer 0 is dense)
-
-
-def hub_tensors(path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF directory's safetensors files, by stored name."""
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def save_small(family: str, path, **save) -> None:

@@ -11,9 +11,10 @@ between micro-batches, i.e. for almost every fine-tuning set.
 
 Here the count travels with the batch as one more model input, ``num_items_in_batch``: an int64
 tensor with one entry per micro-batch (split with the rows, so each micro-batch gets its own
-shape-[1] count). In training every entry holds the step's count, found with one small
-all-reduce over the dp group on the ranks that read the batch; in evaluation each micro-batch
-holds its own (the loss of a micro-batch is then its token mean, as before). The count is
+shape-[1] count). In training and evaluation every entry holds the step's count (an
+evaluation step is HF's evaluation batch on each dp rank), found with one small all-reduce over
+the dp group on the ranks that read the batch; the examples a pipeline is traced and measured on
+give each micro-batch its own (`with_own_counts`). The count is
 computed on the host from the collated labels, before the batch moves to the device, so the
 steady state reads nothing back from the device.
 """

@@ -37,6 +37,7 @@ def train_set() -> list[dict[str, torch.Tensor]]:
 
 
 def hub_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's safetensors files, by stored name."""
     out = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
