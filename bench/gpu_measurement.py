@@ -28,6 +28,11 @@ def timer_against_profiler(size: int = 4096, repeats: int = 20) -> dict:
 
     device = torch.device("cuda")
     a = torch.randn(size, size, device=device)
+    # warm-up: the first matmul creates cuBLAS's handle and workspace and loads its kernels;
+    # timed, the GPU would idle inside the interval while the host does that (3.2x the
+    # kernels' time on the first H200 run)
+    for _ in range(3):
+        a = (a @ a).tanh_()
     torch.cuda.synchronize()
     timer = DeviceTimer(device)
     timer.reset()

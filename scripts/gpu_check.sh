@@ -12,14 +12,19 @@
 # from the wheels carried in .whl/ (scripts/gpu_wheels.sh downloads them on a machine with
 # network; the device tool carries the git-ignored folder when `carry` names `.whl`), into a
 # folder of its own put on PYTHONPATH; the project itself is imported from this checkout
-# (PYTHONPATH), so nothing is built. PYTHON picks another interpreter, MERAK_GPU_SITE the folder.
-set -euo pipefail
+# (PYTHONPATH), so nothing is built. PYTHON picks another interpreter, MERAK_GPU_SITE the folder,
+# MERAK_GPU_OUT where the logs and figures go (default runs/gpu_check). Every part runs even when
+# one before it failed; the script then names the failed parts and exits 1. The tests run on
+# torch's own point-to-point (real NCCL): MERAK_TEST_BACKEND=native keeps the CPU suite's
+# NCCL-contract layer (tests/nccl_contract) out of these processes.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 site=${MERAK_GPU_SITE:-/tmp/merak-gpu-site}
-export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+out=${MERAK_GPU_OUT:-runs/gpu_check}
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" MERAK_TEST_BACKEND=native
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
-'no CUDA device: torch ' + torch.__version__ + ' sees no GPU')"
+'no CUDA device: torch ' + torch.__version__ + ' sees no GPU')" || exit 1
 
 # Distributions the checks import that the GPU image may lack: datasets (examples/hf_run_clm.py,
 # which the trainer test runs) with dill and multiprocess; lowtime (the energy planner's solver)
@@ -44,7 +49,7 @@ if [ -n "$missing" ]; then
         echo "installing from .whl/ (offline, no dependencies): $missing"
         # shellcheck disable=SC2086  # one argument per distribution
         "$python" -m pip install --quiet --disable-pip-version-check --no-index \
-            --find-links .whl --no-deps --target "$site" $missing
+            --find-links .whl --no-deps --target "$site" $missing || exit 1
     else
         echo "missing: $missing; no .whl/ to install them from (run scripts/gpu_wheels.sh" \
              "on a machine with network, then carry .whl to this one)" >&2
@@ -58,9 +63,33 @@ if ! error=$("$python" -c "import datasets" 2>&1); then
 fi
 "$python" -c "import lowtime" 2>/dev/null || echo "lowtime is absent: the checks that need" \
     "the energy planner are skipped (scripts/gpu_wheels.sh downloads it into .whl/)"
-mkdir -p runs/gpu_check
-"$python" -m pytest tests/gpu -m gpu -v 2>&1 | tee runs/gpu_check/tests.log
-"$python" bench/gpu_measurement.py --out runs/gpu_check/gpu_measurement.json \
-    2>&1 | tee runs/gpu_check/gpu_measurement.log
-"$python" -m torch.distributed.run --nproc_per_node 1 bench/single_gpu.py \
-    --out runs/gpu_check/single_gpu.json "$@" 2>&1 | tee runs/gpu_check/single_gpu.log
+mkdir -p "$out"
+"$python" - <<'EOF' 2>&1 | tee "$out/machine.log"
+import importlib.metadata as metadata
+import torch
+
+props = torch.cuda.get_device_properties(0)
+print(f"{props.name}: {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs;"
+      f" torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL "
+      f"{torch.cuda.nccl.version()})")
+print(", ".join(f"{name} {metadata.version(name)}" for name in
+                ("transformers", "accelerate", "peft", "safetensors", "datasets")))
+EOF
+failed=()
+run() {  # run NAME COMMAND...: the command's output into $out/NAME.log; a failure is named
+    local name=$1
+    shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$out/$name.log"
+    local status=${PIPESTATUS[0]}
+    [ "$status" -eq 0 ] || failed+=("$name (exit $status)")
+}
+run tests "$python" -m pytest -p no:cacheprovider tests/gpu -m gpu -v
+run gpu_measurement "$python" bench/gpu_measurement.py --out "$out/gpu_measurement.json"
+run single_gpu "$python" -m torch.distributed.run --nproc_per_node 1 bench/single_gpu.py \
+    --out "$out/single_gpu.json" "$@"
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "GPU checks failed: ${failed[*]} (logs in $out/)" >&2
+    exit 1
+fi
+echo "GPU checks passed (logs and figures in $out/)"

@@ -3,6 +3,8 @@ data, errors and stage assignment in one process."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from auto_split_parity import scenario_names
@@ -206,3 +208,73 @@ def test_recorded_router_outputs_and_mixed_layer_types_split_at_parity():
     torch.testing.assert_close(actual, expected)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want[name], msg=name)
+
+
+class _Float32Head(torch.nn.Module):
+    """Glue that switches autocast off as transformers' ``maybe_autocast(enabled=False)`` does
+    (rotary embeddings in transformers 5.17, Nemotron's norm): a context only when autocast is
+    on, so a trace taken without autocast records nothing of it."""
+
+    def __init__(self, width, vocab):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(vocab, width) / width ** 0.5)
+
+    def forward(self, h):
+        off = torch.autocast(h.device.type, enabled=False) \
+            if torch.is_autocast_enabled(h.device.type) else contextlib.nullcontext()
+        with off:
+            return h.float() @ self.weight.float().t()
+
+
+class _AutocastGlue(torch.nn.Module):
+    def __init__(self, width=16, vocab=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList([_Dense(width) for _ in range(4)])
+        self.head = _Float32Head(width, vocab)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_regions_the_model_runs_without_autocast_keep_float32_in_the_stages(dtype):
+    """Traced under the run's autocast (`autocast_dtype`), a region the model runs with
+    autocast off is recorded as such: the split's loss and gradients under autocast equal the
+    eager model's bit for bit. (Traced without it, the region's matmul ran in `dtype` on the
+    GPU machine's transformers 5.17, whose Llama rotary embedding is such a region, and its
+    dtype guard stopped every bf16 and fp16 MerakTrainer run.)"""
+    torch.manual_seed(0)
+    model = _AutocastGlue()
+    inputs = {"input_ids": torch.randint(0, 32, (2, 8)), "labels": torch.randint(0, 32, (2, 8))}
+    split = auto_split(model, inputs, 2, autocast_dtype=dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        expected = model(**inputs)
+    expected.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=dtype):
+        actual = split(**inputs)
+    actual.backward()
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], rtol=0, atol=0, msg=name)
+    # the same region traced without autocast runs its matmul in `dtype`: not the model's loss
+    plain = auto_split(model, inputs, 2)
+    with torch.autocast("cpu", dtype=dtype), torch.no_grad():
+        assert plain(**inputs) != expected.detach()
+
+
+def test_hf_llama_under_bf16_autocast_splits_at_parity():
+    torch.manual_seed(0)
+    model = FAMILIES["llama"]()
+    inputs = batch("llama", 0, 2)
+    split = auto_split(model, inputs, 2, autocast_dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        expected, actual = model(**inputs).loss, split(**inputs).loss
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)

@@ -127,7 +127,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
                custom_split_points: Sequence[str] | None = None,
                input_names: Sequence[str] | None = None, leaf_modules: Sequence[str] = (),
                no_tie_modules: bool = False, device: torch.device | str = "cpu",
-               verbose: bool = False) -> AutoSplit:
+               autocast_dtype: torch.dtype | None = None, verbose: bool = False) -> AutoSplit:
     """Split `model` into `num_stages` pipeline stages automatically.
 
     Args:
@@ -148,6 +148,11 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
         leaf_modules: qualified names of modules kept opaque (called eagerly, never traced into).
         no_tie_modules: do not sum the gradients of weights shared across stages.
         device: where stage graphs will run (device constants baked in by export are rewritten).
+        autocast_dtype: the `torch.autocast` dtype the stages will run under (mixed
+            precision), or None. The model is traced under it, so regions the model runs with
+            autocast switched off (HF's rotary embeddings and some norms, through
+            ``maybe_autocast(enabled=False)``, which is a no-op unless autocast is on) are
+            recorded as such and keep their float32 arithmetic in the stages, as in eager HF.
     """
     if trace_method not in TRACE_METHODS:
         raise ValueError(f"unknown trace_method {trace_method!r}; choose one of {TRACE_METHODS}")
@@ -178,7 +183,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     start = time.perf_counter()
     graphs = _trace_and_split(model, example_inputs, dict(zip(blocks, stage_of)), num_stages,
                               blocks, tuple(leaf_modules), trace_method,
-                              nearest=split_method == "nearest_min_deps", device=device)
+                              nearest=split_method == "nearest_min_deps", device=device,
+                              autocast_dtype=autocast_dtype)
     for graph in graphs:
         set_graph_device(graph, device)
     if verbose:
@@ -201,13 +207,16 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
 
 
 def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, leaf_modules,
-                     trace_method: str, nearest: bool, device) -> list[fx.GraphModule]:
+                     trace_method: str, nearest: bool, device,
+                     autocast_dtype: torch.dtype | None) -> list[fx.GraphModule]:
     fake = FakeWeights(model, device) if has_meta_parameters(model) else None
     if fake is not None:  # weights as storage-less tensors on the device they will run on
         fake.__enter__()
         example_inputs = fake.inputs(example_inputs)
+    autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype,
+                              enabled=autocast_dtype is not None)
     try:
-        with _traceable_experts(model):
+        with _traceable_experts(model), autocast:
             return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
                                leaf_modules=leaf_modules, nearest=nearest,
                                restore=fake.restore if fake else None,

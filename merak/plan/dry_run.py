@@ -104,7 +104,7 @@ def _run(c: Candidate, config, seq: int, steps: int, recompute_ratios: list[floa
     ids = torch.randint(0, config.vocab_size, (rows, seq))
     stage = merak.parallelize(model, {"input_ids": ids, "labels": ids}, ctx,
                               num_model_chunks=c.chunks, parallel_vocab=parallel_vocab,
-                              sequence_parallel=c.sequence_parallel)
+                              sequence_parallel=c.sequence_parallel, autocast_dtype=dtype)
     zero = shard_stage(stage, ctx, c.zero) if c.zero >= 2 else None
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
     if c.zero == 1:

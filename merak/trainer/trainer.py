@@ -121,8 +121,9 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
         if args.neftune_noise_alpha is not None:  # its forward hook must run: keep it opaque
             embedding = neftune.input_embedding(self._user_model)
             leaf_modules = (*leaf_modules, *neftune.opaque_modules(model, embedding))
+        autocast_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         self.stage = parallelize(
-            model, example, self.ctx, num_model_chunks=chunks,
+            model, example, self.ctx, num_model_chunks=chunks, autocast_dtype=autocast_dtype,
             checkpoint=pretrained_checkpoint(self._user_model),
             checkpoint_prefix="model." if self._wrapped_loss else "",
             tp_plan=args.tp_plan, parallel_vocab=args.parallel_vocab,
@@ -165,8 +166,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
             schedule=args.train_schedule, hooks=hooks,
             bucket_bytes=args.gradient_bucket_bytes,
-            autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
-            grad_predivide=self.ctx.dp if args.prescale_gradients
+            autocast_dtype=autocast_dtype, grad_predivide=self.ctx.dp if args.prescale_gradients
             else args.gradient_predivide_factor,
             recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp * chunks),
             segment_size=args.checkpoint_num_layers,

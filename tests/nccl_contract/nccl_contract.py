@@ -36,18 +36,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-ENV = "MERAK_TEST_BACKEND"  # "nccl-contract" (the suite's default) or "gloo"
+ENV = "MERAK_TEST_BACKEND"  # "nccl-contract" (the suite's default), "gloo" or "native"
 NAME = "nccl-contract"
 _ACK_TAG = 0x4D52  # the emulation's own rendezvous messages; data always travels on tag 0
 _ORIGINAL: dict[str, object] = {}
 
 
 def default_backend() -> str:
-    """The suite's backend: MERAK_TEST_BACKEND, "nccl-contract" unless set to "gloo"."""
+    """The suite's backend: MERAK_TEST_BACKEND, "nccl-contract" unless set to "gloo" (plain
+    gloo on CPU) or "native" (torch's own point-to-point: real NCCL on a GPU machine, which
+    scripts/gpu_check.sh sets)."""
     backend = os.environ.get(ENV, NAME)
-    if backend not in (NAME, "gloo"):
-        raise ValueError(f"{ENV}={backend!r}: use {NAME!r} or 'gloo'")
-    return backend
+    if backend not in (NAME, "gloo", "native"):
+        raise ValueError(f"{ENV}={backend!r}: use {NAME!r}, 'gloo' or 'native'")
+    return "gloo" if backend == "native" else backend
 
 
 def wanted() -> bool:
