@@ -48,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile N steps after the warm-up with torch.profiler and print "
+                             "each trainer's busiest kernels and the device's busy time a step")
     parser.add_argument("--out", default="runs/single_gpu.json")
     return parser.parse_args()
 
@@ -76,10 +79,12 @@ class RandomWindows(torch.utils.data.Dataset):
 
 
 class StepClock(TrainerCallback):
-    """The wall time of each optimizer step after the warm-up, the device synchronised."""
+    """The wall time of each optimizer step after the warm-up, the device synchronised; with
+    `profile`, torch.profiler over that many steps after the warm-up."""
 
-    def __init__(self, warmup: int):
+    def __init__(self, warmup: int, profile: int = 0):
         self.warmup, self.times, self._last = warmup, [], None
+        self.profile, self.profiler = profile, None
 
     def on_step_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
@@ -87,7 +92,23 @@ class StepClock(TrainerCallback):
         now = time.perf_counter()
         if state.global_step > self.warmup and self._last is not None:
             self.times.append(now - self._last)
+        if self.profile and state.global_step == self.warmup:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+        elif self.profiler is not None and state.global_step == self.warmup + self.profile:
+            self.profiler.__exit__(None, None, None)
         self._last = now
+
+    def report(self, name: str) -> None:
+        if self.profiler is None:
+            return
+        kernels = [e for e in self.profiler.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e3 / self.profile
+        events = self.profiler.key_averages()
+        print(f"{name}: the device was busy {busy:.1f} ms a step (profiled {self.profile} steps)")
+        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
 
 def run(name: str, cli, config: LlamaConfig, device: torch.device) -> dict:
@@ -99,7 +120,7 @@ def run(name: str, cli, config: LlamaConfig, device: torch.device) -> dict:
                   bf16=device.type == "cuda", use_cpu=device.type == "cpu", seed=0)
     data = RandomWindows(cli.steps * cli.batch * cli.accumulation, cli.seq_len,
                          config.vocab_size)
-    clock = StepClock(cli.warmup)
+    clock = StepClock(cli.warmup, cli.profile)
     if name == "hf":
         model = AutoModelForCausalLM.from_config(config)
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data,
@@ -113,6 +134,7 @@ def run(name: str, cli, config: LlamaConfig, device: torch.device) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    clock.report(name)
     params = sum(p.numel() for p in model.parameters())
     step_s = sorted(clock.times)[len(clock.times) // 2] if clock.times else float("nan")
     tokens = cli.batch * cli.accumulation * cli.seq_len

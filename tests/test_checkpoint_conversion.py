@@ -3,13 +3,21 @@ Qwen2/3-MoE, OLMoE, PhiMoE or DeepSeek-V3 writes the Hub's per-expert tensors, w
 `from_pretrained` stacks into fused experts. Merak's per-rank loader derives a stage's tensors
 from just the checkpoint tensors they are made of, with transformers' own conversions, and
 equals `from_pretrained`; its HF export writes what `save_pretrained` writes. The same through
-MerakTrainer at dp1 x tp2 x pp2 against HF Trainer: workers/checkpoint_conversion.py."""
+MerakTrainer at dp1 x tp2 x pp2 (Mixtral, Qwen3-MoE) against HF Trainer:
+workers/checkpoint_conversion.py; all six families at dp1 and dp2 x tp2 x pp2 with
+
+    MERAK_TEST_MATRIX=full .venv/bin/python -m pytest tests/test_checkpoint_conversion.py -k trainer
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from checkpoint_conversion import hub_tensors  # workers/, the trainer half of these checks
+from checkpoint_conversion import (  # workers/: the trainer checks
+    DP_OF_WORLD,
+    hub_tensors,
+)
+from checkpoint_conversion import FAMILIES as TRAINED
 from dist_harness import check
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -21,7 +29,7 @@ from merak.tensor_parallel.layers import ShardSpec
 from merak.trainer.export import save_hf_directory
 
 WORKER = "checkpoint_conversion.py"  # pooled: launches(world_size), see conftest.py
-WORLD_SIZES = (4,)
+WORLD_SIZES = tuple(DP_OF_WORLD)
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "phimoe", "deepseek_v3")
 LAYER = 2  # the "stage": decoder layer 2 and the head (deepseek_v3's layer 0 is dense)
 
@@ -158,19 +166,19 @@ def test_the_export_writes_what_save_pretrained_writes(saved, family, tmp_path):
     assert to_hub_layout(None, tensors) is tensors  # no model: names as they are
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_merak_trainer_loads_and_exports_the_hub_layout(launches, worker_pool, family,
-                                                        tmp_path):
-    """dp1 x tp2 x pp2: the step losses equal HF Trainer's on the same directory; save_model
+@pytest.mark.parametrize("world_size,family", [(w, f) for w in DP_OF_WORLD for f in TRAINED])
+def test_merak_trainer_loads_and_exports_the_hub_layout(launches, worker_pool, world_size,
+                                                        family, tmp_path):
+    """dp x tp2 x pp2: the step losses equal HF Trainer's on the same directory; save_model
     (and `merak export` of its checkpoint, equal in the worker) writes what save_pretrained of
     HF's trained model writes."""
     import json
 
     from checkpoint_conversion import reference
 
-    check(*launches(4), f"trainer-{family}")
-    root = worker_pool.out_dir(WORKER, 4) / family
-    theirs, trained = reference(root / "hub", tmp_path)
+    check(*launches(world_size), f"trainer-{family}")
+    root = worker_pool.out_dir(WORKER, world_size) / family
+    theirs, trained = reference(root / "hub", tmp_path, DP_OF_WORLD[world_size])
     ours = json.loads((root / "merak-losses.json").read_text())
     assert ours == pytest.approx(theirs, abs=2e-4)  # both trainers log 4 digits
     saved = hub_tensors(root / "saved")

@@ -19,6 +19,7 @@ from torch.export import Dim
 from torch.export.graph_signature import ConstantArgument, SymIntArgument, TensorArgument
 from torch.utils import _pytree as pytree
 
+from merak.partition.causal_mask import skip_unpadded_causal_mask
 from merak.partition.taps import tap_value
 
 _DROP_TARGETS = {
@@ -168,7 +169,7 @@ def export_with_blocks(model, kwargs, blocks, dynamic_batch=False, strict=False)
     dims = {0: Dim.AUTO, 1: Dim.AUTO} if dynamic_batch else {1: Dim.AUTO}
     dyn = {k: (dims if isinstance(v, torch.Tensor) and v.dim() >= 2 else None)
            for k, v in kwargs.items()}
-    with _named_keywords(model, kwargs):
+    with _named_keywords(model, kwargs), skip_unpadded_causal_mask(kwargs):
         return torch.export.export(model, (), kwargs=kwargs, strict=strict, dynamic_shapes=dyn,
                                    preserve_module_call_signature=tuple(blocks))
 
