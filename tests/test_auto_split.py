@@ -312,3 +312,22 @@ def test_the_causal_mask_is_built_only_where_eager_hf_builds_it(keys, materializ
     batch = inputs(20)
     with torch.no_grad():
         torch.testing.assert_close(split(**batch).loss, model(**batch).loss)
+
+
+def test_a_sliding_window_keeps_its_mask_at_every_length():
+    """Eager HF skips a sliding window's mask only while the sequence is shorter than the
+    window; traced at 8 tokens with a window of 16, the stages keep the mask, so a batch of 40
+    tokens still attends within the window as the model does."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tf.MistralConfig(
+        vocab_size=128, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16))
+    ids = torch.randint(0, 128, (2, 8))
+    split = auto_split(model, {"input_ids": ids, "labels": ids}, 2)
+    assert all(mask is not None for mask in _block_masks(split))
+    ids = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(split(input_ids=ids, labels=ids).loss,
+                                   model(input_ids=ids, labels=ids).loss)

@@ -20,7 +20,9 @@ case, where the traced batch's inputs decide them for every batch:
   (it cannot read them), which forbids the skip. Here that derivation answers None, as it does
   in eager mode for such positions. With ``position_ids`` given (padding-free packing,
   `DataCollatorWithFlattening`) the derivation is traced as HF traces it.
-- no ``attention_mask`` input: nothing is padded, so the mask is skipped as in eager mode. A batch
+- no ``attention_mask`` input: nothing is padded, so the mask is skipped as in eager mode, except
+  for sliding-window layers (eager HF skips theirs only while the sequence is shorter than the
+  window, which the traced batch's length cannot decide for every later batch). A batch
   with an ``attention_mask`` keeps the materialized mask (HF eager drops it only after reading
   that it is all ones, which a traced graph cannot do per batch).
 transformers' tracing checks are by name in `masking_utils` (5.17: ``is_tracing``; 5.24:
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 _TRACING_CHECKS = ("is_tracing", "is_torchdynamo_exporting", "is_torchdynamo_compiling")
 
@@ -52,9 +55,15 @@ def skip_unpadded_causal_mask(inputs):
         yield
         return
 
+    signature = inspect.signature(decide)
+
     @functools.wraps(decide)
     def as_in_eager_mode(padding_mask, *args, **kwargs):
-        if padding_mask is not None:
+        window = signature.bind(padding_mask, *args, **kwargs).arguments.get(
+            "local_attention_size")
+        if padding_mask is not None or window is not None:
+            # a sliding window: eager HF skips its mask only while the sequence is shorter than
+            # the window, which the traced batch's length cannot decide for every batch
             return decide(padding_mask, *args, **kwargs)
         saved = {name: getattr(masking_utils, name) for name in _TRACING_CHECKS
                  if hasattr(masking_utils, name)}
