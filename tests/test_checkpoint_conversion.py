@@ -184,7 +184,11 @@ def test_merak_trainer_loads_and_exports_the_hub_layout(launches, worker_pool, w
     saved = hub_tensors(root / "saved")
     assert sorted(saved) == sorted(trained)
     for name, tensor in trained.items():
-        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        # Adam divides by the gradient's root mean square: where an expert saw almost no
+        # tokens, summation-order differences of ~1e-9 in its gradient move a weight by up to
+        # ~1e-5 of the lr 1e-3 step (1 of 8192 elements of a Mixtral expert, seen on this
+        # machine); a wrong layout or conversion differs by the weights' own scale, ~0.1
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=5e-5, msg=name)
 
 
 def test_an_export_without_a_model_builds_one_on_meta_from_the_config():

@@ -114,6 +114,10 @@ def head_to_head_sends_deadlock() -> None:
     except RuntimeError as error:
         assert "did not complete" in str(error) or "timed out" in str(error).lower(), error
         assert not send.is_success()
+        # stay until the peer has timed out too: leaving closes this rank's connections, and a
+        # peer still waiting (a loaded machine skews the two clocks) would see "Connection
+        # closed by peer" instead of its own timeout
+        time.sleep(6)
         return
     raise AssertionError("a head-to-head send/send pair completed; NCCL deadlocks on it")
 
