@@ -13,7 +13,7 @@ import transformers as tf
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 ROWS, STEPS, MICROBATCHES, GLOBAL_MICRO_BATCH, SEED = 64, 4, 2, 4, 1234
 # fields both trainers get (the reference: GLOBAL_MICRO_BATCH rows per micro-batch)
-FIELDS = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,
+FIELDS = {"max_steps": STEPS, "learning_rate": 1e-2, "logging_steps": 1, "seed": SEED,
           "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,
           "report_to": "none", "disable_tqdm": True, "use_cpu": True, "bf16": False,
           "gradient_checkpointing": False, "max_grad_norm": 1.0, "max_length": 40,

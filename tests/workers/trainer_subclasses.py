@@ -34,7 +34,10 @@ def run(name: str, layout: tuple[int, int, int]) -> None:
         model = sft.model()
     args = Config(output_dir=str(out_dir() / name),
                   per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH // dp, **sft.FIELDS)
-    trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(),
+    # each micro-batch holds the rows of the reference's (`sft.reference_order`): at dp 2 the
+    # dp ranks' micro-batch i together, at dp 1 the rows put in that order
+    order = None if dp == 2 else sft.reference_order(2)
+    trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(order),
                               processing_class=sft.tokenizer())
     trainer.train()
     if dist.get_rank() == 0:
