@@ -1,8 +1,8 @@
 """Fine-tuning as HF Trainer does it (issue 34), in one process: the token count HF divides the
 step's loss by, inputs that reach a model through ``**kwargs`` traced into the split, configs
-combining MerakArguments with TRL's SFTConfig, and Trainer subclasses whose overrides would
-never run refused by name. The multi-rank parity on padded rows against HF Trainer is in
-test_trainer.py and test_trainer_matrix.py (their runs train on `fine_tuning_set`)."""
+combining MerakArguments with TRL's SFTConfig (Trainer subclasses: test_trainer_subclasses.py).
+The multi-rank parity on padded rows against HF Trainer is in test_trainer.py and
+test_trainer_matrix.py (their runs train on `fine_tuning_set`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 import merak
-from merak import MerakArguments, NotSupportedYetError
+from merak import MerakArguments
 from merak.materialize.meta import materialize_
 from merak.partition.auto import auto_split
 from merak.trainer.config_bases import keep_declared_defaults
@@ -112,22 +112,6 @@ def test_redeclaring_only_what_the_bases_lose():
     assert list(Both.__annotations__) == ["learning_rate"]
     assert Both("out", use_cpu=True).learning_rate == 0.5
     assert keep_declared_defaults(Both) == []  # nothing left to redeclare
-
-
-def test_overrides_a_pipeline_never_calls_are_refused_by_name():
-    class OwnStep(merak.MerakTrainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    class OwnLoss(merak.MerakTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return 0
-
-    args = MerakArguments("out", use_cpu=True)
-    with pytest.raises(NotSupportedYetError, match=r"OwnStep.training_step overrides"):
-        OwnStep(model=None, args=args)
-    with pytest.raises(NotSupportedYetError, match=r"OwnLoss.compute_loss .*loss_fn="):
-        OwnLoss(model=None, args=args)
 
 
 def test_trainer_arguments_pass_by_name():

@@ -28,7 +28,7 @@ from merak.recompute.stage_aware import stage_segments
 from merak.runtime.cpu_threads import IdleCoreLending
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.p2p import StageTransfers
-from merak.runtime.runner import StageRunner, split_microbatches
+from merak.runtime.runner import OutputLoss, StageRunner, split_microbatches
 from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
 from merak.runtime.step_tail import (
     StepTail,
@@ -194,6 +194,16 @@ class PipelineInterpreter(StepTail):
         """Give every checkpointed block its own forward back."""
         for runner in self.runners.values():
             runner.recompute.remove()
+
+    def attach_loss(self, loss: OutputLoss) -> None:
+        """The last stage computes its loss eagerly from the split's output (e.g. the logits):
+        ``loss(output, inputs)``, `inputs` the micro-batch's values named in
+        ``loss.input_names``, which the rank holding the last stage then reads from the batch.
+        Every rank calls it alike, before the first step."""
+        last = self.runners.get(self.split.num_stages - 1)
+        if last is not None:
+            last.attach_loss(loss)
+            self.batch_keys = list(dict.fromkeys([*self.batch_keys, *last.batch_keys]))
 
     def rng_state(self) -> tuple:
         return next(iter(self.runners.values())).recompute.rng_state()
@@ -376,7 +386,7 @@ class PipelineInterpreter(StepTail):
                     elif action.kind is K.LOAD:
                         runner.load(0)
                     elif action.kind is K.FORWARD:
-                        runner.forward(0)
+                        runner.forward(0, with_loss=False)
         finally:
             self.stage.train(was_training)
             self.set_rng_state(rng)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,15 @@ def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int,
         for mb, part in enumerate(tensor.chunk(num_microbatches)):
             parts[mb][key] = part
     return parts
+
+
+class OutputLoss(Protocol):
+    """A loss the last stage computes eagerly from the split's output (`attach_loss`)."""
+
+    input_names: Sequence[str]  # the batch values it reads besides the output
+
+    def __call__(self, output: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        ...
 
 
 @dataclass
@@ -72,7 +82,8 @@ class StageRunner:
         self.split: PipelineSplit = stage.split
         self.stage_id = stage.stage_id
         self.is_last = self.stage_id == self.split.num_stages - 1
-        self.batch_keys = self.split.batch_inputs(self.stage_id)
+        self.read_keys = self.split.batch_inputs(self.stage_id)  # what the stage's pieces read
+        self.batch_keys = list(self.read_keys)  # those and what an attached loss reads
         self.send_plan = self.split.send_plan(self.stage_id)
         self.sent_keys = {k for keys in self.send_plan.values() for k in keys}
         self.freeable: frozenset[ValueKey] = frozenset()
@@ -83,6 +94,8 @@ class StageRunner:
         self.loss_weight: float | None = None  # per micro-batch loss; None: 1 / micro-batches
         self.keep: str | None = None  # a model output the last stage keeps (predict)
         self.kept: list[torch.Tensor] = []
+        # the last stage's loss computed eagerly from the split's output (`attach_loss`)
+        self.output_loss: OutputLoss | None = None
         self.losses: list[torch.Tensor] = []
         self.state: list[MicroBatchState] = []
         self.microbatches: list[dict[str, torch.Tensor]] = []
@@ -166,10 +179,19 @@ class StageRunner:
 
     # -- compute ------------------------------------------------------------------------------
     def load(self, mb: int) -> None:
-        self.state[mb].inputs.update(
-            {(name, -1): tensor for name, tensor in self.microbatches[mb].items()})
+        self.state[mb].inputs.update({(name, -1): tensor for name, tensor in
+                                      self.microbatches[mb].items() if name in self.read_keys})
 
-    def forward(self, mb: int) -> None:
+    def attach_loss(self, loss: OutputLoss) -> None:
+        """Compute the last stage's loss eagerly: ``loss(output, inputs)`` from the split's
+        output and the micro-batch's batch values named in ``loss.input_names``."""
+        if not self.is_last:
+            raise ValueError(f"stage {self.stage_id} is not the last: it computes no loss")
+        self.output_loss = loss
+        self.batch_keys = list(dict.fromkeys([*self.batch_keys, *loss.input_names]))
+
+    def forward(self, mb: int, with_loss: bool = True) -> None:
+        """`with_loss` False (shape discovery): the last stage leaves its loss uncomputed."""
         state = self.state[mb]
         recording = self.meter.recording() if self.meter is not None else contextlib.nullcontext()
         self.recompute.begin_forward(mb)
@@ -178,8 +200,10 @@ class StageRunner:
                 values = self.stage(state.inputs)
         finally:
             self.recompute.end_forward()
-        if self.is_last:
+        if self.is_last and with_loss:
             state.loss = values[self.split.output_key]
+            if self.output_loss is not None:
+                state.loss = self.output_loss(state.loss, self.microbatches[mb])
             if state.loss.numel() != 1:
                 raise ValueError(f"the split's output {self.split.output!r} must be a scalar "
                                  f"loss, got shape {tuple(state.loss.shape)}")

@@ -72,11 +72,12 @@ class EvaluationMixin:
             # HF's token-weighted loss: a step (HF's eval batch on each dp rank) is divided by
             # its token count, over the dp ranks as in training
             batch = self._counted(data.step(step), m, step=True)
-            self.engine.eval_step(batch, m, keep="logits" if predictions else None)
+            with self._running_loss():  # a subclass's compute_loss: HF's per-batch mean
+                self.engine.eval_step(batch, m, keep="logits" if predictions else None)
             real = data.real_rows(step)
             row_losses = []  # each real row's loss (HF's "loss" for metrics): its batch's
             share = 0.0  # this rank's part of the sum over all samples of their loss
-            if last is not None and self._counts_items:
+            if last is not None and self._counts_items and not self._subclass_loss:
                 # the step's loss is the sum over dp ranks of their parts (each divided by the
                 # step's token count): every real row of the step takes it, as HF's rows take
                 # their batch's; a rank's own rows are shown HF's per-device value

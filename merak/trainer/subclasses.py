@@ -2,38 +2,67 @@
 what such a subclass may change, and how its constructor is called.
 
 MerakTrainer runs a whole optimizer step as one pipeline schedule over every micro-batch
-(`PipelineInterpreter.train_step`): HF's per-micro-batch ``training_step`` never runs, and the
-loss is computed inside the last pipeline stage from that stage's outputs (the model's own
-loss, ``loss_fn``, HF's ``compute_loss_func`` or label smoothing). A subclass that overrides
-those methods would be silently ignored, so it is refused by name.
+(`PipelineInterpreter.train_step`). A subclass's ``compute_loss`` runs on the last pipeline
+stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batch
+``training_step`` never runs, so a subclass overriding it is refused by name, unless the
+override is known to only wrap HF's step in a context that is off (`BYPASSED`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 
 from transformers import Trainer
 
 from merak.trainer.arguments import NotSupportedYetError
 
-REFUSED_OVERRIDES = {
-    "training_step": "a MerakTrainer step is one pipeline schedule over all of its "
-                     "micro-batches, so a per-micro-batch training_step cannot run",
-    "compute_loss": "the loss is computed inside the pipeline's last stage, where a "
-                    "Trainer.compute_loss(model, inputs) has no whole model to call; give the "
-                    "loss as MerakTrainer(loss_fn=fn) with fn(outputs, labels[, "
-                    "num_items_in_batch]) or HF's compute_loss_func, which run there",
+_NO_STEP = ("a MerakTrainer step is one pipeline schedule over all of its micro-batches, so a "
+            "per-micro-batch training_step cannot run; a subclass's compute_loss does run (on "
+            "the last pipeline stage)")
+
+# training_step overrides that only wrap HF's step in a context, as read in the versions listed:
+# (module, class) -> (package, versions, is the context off?, why it cannot run when on)
+BYPASSED = {
+    ("trl.trainer.sft_trainer", "SFTTrainer"): ("trl", ("1.16.",),
+        lambda args: not getattr(args, "activation_offloading", False),
+        "activation_offloading=True: TRL's training_step moves the activations one "
+        "micro-batch's forward saves to the CPU, and a pipeline stage keeps the activations of "
+        "several micro-batches between forward and backward outside any training_step; save "
+        "memory with activation_checkpointing (recomputation) instead"),
 }
 
 
-def check_overrides(cls: type) -> None:
-    """Raise `NotSupportedYetError` naming the class and method of a refused override."""
-    for name, reason in REFUSED_OVERRIDES.items():
-        owner = next(k for k in cls.__mro__ if name in k.__dict__)
-        if owner is not Trainer and not owner.__module__.startswith("merak."):
-            raise NotSupportedYetError(
-                f"{owner.__module__}.{owner.__qualname__}.{name} overrides Trainer.{name}, "
-                f"which {cls.__name__} (a MerakTrainer) would never call: {reason}")
+def _owner(cls: type, name: str) -> type:
+    return next(k for k in cls.__mro__ if name in k.__dict__)
+
+
+def overrides(cls: type, name: str) -> bool:
+    """Whether a class outside Merak and HF's `Trainer` defines `cls`'s method `name`."""
+    owner = _owner(cls, name)
+    return owner is not Trainer and not owner.__module__.startswith("merak.")
+
+
+def check_overrides(cls: type, args) -> None:
+    """Raise `NotSupportedYetError` naming the class and method of an override a pipeline
+    cannot run, with the reason."""
+    if not overrides(cls, "training_step"):
+        return
+    owner = _owner(cls, "training_step")
+    where = f"{owner.__module__}.{owner.__qualname__}.training_step"
+    bypass = BYPASSED.get((owner.__module__, owner.__qualname__))
+    if bypass is None:
+        raise NotSupportedYetError(f"{where} overrides Trainer.training_step, which "
+                                   f"{cls.__name__} (a MerakTrainer) would never call: {_NO_STEP}")
+    package, versions, is_off, why = bypass
+    version = importlib.metadata.version(package)
+    if not version.startswith(versions):
+        raise NotSupportedYetError(f"{where} overrides Trainer.training_step; MerakTrainer "
+                                   f"bypasses it only in {package} {', '.join(versions)}x (where "
+                                   f"it only wraps HF's step), not {version}")
+    if not is_off(args):
+        raise NotSupportedYetError(f"{where} cannot run in {cls.__name__} (a MerakTrainer) "
+                                   f"with {why}")
 
 
 def trainer_keywords(positional: tuple, keywords: dict) -> dict:

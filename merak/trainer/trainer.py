@@ -11,7 +11,6 @@ clipping (`max_grad_norm`), callbacks, logging and progress bar (rank 0).
 from __future__ import annotations
 
 import gc
-import inspect
 import math
 import os
 import time
@@ -41,16 +40,16 @@ from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.grad_norm import GradNormClipper
 from merak.trainer.loss_scale import LossScaler
-from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
-from merak.trainer.model_setup import default_loss_fn, with_loss, zero1
+from merak.trainer.loss_setup import LossSetupMixin
+from merak.trainer.losses import shifts_labels
+from merak.trainer.model_setup import with_loss, zero1
 from merak.trainer.subclasses import check_overrides, trainer_keywords
 from merak.trainer.text_generation import TextGenerationMixin
 from merak.trainer.timers import WallClockBreakdown
-from merak.trainer.token_counts import takes_item_count, with_own_counts, with_step_count
 
 
-class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGenerationMixin,
-                   Trainer):
+class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlowMixin,
+                   TextGenerationMixin, Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -67,7 +66,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
                  generation_prompts: Sequence | None = None, **trainer_kwargs):
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
-        check_overrides(type(self))
+        check_overrides(type(self), args)
         self.ctx = get_context()
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)
@@ -172,8 +171,7 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
             segment_size=args.checkpoint_num_layers,
             tp_rng=getattr(self._user_model, "merak_tp_rng", None), zero=self.zero,
             dealloc_outputs=args.dealloc_pipeoutput)
-        if self._counts_items:  # HF: summed micro-batch losses, x dp when counted over dp
-            self.engine.loss_weight = self.ctx.dp if args.average_tokens_across_devices else 1
+        self._attach_subclass_loss(example)  # and the micro-batch losses' weights
         self.scaler = None
         if args.fp16:  # unscale and check for overflow before clipping
             self.scaler = LossScaler(
@@ -182,39 +180,6 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
                 hysteresis=args.hysteresis, consecutive_hysteresis=args.consecutive_hysteresis,
                 min_scale=args.min_loss_scale)
             self.engine.hooks.insert(self.engine.hooks.index(self.clipper), self.scaler)
-
-    def _choose_loss(self, model: nn.Module) -> tuple[Callable | None, bool]:
-        """The loss the last stage computes (None: the model's own), and whether it is HF's
-        token-weighted one (`merak.trainer.token_counts`): Merak's ``loss_fn`` when it takes
-        ``num_items_in_batch``; HF's ``compute_loss_func`` always; label smoothing and the
-        model's own loss when the model takes loss keyword arguments (HF's rules)."""
-        if self.loss_fn is not None:
-            return self.loss_fn, takes_item_count(self.loss_fn)
-        if self.compute_loss_func is not None:
-            func = self.compute_loss_func
-
-            def compute_loss_func(outputs, labels, num_items_in_batch=None):
-                return func(outputs, labels, num_items_in_batch=num_items_in_batch)
-
-            return compute_loss_func, True
-        if self.label_smoother is not None:  # label_smoothing_factor
-            # HF's LabelSmoother on the logits the last stage makes (gathered whole by the
-            # vocab-parallel LM head, so one TP rank's result is the full-vocabulary one)
-            return (LabelSmoothedLoss(self.label_smoother.epsilon, shifts_labels(model)),
-                    self.model_accepts_loss_kwargs)
-        if "labels" not in inspect.signature(model.forward).parameters:
-            return default_loss_fn, False  # the model computes no loss of its own
-        return None, self.model_accepts_loss_kwargs
-
-    def _counted(self, batch: dict | None, microbatches: int, step: bool = False) -> dict | None:
-        """`batch` with HF's token counts when the loss takes them (see `token_counts`): the
-        step's count in training (`step`), each micro-batch's own otherwise."""
-        if batch is None or not self._counts_items or "labels" not in batch:
-            return batch
-        if step:
-            return with_step_count(batch, microbatches, self._shifted_count, self.ctx,
-                                   self.args.average_tokens_across_devices)
-        return with_own_counts(batch, microbatches, self._shifted_count)
 
     def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
         """HF's auto_find_batch_size for a pipeline: halve the micro-batch until a step fits in
@@ -311,7 +276,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
                 if tokens_per_step is None and batch is not None and "input_ids" in batch:
                     tokens_per_step = batch["input_ids"].numel() * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
-                loss = self.engine.train_step(self._counted(batch, m, step=True))
+                with self._running_loss():
+                    loss = self.engine.train_step(self._counted(batch, m, step=True))
                 self._count_input_tokens(batch)
                 self._empty_device_cache(self.state.global_step)
                 if self.energy is not None:
@@ -380,7 +346,8 @@ class MerakTrainer(CheckpointMixin, EvaluationMixin, TrainingFlowMixin, TextGene
 
         stream = batches()
         start = time.perf_counter()
-        path, clocks = self.energy.profile(self.engine, lambda: next(stream))
+        with self._running_loss():
+            path, clocks = self.energy.profile(self.engine, lambda: next(stream))
         self.energy.close()
         metrics = {"train_runtime": round(time.perf_counter() - start, 4),
                    "profiled_clocks": clocks}

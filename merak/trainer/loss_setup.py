@@ -1,0 +1,109 @@
+"""Which loss `MerakTrainer`'s last pipeline stage computes, and with which token counts.
+
+Either traced into the last stage (the model's own loss, ``loss_fn``, HF's ``compute_loss_func``
+or label smoothing), or, for a Trainer subclass that overrides ``compute_loss`` (TRL's
+trainers, a project's own), that ``compute_loss`` run eagerly on the last stage from the traced
+logits (`merak.trainer.subclass_loss`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+from torch import nn
+
+from merak.trainer.arguments import NotSupportedYetError
+from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
+from merak.trainer.model_setup import default_loss_fn
+from merak.trainer.subclass_loss import (
+    SubclassLoss,
+    scaled_for_accumulation,
+    share_metrics,
+    stage_logits,
+)
+from merak.trainer.subclasses import overrides
+from merak.trainer.token_counts import takes_item_count, with_own_counts, with_step_count
+
+
+class LossSetupMixin:
+    """Mixed into `MerakTrainer` (which provides args, ctx, engine, loss_fn, ...)."""
+
+    def _choose_loss(self, model: nn.Module) -> tuple[Callable | None, bool]:
+        """The loss the last stage's graph computes (None: the model's own), and whether it is
+        HF's token-weighted one (`merak.trainer.token_counts`): Merak's ``loss_fn`` when it
+        takes ``num_items_in_batch``; HF's ``compute_loss_func`` always; label smoothing and the
+        model's own loss when the model takes loss keyword arguments (HF's rules). With a
+        subclass's ``compute_loss`` the graph ends at the logits, and the count is HF's
+        whenever HF Trainer would pass one to ``compute_loss``."""
+        self._subclass_loss = overrides(type(self), "compute_loss")
+        if self._subclass_loss:
+            if self.loss_fn is not None:
+                raise ValueError(f"{type(self).__name__} overrides compute_loss and was given "
+                                 f"loss_fn: choose one")
+            if not shifts_labels(model):
+                raise NotSupportedYetError(
+                    f"a Trainer subclass's compute_loss runs on the last pipeline stage for "
+                    f"causal language models; {type(model).__name__} is not one")
+            return stage_logits, bool(self.model_accepts_loss_kwargs
+                                      or self.compute_loss_func is not None)
+        if self.loss_fn is not None:
+            return self.loss_fn, takes_item_count(self.loss_fn)
+        if self.compute_loss_func is not None:
+            func = self.compute_loss_func
+
+            def compute_loss_func(outputs, labels, num_items_in_batch=None):
+                return func(outputs, labels, num_items_in_batch=num_items_in_batch)
+
+            return compute_loss_func, True
+        if self.label_smoother is not None:  # label_smoothing_factor
+            # HF's LabelSmoother on the logits the last stage makes (gathered whole by the
+            # vocab-parallel LM head, so one TP rank's result is the full-vocabulary one)
+            return (LabelSmoothedLoss(self.label_smoother.epsilon, shifts_labels(model)),
+                    self.model_accepts_loss_kwargs)
+        if "labels" not in inspect.signature(model.forward).parameters:
+            return default_loss_fn, False  # the model computes no loss of its own
+        return None, self.model_accepts_loss_kwargs
+
+    def _attach_subclass_loss(self, example: dict) -> None:
+        """After the interpreter is built: the subclass's ``compute_loss`` on the last stage,
+        its result weighted as HF's ``training_step`` weights it. Otherwise, with HF's counts,
+        the micro-batch losses are summed, times dp when counted over dp."""
+        args = self.args
+        if not self._subclass_loss:
+            if self._counts_items:
+                self.engine.loss_weight = self.ctx.dp if args.average_tokens_across_devices \
+                    else 1
+            self._stage_loss = None
+            return
+        if args.parallel_vocab:
+            raise NotSupportedYetError(
+                "parallel_vocab with a Trainer subclass's compute_loss: compute_loss needs the "
+                "whole vocabulary's logits on the last stage; turn parallel_vocab off")
+        self._stage_loss = SubclassLoss(self, self._user_model, list(example))
+        self.engine.attach_loss(self._stage_loss)
+        # None: each micro-batch's loss divided by the accumulation steps (HF's training_step)
+        self.engine.loss_weight = 1 if scaled_for_accumulation(self, self._counts_items) \
+            else None
+
+    def _running_loss(self) -> AbstractContextManager:
+        """Around training and evaluation steps: a subclass's compute_loss runs (not in
+        probes)."""
+        return self._stage_loss.running() if self._stage_loss is not None else nullcontext()
+
+    def _counted(self, batch: dict | None, microbatches: int, step: bool = False) -> dict | None:
+        """`batch` with HF's token counts when the loss takes them (see `token_counts`): the
+        step's count in training (`step`), each micro-batch's own otherwise."""
+        if batch is None or not self._counts_items or "labels" not in batch:
+            return batch
+        if step:
+            return with_step_count(batch, microbatches, self._shifted_count, self.ctx,
+                                   self.args.average_tokens_across_devices)
+        return with_own_counts(batch, microbatches, self._shifted_count)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """HF's log, after every rank took the metrics a subclass recorded on the last stage
+        (`share_metrics`)."""
+        share_metrics(self)
+        super().log(logs, *args, **kwargs)

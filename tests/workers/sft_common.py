@@ -1,0 +1,69 @@
+"""TRL's SFTTrainer on plain text (issue 34): the rows, the tiny Llama and the fields shared by
+MerakSFTTrainer's runs (workers/trainer_subclasses.py) and the single-process SFTTrainer
+reference (test_trainer_subclasses.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
+ROWS, STEPS, MICROBATCHES, GLOBAL_MICRO_BATCH, SEED = 64, 4, 2, 4, 1234
+# fields both trainers get (the reference: GLOBAL_MICRO_BATCH rows per micro-batch)
+FIELDS = {"max_steps": STEPS, "learning_rate": 1e-2, "logging_steps": 1, "seed": SEED,
+          "train_sampling_strategy": "sequential", "gradient_accumulation_steps": MICROBATCHES,
+          "report_to": "none", "disable_tqdm": True, "use_cpu": True, "bf16": False,
+          "gradient_checkpointing": False, "max_grad_norm": 1.0, "max_length": 40,
+          "save_strategy": "no"}
+LAYOUTS = {"sft-dp1tp2pp2": (1, 2, 2), "sft-dp2tp1pp2": (2, 1, 2)}
+LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def texts() -> list[str]:
+    """ROWS sentences of examples/data/train.txt: plain text rows of varying length."""
+    text = (DATA / "train.txt").read_text()
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+    return sentences[:ROWS]
+
+
+def dataset(order: list[int] | None = None):
+    import datasets
+
+    rows = texts()
+    return datasets.Dataset.from_dict({"text": [rows[i] for i in (order or range(len(rows)))]})
+
+
+def tokenizer():
+    return tf.AutoTokenizer.from_pretrained(DATA / "tokenizer")
+
+
+def model():
+    torch.manual_seed(SEED)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def reference_order(dp: int) -> list[int]:
+    """The rows in the order that gives a single process's micro-batch i the rows of every dp
+    rank's micro-batch i (Merak gives dp rank r the r-th slice of each step, then cuts it into
+    micro-batches; TRL's per-micro-batch metrics gather over the dp ranks)."""
+    step_rows = GLOBAL_MICRO_BATCH * MICROBATCHES
+    per_rank, per_mb = step_rows // dp, GLOBAL_MICRO_BATCH // dp
+    order = []
+    for start in range(0, ROWS, step_rows):
+        for mb in range(MICROBATCHES):
+            for rank in range(dp):
+                first = start + rank * per_rank + mb * per_mb
+                order += range(first, first + per_mb)
+    return order
+
+
+def logged(log_history: list[dict]) -> dict[str, list[float]]:
+    """Each of `LOGGED` per training step, from a trainer's log history."""
+    steps = [h for h in log_history if "loss" in h and "train_runtime" not in h]
+    return {key: [h[key] for h in steps] for key in LOGGED}

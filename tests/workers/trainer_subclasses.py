@@ -1,0 +1,56 @@
+"""TRL's SFTTrainer through MerakTrainer (issue 34): ``class MerakSFTTrainer(MerakTrainer,
+SFTTrainer)`` with ``@dataclass class Config(MerakArguments, SFTConfig)`` on plain text rows
+of varying length (padded per step) at (dp, tp, pp) = (1,2,2) and (2,1,2). SFTTrainer's
+compute_loss runs on the last stage; each run writes its logged losses, grad norms and TRL's
+metrics to ``merak-<scenario>.json`` for test_trainer_subclasses to compare with single-process
+SFTTrainer."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import sft_common as sft
+import torch.distributed as dist
+from common import out_dir, run_scenarios
+
+import merak
+
+
+def run(name: str, layout: tuple[int, int, int]) -> None:
+    import trl
+
+    @dataclass
+    class Config(merak.MerakArguments, trl.SFTConfig):
+        pass
+
+    class MerakSFTTrainer(merak.MerakTrainer, trl.SFTTrainer):
+        pass
+
+    dp, tp, pp = layout
+    merak.init(dp=dp, tp=tp, pp=pp)
+    with merak.init_empty_weights():
+        model = sft.model()
+    args = Config(output_dir=str(out_dir() / name),
+                  per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH // dp, **sft.FIELDS)
+    # each micro-batch holds the rows of the reference's (`sft.reference_order`): at dp 2 the
+    # dp ranks' micro-batch i together, at dp 1 the rows put in that order
+    order = None if dp == 2 else sft.reference_order(2)
+    trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(order),
+                              processing_class=sft.tokenizer())
+    trainer.train()
+    if dist.get_rank() == 0:
+        (out_dir() / f"merak-{name}.json").write_text(json.dumps(
+            sft.logged(trainer.state.log_history)))
+
+
+def scenarios(world_size: int) -> dict:
+    if world_size != 4:
+        return {}
+    return {name: (lambda name=name, layout=layout: run(name, layout))
+            for name, layout in sft.LAYOUTS.items()}
+
+
+if __name__ == "__main__":
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))
