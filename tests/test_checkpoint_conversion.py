@@ -199,3 +199,23 @@ def test_an_export_without_a_model_builds_one_on_meta_from_the_config():
     model = meta_model_for(config)
     assert type(model).__name__ == "MixtralForCausalLM"
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_stages_save_the_buffers_the_models_state_dict_holds():
+    """DeepSeek-V3's router bias (``mlp.gate.e_score_correction_bias``) is a persistent buffer
+    save_pretrained writes; rotary ``inv_freq`` is not (fx copies it into the stage graphs as a
+    persistent buffer, marked non-persistent again): the stages' checkpoints and exports hold
+    exactly the model's."""
+    from merak.partition.auto import auto_split
+    from merak.runtime.stage import PipelineStage
+    from merak.trainer.checkpoint import persistent_buffers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config("deepseek_v3"))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {n for n in model.state_dict() if n not in params}
+    assert any("e_score_correction_bias" in n for n in expected)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    split = auto_split(model, {"input_ids": ids, "labels": ids}, 2)
+    found = [set(persistent_buffers(PipelineStage(split.container, split, s))) for s in range(2)]
+    assert not found[0] & found[1] and found[0] | found[1] == expected, found

@@ -214,9 +214,26 @@ def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
         attrs = {n.target: resolve(n.target, model, gm) for n in new.nodes
                  if n.op in ("get_attr", "call_module")}
         sgm = fx.GraphModule(attrs, new, class_name=f"Stage{s}")
+        _keep_non_persistent(sgm, model)
         sgm.recv_names = tuple(env[r].target for r in recv)
         sgm.batch_input_names = tuple(in_names[p] for p in batch)
         sgm.send_names = tuple(result)
         stages.append(sgm)
     stages[-1].out_names, stages[-1].out_spec = tuple(cap.out_names), cap.out_spec
     return stages
+
+
+def _keep_non_persistent(sgm: fx.GraphModule, model: nn.Module) -> None:
+    """fx copies a graph's tensor attributes into its modules as persistent buffers; mark those
+    the model keeps out of its state_dict (rotary ``inv_freq``) non-persistent again, so a
+    stage's state_dict holds what the model's does (checkpoints, exports)."""
+    for n in sgm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        owner, _, name = n.target.rpartition(".")
+        try:
+            original = model.get_submodule(owner)
+        except AttributeError:  # a constant export lifted: not the model's
+            continue
+        if name in original._non_persistent_buffers_set:
+            sgm.get_submodule(owner)._non_persistent_buffers_set.add(name)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
 from merak.distributed.parallel_context import ParallelContext
@@ -117,11 +118,22 @@ def begin_save(final: Path) -> None:
     final.with_name(final.name + PARTIAL).mkdir()  # (repair left no .partial behind)
 
 
+def persistent_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's buffers that a state_dict (and so HF's save_pretrained) holds, by name:
+    DeepSeek-V3's ``mlp.gate.e_score_correction_bias``. Non-persistent ones (rotary
+    ``inv_freq``) are rebuilt by the model and stay out. Saved and loaded beside the
+    parameters (never sharded by ZeRO)."""
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    return {n: t for n, t in stage.state_dict(keep_vars=True).items() if n not in params}
+
+
 def write_rank_files(partial: Path, ctx: ParallelContext, stage, state: dict) -> None:
-    """This rank's files: its (pp, tp) weights (dp rank 0) and its state."""
+    """This rank's files: its (pp, tp) weights and persistent buffers (dp rank 0) and its
+    state."""
     params = dict(stage.named_parameters())
     if any(is_sharded(p) for p in params.values()):  # ZeRO-2/3: every dp rank gathers
         params = {n: whole(p) for n, p in params.items()}
+    params.update(persistent_buffers(stage))
     if ctx.dp_rank == 0:
         tensors = {n: p.detach().contiguous().cpu() for n, p in params.items()}
         specs = {n: json.dumps(asdict(p.tp_shard)) for n, p in stage.named_parameters()
@@ -213,7 +225,7 @@ def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool
     state_file = state_file_of(path, ctx, same)
     if not state_file.is_file():
         raise IncompleteCheckpointError(f"{path} is incomplete: it has no {state_file.name}")
-    params = dict(stage.named_parameters())
+    params = {**dict(stage.named_parameters()), **persistent_buffers(stage)}
     if same:
         with _open(path / model_file(ctx)) as f:
             tensors = {n: f.get_tensor(n) for n in f.keys() if n in params}  # noqa: SIM118

@@ -25,7 +25,7 @@ from merak import lora
 from merak.data_parallel.shards import is_sharded, whole
 from merak.distributed.host_objects import receive_each
 from merak.materialize.conversion import meta_model_for, to_hub_layout
-from merak.trainer.checkpoint import MARKER, full_tensors
+from merak.trainer.checkpoint import MARKER, full_tensors, persistent_buffers
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool = False
@@ -62,10 +62,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
 
 
 def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | None:
-    """The whole model's parameters under their original names (`name_prefix` removed), on
-    global rank 0 (None elsewhere); a collective. Each (pp, tp) rank of dp rank 0 sends its
-    stage's parameters as CPU tensors; tensor-parallel shards are put back together
-    (`ShardSpec.assemble`).
+    """The whole model's parameters and persistent buffers under their original names
+    (`name_prefix` removed), on global rank 0 (None elsewhere); a collective. Each (pp, tp)
+    rank of dp rank 0 sends its stage's tensors as CPU tensors; tensor-parallel shards are put
+    back together (`ShardSpec.assemble`).
 
     The shards travel through host memory over the job's host group (`ParallelContext.host_group`) and rank 0 takes
     them one rank at a time (`receive_each`): besides the model it assembles, it holds one
@@ -76,6 +76,9 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     params = list(stage.named_parameters())
     gather = any(is_sharded(p) for _, p in params)  # ZeRO-2/3: every dp rank takes part
     tensors = [whole(p) if gather else p for _, p in params]
+    buffers = persistent_buffers(stage)  # (what save_pretrained writes besides parameters)
+    params += list(buffers.items())
+    tensors += list(buffers.values())
     if ctx.dp_rank == 0:
         mine = [(name, getattr(p, "tp_shard", None), t.detach().cpu())
                 for (name, p), t in zip(params, tensors)]
