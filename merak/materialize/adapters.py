@@ -81,4 +81,5 @@ def check_adapters_recorded(model: nn.Module) -> None:
             f"called on the meta model), so the values peft drew for them are lost and no rank "
             f"can initialize them. Let Merak add them: MerakArguments(lora_config=...), a "
             f"Trainer subclass's peft_config (TRL), or merak.lora.wrap(model, config); or call "
-            f"get_peft_model inside `with merak.init_empty_weights(merak.materialize.meta.record_of(model)):`")
+            f"get_peft_model inside `with merak.init_empty_weights(record_of(model)):` "
+            f"(merak.materialize.meta.record_of)")

@@ -1,6 +1,7 @@
 """TRL's SFTTrainer through MerakTrainer (issue 34): ``class MerakSFTTrainer(MerakTrainer,
 SFTTrainer)`` with ``@dataclass class Config(MerakArguments, SFTConfig)`` on plain text rows
-of varying length (padded per step) at (dp, tp, pp) = (1,2,2) and (2,1,2). SFTTrainer's
+of varying length (padded per step) at (dp, tp, pp) = (1,2,2) and (2,1,2), without and with
+LoRA adapters through SFTTrainer's own ``peft_config`` (test_peft_adapters). SFTTrainer's
 compute_loss runs on the last stage; each run writes its logged losses, grad norms and TRL's
 metrics to ``merak-<scenario>.json`` for test_trainer_subclasses to compare with single-process
 SFTTrainer."""
@@ -18,7 +19,7 @@ from common import out_dir, run_scenarios
 import merak
 
 
-def run(name: str, layout: tuple[int, int, int]) -> None:
+def run(name: str, layout: tuple[int, int, int], peft_config=None) -> None:
     import trl
 
     @dataclass
@@ -38,7 +39,7 @@ def run(name: str, layout: tuple[int, int, int]) -> None:
     # dp ranks' micro-batch i together, at dp 1 the rows put in that order
     order = None if dp == 2 else sft.reference_order(2)
     trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(order),
-                              processing_class=sft.tokenizer())
+                              processing_class=sft.tokenizer(), peft_config=peft_config)
     trainer.train()
     if dist.get_rank() == 0:
         (out_dir() / f"merak-{name}.json").write_text(json.dumps(
@@ -48,8 +49,13 @@ def run(name: str, layout: tuple[int, int, int]) -> None:
 def scenarios(world_size: int) -> dict:
     if world_size != 4:
         return {}
-    return {name: (lambda name=name, layout=layout: run(name, layout))
-            for name, layout in sft.LAYOUTS.items()}
+    plain = {name: (lambda name=name, layout=layout: run(name, layout))
+             for name, layout in sft.LAYOUTS.items()}
+    # TRL adds the adapters to the meta model inside its __init__ (peft_config)
+    adapted = {name: (lambda name=name, layout=layout, targets=targets:
+                      run(name, layout, sft.peft_config(targets)))
+               for name, (layout, targets) in sft.LORA_LAYOUTS.items()}
+    return {**plain, **adapted}
 
 
 if __name__ == "__main__":
