@@ -3,7 +3,8 @@
 peft initializes them on the whole single-process model at that point, and trained at parity
 at (1,2,2) and (2,1,2) (scenarios of the pooled 4-rank launch, workers/trainer_subclasses.py);
 ``lora_config`` adapters made after ``set_seed(args.seed)`` match peft even when that seed is
-the one the model was built from; adapters added outside Merak's record are refused by name."""
+the one the model was built from, and train at parity at (2,2,2) (the pooled 8-rank launch);
+adapters added outside Merak's record are refused by name."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
 WORKER = "trainer_subclasses.py"  # pooled: launches(world_size), see conftest.py
-WORLD_SIZES = (4,)
+WORLD_SIZES = (4, 8)
+# scenario -> (world size, targets): TRL's peft_config on 4 ranks, lora_config on 8
+SCENARIOS = {**{name: (4, targets) for name, (_, targets) in sft.LORA_LAYOUTS.items()},
+             **{name: (8, targets) for name, (_, targets) in sft.LORA_CONFIG_LAYOUTS.items()}}
 
 
 @dataclass
@@ -47,12 +51,18 @@ def _reference(targets, order=None, train: bool = True) -> trl.SFTTrainer:
     return trainer
 
 
-@pytest.mark.parametrize("scenario", list(sft.LORA_LAYOUTS))
-def test_trl_peft_config_trains_as_single_process_sft(launches, worker_pool, scenario):
-    results, output = launches(4)
+@pytest.mark.parametrize(("world_size", "scenario"),
+                         [(size, name) for name, (size, _) in SCENARIOS.items()])
+def test_adapters_train_as_single_process_sft_with_peft_config(launches, worker_pool,
+                                                               world_size, scenario):
+    """TRL's peft_config at (1,2,2) and (2,1,2), and lora_config at (2,2,2), against
+    single-process SFTTrainer with the same peft_config (both make the adapters right after
+    set_seed(args.seed))."""
+    results, output = launches(world_size)
     check(results, output, scenario)
-    ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
-    _, targets = sft.LORA_LAYOUTS[scenario]
+    ours = json.loads((worker_pool.out_dir(WORKER, world_size) / f"merak-{scenario}.json"
+                       ).read_text())
+    targets = SCENARIOS[scenario][1]
     reference = sft.logged(_reference(targets, sft.reference_order(2)).state.log_history)
     print(f"{scenario}: loss merak {ours['loss']} reference {reference['loss']}")
     assert len(ours["loss"]) == len(reference["loss"]) == sft.STEPS

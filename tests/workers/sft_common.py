@@ -22,6 +22,9 @@ LAYOUTS = {"sft-dp1tp2pp2": (1, 2, 2), "sft-dp2tp1pp2": (2, 1, 2)}
 # TRL's peft_config (issue 34 item 4): per scenario, its layout and LoRA's target_modules
 LORA_LAYOUTS = {"sft-lora-dp1tp2pp2": ((1, 2, 2), "all-linear"),
                 "sft-lora-dp2tp1pp2": ((2, 1, 2), ("q_proj", "v_proj"))}
+# MerakArguments.lora_config (adapters made right after set_seed(args.seed)) on 8 ranks
+LORA_CONFIG_LAYOUTS = {"sft-lora-config-dp2tp2pp2": ((2, 2, 2), ("q_proj", "v_proj", "o_proj",
+                                                                 "up_proj", "down_proj"))}
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 
 
@@ -51,12 +54,16 @@ def model():
         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+def lora_fields(targets: str | tuple[str, ...]) -> dict:
+    return {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
+            "target_modules": targets if isinstance(targets, str) else list(targets)}
+
+
 def peft_config(targets: str | tuple[str, ...]):
     """The LoraConfig handed to SFTTrainer (a new one each time: TRL may edit it)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=targets if isinstance(targets, str) else list(targets))
+    return LoraConfig(**lora_fields(targets))
 
 
 def reference_order(dp: int) -> list[int]:
