@@ -104,7 +104,7 @@ def wrap(model: nn.Module, lora_config, adapter_name: str = "default",
         return get_peft_model(model, config, adapter_name=adapter_name)
 
     try:
-        if record is None:
+        if record is None or record.recording:  # (already recorded by the build around us)
             return make()
         with init_empty_weights(record):
             return make()

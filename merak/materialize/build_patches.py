@@ -5,6 +5,7 @@
 - ``torch.tensor(data, device="meta")`` goes through the dispatch the meta record sees.
 - ``torch.nn.init`` functions that skip meta tensors (``orthogonal_``, ``trunc_normal_``) are
   recorded as one op, run on real values at replay.
+- ``torch.manual_seed`` (what ``transformers.set_seed`` calls) marks a reseed for the record.
 """
 
 from __future__ import annotations
@@ -47,6 +48,26 @@ def _track_data_assignments(record) -> Callable[[], None]:
             nn.Parameter.data = previous
         else:
             del nn.Parameter.data
+    return undo
+
+
+def _note_reseeds(record) -> Callable[[], None]:
+    """Make ``torch.manual_seed`` mark a reseed: the record's next draw then records the
+    generator's state even where it equals the state at its previous draw. Meta draws leave the
+    generator alone, so a reseed to the seed the model was built from (``set_seed(args.seed)``
+    before peft adds adapters) gives the state of the build's first draw again, which a
+    comparison of states takes for no change. Returns the undo."""
+    original = torch.manual_seed
+
+    def manual_seed(seed):
+        generator = original(seed)
+        record.last_state = None
+        return generator
+
+    torch.manual_seed = torch.random.manual_seed = manual_seed
+
+    def undo() -> None:
+        torch.manual_seed = torch.random.manual_seed = original
     return undo
 
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
-from merak.materialize.build_patches import (_inits_on_meta,
-                                             _mark_from_pretrained, _storage_key,
+from merak.materialize.build_patches import (_inits_on_meta, _mark_from_pretrained,
+                                             _note_reseeds, _storage_key,
                                              _track_data_assignments, _values_through_dispatch)
 from merak.materialize.record import InitRecord, _Recorder
 from merak.materialize.replay import replay
@@ -57,6 +57,9 @@ def init_empty_weights(record: InitRecord | None = None) -> Iterator[InitRecord]
     meta model: `merak.lora`).
     """
     record = record if record is not None else InitRecord()
+    if record.recording:
+        raise RuntimeError("init_empty_weights(record) inside an init_empty_weights of the same "
+                           "record would record every op twice")
     original = nn.Module.register_parameter
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -77,11 +80,14 @@ def init_empty_weights(record: InitRecord | None = None) -> Iterator[InitRecord]
         nn.Module.register_parameter = register_parameter
         recorder = _Recorder(record)
         for patch in (lambda: _track_data_assignments(record), _mark_from_pretrained,
-                      _values_through_dispatch, lambda: _inits_on_meta(recorder.record_call)):
+                      _values_through_dispatch, lambda: _inits_on_meta(recorder.record_call),
+                      lambda: _note_reseeds(record)):
             undo.append(patch())  # each returns its undo
+        record.recording = True
         with recorder:
             yield record
     finally:
+        record.recording = False
         nn.Module.register_parameter = original
         for patch in reversed(undo):
             patch()

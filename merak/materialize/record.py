@@ -96,6 +96,7 @@ class InitRecord:
     # draws before left the generator behind) or computed from such: replayed like meta ones
     tainted: set[int] = field(default_factory=set, repr=False)
     paused: bool = field(default=False, repr=False)  # ops not recorded (a parameter's move)
+    recording: bool = field(default=False, repr=False)  # inside an init_empty_weights of it
     # the generator's state at the last draw recorded or real draw seen (a later context that
     # continues this record, `init_empty_weights(record)`, goes on from it)
     last_state: torch.Tensor | None = field(default=None, repr=False)

@@ -26,6 +26,7 @@ from merak import lora
 from merak.build import parallelize
 from merak.data_parallel.zero import check_optimizer, shard_stage
 from merak.distributed.parallel_context import get_context
+from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
 from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.runtime.memory_probe import fits_in_memory
@@ -71,11 +72,16 @@ class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlo
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)
             model = lora.wrap(model, args.lora_config, args.adapter_name, seed=args.seed)
+        # by name: a Trainer subclass may take other parameters second (DPOTrainer: ref_model);
+        # adapters it adds (TRL's peft_config) join the meta model's init record
+        with adapters_join_record(model):
+            super().__init__(model, args=args, **trainer_keywords(trainer_args, trainer_kwargs))
+        if self.model is not None:
+            model = self.model  # as the subclass left it (peft-wrapped)
+            check_adapters_recorded(model)
         # (peft config, adapter name): saves write the adapter as peft does
         self._lora = (model.peft_config[args.adapter_name], args.adapter_name) \
             if lora.is_peft_model(model) and args.adapter_name in model.peft_config else None
-        # by name: a Trainer subclass may take other parameters second (DPOTrainer: ref_model)
-        super().__init__(model, args=args, **trainer_keywords(trainer_args, trainer_kwargs))
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
         base = model.get_base_model() if lora.is_peft_model(model) else model
         self._loss, self._counts_items = self._choose_loss(base)

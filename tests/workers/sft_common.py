@@ -19,6 +19,12 @@ FIELDS = {"max_steps": STEPS, "learning_rate": 1e-2, "logging_steps": 1, "seed":
           "gradient_checkpointing": False, "max_grad_norm": 1.0, "max_length": 40,
           "save_strategy": "no"}
 LAYOUTS = {"sft-dp1tp2pp2": (1, 2, 2), "sft-dp2tp1pp2": (2, 1, 2)}
+# TRL's peft_config (issue 34 item 4): per scenario, its layout and LoRA's target_modules
+LORA_LAYOUTS = {"sft-lora-dp1tp2pp2": ((1, 2, 2), "all-linear"),
+                "sft-lora-dp2tp1pp2": ((2, 1, 2), ("q_proj", "v_proj"))}
+# MerakArguments.lora_config (adapters made right after set_seed(args.seed)) on 8 ranks
+LORA_CONFIG_LAYOUTS = {"sft-lora-config-dp2tp2pp2": ((2, 2, 2), ("q_proj", "v_proj", "o_proj",
+                                                                 "up_proj", "down_proj"))}
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 
 
@@ -46,6 +52,18 @@ def model():
         vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def lora_fields(targets: str | tuple[str, ...]) -> dict:
+    return {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
+            "target_modules": targets if isinstance(targets, str) else list(targets)}
+
+
+def peft_config(targets: str | tuple[str, ...]):
+    """The LoraConfig handed to SFTTrainer (a new one each time: TRL may edit it)."""
+    from peft import LoraConfig
+
+    return LoraConfig(**lora_fields(targets))
 
 
 def reference_order(dp: int) -> list[int]:

@@ -1,6 +1,8 @@
 """TRL's SFTTrainer through MerakTrainer (issue 34): ``class MerakSFTTrainer(MerakTrainer,
 SFTTrainer)`` with ``@dataclass class Config(MerakArguments, SFTConfig)`` on plain text rows
-of varying length (padded per step) at (dp, tp, pp) = (1,2,2) and (2,1,2). SFTTrainer's
+of varying length (padded per step) at (dp, tp, pp) = (1,2,2) and (2,1,2), without and with
+LoRA adapters through SFTTrainer's own ``peft_config``, and at (2,2,2) through
+``MerakArguments.lora_config`` (test_peft_adapters). SFTTrainer's
 compute_loss runs on the last stage; each run writes its logged losses, grad norms and TRL's
 metrics to ``merak-<scenario>.json`` for test_trainer_subclasses to compare with single-process
 SFTTrainer."""
@@ -18,7 +20,7 @@ from common import out_dir, run_scenarios
 import merak
 
 
-def run(name: str, layout: tuple[int, int, int]) -> None:
+def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> None:
     import trl
 
     @dataclass
@@ -33,12 +35,13 @@ def run(name: str, layout: tuple[int, int, int]) -> None:
     with merak.init_empty_weights():
         model = sft.model()
     args = Config(output_dir=str(out_dir() / name),
-                  per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH // dp, **sft.FIELDS)
+                  per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH // dp, **sft.FIELDS,
+                  **fields)
     # each micro-batch holds the rows of the reference's (`sft.reference_order`): at dp 2 the
     # dp ranks' micro-batch i together, at dp 1 the rows put in that order
     order = None if dp == 2 else sft.reference_order(2)
     trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(order),
-                              processing_class=sft.tokenizer())
+                              processing_class=sft.tokenizer(), peft_config=peft_config)
     trainer.train()
     if dist.get_rank() == 0:
         (out_dir() / f"merak-{name}.json").write_text(json.dumps(
@@ -46,10 +49,19 @@ def run(name: str, layout: tuple[int, int, int]) -> None:
 
 
 def scenarios(world_size: int) -> dict:
+    if world_size == 8:  # lora_config's adapters, against single-process peft_config's
+        return {name: (lambda name=name, layout=layout, targets=targets: run(
+                    name, layout, lora_config=json.dumps(sft.lora_fields(targets))))
+                for name, (layout, targets) in sft.LORA_CONFIG_LAYOUTS.items()}
     if world_size != 4:
         return {}
-    return {name: (lambda name=name, layout=layout: run(name, layout))
-            for name, layout in sft.LAYOUTS.items()}
+    plain = {name: (lambda name=name, layout=layout: run(name, layout))
+             for name, layout in sft.LAYOUTS.items()}
+    # TRL adds the adapters to the meta model inside its __init__ (peft_config)
+    adapted = {name: (lambda name=name, layout=layout, targets=targets:
+                      run(name, layout, sft.peft_config(targets)))
+               for name, (layout, targets) in sft.LORA_LAYOUTS.items()}
+    return {**plain, **adapted}
 
 
 if __name__ == "__main__":
