@@ -17,7 +17,7 @@ from dist_harness import check
 
 import merak
 from merak.runtime.microbatches import shape_classes, step_microbatches
-from merak.trainer.data import StageBatches
+from merak.trainer.data import EvalBatches, StageBatches
 from merak.trainer.token_counts import ITEMS, with_own_counts
 
 trl = pytest.importorskip("trl")
@@ -80,6 +80,17 @@ def test_each_microbatch_is_collated_from_its_own_rows():
     assert first["input_ids"].shape == (1, 2 + 3)  # rows 6 and 7: 2 and 3 tokens, one row
     assert first["position_ids"].tolist() == [[0, 1, 0, 1, 2]]
     assert [mb["input_ids"].shape[1] for mb in steps[0]] == [5, 9, 3]  # shapes differ
+
+
+def test_evaluation_refuses_a_flattening_collator_by_name():
+    """Evaluation still collates a whole evaluation step and cuts it by row: a collator that
+    flattens the rows is refused, not cut wrongly."""
+    rows = [{"i": i, "ids": [1, 2, 3]} for i in range(4)]
+    data = EvalBatches(rows, _recording_collator([]), micro_batch_size=2, num_microbatches=2,
+                       dp=1, dp_rank=0, reads_data=True)
+    with pytest.raises(merak.NotSupportedYetError, match=r"returned \{'input_ids': 1.*"
+                                                         r"padding_free=False"):
+        data.step(0)
 
 
 def test_a_steps_microbatches_keep_their_shapes_and_counts():

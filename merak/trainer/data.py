@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader
 
+from merak.trainer.arguments import NotSupportedYetError
+
 
 def model_input_filter(forward: Callable, label_names: Sequence[str] = ()) -> Callable[[dict],
                                                                                        dict]:
@@ -135,6 +137,14 @@ class EvalBatches:
         real = self.real_rows(step)
         items = [self.dataset[i] for i in range(start, start + real)]
         batch = self.collate(items + [self.dataset[0]] * (self.rows - real))
+        rows = {name: t.shape[0] for name, t in batch.items() if torch.is_tensor(t) and t.dim()}
+        if any(n != self.rows for n in rows.values()):
+            raise NotSupportedYetError(
+                f"evaluation collates each evaluation step's {self.rows} rows in one call and "
+                f"cuts them into micro-batches by row, but the data collator returned {rows} "
+                f"rows (a padding-free or packing collator flattens a batch into one row); "
+                f"evaluate with a collator that keeps one row per example (TRL: "
+                f"padding_free=False and eval_packing=False)")
         if real < self.rows:
             for name in self.label_names:
                 if name in batch:
