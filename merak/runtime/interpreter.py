@@ -12,7 +12,6 @@ all-reduce over all its stages' gradients, one optimizer step.
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -21,14 +20,15 @@ import torch
 from merak.data_parallel.grad_sync import GradientAverager
 from merak.data_parallel.shards import is_sharded
 from merak.data_parallel.zero import ZeroSharding
-from merak.distributed.compat import all_gather_single
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
 from merak.recompute.stage_aware import stage_segments
 from merak.runtime.cpu_threads import IdleCoreLending
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.p2p import StageTransfers
-from merak.runtime.runner import OutputLoss, StageRunner, split_microbatches
+from merak.runtime.microbatches import step_microbatches
+from merak.runtime.runner import OutputLoss, StageRunner
+from merak.runtime.shape_discovery import batch_shape_key, discover_shapes
 from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
 from merak.runtime.step_tail import (
     StepTail,
@@ -231,8 +231,10 @@ class PipelineInterpreter(StepTail):
                                         if len(ranks) > 1})
 
     # -- steps --------------------------------------------------------------------------------
-    def train_step(self, batch: dict[str, torch.Tensor] | None) -> float:
-        """Run one optimizer step over `batch` (this dp rank's share of the global batch).
+    def train_step(self, batch: dict[str, torch.Tensor] | Sequence[dict] | None) -> float:
+        """Run one optimizer step over `batch` (this dp rank's share of the global batch): one
+        dict cut into the micro-batches, or the micro-batches themselves, collated one by one
+        (`merak.runtime.microbatches`).
 
         Stages that read no batch input may pass None. Returns the step's loss (mean over
         micro-batches and dp ranks), on every rank.
@@ -248,7 +250,7 @@ class PipelineInterpreter(StepTail):
         self.global_step += 1
         return loss
 
-    def eval_step(self, batch: dict[str, torch.Tensor] | None,
+    def eval_step(self, batch: dict[str, torch.Tensor] | Sequence[dict] | None,
                   num_microbatches: int | None = None, keep: str | None = None) -> float:
         """Forward only, without gradients, in eval mode: the mean loss over `batch` (this dp
         rank's share) and the dp ranks, on every rank. Hooks are not called. With `keep`, the
@@ -319,79 +321,33 @@ class PipelineInterpreter(StepTail):
             runner.end()
         return loss
 
-    def _begin(self, batch: dict[str, torch.Tensor] | None, num_microbatches: int,
-               microbatches_used: int | None, loss_weight: float | None = None) -> None:
+    def _begin(self, batch: dict[str, torch.Tensor] | Sequence[dict] | None,
+               num_microbatches: int, microbatches_used: int | None,
+               loss_weight: float | None = None) -> None:
         if self.batch_keys and batch is None:
             raise ValueError(f"rank {self.ctx.rank} reads {self.batch_keys} from the batch "
                              f"but got batch=None")
-        device = self.ctx.device
-        moved = {}
-        for key in self.batch_keys:  # to the device once, pinned and asynchronous on CUDA
-            tensor = batch[key] if key in batch else None
-            if tensor is None:
-                continue
-            if device.type == "cuda" and tensor.device.type == "cpu":
-                tensor = tensor.pin_memory().to(device, non_blocking=True)
-            else:
-                tensor = tensor.to(device)
-            moved[key] = tensor
-        parts = split_microbatches(moved if batch is not None else {}, num_microbatches,
-                                   self.batch_keys)
+        parts = step_microbatches(batch if batch is not None else {}, num_microbatches,
+                                  self.batch_keys if batch is not None else [])
+        parts = [{k: self._to_device(t) for k, t in part.items()} for part in parts]
+        used = microbatches_used or num_microbatches
         for runner in self.runners.values():
-            runner.device, runner.autocast_dtype = device, self.autocast_dtype
+            runner.device, runner.autocast_dtype = self.ctx.device, self.autocast_dtype
             runner.loss_scale, runner.loss_weight = self.loss_scale, loss_weight
-            runner.begin([{k: part[k] for k in runner.batch_keys} for part in parts],
-                         microbatches_used or num_microbatches)
+            runner.begin([{k: part[k] for k in runner.batch_keys} for part in parts], used)
         if self.split.edges:
-            key = self._shape_key(parts[0] if parts else {})
-            if not self.transfers.shapes_known(key):
-                self._discover_shapes()
+            key, classes = batch_shape_key(self, parts, used)
+            if not self.transfers.shapes_known(key, classes):
+                discover_shapes(self, classes)
                 self.transfers.remember_shapes(key)
 
-    def _shape_key(self, microbatch: dict[str, torch.Tensor]) -> tuple:
-        """What the step's activation shapes and requires-grad flags depend on: the shapes and
-        dtypes of micro-batch 0's inputs on every rank of this pipeline that loads any, and
-        whether gradients are on. The codes are exchanged as host tensors over the pipeline's
-        host group (`ParallelContext.host_group`), so the host never waits for the device;
-        every rank agrees on whether shapes must be discovered anew."""
-        local = repr(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in microbatch.items()))
-        code = torch.tensor([zlib.crc32(local.encode())], dtype=torch.int64)
-        if self.ctx.pp > 1:
-            codes = torch.zeros(self.ctx.pp, dtype=torch.int64)
-            self.transfers.wait_collective(
-                all_gather_single(codes, code, group=self.ctx.host_group("pp"), async_op=True),
-                "the batch-shape exchange that starts every step (an all-gather over the "
-                "pipeline ranks)")
-            code = codes
-        return (torch.is_grad_enabled(), *code.numpy().tolist())  # host memory: no sync
-
-    def _discover_shapes(self) -> None:
-        """Run micro-batch 0's forward, in eval mode and without gradients, through a program
-        with one transfer per group whose messages carry only shapes (`StageTransfers`); the
-        random number generators are left as they were."""
-        rng = self.rng_state()
-        was_training = self.stage.training
-        self.stage.eval()
-        try:
-            with torch.no_grad():
-                for action in self._discovery_program:
-                    runner = self.runners[action.stage_id]
-                    if action.kind is K.SEND_ACT:
-                        self.transfers.send_shapes(action, runner.outputs(0))
-                    elif action.kind is K.RECV_ACT:
-                        values = self.transfers.recv_shapes(action)
-                        runner.received_shapes.update(
-                            {k: (v.shape, v.dtype) for k, v in values.items()})
-                        runner.receive(0, values)
-                    elif action.kind is K.LOAD:
-                        runner.load(0)
-                    elif action.kind is K.FORWARD:
-                        runner.forward(0, with_loss=False)
-        finally:
-            self.stage.train(was_training)
-            self.set_rng_state(rng)
-            for runner in self.runners.values():
-                runner.reset_microbatch(0)
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """To the device once, pinned and asynchronous on CUDA."""
+        if not torch.is_tensor(tensor):
+            return tensor
+        if self.ctx.device.type == "cuda" and tensor.device.type == "cpu":
+            return tensor.pin_memory().to(self.ctx.device, non_blocking=True)
+        return tensor.to(self.ctx.device)
 
     def _execute(self, action: Action, hooks: Sequence[InstructionHook]) -> None:
         for hook in hooks:

@@ -98,7 +98,7 @@ def _stage_alone(runner, num_stages: int, num_microbatches: int) -> None:
         runner.load(mb)
         runner.receive(mb, {key: torch.zeros(shape, dtype=dtype, device=device)
                             .requires_grad_(dtype.is_floating_point)
-                            for key, (shape, dtype) in runner.received_shapes.items()})
+                            for key, (shape, dtype) in runner.received_shapes.get(mb, {}).items()})
         runner.forward(mb)
     for mb in range(in_flight):
         if not runner.is_last:

@@ -19,9 +19,11 @@ the micro-batch. The test suite runs this module over a test backend with NCCL's
 Shapes: a receiver must size its buffers before it posts a receive, and any extra message
 posted outside the schedule's groups changes who waits on whom. So shapes are found apart from
 the step: when the batch shapes change (`shapes_known`), the interpreter runs a discovery pass,
-micro-batch 0's forward with one transfer per group, whose messages carry only the metadata
-(dtype, requires-grad flag and shape of each value; `send_shapes`, `recv_shapes`); the step then
-sizes every buffer from it. The first step of each batch shape also sends each activation's
+the forward of each micro-batch of new shapes with one transfer per group, whose messages carry
+only the metadata (dtype, requires-grad flag and shape of each value; `send_shapes`,
+`recv_shapes`); the step then sizes every buffer from it. Micro-batches may differ in shape
+(collated one by one: padding-free rows of different flattened lengths): each micro-batch has the
+metadata of its shape class (`shapes_known`'s `classes`), found once per step for each class. The first step of each batch shape also sends each activation's
 metadata beside it (one more tensor of the same transfer: the posting order is unchanged), which
 checks the shapes and brings the sender's requires-grad flags (discovery runs without
 gradients). Later steps of that shape send no metadata and read nothing on the host: the sender
@@ -30,6 +32,7 @@ checks its outgoing values against the known metadata (host-side attributes, no 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +50,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.int32, torch.bool, torch.uint8, torch.int8, torch.int16]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 Edge = tuple[int, int]
+_KEPT_SHAPES = 256  # batch shapes whose metadata is kept (packed batches bring new ones often)
 
 
 class P2PTimeoutError(RuntimeError):
@@ -79,8 +83,11 @@ class StageTransfers:
     def __init__(self, ctx, split: PipelineSplit):
         self.ctx, self.split = ctx, split
         self.transfers = split.transfers  # (src stage, dst stage) -> value keys
-        self.metas: dict[Edge, list[TensorMeta]] = {}  # this step's, per edge
-        self._known: dict[object, dict[Edge, list[TensorMeta]]] = {}
+        # this step's metadata per edge, for each shape class (its first micro-batch)
+        self._by_class: dict[int, dict[Edge, list[TensorMeta]]] = {}
+        self._classes: list[int] = [0]  # each micro-batch's shape class
+        self._known: OrderedDict[object, dict[int, dict[Edge, list[TensorMeta]]]] = \
+            OrderedDict()
         self._checked: set[object] = set()  # shape keys whose first step checked the metadata
         self._key: object = None
         self._sending: list[tuple[list, list[torch.Tensor]]] = []  # send groups not known done
@@ -94,38 +101,50 @@ class StageTransfers:
     def peer_rank(self, action: Action) -> int:
         return self.ctx.rank_of(pp_rank=action.peer)
 
-    def shapes_known(self, key: object) -> bool:
-        """Start a step of batch-shape `key`; whether its shapes were discovered (if not, the
-        caller discovers them, then calls `remember_shapes`)."""
-        self._key = key
+    def shapes_known(self, key: object, classes: Sequence[int] = (0,)) -> bool:
+        """Start a step of batch-shape `key` whose micro-batch ``mb`` has the shapes of
+        micro-batch ``classes[mb]`` (its class: the first micro-batch of those shapes); whether
+        its shapes were discovered (if not, the caller discovers each class's, then calls
+        `remember_shapes`)."""
+        self._key, self._classes = key, list(classes)
         if key in self._known:
-            self.metas = {edge: list(metas) for edge, metas in self._known[key].items()}
+            self._known.move_to_end(key)
+            self._by_class = _copy(self._known[key])
             return True
-        self.metas = {}
+        self._by_class = {}
         return False
 
     def remember_shapes(self, key: object) -> None:
-        self._known[key] = {edge: list(metas) for edge, metas in self.metas.items()}
+        self._known[key] = _copy(self._by_class)
+        while len(self._known) > _KEPT_SHAPES:
+            self._checked.discard(self._known.popitem(last=False)[0])
 
-    def send_shapes(self, action: Action, values: dict[ValueKey, torch.Tensor]) -> None:
-        """Discovery: send the metadata of `action`'s values (one transfer, its own group)."""
+    def metas(self, mb: int) -> dict[Edge, list[TensorMeta]]:
+        """Micro-batch `mb`'s metadata per edge (its shape class's)."""
+        return self._by_class.setdefault(self._classes[mb] if mb < len(self._classes) else mb,
+                                         {})
+
+    def send_shapes(self, action: Action, values: dict[ValueKey, torch.Tensor],
+                    mb: int = 0) -> None:
+        """Discovery of micro-batch `mb`'s shapes: send the metadata of `action`'s values (one
+        transfer, its own group)."""
         edge = self._edge(action)
         metas = [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
                  for t in (values[k] for k in self.transfers[edge])]
-        self.metas[edge] = metas
+        self._by_class.setdefault(mb, {})[edge] = metas
         self._single(_Op(action, self.peer_rank(action), [_encode(metas, self.ctx.device)],
                          True), "shapes")
 
-    def recv_shapes(self, action: Action) -> dict[ValueKey, torch.Tensor]:
-        """Discovery: receive the metadata of `action`'s values; returns zero tensors of those
-        shapes to run the forward on."""
+    def recv_shapes(self, action: Action, mb: int = 0) -> dict[ValueKey, torch.Tensor]:
+        """Discovery of micro-batch `mb`'s shapes: receive the metadata of `action`'s values;
+        returns zero tensors of those shapes to run the forward on."""
         edge = self._edge(action)
         buffer = torch.empty(len(self.transfers[edge]) * _META_WIDTH, dtype=torch.int64,
                              device=self.ctx.device)
         self._single(_Op(action, self.peer_rank(action), [buffer], False), "shapes")
-        self.metas[edge] = _decode(buffer)
+        metas = self._by_class.setdefault(mb, {})[edge] = _decode(buffer)
         return {k: torch.zeros(m.shape, dtype=m.dtype, device=self.ctx.device)
-                for k, m in zip(self.transfers[edge], self.metas[edge])}
+                for k, m in zip(self.transfers[edge], metas)}
 
     def exchange(self, action: Action, tensor: torch.Tensor, *, is_send: bool) -> None:
         """One message outside any schedule (generation's hidden states): `tensor` sent to, or
@@ -182,7 +201,7 @@ class StageTransfers:
                 if self.carries_metadata:  # the metadata rode along: check, take the flags
                     tensors = tensors[1:]
                     self._check_metas(op, _decode(op.tensors[0]))
-                for tensor, meta in zip(tensors, self.metas[self._edge(op.action)]):
+                for tensor, meta in zip(tensors, self._metas(op.action)):
                     tensor.requires_grad_(meta.requires_grad)  # a leaf where it needs one
             received[op.action] = dict(zip(self._keys(op.action), tensors))
         for a in actions:  # a receive of nothing (no value of the edge needs a gradient)
@@ -194,17 +213,20 @@ class StageTransfers:
         _, src, dst, _ = action.message
         return src, dst
 
+    def _metas(self, action: Action) -> list[TensorMeta]:
+        """The metadata of the action's edge for its micro-batch."""
+        return self.metas(action.microbatch_id)[self._edge(action)]
+
     def _keys(self, action: Action) -> list[ValueKey]:
         """The values of the action's message, in the order they travel."""
-        edge = self._edge(action)
-        keys = self.transfers[edge]
+        keys = self.transfers[self._edge(action)]
         if action.kind in (K.SEND_GRAD, K.RECV_GRAD):
-            keys = [k for k, m in zip(keys, self.metas[edge]) if m.requires_grad]
+            keys = [k for k, m in zip(keys, self._metas(action)) if m.requires_grad]
         return keys
 
     def _op(self, action: Action, values: dict[ValueKey, torch.Tensor] | None) -> _Op:
         peer, edge = self.peer_rank(action), self._edge(action)
-        if edge not in self.metas:
+        if edge not in self.metas(action.microbatch_id):
             raise RuntimeError(f"rank {self.ctx.rank}: {action} has no discovered shapes; the "
                                f"interpreter runs the shape discovery before the step")
         if values is not None:  # a send
@@ -217,7 +239,7 @@ class StageTransfers:
                 if self.carries_metadata:
                     tensors = [_encode(metas, self.ctx.device)] + tensors
             return _Op(action, peer, tensors, True)
-        metas = self.metas[edge]
+        metas = self._metas(action)
         if action.kind is K.RECV_GRAD:
             metas = [m for m in metas if m.requires_grad]
         buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.ctx.device) for m in metas]
@@ -231,20 +253,21 @@ class StageTransfers:
         (discovery runs without gradients), and must stay what the batch shape's first step
         sent (`flags`): the receiver sizes the gradient message by them."""
         edge = self._edge(op.action)
-        known = self.metas[edge]
+        known = self.metas(op.action.microbatch_id)[edge]
         if [(m.shape, m.dtype) for m in metas] != [(m.shape, m.dtype) for m in known]:
             raise RuntimeError(
                 f"rank {self.ctx.rank}: {op.action} carries values of shapes "
                 f"{[(m.shape, str(m.dtype)) for m in metas]}, not the "
                 f"{[(m.shape, str(m.dtype)) for m in known]} the shape discovery found for this "
-                f"batch shape; a stage's output shapes must depend only on the batch shapes")
+                f"micro-batch's shapes; a stage's output shapes must depend only on the shapes "
+                f"of its micro-batch")
         if flags and metas != known:
             raise RuntimeError(
                 f"rank {self.ctx.rank}: {op.action} sends values whose requires-grad flags "
                 f"{[m.requires_grad for m in metas]} differ from the "
                 f"{[m.requires_grad for m in known]} of this batch shape's first step; freezing "
                 f"or unfreezing parameters between steps needs a new engine")
-        self.metas[edge] = metas
+        self.metas(op.action.microbatch_id)[edge] = metas
 
     # -- posting and waiting ------------------------------------------------------------------
     def _post(self, ops: Sequence[_Op]) -> list:
@@ -278,6 +301,12 @@ class StageTransfers:
         return (f"rank {self.ctx.rank} waited {limit} on rank(s) {peers} in {actions}{what} "
                 f"and gave up{cause}. Check that rank(s) {peers} are alive and run the same "
                 f"schedule and split.")
+
+
+def _copy(by_class: dict[int, dict[Edge, list[TensorMeta]]]
+          ) -> dict[int, dict[Edge, list[TensorMeta]]]:
+    return {mb: {edge: list(metas) for edge, metas in edges.items()}
+            for mb, edges in by_class.items()}
 
 
 def _encode(metas: list[TensorMeta], device: torch.device) -> torch.Tensor:

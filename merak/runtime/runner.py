@@ -22,25 +22,6 @@ from merak.runtime.split_backward import backward_input, backward_weight
 from merak.runtime.stage import PipelineStage
 
 
-def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int,
-                       keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
-    """Cut each of `keys` of `batch` along dim 0 into `num_microbatches` equal parts."""
-    missing = [k for k in keys if k not in batch]
-    if missing:
-        raise ValueError(f"the batch lacks {missing}, which this stage reads; it has "
-                         f"{sorted(batch)}")
-    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_microbatches)]
-    for key in keys:
-        tensor = batch[key]
-        if tensor.shape[0] % num_microbatches:
-            raise ValueError(f"batch[{key!r}] has {tensor.shape[0]} rows, which do not split "
-                             f"into {num_microbatches} equal micro-batches; make the per-rank "
-                             f"batch size a multiple of the number of micro-batches")
-        for mb, part in enumerate(tensor.chunk(num_microbatches)):
-            parts[mb][key] = part
-    return parts
-
-
 class OutputLoss(Protocol):
     """A loss the last stage computes eagerly from the split's output (`attach_loss`)."""
 
@@ -99,8 +80,9 @@ class StageRunner:
         self.losses: list[torch.Tensor] = []
         self.state: list[MicroBatchState] = []
         self.microbatches: list[dict[str, torch.Tensor]] = []
-        # what the last shape discovery received: value -> (shape, dtype) (`memory_probe`)
-        self.received_shapes: dict[ValueKey, tuple[torch.Size, torch.dtype]] = {}
+        # what the last shape discovery found this stage receives, per micro-batch: value ->
+        # (shape, dtype) (`memory_probe`)
+        self.received_shapes: dict[int, dict[ValueKey, tuple[torch.Size, torch.dtype]]] = {}
 
     def begin(self, microbatches: list[dict[str, torch.Tensor]], num_microbatches: int) -> None:
         self.microbatches = microbatches

@@ -5,6 +5,12 @@ Every rank walks the same global order of the dataset (sequential, or a permutat
 ``[k*G, (k+1)*G)`` with G = micro-batch size x micro-batches x dp; dp rank r takes its r-th
 slice; tp ranks of one dp rank take the same slice. Only stages that read model inputs or labels
 (the split's ``batch_inputs``) touch the dataset at all; the others get None.
+
+In training, the data collator runs on each micro-batch's rows, as HF Trainer collates each
+gradient-accumulation batch (HF's per-device batch is one micro-batch here): a step is the list
+of its micro-batches, so what a collator builds per batch keeps its structure (a padding-free
+batch's one flattened row with its `position_ids` and ``cu_seq_lens_*``, padding to each
+micro-batch's longest row, pairs of rows a loss reads together).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader
+
+from merak.trainer.arguments import NotSupportedYetError
 
 
 def model_input_filter(forward: Callable, label_names: Sequence[str] = ()) -> Callable[[dict],
@@ -40,8 +48,10 @@ def loader_options(args) -> dict:
 
 
 class StageBatches:
-    """The training batches of this rank, one per optimizer step, read through a `DataLoader`
-    over the step's index lists (`loader` holds its keywords: workers, pinning, prefetch)."""
+    """The training batches of this rank, one per optimizer step: the list of its
+    `num_microbatches` micro-batches, each collated from its own rows, read through a
+    `DataLoader` over the micro-batches' index lists (`loader` holds its keywords: workers,
+    pinning, prefetch)."""
 
     def __init__(self, dataset, collate: Callable[[list], dict], *, micro_batch_size: int,
                  num_microbatches: int, dp: int, dp_rank: int, strategy: str, seed: int,
@@ -50,6 +60,7 @@ class StageBatches:
             raise ValueError(f"train_sampling_strategy={strategy!r} is not supported yet by "
                              f"MerakTrainer; use 'random' or 'sequential'")
         self.dataset, self.collate = dataset, collate
+        self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
         self.local = micro_batch_size * num_microbatches
         self.global_size = self.local * dp
         self.dp_rank, self.strategy, self.seed = dp_rank, strategy, seed
@@ -70,19 +81,23 @@ class StageBatches:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 
-    def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[dict | None]:
+    def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[list[dict] | None]:
         if not self.reads_data:
             yield from (None for _ in range(skip_steps, self.steps_per_epoch))
             return
-        order = self.order(epoch)
-        indices = [order[start:start + self.local] for start in (
-            step * self.global_size + self.dp_rank * self.local
-            for step in range(skip_steps, self.steps_per_epoch))]
+        order, size = self.order(epoch), self.micro_batch_size
+        steps = range(skip_steps, self.steps_per_epoch)
+        indices = [order[start + mb * size:start + (mb + 1) * size]
+                   for start in (step * self.global_size + self.dp_rank * self.local
+                                 for step in steps)
+                   for mb in range(self.num_microbatches)]
         # its own generator: a DataLoader draws its workers' base seed when iterated, which
         # from the global generator would shift dropout after a resume mid-epoch
-        yield from DataLoader(self.dataset, batch_sampler=indices, collate_fn=self.collate,
-                              generator=torch.Generator().manual_seed(self.seed + epoch),
-                              **self.loader)
+        microbatches = iter(DataLoader(
+            self.dataset, batch_sampler=indices, collate_fn=self.collate,
+            generator=torch.Generator().manual_seed(self.seed + epoch), **self.loader))
+        for _ in steps:
+            yield [next(microbatches) for _ in range(self.num_microbatches)]
 
 
 class EvalBatches:
@@ -122,6 +137,14 @@ class EvalBatches:
         real = self.real_rows(step)
         items = [self.dataset[i] for i in range(start, start + real)]
         batch = self.collate(items + [self.dataset[0]] * (self.rows - real))
+        rows = {name: t.shape[0] for name, t in batch.items() if torch.is_tensor(t) and t.dim()}
+        if any(n != self.rows for n in rows.values()):
+            raise NotSupportedYetError(
+                f"evaluation collates each evaluation step's {self.rows} rows in one call and "
+                f"cuts them into micro-batches by row, but the data collator returned {rows} "
+                f"rows (a padding-free or packing collator flattens a batch into one row); "
+                f"evaluate with a collator that keeps one row per example (TRL: "
+                f"padding_free=False and eval_packing=False)")
         if real < self.rows:
             for name in self.label_names:
                 if name in batch:

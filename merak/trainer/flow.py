@@ -46,22 +46,17 @@ class TrainingFlowMixin:
         if self.control.should_save:
             self._save_merak_checkpoint()
 
-    def _count_input_tokens(self, batch: dict | None) -> None:
-        """HF's `_track_num_input_tokens` for a whole global batch: each dp share is counted by
-        the ranks that read it (they agree), then the shares are summed."""
+    def _count_input_tokens(self, batch: list[dict] | None) -> None:
+        """HF's `_track_num_input_tokens` for a whole global batch (each dp share the list of
+        its micro-batches): each dp share is counted by the ranks that read it (they agree),
+        then the shares are summed."""
         mode = self.args.include_num_input_tokens_seen
         if mode in ("no", False, None):
             return
         name = getattr(self._user_model, "main_input_name", "input_ids")
         count = -1
-        if batch is not None and name in batch:
-            count = batch[name].numel()
-            if mode == "non_padding":
-                pad = getattr(self.processing_class, "pad_token_id", None)
-                if "attention_mask" in batch:
-                    count = int(batch["attention_mask"].sum())
-                elif pad is not None:
-                    count = int((batch[name] != pad).sum())
+        if batch is not None and all(name in mb for mb in batch):
+            count = sum(self._input_tokens(mb, name, mode) for mb in batch)
         counts = torch.full((self.ctx.dp,), -1, dtype=torch.int64, device=self.ctx.device)
         counts[self.ctx.dp_rank] = count
         if self.ctx.world_size > 1:
@@ -73,6 +68,14 @@ class TrainingFlowMixin:
                 self._warned_tokens = True
             return
         self.state.num_input_tokens_seen += int(counts.sum())
+
+    def _input_tokens(self, batch: dict, name: str, mode) -> int:
+        if mode != "non_padding":
+            return batch[name].numel()
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        if "attention_mask" in batch:
+            return int(batch["attention_mask"].sum())
+        return int((batch[name] != pad).sum()) if pad is not None else batch[name].numel()
 
     def _empty_device_cache(self, step: int) -> None:
         """HF's `torch_empty_cache_steps`, checked on the step being run (0-based, as HF's

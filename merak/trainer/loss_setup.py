@@ -92,10 +92,13 @@ class LossSetupMixin:
         probes)."""
         return self._stage_loss.running() if self._stage_loss is not None else nullcontext()
 
-    def _counted(self, batch: dict | None, microbatches: int, step: bool = False) -> dict | None:
-        """`batch` with HF's token counts when the loss takes them (see `token_counts`): the
-        step's count in training (`step`), each micro-batch's own otherwise."""
-        if batch is None or not self._counts_items or "labels" not in batch:
+    def _counted(self, batch: dict | list[dict] | None, microbatches: int,
+                 step: bool = False) -> dict | list[dict] | None:
+        """`batch` (one collated dict, or the list of a step's micro-batches) with HF's token
+        counts when the loss takes them (see `token_counts`): the step's count in training
+        (`step`), each micro-batch's own otherwise."""
+        first = batch if isinstance(batch, dict) or batch is None else batch[0]
+        if batch is None or not self._counts_items or "labels" not in first:
             return batch
         if step:
             return with_step_count(batch, microbatches, self._shifted_count, self.ctx,

@@ -225,8 +225,13 @@ class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlo
             reads_data=self.engine is None or bool(self.engine.batch_keys),
             loader=loader_options(self.args))
 
-    def _example(self, dataset, rows: int, microbatches: int = 1) -> dict[str, torch.Tensor]:
-        return self._counted(self._collate([dataset[i] for i in range(rows)]), microbatches)
+    def _example(self, dataset, rows: int, microbatches: int = 1) -> dict | list[dict]:
+        """The dataset's first `rows` items: one collated micro-batch (what the split is traced
+        on), or a step of `microbatches` micro-batches collated one by one (the probes)."""
+        size = rows // microbatches
+        parts = [self._collate([dataset[i] for i in range(mb * size, (mb + 1) * size)])
+                 for mb in range(microbatches)]
+        return self._counted(parts[0] if microbatches == 1 else parts, microbatches)
 
     # ---------------------------------------------------------------- training
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs) -> TrainOutput:
@@ -279,8 +284,8 @@ class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlo
                     break
                 self.control = self.callback_handler.on_step_begin(args, self.state,
                                                                    self.control)
-                if tokens_per_step is None and batch is not None and "input_ids" in batch:
-                    tokens_per_step = batch["input_ids"].numel() * self.ctx.dp
+                if tokens_per_step is None and batch is not None and "input_ids" in batch[0]:
+                    tokens_per_step = sum(mb["input_ids"].numel() for mb in batch) * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
                 with self._running_loss():
                     loss = self.engine.train_step(self._counted(batch, m, step=True))
