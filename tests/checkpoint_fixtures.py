@@ -53,14 +53,20 @@ def values(step: int, version: int) -> dict[str, torch.Tensor]:
             for i, (name, shape) in enumerate(shapes().items())}
 
 
-class Stage:
-    """What `write_rank_files` reads of a pipeline stage: its named parameters."""
+class Stage(torch.nn.Module):
+    """A pipeline stage as `write_rank_files` reads it: a module holding `tensors` as
+    parameters under their dotted names (no buffers)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.params = [(n, torch.nn.Parameter(t)) for n, t in tensors.items()]
-
-    def named_parameters(self):
-        return iter(self.params)
+        super().__init__()
+        for name, tensor in tensors.items():
+            owner = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, torch.nn.Parameter(tensor))
 
 
 def ctx(rank: int, pp: int = PP) -> SimpleNamespace:

@@ -38,7 +38,7 @@ def batch_shape_key(engine, parts: Sequence[Batch], used: int) -> tuple[tuple, l
             "the batch-shape exchange that starts every step (an all-gather over the "
             "pipeline ranks)")
         codes = gathered
-    table = codes.view(-1, used).tolist()  # host memory: no sync
+    table = codes.view(-1, used).numpy().tolist()  # host memory: no device read
     return (torch.is_grad_enabled(), *(c for row in table for c in row)), shape_classes(table)
 
 
