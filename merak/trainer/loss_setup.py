@@ -25,7 +25,7 @@ from merak.trainer.subclass_loss import (
     stage_logits,
 )
 from merak.trainer.subclasses import overrides
-from merak.trainer.token_counts import takes_item_count, with_own_counts, with_step_count
+from merak.trainer.token_counts import ITEMS, takes_item_count, with_own_counts, with_step_count
 
 
 class LossSetupMixin:
@@ -97,8 +97,9 @@ class LossSetupMixin:
         it feeds the model (`merak.trainer.model_inputs`); else the whole batch, labels
         included."""
         if self._subclass_loss:
-            self._model_inputs = model_inputs(self, self._user_model, example)
-            return {k: example[k] for k in self._model_inputs}
+            batch = {k: v for k, v in example.items() if k != ITEMS}  # compute_loss's count
+            self._model_inputs = model_inputs(self, self._user_model, batch)
+            return {k: example[k] for k in example if k in self._model_inputs or k == ITEMS}
         if "labels" not in example:
             raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
                              "in the dataset or the data collator)")

@@ -40,15 +40,20 @@ def dataset(order: list[int] | None = None):
 def reference_order(dp: int) -> list[int]:
     """As `sft.reference_order`: a single process's micro-batch i holds every dp rank's
     micro-batch i, dp rank by dp rank."""
-    step_rows = GLOBAL_MICRO_BATCH * MICROBATCHES
-    per_rank, per_mb = step_rows // dp, GLOBAL_MICRO_BATCH // dp
-    order = []
-    for start in range(0, ROWS, step_rows):
-        for mb in range(MICROBATCHES):
-            for rank in range(dp):
-                first = start + rank * per_rank + mb * per_mb
-                order += range(first, first + per_mb)
-    return order
+    return sft.reference_order(dp, ROWS)
+
+
+def single_process() -> dict[str, list[float]]:
+    """Plain single-process DPOTrainer on the rows in `reference_order`: what it logs."""
+    import trl
+
+    trainer = trl.DPOTrainer(
+        model=sft.model(), processing_class=sft.tokenizer(),
+        train_dataset=dataset(reference_order(2)),
+        args=trl.DPOConfig(output_dir="out", per_device_train_batch_size=GLOBAL_MICRO_BATCH,
+                           **FIELDS))
+    trainer.train()
+    return logged(trainer.state.log_history)
 
 
 def logged(log_history: list[dict]) -> dict[str, list[float]]:
