@@ -39,7 +39,9 @@ def test_trl_dpo_trainer_matches_single_process_dpo(launches, worker_pool, refer
     assert len(ours["loss"]) == len(reference["loss"]) == dpo.STEPS
     assert reference["rewards/margins"][-1] > 0.05  # it trained: the check can fail
     for key in dpo.LOGGED:  # step 1: policy == reference, the rewards are 0 in both
-        assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
+        # margins: a difference of rewards of about 0.3, so within 1e-5 of those (1e-6 abs)
+        loose = 1e-6 if key == "rewards/margins" else 1e-7
+        assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=loose), key
 
 
 def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():

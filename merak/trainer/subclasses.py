@@ -5,7 +5,8 @@ MerakTrainer runs a whole optimizer step as one pipeline schedule over every mic
 (`PipelineInterpreter.train_step`). A subclass's ``compute_loss`` runs on the last pipeline
 stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batch
 ``training_step`` never runs, so a subclass overriding it is refused by name, unless the
-override is known to only wrap HF's step in a context that is off (`BYPASSED`).
+override is known to only wrap HF's step in a context that is off (`BYPASSED`). What of TRL's
+DPOTrainer a pipeline cannot run yet is refused by name (`check_dpo`).
 """
 
 from __future__ import annotations
