@@ -16,6 +16,7 @@ from torch import nn
 
 from merak.trainer.arguments import NotSupportedYetError
 from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
+from merak.trainer.model_inputs import model_inputs
 from merak.trainer.model_setup import default_loss_fn
 from merak.trainer.subclass_loss import (
     SubclassLoss,
@@ -24,7 +25,7 @@ from merak.trainer.subclass_loss import (
     stage_logits,
 )
 from merak.trainer.subclasses import overrides
-from merak.trainer.token_counts import takes_item_count, with_own_counts, with_step_count
+from merak.trainer.token_counts import ITEMS, takes_item_count, with_own_counts, with_step_count
 
 
 class LossSetupMixin:
@@ -81,11 +82,28 @@ class LossSetupMixin:
             raise NotSupportedYetError(
                 "parallel_vocab with a Trainer subclass's compute_loss: compute_loss needs the "
                 "whole vocabulary's logits on the last stage; turn parallel_vocab off")
-        self._stage_loss = SubclassLoss(self, self._user_model, list(example))
+        self._stage_loss = SubclassLoss(self, self._user_model, list(example),
+                                        self._model_inputs)
         self.engine.attach_loss(self._stage_loss)
+        if self._run_reference_pass():  # TRL DPO's reference log-probs: new batch values
+            self._stage_loss.input_names = list(self._collate([self.train_dataset[0]]))
+            self.engine.attach_loss(self._stage_loss)
         # None: each micro-batch's loss divided by the accumulation steps (HF's training_step)
         self.engine.loss_weight = 1 if scaled_for_accumulation(self, self._counts_items) \
             else None
+
+    def _traced_inputs(self, example: dict) -> dict:
+        """What the pipeline runs of a micro-batch: with a subclass's compute_loss, the values
+        it feeds the model (`merak.trainer.model_inputs`); else the whole batch, labels
+        included."""
+        if self._subclass_loss:
+            batch = {k: v for k, v in example.items() if k != ITEMS}  # compute_loss's count
+            self._model_inputs = model_inputs(self, self._user_model, batch)
+            return {k: example[k] for k in example if k in self._model_inputs or k == ITEMS}
+        if "labels" not in example:
+            raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
+                             "in the dataset or the data collator)")
+        return example
 
     def _running_loss(self) -> AbstractContextManager:
         """Around training and evaluation steps: a subclass's compute_loss runs (not in

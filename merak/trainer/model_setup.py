@@ -48,7 +48,7 @@ class _WithLoss(nn.Module):
         self.config = getattr(model, "config", None)
         self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
 
-    def forward(self, labels: torch.Tensor, **inputs):
+    def forward(self, labels: torch.Tensor | None = None, **inputs):
         if self.no_cache:  # a KV cache cannot be traced (and is useless in training)
             inputs.setdefault("use_cache", False)
         count = inputs.pop(ITEMS, None)  # HF's token count, for the loss alone

@@ -89,12 +89,16 @@ class SubclassLoss:
     """The last stage's loss: the trainer's ``compute_loss`` on one micro-batch (see the module
     doc). `input_names`: the batch values it reads (every collated input, and the count).
     ``live`` False (the trainer's probes: memory, recomputation plans): the model's own loss,
-    so a probe records nothing in the subclass's metrics."""
+    so a probe records nothing in the subclass's metrics. `model_inputs`: the values the
+    pipeline ran (`merak.trainer.model_inputs`), which `StageModel` answers for.
+    ``collect(fn)``: an evaluation pass that calls ``fn(model, inputs)`` per micro-batch instead
+    of ``compute_loss`` and keeps its results in ``collected`` (TRL's reference log-probs)."""
 
-    def __init__(self, trainer, user_model, input_names: Sequence[str]):
+    def __init__(self, trainer, user_model, input_names: Sequence[str],
+                 model_inputs: Sequence[str]):
         self.trainer, self.user_model = trainer, user_model
-        self.input_names = list(input_names)
-        self.live = False
+        self.input_names, self.model_inputs = list(input_names), list(model_inputs)
+        self.live, self.collector, self.collected = False, None, []
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -105,14 +109,28 @@ class SubclassLoss:
         finally:
             self.live = False
 
+    @contextlib.contextmanager
+    def collecting(self, fn) -> Iterator[list]:
+        self.collector, self.collected = fn, []
+        try:
+            yield self.collected
+        finally:
+            self.collector = None
+
     def __call__(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         trainer = self.trainer
         inputs = dict(inputs)
         count = inputs.pop(ITEMS, None)
         training = trainer.model.training
-        model = StageModel(logits, inputs, self.user_model, training)
+        ran = {k: inputs[k] for k in self.model_inputs}
+        model = StageModel(logits, ran, self.user_model, training)
+        if self.collector is not None:
+            self.collected.append(self.collector(model, inputs))
+            return logits.new_zeros(())
         if not self.live:
-            return model(**inputs).loss
+            loss = model(**ran).loss
+            # a probe of a loss without labels (DPO's): one that reaches every logit
+            return loss if loss is not None else logits.float().mean()
         # HF passes the step's count (a float tensor) in training, none in evaluation
         count = count.reshape(()).float() if count is not None and training else None
         view, real = DataParallelView(trainer.accelerator, trainer.ctx), trainer.accelerator

@@ -5,7 +5,8 @@ MerakTrainer runs a whole optimizer step as one pipeline schedule over every mic
 (`PipelineInterpreter.train_step`). A subclass's ``compute_loss`` runs on the last pipeline
 stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batch
 ``training_step`` never runs, so a subclass overriding it is refused by name, unless the
-override is known to only wrap HF's step in a context that is off (`BYPASSED`).
+override is known to only wrap HF's step in a context that is off (`BYPASSED`). What of TRL's
+DPOTrainer a pipeline cannot run yet is refused by name (`check_dpo`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ BYPASSED = {
         "several micro-batches between forward and backward outside any training_step; save "
         "memory with activation_checkpointing (recomputation) instead"),
 }
+BYPASSED[("trl.trainer.dpo_trainer", "DPOTrainer")] = BYPASSED[("trl.trainer.sft_trainer",
+                                                                "SFTTrainer")]
+_DPO = ("trl.trainer.dpo_trainer", "DPOTrainer")
 
 
 def _owner(cls: type, name: str) -> type:
@@ -63,6 +67,39 @@ def check_overrides(cls: type, args) -> None:
     if not is_off(args):
         raise NotSupportedYetError(f"{where} cannot run in {cls.__name__} (a MerakTrainer) "
                                    f"with {why}")
+
+
+def _is_dpo(cls: type) -> bool:
+    return any((k.__module__, k.__qualname__) == _DPO for k in cls.__mro__)
+
+
+def check_dpo(cls: type, args, model, keywords: dict) -> None:
+    """What of TRL's DPOTrainer a pipeline cannot run yet, refused by name with the reason,
+    before anything is built (the reference log-probabilities run through the pipeline:
+    `merak.trainer.reference_logps`)."""
+    if not _is_dpo(cls):
+        return
+    name = cls.__name__
+    if keywords.get("ref_model") is not None:
+        raise NotSupportedYetError(
+            f"{name} was given a ref_model: a second model would need its own pipeline, built "
+            f"and sharded like the policy, which MerakTrainer does not build yet; leave "
+            f"ref_model out and set precompute_ref_log_probs=True (the reference is then the "
+            f"initial policy, run through the pipeline before training)")
+    if not getattr(args, "precompute_ref_log_probs", False):
+        raise NotSupportedYetError(
+            f"{name} with precompute_ref_log_probs=False: DPOTrainer's compute_loss then runs a "
+            f"reference model on each micro-batch, which cannot run on the last pipeline stage; "
+            f"set precompute_ref_log_probs=True")
+    if keywords.get("peft_config") is not None or hasattr(model, "peft_config"):
+        raise NotSupportedYetError(
+            f"{name} with peft adapters: its reference is the model with the adapters off, a "
+            f"forward the pipeline does not run; fine-tune without adapters")
+    if model is not None and any(p.is_meta for p in model.parameters()):
+        raise NotSupportedYetError(
+            f"{name} with precompute_ref_log_probs=True hashes the model's weights in its "
+            f"__init__ (the key of its reference log-probabilities cache), which a model built "
+            f"under merak.init_empty_weights() does not have; build the model with its weights")
 
 
 def trainer_keywords(positional: tuple, keywords: dict) -> dict:

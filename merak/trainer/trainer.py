@@ -44,13 +44,14 @@ from merak.trainer.loss_scale import LossScaler
 from merak.trainer.loss_setup import LossSetupMixin
 from merak.trainer.losses import shifts_labels
 from merak.trainer.model_setup import with_loss, zero1
-from merak.trainer.subclasses import check_overrides, trainer_keywords
+from merak.trainer.reference_logps import ReferenceLogpsMixin
+from merak.trainer.subclasses import check_dpo, check_overrides, trainer_keywords
 from merak.trainer.text_generation import TextGenerationMixin
 from merak.trainer.timers import WallClockBreakdown
 
 
-class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlowMixin,
-                   TextGenerationMixin, Trainer):
+class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, EvaluationMixin,
+                   TrainingFlowMixin, TextGenerationMixin, Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -68,6 +69,7 @@ class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlo
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
         check_overrides(type(self), args)
+        check_dpo(type(self), args, model, trainer_kwargs)
         self.ctx = get_context()
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)
@@ -113,13 +115,11 @@ class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlo
         if lora.is_peft_model(model):  # the peft layers live in the model peft wraps
             model = model.get_base_model()
         self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
-        if "labels" not in example:
-            raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "
-                             "in the dataset or the data collator)")
+        traced = self._traced_inputs(example)
         loss_fn = self._loss
         self._wrapped_loss = loss_fn is not None
         if loss_fn is not None:
-            model = with_loss(model, loss_fn, list(example))
+            model = with_loss(model, loss_fn, list(traced))
         interleaved = SCHEDULES[args.train_schedule].several_stages_per_rank
         chunks = args.num_model_chunks if interleaved else 1
         leaf_modules, embedding = self.leaf_modules, None
@@ -128,7 +128,7 @@ class MerakTrainer(LossSetupMixin, CheckpointMixin, EvaluationMixin, TrainingFlo
             leaf_modules = (*leaf_modules, *neftune.opaque_modules(model, embedding))
         autocast_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         self.stage = parallelize(
-            model, example, self.ctx, num_model_chunks=chunks, autocast_dtype=autocast_dtype,
+            model, traced, self.ctx, num_model_chunks=chunks, autocast_dtype=autocast_dtype,
             checkpoint=pretrained_checkpoint(self._user_model),
             checkpoint_prefix="model." if self._wrapped_loss else "",
             tp_plan=args.tp_plan, parallel_vocab=args.parallel_vocab,

@@ -66,14 +66,14 @@ def peft_config(targets: str | tuple[str, ...]):
     return LoraConfig(**lora_fields(targets))
 
 
-def reference_order(dp: int) -> list[int]:
+def reference_order(dp: int, rows: int = ROWS) -> list[int]:
     """The rows in the order that gives a single process's micro-batch i the rows of every dp
     rank's micro-batch i (Merak gives dp rank r the r-th slice of each step, then cuts it into
     micro-batches; TRL's per-micro-batch metrics gather over the dp ranks)."""
     step_rows = GLOBAL_MICRO_BATCH * MICROBATCHES
     per_rank, per_mb = step_rows // dp, GLOBAL_MICRO_BATCH // dp
     order = []
-    for start in range(0, ROWS, step_rows):
+    for start in range(0, rows, step_rows):
         for mb in range(MICROBATCHES):
             for rank in range(dp):
                 first = start + rank * per_rank + mb * per_mb

@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import dpo_common as dpo
 import sft_common as sft
 import torch.distributed as dist
 from common import out_dir, run_scenarios
@@ -48,6 +49,32 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
             sft.logged(trainer.state.log_history)))
 
 
+def run_dpo(name: str, layout: tuple[int, int, int]) -> None:
+    """MerakDPOTrainer with precompute_ref_log_probs=True: the reference log-probabilities are
+    a pipelined evaluation pass before training. TRL hashes the model's weights in its
+    __init__, so the model is built with them (not on the meta device)."""
+    import trl
+
+    @dataclass
+    class Config(merak.MerakArguments, trl.DPOConfig):
+        pass
+
+    class MerakDPOTrainer(merak.MerakTrainer, trl.DPOTrainer):
+        pass
+
+    dp, tp, pp = layout
+    merak.init(dp=dp, tp=tp, pp=pp)
+    args = Config(output_dir=str(out_dir() / name),
+                  per_device_train_batch_size=dpo.GLOBAL_MICRO_BATCH // dp, **dpo.FIELDS)
+    order = None if dp == 2 else dpo.reference_order(2)
+    trainer = MerakDPOTrainer(model=sft.model(), args=args, train_dataset=dpo.dataset(order),
+                              processing_class=sft.tokenizer())
+    trainer.train()
+    if dist.get_rank() == 0:
+        (out_dir() / f"merak-{name}.json").write_text(json.dumps(
+            dpo.logged(trainer.state.log_history)))
+
+
 def scenarios(world_size: int) -> dict:
     if world_size == 8:  # lora_config's adapters, against single-process peft_config's
         return {name: (lambda name=name, layout=layout, targets=targets: run(
@@ -61,7 +88,9 @@ def scenarios(world_size: int) -> dict:
     adapted = {name: (lambda name=name, layout=layout, targets=targets:
                       run(name, layout, sft.peft_config(targets)))
                for name, (layout, targets) in sft.LORA_LAYOUTS.items()}
-    return {**plain, **adapted}
+    preference = {name: (lambda name=name, layout=layout: run_dpo(name, layout))
+                  for name, layout in dpo.LAYOUTS.items()}
+    return {**plain, **adapted, **preference}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True`` through MerakTrainer: the
+reference log-probabilities computed by the pipeline, before the first training step.
+
+TRL computes them in its ``__init__`` (``_precompute_ref_logps(dataset, name, batch_size)``, as
+read in TRL 1.16): forwards of the reference (the initial policy, as no ``ref_model`` is kept)
+over the dataset, whose per-row results (``compute_ref_log_probs``) become the dataset's
+``ref_chosen_logps`` and ``ref_rejected_logps`` columns. In MerakTrainer no rank holds the whole
+model and the pipeline does not exist yet at that point, so `ReferenceLogpsMixin` takes that call
+over: it notes the request, and once the pipeline is built (before anything trained it) runs the
+pass as evaluation steps (eval mode, no gradients) over every row of the training set, ``batch_size``
+rows per micro-batch and per dp rank. On the last stage each micro-batch's results are TRL's own
+``compute_ref_log_probs`` on a `StageModel` of its logits; every rank then takes every row's
+values and adds the two columns to its training set, as TRL's dataset gets them.
+
+Reference log-probabilities of an evaluation set (TRL's ``eval_dataset``, ``evaluate(dataset)``)
+are refused by name: MerakTrainer's evaluation cuts one collated batch into micro-batches by row,
+which a preference collator's batch (chosen and rejected rows of a prompt together) is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+from merak.distributed.host_objects import all_gather_objects
+from merak.trainer.arguments import NotSupportedYetError
+
+
+class ReferenceLogpsMixin:
+    """Mixed into `MerakTrainer` (which provides args, ctx, engine, _stage_loss, _collate)."""
+
+    _pending_reference: int | None = None
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """TRL DPOTrainer's hook (see the module doc): note the training set's pass for when the
+        pipeline exists; the dataset comes back unchanged until then."""
+        if name != "train":
+            raise NotSupportedYetError(
+                f"precompute_ref_log_probs for the {name!r} dataset: MerakTrainer evaluates by "
+                f"cutting one collated batch into micro-batches by row, which a preference "
+                f"collator's batch (chosen and rejected rows of a prompt together) is not; "
+                f"train without an evaluation set")
+        self._pending_reference = batch_size
+        return dataset
+
+    def _run_reference_pass(self) -> bool:
+        """After the pipeline is built: the noted pass, if any; whether one ran."""
+        batch_size, self._pending_reference = self._pending_reference, None
+        if batch_size is None:
+            return False
+        chosen, rejected = self._reference_logps(self.train_dataset, batch_size)
+        self.train_dataset = self.train_dataset.add_column("ref_chosen_logps", chosen) \
+            .add_column("ref_rejected_logps", rejected)
+        return True
+
+    @contextlib.contextmanager
+    def _as_whole_model(self):
+        """TRL's ``compute_ref_log_probs`` reads ``self.model`` as the HF model (its gradient
+        checkpointing, its adapters) while calling the model it is given: the user's model
+        stands there during the pass; the forward it calls is the `StageModel`'s."""
+        stage, self.model = self.model, self._user_model
+        try:
+            yield
+        finally:
+            self.model = stage
+
+    def _reference_logps(self, dataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's (chosen, rejected) reference log-probabilities, on every rank."""
+        ctx, m = self.ctx, self.engine.num_microbatches
+        rows, local = len(dataset), batch_size * m
+        steps = math.ceil(rows / (local * ctx.dp))
+        mine: list[int] = []
+
+        def compute(model, inputs):
+            return [t.detach().float().cpu() for t in self.compute_ref_log_probs(model, inputs)]
+
+        with self._stage_loss.collecting(compute) as results, self._as_whole_model():
+            for step in range(steps):
+                first = (step * ctx.dp + ctx.dp_rank) * local
+                microbatches = []
+                for mb in range(m):
+                    index = list(range(first + mb * batch_size, first + (mb + 1) * batch_size))
+                    mine += index
+                    # rows past the end: copies of row 0 whose results are dropped
+                    microbatches.append(self._collate([dataset[i if i < rows else 0]
+                                                       for i in index]))
+                self.engine.eval_step(microbatches, num_microbatches=m)
+        last = ctx.pp_rank == ctx.pp - 1 and ctx.tp_rank == 0
+        payload = (mine, [r[0] for r in results], [r[1] for r in results]) if last else None
+        chosen, rejected = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        for part in all_gather_objects(payload, group=ctx.host_group()):
+            if part is None:
+                continue
+            index, c, r = part
+            values = zip(index, np.concatenate(c), np.concatenate(r), strict=True)
+            for i, ci, ri in values:
+                if i < rows:
+                    chosen[i], rejected[i] = ci, ri
+        return chosen, rejected

@@ -1,0 +1,69 @@
+"""TRL's DPOTrainer through MerakTrainer (issue 34): ``class MerakDPOTrainer(MerakTrainer,
+DPOTrainer)`` with ``@dataclass class C(MerakArguments, DPOConfig)`` and
+``precompute_ref_log_probs=True`` (the reference log-probabilities are a pipelined evaluation
+pass before training) at (1,2,2) and (2,1,2), in the pooled 4-rank launch of
+workers/trainer_subclasses.py, against single-process DPOTrainer; what of DPO a pipeline cannot
+run is refused by name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import dpo_common as dpo
+import pytest
+import sft_common as sft
+from dist_harness import check
+
+import merak
+from merak import MerakArguments, NotSupportedYetError
+
+trl = pytest.importorskip("trl")
+
+WORKER = "trainer_subclasses.py"  # pooled: launches(world_size), see conftest.py
+WORLD_SIZES = (4,)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return dpo.single_process()
+
+
+@pytest.mark.parametrize("scenario", list(dpo.LAYOUTS))
+def test_trl_dpo_trainer_matches_single_process_dpo(launches, worker_pool, reference, scenario):
+    results, output = launches(4)
+    check(results, output, scenario)
+    ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
+    for key in ("loss", "rewards/chosen", "rewards/rejected"):
+        print(f"{scenario} {key}: merak {ours[key]} reference {reference[key]}")
+    assert len(ours["loss"]) == len(reference["loss"]) == dpo.STEPS
+    assert reference["rewards/margins"][-1] > 0.05  # it trained: the check can fail
+    for key in dpo.LOGGED:  # step 1: policy == reference, the rewards are 0 in both
+        # margins: a difference of rewards of about 0.3, so within 1e-5 of those (1e-6 abs)
+        loose = 1e-6 if key == "rewards/margins" else 1e-7
+        assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=loose), key
+
+
+def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
+    @dataclass
+    class Config(MerakArguments, trl.DPOConfig):
+        pass
+
+    class MerakDPOTrainer(merak.MerakTrainer, trl.DPOTrainer):
+        pass
+
+    def build(model=None, **kwargs):
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in Config.__dataclass_fields__}
+        return MerakDPOTrainer(model=model, args=Config("out", use_cpu=True, **fields),
+                               **kwargs)
+
+    with pytest.raises(NotSupportedYetError, match="precompute_ref_log_probs=False"):
+        build()
+    with pytest.raises(NotSupportedYetError, match="given a ref_model.*own pipeline"):
+        build(ref_model=sft.model(), precompute_ref_log_probs=True)
+    with pytest.raises(NotSupportedYetError, match="DPOTrainer.training_step cannot run"):
+        build(precompute_ref_log_probs=True, activation_offloading=True)
+    with merak.init_empty_weights():
+        meta = sft.model()
+    with pytest.raises(NotSupportedYetError, match="hashes the model's weights"):
+        build(meta, precompute_ref_log_probs=True)

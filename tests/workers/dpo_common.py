@@ -1,0 +1,61 @@
+"""TRL's DPOTrainer with precomputed reference log-probabilities (issue 34): the preference
+rows, fields and layouts shared by MerakDPOTrainer's runs (workers/trainer_subclasses.py) and
+the single-process DPOTrainer reference (test_dpo.py).
+
+ROWS prompt/chosen/rejected rows of varying length from examples/data's sentences: the prompt
+is a sentence's first words, chosen the rest of it, rejected the rest of a sentence further on.
+A step is 2 micro-batches of GLOBAL_MICRO_BATCH prompts (each collated as chosen rows then
+rejected rows), 5 steps: one epoch and a step of the next."""
+
+from __future__ import annotations
+
+import sft_common as sft
+
+ROWS, STEPS, MICROBATCHES, GLOBAL_MICRO_BATCH = 32, 5, 2, 4
+FIELDS = {**sft.FIELDS, "max_steps": STEPS, "max_length": 48, "beta": 0.1,
+          "precompute_ref_log_probs": True}
+LAYOUTS = {"dpo-dp1tp2pp2": (1, 2, 2), "dpo-dp2tp1pp2": (2, 1, 2)}
+LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+          "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def dataset(order: list[int] | None = None):
+    import datasets
+
+    sentences = [s for s in sft.texts() if len(s.split()) >= 4]
+    prompts, chosen, rejected = [], [], []
+    for i in range(ROWS):
+        words = sentences[i].split()
+        cut = max(2, len(words) // 3)
+        other = sentences[(i + 7) % len(sentences)].split()
+        prompts.append(" ".join(words[:cut]))
+        chosen.append(" " + " ".join(words[cut:]))
+        rejected.append(" " + " ".join(other[len(other) // 2:]))
+    order = list(order or range(ROWS))
+    return datasets.Dataset.from_dict({"prompt": [prompts[i] for i in order],
+                                       "chosen": [chosen[i] for i in order],
+                                       "rejected": [rejected[i] for i in order]})
+
+
+def reference_order(dp: int) -> list[int]:
+    """As `sft.reference_order`: a single process's micro-batch i holds every dp rank's
+    micro-batch i, dp rank by dp rank."""
+    return sft.reference_order(dp, ROWS)
+
+
+def single_process() -> dict[str, list[float]]:
+    """Plain single-process DPOTrainer on the rows in `reference_order`: what it logs."""
+    import trl
+
+    trainer = trl.DPOTrainer(
+        model=sft.model(), processing_class=sft.tokenizer(),
+        train_dataset=dataset(reference_order(2)),
+        args=trl.DPOConfig(output_dir="out", per_device_train_batch_size=GLOBAL_MICRO_BATCH,
+                           **FIELDS))
+    trainer.train()
+    return logged(trainer.state.log_history)
+
+
+def logged(log_history: list[dict]) -> dict[str, list[float]]:
+    steps = [h for h in log_history if "loss" in h and "train_runtime" not in h]
+    return {key: [h[key] for h in steps] for key in LOGGED}
