@@ -19,6 +19,8 @@ FIELDS = {"max_steps": STEPS, "learning_rate": 1e-2, "logging_steps": 1, "seed":
           "gradient_checkpointing": False, "max_grad_norm": 1.0, "max_length": 40,
           "save_strategy": "no"}
 LAYOUTS = {"sft-dp1tp2pp2": (1, 2, 2), "sft-dp2tp1pp2": (2, 1, 2)}
+# TRL's loss_type variants: scenario -> (layout, the SFTConfig fields it changes)
+LOSS_TYPES = {"sft-dft-dp2tp1pp2": ((2, 1, 2), {"loss_type": "dft"})}
 # TRL's peft_config (issue 34 item 4): per scenario, its layout and LoRA's target_modules
 LORA_LAYOUTS = {"sft-lora-dp1tp2pp2": ((1, 2, 2), "all-linear"),
                 "sft-lora-dp2tp1pp2": ((2, 1, 2), ("q_proj", "v_proj"))}

@@ -90,7 +90,9 @@ def scenarios(world_size: int) -> dict:
                for name, (layout, targets) in sft.LORA_LAYOUTS.items()}
     preference = {name: (lambda name=name, layout=layout: run_dpo(name, layout))
                   for name, layout in dpo.LAYOUTS.items()}
-    return {**plain, **adapted, **preference}
+    variants = {name: (lambda name=name, layout=layout, fields=fields: run(name, layout, **fields))
+                for name, (layout, fields) in sft.LOSS_TYPES.items()}  # loss_type="dft"
+    return {**plain, **adapted, **preference, **variants}
 
 
 if __name__ == "__main__":
