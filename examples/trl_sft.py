@@ -84,8 +84,8 @@ def main() -> None:
                                  task_type="CAUSAL_LM")
     data = text_rows(script.train_file, script.rows)
     tokenizer = tf.AutoTokenizer.from_pretrained(script.tokenizer_name)
+    tf.set_seed(config.seed)  # the model's initialization, on every rank as on one process
     if script.reference:
-        tf.set_seed(config.seed)
         trainer = trl.SFTTrainer(model=build_model(script),
                                  args=trl.SFTConfig(**_sft_fields(config)), train_dataset=data,
                                  processing_class=tokenizer, peft_config=peft_config)
@@ -97,7 +97,8 @@ def main() -> None:
         trainer = MerakSFTTrainer(model=model, args=config, train_dataset=data,
                                   processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
-    trainer.save_model()
+    trainer.save_model()  # the HF model directory (each rank's shard gathered)
+    trainer.save_state()  # trainer_state.json: the logged losses and metrics
 
 
 def _sft_fields(config: Config) -> dict:
