@@ -25,9 +25,10 @@ peft = pytest.importorskip("peft")
 
 WORKER = "trainer_subclasses.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (4, 8)
-# scenario -> (world size, targets): TRL's peft_config on 4 ranks, lora_config on 8
+# scenario -> (world size, targets): TRL's peft_config on 4 ranks, lora_config on 4 and 8
 SCENARIOS = {**{name: (4, targets) for name, (_, targets) in sft.LORA_LAYOUTS.items()},
-             **{name: (8, targets) for name, (_, targets) in sft.LORA_CONFIG_LAYOUTS.items()}}
+             **{name: (dp * tp * pp, targets)
+                for name, ((dp, tp, pp), targets) in sft.LORA_CONFIG_LAYOUTS.items()}}
 
 
 @dataclass
@@ -55,7 +56,8 @@ def _reference(targets, order=None, train: bool = True) -> trl.SFTTrainer:
                          [(size, name) for name, (size, _) in SCENARIOS.items()])
 def test_adapters_train_as_single_process_sft_with_peft_config(launches, worker_pool,
                                                                world_size, scenario):
-    """TRL's peft_config at (1,2,2) and (2,1,2), and lora_config at (2,2,2), against
+    """TRL's peft_config at (1,2,2) and (2,1,2), and lora_config at (1,2,2) (then greedy
+    generation) and (2,2,2), against
     single-process SFTTrainer with the same peft_config (both make the adapters right after
     set_seed(args.seed))."""
     results, output = launches(world_size)
@@ -63,12 +65,22 @@ def test_adapters_train_as_single_process_sft_with_peft_config(launches, worker_
     ours = json.loads((worker_pool.out_dir(WORKER, world_size) / f"merak-{scenario}.json"
                        ).read_text())
     targets = SCENARIOS[scenario][1]
-    reference = sft.logged(_reference(targets, sft.reference_order(2)).state.log_history)
+    trained = _reference(targets, sft.reference_order(2))
+    reference = sft.logged(trained.state.log_history)
     print(f"{scenario}: loss merak {ours['loss']} reference {reference['loss']}")
     assert len(ours["loss"]) == len(reference["loss"]) == sft.STEPS
     assert reference["loss"][0] != reference["loss"][-1]  # the adapters learned
     for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
         assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
+    if scenario in sft.GENERATE:  # greedy trainer.generate = HF generate of the trained model
+        model = trained.model.eval()
+        with torch.no_grad():
+            theirs = [model.generate(input_ids=torch.tensor([ids]), do_sample=False,
+                                     max_new_tokens=sft.NEW_TOKENS, pad_token_id=0,
+                                     eos_token_id=None)[0, len(ids):].tolist()
+                      for ids in sft.prompts()]
+        print(f"{scenario}: generated merak {ours['generated']} HF {theirs}")
+        assert ours["generated"] == theirs
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "v_proj")])

@@ -25,8 +25,18 @@ LOSS_TYPES = {"sft-dft-dp2tp1pp2": ((2, 1, 2), {"loss_type": "dft"})}
 LORA_LAYOUTS = {"sft-lora-dp1tp2pp2": ((1, 2, 2), "all-linear"),
                 "sft-lora-dp2tp1pp2": ((2, 1, 2), ("q_proj", "v_proj"))}
 # MerakArguments.lora_config (adapters made right after set_seed(args.seed)) on 8 ranks
+# (at (1,2,2) also greedy generation with the trained adapters, against HF generate)
 LORA_CONFIG_LAYOUTS = {"sft-lora-config-dp2tp2pp2": ((2, 2, 2), ("q_proj", "v_proj", "o_proj",
-                                                                 "up_proj", "down_proj"))}
+                                                                 "up_proj", "down_proj")),
+                       "sft-lora-config-dp1tp2pp2": ((1, 2, 2), ("q_proj", "v_proj"))}
+GENERATE = {"sft-lora-config-dp1tp2pp2"}
+NEW_TOKENS = 8
+
+
+def prompts() -> list[list[int]]:
+    """Two prompts of different lengths, as token ids, generated from one at a time."""
+    tok = tokenizer()
+    return [tok(text)["input_ids"] for text in ("The history of", "In the early years the")]
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 
 

@@ -44,9 +44,12 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
     trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(order),
                               processing_class=sft.tokenizer(), peft_config=peft_config)
     trainer.train()
+    logged = sft.logged(trainer.state.log_history)
+    if name in sft.GENERATE:  # greedy, with the trained adapters, one prompt at a time
+        logged["generated"] = [trainer.generate([ids], max_new_tokens=sft.NEW_TOKENS)[0]
+                               for ids in sft.prompts()]
     if dist.get_rank() == 0:
-        (out_dir() / f"merak-{name}.json").write_text(json.dumps(
-            sft.logged(trainer.state.log_history)))
+        (out_dir() / f"merak-{name}.json").write_text(json.dumps(logged))
 
 
 def run_dpo(name: str, layout: tuple[int, int, int]) -> None:
@@ -76,12 +79,13 @@ def run_dpo(name: str, layout: tuple[int, int, int]) -> None:
 
 
 def scenarios(world_size: int) -> dict:
-    if world_size == 8:  # lora_config's adapters, against single-process peft_config's
-        return {name: (lambda name=name, layout=layout, targets=targets: run(
-                    name, layout, lora_config=json.dumps(sft.lora_fields(targets))))
-                for name, (layout, targets) in sft.LORA_CONFIG_LAYOUTS.items()}
+    # lora_config's adapters, against single-process peft_config's
+    configured = {name: (lambda name=name, layout=layout, targets=targets: run(
+                      name, layout, lora_config=json.dumps(sft.lora_fields(targets))))
+                  for name, (layout, targets) in sft.LORA_CONFIG_LAYOUTS.items()
+                  if layout[0] * layout[1] * layout[2] == world_size}
     if world_size != 4:
-        return {}
+        return configured
     plain = {name: (lambda name=name, layout=layout: run(name, layout))
              for name, layout in sft.LAYOUTS.items()}
     # TRL adds the adapters to the meta model inside its __init__ (peft_config)
@@ -92,7 +96,7 @@ def scenarios(world_size: int) -> dict:
                   for name, layout in dpo.LAYOUTS.items()}
     variants = {name: (lambda name=name, layout=layout, fields=fields: run(name, layout, **fields))
                 for name, (layout, fields) in sft.LOSS_TYPES.items()}  # loss_type="dft"
-    return {**plain, **adapted, **preference, **variants}
+    return {**plain, **adapted, **preference, **variants, **configured}
 
 
 if __name__ == "__main__":
