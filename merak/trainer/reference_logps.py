@@ -31,7 +31,8 @@ from merak.trainer.arguments import NotSupportedYetError
 class ReferenceLogpsMixin:
     """Mixed into `MerakTrainer` (which provides args, ctx, engine, _stage_loss, _collate)."""
 
-    _pending_reference: int | None = None
+    _pending_reference = None  # the batch size of a reference pass TRL asked for (no annotation:
+    # an annotated class attribute gives the mixin an __annotations__, a name of Trainer's)
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """TRL DPOTrainer's hook (see the module doc): note the training set's pass for when the
