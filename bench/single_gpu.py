@@ -108,7 +108,8 @@ class StepClock(TrainerCallback):
         busy = sum(e.device_time for e in kernels) / 1e3 / self.profile
         events = self.profiler.key_averages()
         print(f"{name}: the device was busy {busy:.1f} ms a step (profiled {self.profile} steps)")
-        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+        print(events.table(sort_by="self_device_time_total", row_limit=12,
+                           max_name_column_width=60))
 
 
 def run(name: str, cli, config: LlamaConfig, device: torch.device) -> dict:

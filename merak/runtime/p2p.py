@@ -16,18 +16,19 @@ group's timeout (`merak.init(timeout=)`), and the error names the rank, the peer
 the micro-batch. The test suite runs this module over a test backend with NCCL's contract
 (tests/nccl_contract), and plain gloo.
 
-Shapes: a receiver must size its buffers before it posts a receive, and any extra message
-posted outside the schedule's groups changes who waits on whom. So shapes are found apart from
-the step: when the batch shapes change (`shapes_known`), the interpreter runs a discovery pass,
-the forward of each micro-batch of new shapes with one transfer per group, whose messages carry
-only the metadata (dtype, requires-grad flag and shape of each value; `send_shapes`,
-`recv_shapes`); the step then sizes every buffer from it. Micro-batches may differ in shape
-(collated one by one: padding-free rows of different flattened lengths): each micro-batch has the
-metadata of its shape class (`shapes_known`'s `classes`), found once per step for each class. The first step of each batch shape also sends each activation's
-metadata beside it (one more tensor of the same transfer: the posting order is unchanged), which
-checks the shapes and brings the sender's requires-grad flags (discovery runs without
-gradients). Later steps of that shape send no metadata and read nothing on the host: the sender
-checks its outgoing values against the known metadata (host-side attributes, no device sync).
+Shapes: a receiver must size its buffers before it posts a receive, and any extra message posted
+outside the schedule's groups changes who waits on whom. So shapes are found apart from the
+step: when the batch shapes change (`shapes_known`), the interpreter runs a discovery pass, the
+forward of each micro-batch of new shapes with one transfer per group, whose messages carry only
+the metadata (dtype, requires-grad flag and shape of each value; `send_shapes`, `recv_shapes`);
+the step then sizes every buffer from it. Micro-batches may differ in shape (collated one by
+one: padding-free rows of different flattened lengths): each micro-batch has the metadata of its
+shape class (`shapes_known`'s `classes`), found once per step for each class. The first step of
+each batch shape also sends each activation's metadata beside it (one more tensor of the same
+transfer: the posting order is unchanged), which checks the shapes and brings the sender's
+requires-grad flags (discovery runs without gradients). Later steps of that shape send no
+metadata and read nothing on the host: the sender checks its outgoing values against the known
+metadata (host-side attributes, no device sync).
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ over the dataset, whose per-row results (``compute_ref_log_probs``) become the d
 ``ref_chosen_logps`` and ``ref_rejected_logps`` columns. In MerakTrainer no rank holds the whole
 model and the pipeline does not exist yet at that point, so `ReferenceLogpsMixin` takes that call
 over: it notes the request, and once the pipeline is built (before anything trained it) runs the
-pass as evaluation steps (eval mode, no gradients) over every row of the training set, ``batch_size``
-rows per micro-batch and per dp rank. On the last stage each micro-batch's results are TRL's own
-``compute_ref_log_probs`` on a `StageModel` of its logits; every rank then takes every row's
-values and adds the two columns to its training set, as TRL's dataset gets them.
+pass as evaluation steps (eval mode, no gradients) over every row of the training set,
+``batch_size`` rows per micro-batch and per dp rank. On the last stage each micro-batch's
+results are TRL's own ``compute_ref_log_probs`` on a `StageModel` of its logits; every rank then
+takes every row's values and adds the two columns to its training set, as TRL's dataset gets
+them.
 
 Reference log-probabilities of an evaluation set (TRL's ``eval_dataset``, ``evaluate(dataset)``)
 are refused by name: MerakTrainer's evaluation cuts one collated batch into micro-batches by row,

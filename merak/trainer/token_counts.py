@@ -15,8 +15,9 @@ collated micro-batch by micro-batch, so each micro-batch gets its own shape-[1] 
 training and evaluation every entry holds the step's count (an evaluation step is HF's
 evaluation batch on each dp rank), found with one small all-reduce over the dp group on the
 ranks that read the batch; the examples a pipeline is traced and measured on give each
-micro-batch its own (`with_own_counts`). The count is computed on the host from the collated labels, before the batch moves to the device, so the
-steady state reads nothing back from the device.
+micro-batch its own (`with_own_counts`). The count is computed on the host from the collated
+labels, before the batch moves to the device, so the steady state reads nothing back from the
+device.
 """
 
 from __future__ import annotations
