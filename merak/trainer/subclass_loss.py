@@ -91,7 +91,7 @@ class SubclassLoss:
     ``live`` False (the trainer's probes: memory, recomputation plans): the model's own loss,
     so a probe records nothing in the subclass's metrics. `model_inputs`: the values the
     pipeline ran (`merak.trainer.model_inputs`), which `StageModel` answers for.
-    ``collect(fn)``: an evaluation pass that calls ``fn(model, inputs)`` per micro-batch instead
+    `collecting(fn)`: an evaluation pass that calls ``fn(model, inputs)`` per micro-batch instead
     of ``compute_loss`` and keeps its results in ``collected`` (TRL's reference log-probs)."""
 
     def __init__(self, trainer, user_model, input_names: Sequence[str],

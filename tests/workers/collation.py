@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 import collation_common as cc
 import sft_common as sft
@@ -25,12 +24,7 @@ def run(name: str, kind: str, layout: tuple[int, int, int]) -> None:
     else:
         import trl
 
-        @dataclass
-        class config(merak.MerakArguments, trl.SFTConfig):
-            pass
-
-        class trainer_cls(merak.MerakTrainer, trl.SFTTrainer):
-            pass
+        config, trainer_cls = sft.merak_classes(trl.SFTConfig, trl.SFTTrainer)
 
     merak.init(dp=dp, tp=tp, pp=pp)
     with merak.init_empty_weights():

@@ -5,6 +5,7 @@ reference (test_trainer_subclasses.py)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -97,3 +98,19 @@ def logged(log_history: list[dict]) -> dict[str, list[float]]:
     """Each of `LOGGED` per training step, from a trainer's log history."""
     steps = [h for h in log_history if "loss" in h and "train_runtime" not in h]
     return {key: [h[key] for h in steps] for key in LOGGED}
+
+
+def merak_classes(config_cls: type, trainer_cls: type) -> tuple[type, type]:
+    """The two classes a user writes for a TRL trainer (README): a config that is both
+    Merak's and `config_cls`, and a trainer that is both MerakTrainer and `trainer_cls`."""
+    import merak
+
+    @dataclass
+    class Config(merak.MerakArguments, config_cls):
+        pass
+
+    class Trainer(merak.MerakTrainer, trainer_cls):
+        pass
+
+    Trainer.__name__ = Trainer.__qualname__ = f"Merak{trainer_cls.__name__}"
+    return Config, Trainer

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 import dpo_common as dpo
 import sft_common as sft
@@ -24,13 +23,7 @@ import merak
 def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> None:
     import trl
 
-    @dataclass
-    class Config(merak.MerakArguments, trl.SFTConfig):
-        pass
-
-    class MerakSFTTrainer(merak.MerakTrainer, trl.SFTTrainer):
-        pass
-
+    Config, MerakSFTTrainer = sft.merak_classes(trl.SFTConfig, trl.SFTTrainer)
     dp, tp, pp = layout
     merak.init(dp=dp, tp=tp, pp=pp)
     with merak.init_empty_weights():
@@ -58,13 +51,7 @@ def run_dpo(name: str, layout: tuple[int, int, int]) -> None:
     __init__, so the model is built with them (not on the meta device)."""
     import trl
 
-    @dataclass
-    class Config(merak.MerakArguments, trl.DPOConfig):
-        pass
-
-    class MerakDPOTrainer(merak.MerakTrainer, trl.DPOTrainer):
-        pass
-
+    Config, MerakDPOTrainer = sft.merak_classes(trl.DPOConfig, trl.DPOTrainer)
     dp, tp, pp = layout
     merak.init(dp=dp, tp=tp, pp=pp)
     args = Config(output_dir=str(out_dir() / name),
