@@ -45,11 +45,11 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from merak.plan.cluster import cluster
-from merak.plan.costs import analytic_costs
-from merak.plan.predict import Candidate, Predictor
-from merak.plan.search import search
-from merak.plan.shape import ModelShape
+from merak.strategy.cluster import cluster
+from merak.strategy.costs import analytic_costs
+from merak.strategy.predict import Candidate, Predictor
+from merak.strategy.search import search
+from merak.strategy.shape import ModelShape
 
 LLAMA3 = {
     "8B": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -121,7 +121,7 @@ GRID_MODELS = {  # ~20 M and ~80 M parameters
 def grid_candidates(shape: ModelShape, world: int, batch: int, seq: int) -> list[Candidate]:
     """A subset of the space the planner searches here (which also holds every schedule,
     budget recomputation, ZeRO-2/3 and sequence parallelism)."""
-    from merak.plan.search import candidates
+    from merak.strategy.search import candidates
 
     return [c for c in candidates(shape, world, batch, seq, micro_batch_sizes=(1, 2),
                                   schedules=("1f1b", "zero_bubble", "interleaved_1f1b"),
@@ -132,7 +132,7 @@ def grid_candidates(shape: ModelShape, world: int, batch: int, seq: int) -> list
 def measure_grid(config, shape: ModelShape, ctx, seq: int, batch: int, steps: int, say
                  ) -> tuple[dict, float]:
     """Every grid candidate's `Measured` figures, and the grid's wall time."""
-    from merak.plan.dry_run import dry_run
+    from merak.planner.dry_run import dry_run
 
     start = time.perf_counter()
     measured = {}
@@ -151,7 +151,7 @@ def sequence_parallel_twins(config, measured: dict, predictor: Predictor, seq: i
                             steps: int, say) -> None:
     """Measure each tp > 1, recomputation-free grid candidate again with sequence parallelism;
     print both twins' predicted and measured memory and time."""
-    from merak.plan.dry_run import dry_run
+    from merak.planner.dry_run import dry_run
 
     say(f"  sequence parallelism: {'candidate':48}{'pred MiB':>10}{'meas MiB':>10}"
         f"{'pred s':>8}{'meas s':>8}   without SP: meas MiB, meas s")
@@ -176,8 +176,8 @@ def grid(seq: int, batch: int, steps: int, models: list[str], out: Path,
     import torch.distributed as dist
 
     import merak
-    from merak.plan.dry_run import Measured, dry_run
-    from merak.plan.online import device_memory, plan_online
+    from merak.planner.dry_run import Measured, dry_run
+    from merak.planner.online import device_memory, plan_online
 
     ctx = merak.init()
     say = print if ctx.rank == 0 else (lambda *_, **__: None)

@@ -51,7 +51,7 @@ def worker(out: Path, zero: int, dp: int, pp: int) -> None:
     from merak.data_parallel.shards import local
     from merak.data_parallel.zero import shard_stage
     from merak.runtime.hooks import InstructionHook
-    from merak.trainer.model_setup import local_optimizer, zero1
+    from merak.data_parallel.zero1 import local_optimizer, zero1
 
     torch.set_num_threads(1)
     ctx = merak.init(dp=dp, tp=1, pp=pp)

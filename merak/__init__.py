@@ -1,7 +1,8 @@
 """Merak: automatic 3D parallelism (data x tensor x pipeline) for PyTorch and HF models."""
 
-from merak.build import parallelize
-from merak.distributed.parallel_context import ParallelContext, get_context, init
+from merak.engine.build import parallelize
+from merak.distributed.parallel_context import ParallelContext, get_context
+from merak.strategy.init import init
 from merak.generation import generate
 from merak.materialize.meta import init_empty_weights, materialize_
 from merak.materialize.safetensors import load_safetensors_
@@ -9,8 +10,8 @@ from merak.partition.auto import AutoSplit, auto_split
 from merak.runtime.hooks import InstructionHook, TimelineRecorder
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.runtime.p2p import P2PTimeoutError
-from merak.runtime.split import Piece, PipelineSplit, TiedWeight, manual_split
-from merak.runtime.stage import InterleavedStage, PipelineStage
+from merak.stages.split import Piece, PipelineSplit, TiedWeight, manual_split
+from merak.stages.stage import InterleavedStage, PipelineStage
 from merak.schedule.actions import Action, ActionKind, Schedule
 from merak.schedule.registry import SCHEDULES, ScheduleInfo, make_schedule
 from merak.schedule.simulator import CostModel, ScheduleError, SimulationResult, simulate

@@ -8,7 +8,7 @@ import sys
 from merak.coverage.cli import add_coverage
 from merak.energy.cli import add_energy
 from merak.generation.cli import add_generate
-from merak.plan.cli import add_plan
+from merak.planner.cli import add_plan
 from merak.schedule.simulate_cli import add_simulate
 
 
@@ -26,8 +26,8 @@ def _add_export(subparsers) -> None:
 def _export(args: argparse.Namespace) -> int:
     """Exit status 1, with what is missing or malformed, for a checkpoint that is not whole:
     nothing is written then (an export of part of a model would load with the rest random)."""
-    from merak.trainer.checkpoint_files import CheckpointError
-    from merak.trainer.export import export_checkpoint
+    from merak.checkpoint.files import CheckpointError
+    from merak.checkpoint.export import export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, merge=args.merge)

@@ -7,7 +7,7 @@ The adapters are peft's own layers (`peft.get_peft_model`; not a copy): Merak on
   it is. A meta-built model is wrapped inside its own init record
   (`init_empty_weights(record)`), so each rank initializes its adapters exactly as the
   single-process peft model would (peft draws A after the model's draws).
-- Tensor parallelism (`shard_adapters`, called by `apply_tensor_parallel` for each LoRA layer
+- Tensor parallelism (`merak.tensor_parallel.lora_adapters`, called by `apply_tensor_parallel` for each LoRA layer
   the plan names): the base layer gets the plan's style; a column-parallel layer's B is
   column-parallel too (output rows split, its input's gradient summed over TP ranks), a
   row-parallel layer's A is row-parallel (input columns split, the rank-r product summed over
@@ -116,40 +116,6 @@ def wrap(model: nn.Module, lora_config, adapter_name: str = "default",
         raise ValueError(f"lora_config: target_modules {config.target_modules} match no module "
                          f"of {type(model).__name__}; its linear layers are named "
                          f"{linears}") from error
-
-
-def shard_adapters(module: nn.Module, name: str, style: str, group, rank: int, tp: int, *,
-                   chunks: tuple[int, ...] | None = None, gather_output: bool = False,
-                   input_is_parallel: bool = True, cache: dict | None = None) -> None:
-    """Make the adapters of LoRA layer `module` (whose base layer was just made `style`:
-    'column' or 'row'; `chunks`: the fused parts of a column layer's output, e.g. GPT-2's
-    q, k, v) tensor-parallel the matching way."""
-    from merak.tensor_parallel import layers
-
-    for adapter, lora_a in module.lora_A.items():
-        lora_b = module.lora_B[adapter]
-        if not (isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)):
-            raise ValueError(f"{name}: tensor-parallel LoRA needs linear adapters, got "
-                             f"{type(lora_a).__name__} / {type(lora_b).__name__}")
-        if style == "column":
-            layers.make_column_parallel_(lora_b, f"{name}.lora_B.{adapter}", group, rank, tp,
-                                         chunks=chunks, gather_output=gather_output,
-                                         cache=cache)
-        else:
-            layers.make_row_parallel_(lora_a, f"{name}.lora_A.{adapter}", group, rank, tp,
-                                      cache=cache)
-            lora_a.input_is_parallel = input_is_parallel
-
-
-def check_tp_targets(named, converted: set[str]) -> None:
-    """Every LoRA layer inside the blocks must adapt a layer the TP plan shards: the plan says
-    nothing of whether an unlisted layer's input is whole or a per-rank part."""
-    unknown = [n for n, m in named if is_lora_layer(m) and n not in converted]
-    if unknown:
-        raise ValueError(f"LoRA adapters on {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, "
-                         f"which the tensor-parallel plan does not shard: remove them from "
-                         f"lora_config's target_modules, or give them a style with "
-                         f"merak.set_tp_layer_lists")
 
 
 def inside_lora(name: str, lora_names: set[str]) -> bool:

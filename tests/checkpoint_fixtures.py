@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from merak.trainer import checkpoint
-from merak.trainer.checkpoint_files import Layout
+from merak.checkpoint import io as checkpoint
+from merak.checkpoint.files import Layout
 
 PP = 2
 

@@ -12,7 +12,7 @@ from dist_harness import check
 from hf_models import FAMILIES, CustomMLP, batch
 
 import merak
-from merak.partition import assign
+from merak.stages import assign
 from merak.partition.auto import auto_split
 
 WORKER = "auto_split_parity.py"  # pooled: launches(world_size), see conftest.py

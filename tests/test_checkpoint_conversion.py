@@ -21,12 +21,12 @@ from checkpoint_conversion import FAMILIES as TRAINED
 from dist_harness import check
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from merak.build import tied_aliases
+from merak.engine.build import tied_aliases
 from merak.coverage.shrink import small_config
 from merak.materialize import safetensors as st
 from merak.materialize.conversion import CheckpointLayout, meta_model_for, to_hub_layout
 from merak.tensor_parallel.layers import ShardSpec
-from merak.trainer.export import save_hf_directory
+from merak.checkpoint.export import save_hf_directory
 
 WORKER = "checkpoint_conversion.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = tuple(DP_OF_WORLD)
@@ -207,8 +207,8 @@ def test_stages_save_the_buffers_the_models_state_dict_holds():
     persistent buffer, marked non-persistent again): the stages' checkpoints and exports hold
     exactly the model's."""
     from merak.partition.auto import auto_split
-    from merak.runtime.stage import PipelineStage
-    from merak.trainer.checkpoint import persistent_buffers
+    from merak.stages.stage import PipelineStage
+    from merak.checkpoint.io import persistent_buffers
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config("deepseek_v3"))

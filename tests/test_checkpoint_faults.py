@@ -28,7 +28,7 @@ from checkpoint_fixtures import save, values, version_of
 from safetensors.torch import load_file
 
 from merak.cli import main as merak_main
-from merak.trainer import checkpoint
+from merak.checkpoint import io as checkpoint
 
 
 class Killed(BaseException):

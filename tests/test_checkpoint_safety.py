@@ -22,8 +22,8 @@ import torch
 from checkpoint_fixtures import PP, Stage, ctx, save, shapes, stage_names, values, version_of
 
 from merak.cli import main as merak_main
-from merak.trainer import checkpoint
-from merak.trainer.checkpoint_files import (
+from merak.checkpoint import io as checkpoint
+from merak.checkpoint.files import (
     CheckpointError,
     IncompleteCheckpointError,
     check_trainer_state,
@@ -245,7 +245,7 @@ def test_the_config_check_counts_tied_lora_and_prefixed_names(tmp_path):
     model's and its adapters are not asked for; a loss wrapper's name prefix is removed."""
     from checkpoint_fixtures import config
 
-    from merak.trainer.checkpoint_files import missing_model_tensors
+    from merak.checkpoint.files import missing_model_tensors
 
     tied = config()
     tied.tie_word_embeddings = True

@@ -1,4 +1,4 @@
-"""The global grad-norm hook (`merak.trainer.grad_norm.GradNormClipper`) on one process:
+"""The global grad-norm hook (`merak.engine.grad_norm.GradNormClipper`) on one process:
 its local sum of squares against `torch.nn.utils.get_total_norm` and a hand computation in
 fp64, over gradients of mixed dtypes, with the per-parameter weights of a tp layout, and the
 number of ops it runs (a fixed number per dtype, whatever the number of parameters). The
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from merak.trainer.grad_norm import GradNormClipper
+from merak.engine.grad_norm import GradNormClipper
 from op_counter import OpCounter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -1,4 +1,4 @@
-"""The fp16 loss scaler (`merak.trainer.loss_scale.LossScaler`) against DeepSpeed's
+"""The fp16 loss scaler (`merak.engine.loss_scale.LossScaler`) against DeepSpeed's
 `DynamicLossScaler` rule, step by step, on one process: the expected scales below are worked out
 by hand from that rule (see each test's docstring), not read off the code under test."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from merak import MerakArguments
-from merak.trainer.loss_scale import LossScaler
+from merak.engine.loss_scale import LossScaler
 
 OVER, CLEAN = "overflow", "clean"
 
@@ -22,7 +22,8 @@ def _driven(**options):
     param = torch.nn.Parameter(torch.zeros(2))
     engine = SimpleNamespace(stage=SimpleNamespace(parameters=lambda: [param]))
     ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
-    scaler = LossScaler(engine, ctx, **options)
+    scaler = LossScaler(ctx, **options)
+    scaler.bind(engine)
 
     def step(kind: str) -> bool:
         value = float("inf") if kind == OVER else 1.0

@@ -18,7 +18,7 @@ from transformers import (
 
 from merak.materialize.meta import init_empty_weights, materialize_
 from merak.materialize.safetensors import load_safetensors_
-from merak.runtime.stage import _attach
+from merak.stages.stage import _attach
 
 CONFIGS = {
     "llama": lambda: AutoModelForCausalLM.from_config(LlamaConfig(

@@ -1,4 +1,4 @@
-"""The strategy planner (merak.plan) in one process: model sizes, the candidates it
+"""The strategy planner (merak.strategy) in one process: model sizes, the candidates it
 enumerates, its memory and time predictions' directions, its errors, and offline planning
 through `merak plan --cluster` for published configurations."""
 
@@ -9,12 +9,13 @@ import json
 import pytest
 import transformers as tf
 
+from merak.rules import Choices
 from merak.cli import main as merak_main
-from merak.plan.cluster import GIB, Cluster, cluster
-from merak.plan.costs import analytic_costs
-from merak.plan.predict import Candidate, Predictor, state_bytes
-from merak.plan.search import candidates, layouts, read_plan, search
-from merak.plan.shape import ModelShape
+from merak.strategy.cluster import GIB, Cluster, cluster
+from merak.strategy.costs import analytic_costs
+from merak.strategy.predict import Candidate, Predictor, state_bytes
+from merak.strategy.search import candidates, layouts, read_plan, search
+from merak.strategy.shape import ModelShape
 from merak.schedule.registry import SCHEDULES
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -107,7 +108,7 @@ def test_sequence_parallelism_splits_the_rest_of_a_blocks_activations():
 
 def test_sequence_parallelism_is_searched_only_where_the_job_can_split_the_sequence(tmp_path):
     from merak import MerakArguments
-    from merak.plan.search import sequence_parallel_choices
+    from merak.strategy.search import sequence_parallel_choices
     from merak.trainer.auto_plan import sequence_parallel_settings
 
     assert sequence_parallel_choices(tiny_llama()) == (False, True)
@@ -118,8 +119,6 @@ def test_sequence_parallelism_is_searched_only_where_the_job_can_split_the_seque
         == (False,)
     args = MerakArguments(output_dir=str(tmp_path), auto_parallel=True)
     assert sequence_parallel_settings(args, tiny_llama(), None) == (False, True)
-    args.lora_config = {"r": 4}
-    assert sequence_parallel_settings(args, tiny_llama(), None) == (False,)
     shape = ModelShape.from_config(tiny_llama())
     small = Cluster(world_size=4, gpus_per_node=4, peak_flops=1e12, memory_bytes=GIB,
                     intra_bw=1e10, inter_bw=1e9)
@@ -128,10 +127,50 @@ def test_sequence_parallelism_is_searched_only_where_the_job_can_split_the_seque
     assert not any(p.candidate.sequence_parallel for p in plan.ranked + plan.dropped)
     plan = search(shape, costs, small, 8, 64)
     assert any(p.candidate.sequence_parallel for p in plan.ranked)
+    # a LoRA job: merak.rules refuses sequence parallelism with adapters, so the search never
+    # proposes it (the same rule MerakArguments applies)
+    lora_job = Choices.from_arguments(MerakArguments(output_dir=str(tmp_path),
+                                                     lora_config=_lora_file(tmp_path)))
+    plan = search(shape, costs, small, 8, 64, job=lora_job)
+    assert plan.ranked and not any(p.candidate.sequence_parallel
+                                   for p in plan.ranked + plan.dropped)
+
+
+def _lora_file(tmp_path) -> str:
+    path = tmp_path / "lora.json"
+    path.write_text(json.dumps({"r": 4, "target_modules": ["q_proj", "v_proj"]}))
+    return str(path)
+
+
+def test_the_planner_proposes_nothing_the_arguments_refuse(tmp_path):
+    """One rule set: every candidate the search keeps for a job, set on that job's arguments,
+    makes MerakArguments that build; the combinations it leaves out are refused by them."""
+    from merak import MerakArguments
+
+
+    shape = ModelShape.from_config(tiny_llama())
+    for extra in ({}, {"lora_config": _lora_file(tmp_path)}, {"torch_compile": True},
+                  {"auto_find_batch_size": True}, {"prescale_gradients": True}):
+        job = Choices.from_arguments(MerakArguments(output_dir=str(tmp_path), **extra))
+        kept = list(candidates(shape, 4, 8, 64, job=job))
+        everything = list(candidates(shape, 4, 8, 64, job=Choices()))
+        assert kept
+        for c in everything:
+            fields = dict(train_schedule=c.schedule, zero_stage=c.zero,
+                          activation_checkpointing=c.recompute != "off",
+                          sequence_parallel=c.sequence_parallel, **extra)
+            if SCHEDULES[c.schedule].several_stages_per_rank:
+                fields["num_model_chunks"] = c.chunks
+            try:
+                MerakArguments(output_dir=str(tmp_path), **fields)
+                built = True
+            except ValueError as error:  # NotSupportedYetError is one
+                built, why = False, str(error)
+            assert built == (c in kept), (c.label, extra, None if built else why)
 
 
 def test_dry_runs_sample_the_layouts_predicted_near_the_best_first():
-    from merak.plan.online import _distinct
+    from merak.planner.online import _distinct
 
     shape = ModelShape.from_config(tiny_llama())
     small = Cluster(world_size=4, gpus_per_node=4, peak_flops=1e12, memory_bytes=GIB,
@@ -230,7 +269,7 @@ def test_offline_plan_command_for_llama3_8b_on_8_h100(tmp_path, capsys):
 
 
 def test_plan_json_round_trips_into_init_degrees(tmp_path):
-    from merak.distributed.parallel_context import degrees_from_plan
+    from merak.strategy.init import degrees_from_plan
 
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"chosen": Candidate(2, 1, 2, 1, 4).__dict__,

@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 from dist_harness import check
 
-from merak.plan import costs
+from merak.strategy import costs
 
 WORKER, WORLD_SIZES = "plan_dry_runs.py", (2,)  # pooled: launches(world_size), see conftest.py
 VOCAB = 101  # no other width of the tiny model's outputs is this
@@ -64,7 +64,7 @@ def test_an_online_plan_leaves_the_same_groups_whatever_its_number_of_dry_runs(l
 def test_a_dry_run_on_cuda_counts_the_memory_outside_the_caching_allocator(monkeypatch):
     """NCCL's communicators and the CUDA context take device memory the allocator never sees;
     a candidate is judged by its peak reservation plus that."""
-    from merak.plan.dry_run import device_peak_bytes
+    from merak.planner.dry_run import device_peak_bytes
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))

@@ -16,12 +16,13 @@ from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES
 from tp_parity import scenario_names
 
 import merak
-import merak.build
-from merak.distributed.parallel_context import get_context, set_default_tp_plan
+import merak.engine.build
+from merak.distributed.parallel_context import get_context
 from merak.tensor_parallel.layers import ShardSpec, shard_parameter
 from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
-from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan, _from_config_plan, plan_for
+from merak.tensor_parallel.plans import (FAMILY_PLANS, TPPlan, _from_config_plan,
+                                         clear_registered_plan, plan_for, registered_plan)
 from merak.tensor_parallel.wrappers import PartialSum, RopeGradReduce
 
 WORKER = "tp_parity.py"  # pooled: launches(world_size), see conftest.py
@@ -95,15 +96,15 @@ def test_unsupported_variants_say_so():
 
 def test_an_explicit_plan_wins_over_the_registered_one(monkeypatch):
     """Plan lookup: the explicit plan, else the one `set_tp_layer_lists` recorded on the
-    job's immutable context, else the family's; `parallelize` hands `tp_plan` through."""
+    job (keyed to its device mesh), else the family's; `parallelize` hands `tp_plan` through."""
     ctx = merak.init(dp=1, tp=1, pp=1)
     try:
         registered = merak.set_tp_layer_lists(col_para_list=["nothing"])  # matches no module
         default = get_context()
-        assert default.tp_plan is registered and ctx.tp_plan is None  # replaced, not mutated
-        assert default == ctx and not hasattr(default, "settings")
+        assert default is ctx and not hasattr(default, "tp_plan")  # the context holds none
+        assert registered_plan(ctx) is registered
         with pytest.raises(dataclasses.FrozenInstanceError):
-            default.tp_plan = None
+            default.dp = 2
         explicit = TPPlan(column=("fc1",), row=("fc2",), source="explicit")
         assert plan_for(CustomMLP(), default) is registered
         assert plan_for(CustomMLP(), ctx) is registered  # a context taken before the call
@@ -114,7 +115,7 @@ def test_an_explicit_plan_wins_over_the_registered_one(monkeypatch):
         assert plan_for(llama, default) is registered  # over the family's
         assert plan_for(llama, _ctx(2)) is FAMILY_PLANS["llama"]  # not that job's context
 
-        tp2 = SimpleNamespace(tp=2, tp_rank=0, tp_group=None, tp_plan=registered)
+        tp2 = SimpleNamespace(tp=2, tp_rank=0, tp_group=None, mesh=ctx.mesh)
         assert merak.apply_tensor_parallel(CustomMLP(), tp2, plan=explicit).merak_tp.plan \
             is explicit
         with pytest.raises(ValueError, match="matched no module"):  # the registered plan
@@ -127,12 +128,12 @@ def test_an_explicit_plan_wins_over_the_registered_one(monkeypatch):
             seen.update(options, context=context)
             raise InterruptedError
 
-        monkeypatch.setattr(merak.build, "apply_tensor_parallel", fake_apply)
+        monkeypatch.setattr(merak.engine.build, "apply_tensor_parallel", fake_apply)
         with pytest.raises(InterruptedError):
             merak.parallelize(CustomMLP(), {}, default, tp_plan=explicit)
         assert seen["plan"] is explicit and seen["context"] is default
     finally:
-        set_default_tp_plan(None)
+        clear_registered_plan()
 
 
 def test_set_tp_layer_lists_needs_a_context_and_names_bad_arguments(monkeypatch):

@@ -539,7 +539,7 @@ def test_fused_unscale_matches_dividing_each_gradient_and_finds_overflow(scale):
     """The fp16 scaler's fused unscale-and-check (one kernel per device and dtype, no host
     sync per gradient) gives what dividing each gradient and testing it gave, and flags an inf
     or nan in any one of them."""
-    from merak.trainer.loss_scale import unscale_and_check
+    from merak.engine.loss_scale import unscale_and_check
 
     g = torch.Generator().manual_seed(3)
     grads = [torch.randn(shape, generator=g) * scale for shape in ((7, 5), (13,), (2, 3, 4))]
@@ -589,8 +589,8 @@ def test_an_explicit_tp_plan_reaches_parallelize(monkeypatch):
     from trainer_common import train_set
 
     import merak
-    import merak.trainer.trainer as trainer_module
-    from merak.distributed.parallel_context import set_default_tp_plan
+    import merak.engine.assemble as assemble_module
+    from merak.tensor_parallel.plans import clear_registered_plan
 
     merak.init(dp=1, tp=1, pp=1)
     try:
@@ -606,16 +606,16 @@ def test_an_explicit_tp_plan_reaches_parallelize(monkeypatch):
             seen.update(options)
             raise InterruptedError
 
-        monkeypatch.setattr(trainer_module, "parallelize", fake_parallelize)
+        monkeypatch.setattr(assemble_module, "parallelize", fake_parallelize)
         with merak.init_empty_weights():
             model = build("llama")
         trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
         ids = torch.zeros(2, 8, dtype=torch.long)
         with pytest.raises(InterruptedError):
-            trainer._build({"input_ids": ids, "labels": ids})
+            trainer._assemble({"input_ids": ids, "labels": ids})
         assert seen["tp_plan"] is args.tp_plan
     finally:
-        set_default_tp_plan(None)
+        clear_registered_plan()
 
 
 def test_checkpoint_flags_without_optimizer_or_rng(tmp_path):

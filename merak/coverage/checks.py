@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 import merak
+from merak.engine.assemble import build_engine
+from merak.engine.options import EngineOptions
 from merak.coverage.shrink import EXPERT_NAMES, SmallModel, example_batch
 from merak.runtime.hooks import InstructionHook
 
@@ -26,8 +28,11 @@ class ParityError(AssertionError):
 
 
 class _GradSnapshot(InstructionHook):
-    def __init__(self, stage: nn.Module):
-        self.stage, self.grads = stage, None
+    """The stage's gradients as the first optimizer step is about to use them."""
+
+    def __init__(self):
+        self.stage: nn.Module | None = None  # set once the engine is built
+        self.grads = None
 
     def on_instruction_begin(self, name, action):
         if name == "optimizer_step" and self.grads is None:
@@ -71,12 +76,14 @@ def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, build=None
     mine = _concat(parts[ctx.dp_rank * MICROBATCHES:(ctx.dp_rank + 1) * MICROBATCHES])
     with merak.init_empty_weights():
         model = (build or small.build)()
-    stage = merak.parallelize(model, parts[0], ctx)
-    snapshot = _GradSnapshot(stage)
-    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
-                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot])
-    loss = engine.train_step(mine)
-    return loss, snapshot.grads or {}, stage
+    snapshot = _GradSnapshot()
+    built = build_engine(model, parts[0], ctx,
+                         EngineOptions(schedule="1f1b", num_microbatches=MICROBATCHES),
+                         make_optimizer=lambda stage: torch.optim.SGD(stage.parameters(), lr=0.0),
+                         hooks=[snapshot])
+    snapshot.stage = built.stage
+    loss = built.interpreter.train_step(mine)
+    return loss, snapshot.grads or {}, built.stage
 
 
 def split_in_process(small: SmallModel, stages: int) -> tuple[float, dict, nn.Module]:

@@ -33,7 +33,7 @@ def _train_set() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def _build(family: str):
+def _small_model(family: str):
     from merak.coverage.shrink import build_small
 
     return build_small(family, seed=SEED).build()
@@ -56,7 +56,7 @@ def reference(family: str, out_dir: str) -> list[float]:
     options = {**COMMON, "gradient_accumulation_steps": MICROBATCHES * DP}
     args = tf.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO_BATCH,
                                 **options)
-    trainer = tf.Trainer(model=_build(family), args=args, train_dataset=_train_set())
+    trainer = tf.Trainer(model=_small_model(family), args=args, train_dataset=_train_set())
     trainer.train()
     return _losses(trainer)
 
@@ -70,7 +70,7 @@ def worker(families: list[str], out: Path) -> None:
         try:
             ctx = merak.init(dp=2, tp=2, pp=2)
             with merak.init_empty_weights():
-                model = _build(family)
+                model = _small_model(family)
             with tempfile.TemporaryDirectory() as tmp:
                 args = merak.MerakArguments(output_dir=tmp,
                                             per_device_train_batch_size=MICRO_BATCH, **COMMON)

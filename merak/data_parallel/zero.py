@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from merak.distributed.parallel_context import ParallelContext
-from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
+from merak.stages.stage import InterleavedStage, PipelineStage, block_names
 
 # optimizers whose step is element-wise per parameter, so running it on each rank's shard is
 # the same as running it on the whole tensor (FSDP2's own tests use these); others (Adafactor's

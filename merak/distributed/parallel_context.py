@@ -12,16 +12,11 @@ import atexit
 import datetime
 import os
 import socket
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-if TYPE_CHECKING:
-    from merak.tensor_parallel.plans import TPPlan
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 
@@ -45,8 +40,6 @@ class ParallelContext:
     backend: str
     device: torch.device
     mesh: DeviceMesh
-    # the TP plan `merak.set_tp_layer_lists` recorded for this job (`set_default_tp_plan`)
-    tp_plan: TPPlan | None = field(default=None, compare=False, repr=False)
     # this rank's groups for host (CPU) tensors, by mesh dimension and "world" (`host_group`)
     host_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False,
                                                        repr=False)
@@ -218,17 +211,9 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
                             rank=0, world_size=1, timeout=timeout, device_id=device_id)
 
 
-def degrees_from_plan(path: str | Path) -> tuple[int, int, int]:
-    """(dp, tp, pp) of the layout a ``merak plan`` file chose."""
-    from merak.plan.search import read_plan  # (merak.plan builds on this module)
-
-    chosen = read_plan(path)[0]
-    return chosen.dp, chosen.tp, chosen.pp
-
-
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
-         plan: str | Path | None = None) -> ParallelContext:
+         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0
+         ) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh.
 
     Args:
@@ -237,8 +222,6 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             plans the real one.
         tp: tensor-parallel degree (default 1 when any degree is given).
         pp: pipeline-parallel degree (number of stages; default 1 when any degree is given).
-        plan: a ``merak plan`` file (plan.json): its chosen degrees (the degree arguments must
-            be left out or agree).
         backend: torch.distributed backend; default ``nccl`` when CUDA is available, else ``gloo``.
             An explicit value is always honoured.
         timeout: collective timeout (seconds or timedelta) used when this call creates the
@@ -259,14 +242,7 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         ValueError: a degree is not a positive int, or dp * tp * pp differs from the world size.
     """
     global _default_context
-    if plan is not None:
-        planned = degrees_from_plan(plan)
-        given = (dp, tp, pp)
-        if any(g is not None and g != p for g, p in zip(given, planned)):
-            raise ValueError(f"merak.init: (dp, tp, pp) = {given} disagree with the plan "
-                             f"{plan}'s {planned}; leave the degrees out to use the plan's")
-        dp, tp, pp = planned
-    elif dp is None and tp is None and pp is None:
+    if dp is None and tp is None and pp is None:
         dp = dist.get_world_size() if dist.is_initialized() else \
             int(os.environ.get("WORLD_SIZE", "1"))
     dp, tp, pp = (1 if d is None else d for d in (dp, tp, pp))
@@ -322,16 +298,3 @@ def restore_default_context(context: ParallelContext | None) -> None:
     `merak.distributed.teardown`) hands the caller's back."""
     global _default_context
     _default_context = context
-
-
-def set_default_tp_plan(plan: TPPlan | None) -> ParallelContext:
-    """Replace the default context (`get_context()`) by a copy whose ``tp_plan`` is `plan`;
-    `merak.set_tp_layer_lists` records its plan this way. Contexts are immutable: one handed
-    out earlier keeps its own ``tp_plan``. Returns the new default.
-
-    Raises:
-        RuntimeError: `merak.init()` was not called yet.
-    """
-    global _default_context
-    _default_context = replace(get_context(), tp_plan=plan)
-    return _default_context

@@ -57,9 +57,10 @@ def load_for_generation(checkpoint: str | Path, ctx):
     directory, each rank holding only its own stage."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import merak
     from merak import lora
-    from merak.trainer.checkpoint import MARKER, load_checkpoint, read_layout
+    from merak.checkpoint.io import MARKER, load_checkpoint, read_layout
+    from merak.engine.build import parallelize
+    from merak.materialize.meta import init_empty_weights
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").exists():
@@ -69,26 +70,27 @@ def load_for_generation(checkpoint: str | Path, ctx):
     if merak_checkpoint and read_layout(checkpoint).name_prefix:  # (validated merak.json)
         raise ValueError(f"{checkpoint} was trained with a custom loss_fn (its names carry a "
                          f"prefix); export it first (`merak export`) and generate from that")
-    with merak.init_empty_weights():
+    with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
     if merak_checkpoint and (checkpoint / lora.ADAPTER_CONFIG).exists():
         model = lora.wrap(model, checkpoint)
     ids = torch.zeros((2, 16), dtype=torch.long)
     example = {"input_ids": ids, "labels": ids.clone()}
     if merak_checkpoint:
-        stage = merak.parallelize(model, example, ctx)
+        stage = parallelize(model, example, ctx)
         load_checkpoint(checkpoint, ctx, stage)
     else:
-        stage = merak.parallelize(model, example, ctx, checkpoint=checkpoint)
+        stage = parallelize(model, example, ctx, checkpoint=checkpoint)
     return (model.get_base_model() if lora.is_peft_model(model) else model), stage
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import merak
+    from merak.distributed.parallel_context import init
+    from merak.generation.generate import generate
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pp = args.pp or max(1, world // (args.dp * args.tp))
-    ctx = merak.init(dp=args.dp, tp=args.tp, pp=pp)
+    ctx = init(dp=args.dp, tp=args.tp, pp=pp)
     tokenizer = _tokenizer(args)
     prompts = [[int(t) for t in text.split(",")] for text in args.prompt_ids]
     if args.prompt and tokenizer is None:
@@ -98,7 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
     model, stage = load_for_generation(args.checkpoint, ctx)
-    out = merak.generate(model, stage, prompts, ctx=ctx, max_new_tokens=args.max_new_tokens,
+    out = generate(model, stage, prompts, ctx=ctx, max_new_tokens=args.max_new_tokens,
                          do_sample=args.do_sample, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if ctx.rank == 0:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from merak.runtime.split import Piece
+from merak.stages.split import Piece
 
 
 @dataclass(frozen=True)

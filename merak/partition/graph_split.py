@@ -21,9 +21,9 @@ from torch import fx, nn
 
 from merak.partition.capture import Capture, capture_export, capture_fx
 from merak.partition.taps import is_tap_read
+from merak.stages.blocks import find_blocks
 from merak.partition.graph_rewrite import (
     dce,
-    find_blocks,
     ident,
     is_view,
     nondeterministic,

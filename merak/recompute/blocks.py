@@ -109,7 +109,7 @@ class BlockRecomputation:
         def forward(*args, **kwargs):
             return this._call(block, original, first, args, kwargs)
 
-        # the forward in place before (a compiled one, `merak.trainer.compile`) comes back
+        # the forward in place before (a compiled one, `merak.engine.compile`) comes back
         own = block.__dict__.get("forward")
         block.forward = forward
         self._restore.append(lambda: setattr(block, "forward", own) if own is not None

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from merak.recompute.blocks import checkpointed_blocks, recomputed_count
-from merak.runtime.split import PipelineSplit
-from merak.runtime.stage import block_names
+from merak.stages.split import PipelineSplit
+from merak.stages.stage import block_names
 from merak.schedule.actions import Edge
 from merak.schedule.registry import make_schedule
 from merak.schedule.simulator import MemoryModel, simulate

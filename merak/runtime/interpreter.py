@@ -29,7 +29,7 @@ from merak.runtime.p2p import StageTransfers
 from merak.runtime.microbatches import step_microbatches
 from merak.runtime.runner import OutputLoss, StageRunner
 from merak.runtime.shape_discovery import batch_shape_key, discover_shapes
-from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
+from merak.stages.stage import InterleavedStage, PipelineStage, block_names
 from merak.runtime.step_tail import (
     StepTail,
     TiedGroups,

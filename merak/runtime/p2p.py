@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from merak.distributed.parallel_context import process_group_timeout_s
-from merak.runtime.split import PipelineSplit, ValueKey
+from merak.stages.split import PipelineSplit, ValueKey
 from merak.schedule.actions import Action, ActionKind
 
 K = ActionKind

@@ -17,9 +17,9 @@ import torch
 
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
-from merak.runtime.split import PipelineSplit, ValueKey
+from merak.stages.split import PipelineSplit, ValueKey
 from merak.runtime.split_backward import backward_input, backward_weight
-from merak.runtime.stage import PipelineStage
+from merak.stages.stage import PipelineStage
 
 
 class OutputLoss(Protocol):

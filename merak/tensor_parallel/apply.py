@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext, get_context
-from merak.partition.graph_rewrite import find_blocks, within
+from merak.stages.blocks import find_blocks, within
 from merak import lora
-from merak.tensor_parallel import layers, wrappers
+from merak.tensor_parallel import layers, lora_adapters, wrappers
 from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS
 from merak.tensor_parallel.plans import (DIVISIBLE_CONFIG_ATTRS, HEAD_ATTRS, TPPlan, as_tp_plan,
@@ -120,7 +120,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
     styles: dict[str, str] = {}
     converted = _convert_linears(named, plan, config, group, rank, tp, cache, styles,
                                  sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
-    lora.check_tp_targets(named, set(converted))
+    lora_adapters.check_tp_targets(named, set(converted))
     converted += _divide_and_shard_heads(named, plan, rank, tp, cache, styles)
     converted += _convert_other_styles(named, plan, config, group, rank, tp, cache, styles)
     if not converted:
@@ -179,7 +179,7 @@ def _convert_linears(named, plan: TPPlan, config, group, rank: int, tp: int, cac
         else:
             continue
         if module is not wrapper:
-            lora.shard_adapters(wrapper, name, style, group, rank, tp,
+            lora_adapters.shard_adapters(wrapper, name, style, group, rank, tp,
                                 chunks=chunks,
                                 gather_output=getattr(module, "gather_output", False),
                                 input_is_parallel=getattr(module, "input_is_parallel", True),

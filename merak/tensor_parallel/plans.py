@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from merak.distributed.parallel_context import get_context, set_default_tp_plan
+from merak.distributed.parallel_context import get_context
 from merak.tensor_parallel.hf_styles import plan_fields_from_hf
+
+# The plan `set_tp_layer_lists` recorded, with the device mesh of the job it was recorded for
+# (the default context's then): part of the state `merak.init()` sets up, keyed to its mesh.
+_recorded: tuple[object, TPPlan] | None = None
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -278,9 +282,9 @@ def set_tp_layer_lists(col_para_list: Sequence[str] | None = None,
 
     Returns the plan; pass it as ``merak.parallelize(..., tp_plan=)`` or
     ``MerakArguments(tp_plan=)`` (a dict with these argument names as keys works there too).
-    For old scripts that ignore it, the plan is also recorded, as ``tp_plan``, on the context
-    of the last `merak.init()` (`set_default_tp_plan`): it applies to that job when no plan is
-    given explicitly.
+    For old scripts that ignore it, the plan is also recorded for the job of the last
+    `merak.init()` (its device mesh): it applies to that job when no plan is given explicitly,
+    and a later `merak.init()` (a new mesh) leaves it behind.
 
     Raises:
         ValueError: see `tp_plan_from_layer_lists`.
@@ -288,29 +292,30 @@ def set_tp_layer_lists(col_para_list: Sequence[str] | None = None,
     """
     plan = tp_plan_from_layer_lists(col_para_list, row_para_list, input_output_mapping,
                                     weight_change_list, tp_attr_list)
+    global _recorded
     try:
-        set_default_tp_plan(plan)
+        _recorded = (get_context().mesh, plan)
     except RuntimeError:
         raise RuntimeError(
-            "merak.set_tp_layer_lists records its plan on the context of merak.init(): call "
+            "merak.set_tp_layer_lists records its plan for the job of merak.init(): call "
             "merak.init(dp=, tp=, pp=) first, or give the plan explicitly "
             "(merak.parallelize(..., tp_plan=) / MerakArguments(tp_plan=))") from None
     return plan
 
 
 def registered_plan(ctx: object) -> TPPlan | None:
-    """The plan `set_tp_layer_lists` recorded for the job of `ctx`: ``ctx.tp_plan``; for a
-    context that `merak.init()` returned before that call (the same device mesh), the one on
-    the default context that replaced it."""
-    plan = getattr(ctx, "tp_plan", None)
-    if plan is not None:
-        return plan
-    try:
-        default = get_context()
-    except RuntimeError:
+    """The plan `set_tp_layer_lists` recorded for the job of `ctx` (the same device mesh as
+    the default context it was recorded on), or None."""
+    if _recorded is None:
         return None
-    mesh = getattr(ctx, "mesh", None)
-    return default.tp_plan if mesh is not None and default.mesh is mesh else None
+    mesh, plan = _recorded
+    return plan if getattr(ctx, "mesh", None) is mesh else None
+
+
+def clear_registered_plan() -> None:
+    """Forget the plan `set_tp_layer_lists` recorded (tests; a script that changes its mind)."""
+    global _recorded
+    _recorded = None
 
 
 def _from_config_plan(config) -> TPPlan | None:

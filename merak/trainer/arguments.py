@@ -15,18 +15,16 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from merak.partition import assign
+from merak import rules
+from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
+from merak.stages import assign
 from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
 from merak.schedule.registry import SCHEDULES
 from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
-from merak.trainer.compile import check_compile_mode
+from merak.engine.compile import check_compile_mode
 from merak.trainer.config_bases import keep_declared_defaults
 from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 from merak.trainer.job import JobView
-
-
-class NotSupportedYetError(ValueError):
-    """A field asks for a feature Merak does not have yet."""
 
 
 
@@ -60,7 +58,7 @@ class MerakArguments(JobView, TrainingArguments):
     `gradient_accumulation_steps` and a micro-batch is `per_device_train_batch_size` rows.
     """
 
-    # ---- automatic strategy (merak.plan)
+    # ---- automatic strategy (merak.strategy)
     auto_parallel: bool = field(default=False, metadata=_help("auto",
         "plan dp x tp x pp, micro-batching, schedule, recomputation and ZeRO at train() "
         "(measured, predicted, dry-run; merak.init() without degrees); the optimizer step's "
@@ -221,10 +219,7 @@ class MerakArguments(JobView, TrainingArguments):
         if self.temperature < 0:
             raise ValueError(f"MerakArguments.temperature must be >= 0 (0: greedy decoding), "
                              f"got {self.temperature}")
-        if self.text_generation and (self.sequence_parallel or self.tp_overlapping_level):
-            raise ValueError("MerakArguments.text_generation runs without sequence_parallel and "
-                             "tp_overlapping_level (a decode step has one position); turn "
-                             "them off to generate")
+        rules.check(rules.Choices.from_arguments(self))  # the combinations (merak.rules)
         if self.lora_config is not None:  # a bad config fails here, before any work
             from merak.lora import load_lora_config
 
@@ -339,9 +334,6 @@ class MerakArguments(JobView, TrainingArguments):
             if extra:
                 raise ValueError(f"MerakArguments.{extra[0]} only applies with "
                                  f"activation_checkpointing=True")
-            if SCHEDULES[self.train_schedule].needs_recompute:
-                raise ValueError(f"MerakArguments.train_schedule={self.train_schedule!r} "
-                                 f"reorders recomputation; set activation_checkpointing=True")
         if len(shaped) > 1:
             raise ValueError("MerakArguments: give activation_checkpoint_ratio (fractions) or "
                              "activation_memory_budget (MiB), not both")
@@ -389,24 +381,9 @@ class MerakArguments(JobView, TrainingArguments):
             self.save_strategy = "steps"
 
     def _check_fsdp(self) -> None:
-        """What ZeRO-2/3 (FSDP2) cannot take, named before anything is built."""
+        """The bucket fields ZeRO-2/3 (FSDP2) ignores; its refused combinations are
+        `merak.rules`'."""
         name = f"MerakArguments.zero_stage={self.zero_stage}"
-        if SCHEDULES[self.train_schedule].splits_backward:
-            raise NotSupportedYetError(f"{name} with train_schedule={self.train_schedule!r} is "
-                                       f"not supported yet (FSDP2 cannot follow a backward "
-                                       f"split into input and weight halves); use 1f1b, "
-                                       f"interleaved_1f1b, gpipe or Merak's schedules")
-        if self.prescale_gradients or self.gradient_predivide_factor != 1.0:
-            raise NotSupportedYetError(f"{name} with prescale_gradients or "
-                                       f"gradient_predivide_factor is not supported yet (FSDP2's "
-                                       f"reduce-scatter divides by dp itself); leave both at "
-                                       f"their defaults")
-        for other, why in (("auto_find_batch_size", "its memory probe runs unsharded steps"),
-                           ("lora_config", "FSDP2 would shard the frozen base weights too; "
-                                           "untested"),
-                           ("torch_compile", "compiled blocks under FSDP2 are untested")):
-            if getattr(self, other):
-                raise NotSupportedYetError(f"{name} with {other} is not supported yet ({why})")
         own = {f.name: f for f in dataclasses.fields(MerakArguments)}
         for field_name in ("zero_reduce_bucket_size", "ddp_bucket_cap_mb"):
             if getattr(self, field_name) != _default(own[field_name]):

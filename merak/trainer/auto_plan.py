@@ -1,5 +1,5 @@
 """`MerakArguments(auto_parallel=True)` and `MerakArguments(plan=...)`: the layout, micro-batching,
-schedule, recomputation and ZeRO stage come from `merak.plan`, applied before the model is
+schedule, recomputation and ZeRO stage come from `merak.strategy`, applied before the model is
 built (every rank reaches the same plan: the planner's measurements are shared and its dry runs
 are collectives)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-import merak
-from merak.plan.predict import Candidate
-from merak.plan.search import read_plan
+from merak import lora, rules
+from merak.distributed.parallel_context import ParallelContext, init
+from merak.engine.options import EngineOptions
+from merak.strategy.predict import Candidate
+from merak.strategy.search import read_plan
 
 
 def global_batch(args) -> int:
@@ -21,20 +21,18 @@ def global_batch(args) -> int:
 
 def sequence_parallel_settings(args, config, ctx) -> tuple[bool, ...]:
     """What the planner may try: sequence parallelism where the TP plan the job will use
-    can split the sequence and the job runs without what it excludes (LoRA adapters,
-    generation, TP overlap)."""
-    from merak.plan.search import sequence_parallel_choices
+    can split the sequence (what else excludes it is `merak.rules`')."""
+    from merak.strategy.search import sequence_parallel_choices
     from merak.tensor_parallel.plans import registered_plan
 
-    if args.lora_config is not None or args.text_generation or args.tp_overlapping_level:
-        return (False,)
     return sequence_parallel_choices(config, args.tp_plan or registered_plan(ctx))
 
 
-def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
+def apply_plan(trainer, example_rows: dict) -> ParallelContext:
     """Plan (auto_parallel) or read the plan file, set the trainer's arguments to it and
     re-initialize the parallel context with its degrees; returns the new context."""
     args, ctx = trainer.args, trainer.ctx
+    job = rules.Choices.from_arguments(args, lora=lora.is_peft_model(trainer.model))
     if args.plan:
         candidate, ratios, planned = read_plan(args.plan)
         if planned is not None and planned != global_batch(args):
@@ -42,7 +40,7 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
                              f"but per_device_train_batch_size x gradient_accumulation_steps = "
                              f"{global_batch(args)}; set them to {planned} x 1 or plan again")
     else:
-        from merak.plan.online import plan_online
+        from merak.planner.online import plan_online
 
         model = trainer.model
         config = getattr(model, "config", None)
@@ -54,12 +52,14 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
                              f"hold {sorted(example_rows)} (plan offline with `merak plan` and "
                              f"give MerakArguments(plan=...), or give merak.init the degrees)")
         seq = example_rows["input_ids"].shape[-1]
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        # the dry runs build the trainer's engine: its options, with each candidate's choices
+        options = EngineOptions.from_arguments(args, pp=1, dp=ctx.world_size,
+                                               leaf_modules=trainer.leaf_modules)
         plan = plan_online(config, global_batch(args), seq,
                            args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
-                           dry_runs=args.plan_dry_runs, dtype=dtype,
-                           parallel_vocab=args.parallel_vocab,
-                           sequence_parallel=sequence_parallel_settings(args, config, ctx))
+                           dry_runs=args.plan_dry_runs,
+                           sequence_parallel=sequence_parallel_settings(args, config, ctx),
+                           options=options, job=job)
         if ctx.rank == 0:
             print(plan.table(), f"\nchosen: {plan.chosen.label}\n{plan.why}", flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -70,9 +70,12 @@ def apply_plan(trainer, example_rows: dict) -> merak.ParallelContext:
         raise ValueError(f"the plan's layout {candidate.label} needs "
                          f"{candidate.dp * candidate.tp * candidate.pp} ranks, this job has "
                          f"{ctx.world_size}")
+    found = rules.refusal(job.with_candidate(candidate), owner=f"the plan {candidate.label}")
+    if found is not None:  # a plan file made for another job's options
+        raise found.error()
     _set_arguments(args, candidate, ratios)
     trainer._train_batch_size = candidate.micro_batch  # what evaluation cuts micro-batches by
-    return merak.init(candidate.dp, candidate.tp, candidate.pp)
+    return init(candidate.dp, candidate.tp, candidate.pp)
 
 
 def _set_arguments(args, c: Candidate, ratios: list[float] | None) -> None:

@@ -30,7 +30,7 @@ from merak.trainer.data import EvalBatches
 
 
 class EvaluationMixin:
-    """Mixed into `MerakTrainer` (which provides args, ctx, engine, _build, _collate, ...)."""
+    """Mixed into `MerakTrainer` (which provides args, ctx, engine, _assemble, _collate, ...)."""
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
                  ) -> dict[str, float]:
@@ -57,7 +57,7 @@ class EvaluationMixin:
         predictions = predictions or (self.compute_metrics is not None
                                       and not args.prediction_loss_only)
         mbs = self._train_batch_size  # the micro-batch the pipeline is built for
-        self._build(self._example(dataset, min(mbs, len(dataset))))
+        self._assemble(self._example(dataset, min(mbs, len(dataset))))
         m = -(-args.per_device_eval_batch_size // mbs)
         data = EvalBatches(dataset, self._collate, micro_batch_size=mbs, num_microbatches=m,
                            dp=ctx.dp, dp_rank=ctx.dp_rank, reads_data=bool(self.engine.batch_keys),

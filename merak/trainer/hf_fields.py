@@ -54,7 +54,7 @@ HONOURED = frozenset({
     "auto_find_batch_size",
     # read by transformers' own Trackio callback (report_to="trackio")
     "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
-    # torch.compile of each stage's blocks, in place (merak.trainer.compile); NEFTune noise on
+    # torch.compile of each stage's blocks, in place (merak.engine.compile); NEFTune noise on
     # the first stage's input embedding, shared by the TP ranks of a group (merak.trainer.neftune)
     "torch_compile", "torch_compile_backend", "torch_compile_mode", "neftune_noise_alpha",
 })

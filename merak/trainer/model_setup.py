@@ -1,5 +1,4 @@
-"""What `MerakTrainer` wraps around the user's model and optimizer: the loss function and
-ZeRO-1."""
+"""What `MerakTrainer` wraps around the user's model: the loss function."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from merak.trainer.token_counts import ITEMS
 
@@ -19,22 +17,6 @@ def default_loss_fn(outputs, labels: torch.Tensor) -> torch.Tensor:
     logits = outputs.logits if hasattr(outputs, "logits") else outputs
     return F.cross_entropy(logits[..., :-1, :].flatten(0, -2).float(),
                            labels[..., 1:].flatten(), ignore_index=-100)
-
-
-def zero1(optimizer: torch.optim.Optimizer, ctx) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: the same optimizer with its state sharded over the dp group (PyTorch's
-    `ZeroRedundancyOptimizer`: each dp rank updates its share of the parameters, then broadcasts
-    them; gradients are already averaged over dp)."""
-    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
-                                   process_group=ctx.dp_group, **defaults)
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """What this rank holds: its ZeRO shard's optimizer, or the optimizer itself."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 class _WithLoss(nn.Module):

@@ -57,7 +57,7 @@ def opaque_modules(model: nn.Module, embedding: nn.Module) -> tuple[str, ...]:
     """What the split must keep opaque for the hook to run: the qualified name of `embedding`
     in `model`, unless it lies inside a block (blocks run eagerly whole; a recomputed block
     reruns it, and the ``recompute`` instruction restarts the key, so the noise is the same)."""
-    from merak.partition.graph_rewrite import find_blocks, within
+    from merak.stages.blocks import find_blocks, within
 
     for name, module in model.named_modules():
         if module is embedding and name:

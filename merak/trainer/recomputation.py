@@ -1,4 +1,5 @@
-"""`MerakArguments`' recomputation fields turned into per-stage ratios for the interpreter.
+"""`MerakArguments`' recomputation fields turned into per-stage ratios for the interpreter
+(the ratios an engine starts with: `merak.engine.options.initial_recompute_ratio`).
 
 * ``activation_checkpointing`` alone: every block of every stage.
 * ``activation_checkpoint_ratio`` with one value per stage: those fractions.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from merak.engine.options import plans_recomputation
 from merak.recompute.stage_aware import (
     choose_ratios,
     measure_kept,
@@ -22,31 +24,11 @@ from merak.recompute.stage_aware import (
 )
 
 
-def _planned(args, pp: int) -> bool:
-    return args.plans_recomputation and pp > 1
-
-
-def initial_ratio(args, pp: int) -> float | list[float]:
-    """The per-stage recompute ratio to build the interpreter with."""
-    if not args.activation_checkpointing:
-        return 0.0
-    ratio = args.activation_checkpoint_ratio
-    if _planned(args, pp) or ratio is None:
-        return 1.0
-    if len(ratio) == 1:
-        return ratio[0]
-    if len(ratio) != pp:
-        raise ValueError(f"MerakArguments.activation_checkpoint_ratio has {len(ratio)} values for "
-                         f"{pp} pipeline stages; give one per stage, or one for the first stage "
-                         f"(stage-aware)")
-    return list(ratio)
-
-
 def plan(engine, args, batch: dict[str, torch.Tensor]) -> list[float] | None:
     """For the planned modes, measure (`batch`: one step of micro-batches), choose the ratios,
     apply them to `engine` and return them with a log line; None for the other modes."""
     pp = engine.ctx.pp
-    if not _planned(args, pp):
+    if not plans_recomputation(args, pp):
         return None
     segment, m = args.checkpoint_num_layers, engine.num_microbatches
     schedule, edges = args.train_schedule, engine.split.edges or None

@@ -40,7 +40,7 @@ class TextGenerationMixin:
         """
         token_lists = self._prompt_ids(prompts)
         if self.engine is None:  # not trained in this process: build for generation alone
-            self._build(self._generation_example())
+            self._assemble(self._generation_example())
         args = self.args
         gathered = self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
         with gathered:  # ZeRO-3: the stage's parameters whole while decoding

@@ -23,31 +23,25 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 
 from merak import lora
-from merak.build import parallelize
-from merak.data_parallel.zero import check_optimizer, shard_stage
 from merak.distributed.parallel_context import get_context
+from merak.engine.assemble import build_engine
+from merak.engine.options import EngineOptions
 from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
 from merak.materialize.safetensors import pretrained_checkpoint
-from merak.runtime.interpreter import PipelineInterpreter
 from merak.runtime.memory_probe import fits_in_memory
-from merak.schedule.registry import SCHEDULES
 from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.auto_plan import apply_plan
 from merak.trainer.checkpointing import CheckpointMixin
-from merak.trainer.compile import compile_blocks
 from merak.trainer.data import StageBatches, loader_options, model_input_filter
 from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
-from merak.trainer.grad_norm import GradNormClipper
-from merak.trainer.loss_scale import LossScaler
 from merak.trainer.loss_setup import LossSetupMixin
 from merak.trainer.losses import shifts_labels
-from merak.trainer.model_setup import with_loss, zero1
+from merak.trainer.model_setup import with_loss
 from merak.trainer.reference_logps import ReferenceLogpsMixin
 from merak.trainer.subclasses import check_dpo, check_overrides, trainer_keywords
 from merak.trainer.text_generation import TextGenerationMixin
-from merak.trainer.timers import WallClockBreakdown
 
 
 class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, EvaluationMixin,
@@ -108,7 +102,9 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
             batch = {k: v for k, v in batch.items() if k in (*self.args.input_names, "labels")}
         return batch
 
-    def _build(self, example: dict[str, torch.Tensor]) -> None:
+    def _assemble(self, example: dict[str, torch.Tensor]) -> None:
+        """This rank's engine for the arguments (`merak.engine.build_engine`), traced on one
+        collated micro-batch `example`."""
         if self.engine is not None:
             return
         args, model = self.args, self.model
@@ -120,72 +116,43 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         self._wrapped_loss = loss_fn is not None
         if loss_fn is not None:
             model = with_loss(model, loss_fn, list(traced))
-        interleaved = SCHEDULES[args.train_schedule].several_stages_per_rank
-        chunks = args.num_model_chunks if interleaved else 1
         leaf_modules, embedding = self.leaf_modules, None
         if args.neftune_noise_alpha is not None:  # its forward hook must run: keep it opaque
             embedding = neftune.input_embedding(self._user_model)
             leaf_modules = (*leaf_modules, *neftune.opaque_modules(model, embedding))
-        autocast_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        self.stage = parallelize(
-            model, traced, self.ctx, num_model_chunks=chunks, autocast_dtype=autocast_dtype,
-            checkpoint=pretrained_checkpoint(self._user_model),
-            checkpoint_prefix="model." if self._wrapped_loss else "",
-            tp_plan=args.tp_plan, parallel_vocab=args.parallel_vocab,
-            sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
-            tp_overlapping_level=args.tp_overlapping_level,
-            trace_method=args.trace_method, split_method=args.split_method,
-            partition_method=args.partition_method, custom_partition=args.custom_partition,
-            custom_split_points=args.custom_split_points, leaf_modules=leaf_modules,
-            no_tie_modules=args.no_tie_modules)
-        if args.torch_compile:  # before the interpreter wraps the blocks for recomputation
-            compile_blocks(self.stage, args.torch_compile_backend, args.torch_compile_mode)
-        self.zero = shard_stage(  # before anything holds the parameters
-            self.stage, self.ctx, args.zero_stage,
-            param_dtype=torch.bfloat16 if args.bf16 else None) if args.zero_stage >= 2 else None
-        self.model = self.model_wrapped = self.stage
-        self.clipper = GradNormClipper(self.stage, self.ctx, args.max_grad_norm or 0.0)
-        self.timers = WallClockBreakdown(self.ctx.device) if args.wall_clock_breakdown else None
-        self.optimizer = None  # built over this rank's stage
-        self.create_optimizer()
-        if args.zero_stage == 1:
-            self.optimizer = zero1(self.optimizer, self.ctx)
-        if self.zero is not None:
-            check_optimizer(self.optimizer, args.zero_allow_untested_optimizer)
-        hooks = [self.clipper] + ([self.timers] if self.timers else [])
+        self.engine_options = EngineOptions.from_arguments(
+            args, pp=self.ctx.pp, dp=self.ctx.dp, leaf_modules=leaf_modules)
         self.neftune_noise = None
         if embedding is not None:  # HF's NEFTune, with noise the TP ranks of a group share
             self.neftune_noise = neftune.NEFTune(args.neftune_noise_alpha, args.seed,
                                                  self.ctx.dp_rank,
                                                  lambda: self.state.global_step)
-            if self.neftune_noise.attach(self.stage, embedding):
-                hooks.append(self.neftune_noise)
         self.energy = None
         if args.energy_gpu:
             from merak.energy.session import TrainerEnergy
 
             self.energy = TrainerEnergy(args, self.ctx, args.gradient_accumulation_steps)
-            if not args.energy_profile:  # the profiler brings its own hook
-                hooks.append(self.energy.hook)
-        self.engine = PipelineInterpreter(
-            self.stage, self.ctx, self.optimizer, args.gradient_accumulation_steps,
-            schedule=args.train_schedule, hooks=hooks,
-            bucket_bytes=args.gradient_bucket_bytes,
-            autocast_dtype=autocast_dtype, grad_predivide=self.ctx.dp if args.prescale_gradients
-            else args.gradient_predivide_factor,
-            recompute_ratio=recomputation.initial_ratio(args, self.ctx.pp * chunks),
-            segment_size=args.checkpoint_num_layers,
-            tp_rng=getattr(self._user_model, "merak_tp_rng", None), zero=self.zero,
-            dealloc_outputs=args.dealloc_pipeoutput)
+
+        def optimizer_over(stage):  # HF's create_optimizer, over this rank's stage
+            self.model = self.model_wrapped = stage
+            self.optimizer = None
+            return self.create_optimizer()
+
+        def neftune_hooks(stage):
+            noise = self.neftune_noise
+            return [noise] if noise is not None and noise.attach(stage, embedding) else []
+
+        built = build_engine(
+            model, traced, self.ctx, self.engine_options, make_optimizer=optimizer_over,
+            checkpoint=pretrained_checkpoint(self._user_model),
+            checkpoint_prefix="model." if self._wrapped_loss else "",
+            tp_rng=getattr(self._user_model, "merak_tp_rng", None), stage_hooks=neftune_hooks,
+            hooks=[self.energy.hook] if self.energy and not args.energy_profile else ())
+        # (the profiler brings its own hook)
+        self.stage, self.engine, self.optimizer = built.stage, built.interpreter, built.optimizer
+        self.zero, self.clipper, self.scaler = built.zero, built.clipper, built.scaler
+        self.timers = built.timers
         self._attach_subclass_loss(example)  # and the micro-batch losses' weights
-        self.scaler = None
-        if args.fp16:  # unscale and check for overflow before clipping
-            self.scaler = LossScaler(
-                self.engine, self.ctx, static_scale=args.loss_scale,
-                initial_scale_power=args.initial_scale_power, window=args.loss_scale_window,
-                hysteresis=args.hysteresis, consecutive_hysteresis=args.consecutive_hysteresis,
-                min_scale=args.min_loss_scale)
-            self.engine.hooks.insert(self.engine.hooks.index(self.clipper), self.scaler)
 
     def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
         """HF's auto_find_batch_size for a pipeline: halve the micro-batch until a step fits in
@@ -211,7 +178,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
             gc.collect()
             if self.ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._build(self._example(self.train_dataset, size))
+            self._assemble(self._example(self.train_dataset, size))
         if size != first and self.is_world_process_zero():
             print(f"auto_find_batch_size: training with {size} rows per micro-batch")
         return size
@@ -244,7 +211,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         if (args.auto_parallel or args.plan) and self.engine is None:  # before building
             self.ctx = apply_plan(self, self._example(self.train_dataset, 1))
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        self._build(self._example(self.train_dataset, mbs))
+        self._assemble(self._example(self.train_dataset, mbs))
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
         if args.auto_find_batch_size:
             mbs = self._train_batch_size = self._find_micro_batch_size(mbs, m)

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 import merak
 from merak.coverage.shrink import VOCAB, small_config
-from merak.trainer.export import export_checkpoint
+from merak.checkpoint.export import export_checkpoint
 
 STEPS, MICRO_BATCH, MICROBATCHES, SEQ, SEED = 2, 2, 2, 16, 1234
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,

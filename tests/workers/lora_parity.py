@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import merak
 from merak import lora
-from merak.trainer.export import gather_full_tensors, save_hf_directory
+from merak.checkpoint.export import gather_full_tensors, save_hf_directory
 
 STEPS, MICROBATCHES, ROWS, LR, SEED = 3, 2, 2, 0.05, 2024
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

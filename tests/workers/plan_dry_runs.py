@@ -21,8 +21,8 @@ from common import run_scenarios
 
 import merak
 from merak.distributed.teardown import live_process_groups
-from merak.plan import costs, dry_run
-from merak.plan.predict import Candidate
+from merak.strategy import costs, dry_run
+from merak.strategy.predict import Candidate
 
 SEQ = 16
 
@@ -60,7 +60,7 @@ def dry_runs_free_their_groups() -> None:
 
 
 def online_plan_frees_its_groups() -> None:
-    from merak.plan.online import plan_online
+    from merak.planner.online import plan_online
 
     merak.init(dp=1, tp=1, pp=2)
     costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
@@ -79,7 +79,7 @@ def online_plan_frees_its_groups() -> None:
 
 def zero1_pending_state_is_the_shard() -> None:
     from merak.runtime.memory_probe import pending_optimizer_state_bytes
-    from merak.trainer.model_setup import local_optimizer, zero1
+    from merak.data_parallel.zero1 import local_optimizer, zero1
 
     ctx = merak.init(dp=2, tp=1, pp=1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16),

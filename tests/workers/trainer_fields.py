@@ -37,7 +37,7 @@ from trainer_common import build, dataset
 from transformers import default_data_collator
 
 import merak
-from merak.trainer.export import gather_full_tensors
+from merak.checkpoint.export import gather_full_tensors
 
 STEPS = 4
 
@@ -294,7 +294,7 @@ def lora_trainer() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from merak.trainer.export import export_checkpoint
+    from merak.checkpoint.export import export_checkpoint
 
     merak.init(dp=1, tp=1, pp=2)
     out, items = _shared_dir("lora-run"), dataset(16, 3)

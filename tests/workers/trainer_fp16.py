@@ -175,7 +175,7 @@ def _short_run(name: str, eval_dataset=None, **fields):
 def torch_compile_pp2() -> None:
     from torch._dynamo.utils import counters
 
-    from merak.runtime.stage import block_names
+    from merak.stages.stage import block_names
 
     merak.init(dp=1, tp=1, pp=2)
     eager, expected = _short_run("compile-eager", learning_rate=1e-3)

@@ -32,8 +32,8 @@ from trainer_common import (
 
 import merak
 from merak.data_parallel.shards import local
-from merak.trainer.export import gather_full_tensors
-from merak.trainer.model_setup import local_optimizer
+from merak.checkpoint.export import gather_full_tensors
+from merak.data_parallel.zero1 import local_optimizer
 
 OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
 
@@ -212,7 +212,7 @@ def hf_api() -> None:
         state = json.loads((out / "trainer_state.json").read_text())
         assert state["global_step"] == 2, state
         saved = tf.AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
-        from merak.trainer.export import export_checkpoint
+        from merak.checkpoint.export import export_checkpoint
 
         exported = tf.AutoModelForCausalLM.from_pretrained(
             export_checkpoint(out / "checkpoint-2", out / "exported")).state_dict()

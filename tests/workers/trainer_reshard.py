@@ -25,7 +25,7 @@ from trainer_common import (
 )
 
 import merak
-from merak.trainer.export import export_checkpoint
+from merak.checkpoint.export import export_checkpoint
 
 OUT = Path(os.environ["MERAK_TRAINER_OUT"])
 CHECKPOINT = OUT / RESHARD_SOURCE / f"checkpoint-{RESHARD_SAVE_STEP}"

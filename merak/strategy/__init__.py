@@ -1,9 +1,9 @@
 """Automatic parallel strategy: measure or describe, predict, search, dry-run (`merak plan`)."""
 
-from merak.plan.cluster import CLUSTERS, Cluster, cluster
-from merak.plan.predict import Candidate, Prediction, Predictor
-from merak.plan.search import Plan, read_plan, search
-from merak.plan.shape import ModelShape
+from merak.strategy.cluster import CLUSTERS, Cluster, cluster
+from merak.strategy.predict import Candidate, Prediction, Predictor
+from merak.strategy.search import Plan, read_plan, search
+from merak.strategy.shape import ModelShape
 
 __all__ = ["CLUSTERS", "Candidate", "Cluster", "ModelShape", "Plan", "Prediction", "Predictor",
            "cluster", "read_plan", "search"]

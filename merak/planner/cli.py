@@ -56,10 +56,10 @@ def _config(path: str):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from merak.plan.cluster import GIB, cluster
-    from merak.plan.costs import analytic_costs
-    from merak.plan.search import search, sequence_parallel_choices
-    from merak.plan.shape import ModelShape
+    from merak.strategy.cluster import GIB, cluster
+    from merak.strategy.costs import analytic_costs
+    from merak.strategy.search import search, sequence_parallel_choices
+    from merak.strategy.shape import ModelShape
 
     config = _config(args.model)
     sequence_parallel = (False,) if args.no_sequence_parallel else \
@@ -76,7 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
               f"{described.world_size} x {described.name}")
     else:
-        from merak.plan.online import plan_online
+        from merak.planner.online import plan_online
 
         plan = plan_online(config, args.global_batch, args.seq_len, memory, sizes,
                            dry_runs=args.dry_runs, steps=args.dry_run_steps,

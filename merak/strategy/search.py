@@ -2,7 +2,7 @@
 
 Every candidate is predicted (`Predictor`); those over the memory limit or that cannot run are
 dropped with their reason; the rest are ranked by predicted step time (ties: less memory). An
-online plan then dry-runs the best few (`merak.plan.dry_run`) and keeps the fastest measured.
+online plan then dry-runs the best few (`merak.planner.dry_run`) and keeps the fastest measured.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from merak.plan.cluster import Cluster
-from merak.plan.costs import BlockCosts
-from merak.plan.predict import RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
-from merak.plan.shape import ModelShape
+from merak.strategy.cluster import Cluster
+from merak.strategy.costs import BlockCosts
+from merak.strategy.predict import RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
+from merak.strategy.shape import ModelShape
+from merak.rules import Choices, refusal
 from merak.schedule.registry import SCHEDULES
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -37,14 +38,17 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
                micro_batch_sizes: Iterable[int] = MICRO_BATCH_SIZES,
                schedules: Iterable[str] | None = None,
                zero_stages: Iterable[int] = (0, 1, 2, 3),
-               sequence_parallel: Iterable[bool] = (False, True)) -> Iterator[Candidate]:
+               sequence_parallel: Iterable[bool] = (False, True),
+               job: Choices | None = None) -> Iterator[Candidate]:
     """Every layout x sequence parallelism x micro-batch size x schedule x recomputation x
     ZeRO stage that the sizes allow (a global batch divisible by dp x micro-batch size;
     sequence parallelism needs tp > 1 dividing the sequence of `seq` tokens; interleaving
-    needs two blocks per rank; ZeRO needs dp > 1, and ZeRO-2/3 a schedule that does not split
-    the backward, as `MerakArguments` requires; Merak's reordering schedules need
-    recomputation). `sequence_parallel`: the settings to try where tp > 1 (``(False,)`` for a
-    job that cannot split the sequence: see `sequence_parallel_choices`)."""
+    needs two blocks per rank; ZeRO needs dp > 1) and that `merak.rules` accepts for the job's
+    other options `job` (ZeRO-2/3 with a schedule that does not split the backward, nor with
+    LoRA or torch_compile; Merak's reordering schedules with recomputation: the rules
+    `MerakArguments` applies). `sequence_parallel`: the settings to try where tp > 1
+    (``(False,)`` for a job that cannot split the sequence: see `sequence_parallel_choices`)."""
+    job = job or Choices()
     schedules = list(schedules or SCHEDULES)
     for dp, tp, pp in layouts(shape, world_size):
         sp_settings = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq % tp == 0)]
@@ -58,12 +62,10 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
                 if chunks * pp > shape.layers or (chunks > 1 and m % pp):
                     continue
                 for recompute in RECOMPUTE_CHOICES:
-                    if info.needs_recompute and recompute == "off":
-                        continue
                     for zero in zero_stages if dp > 1 else (0,):
-                        if zero >= 2 and info.splits_backward:  # FSDP2 cannot follow it
-                            continue
-                        yield Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks, sp)
+                        c = Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks, sp)
+                        if refusal(job.with_candidate(c)) is None:
+                            yield c
 
 
 def sequence_parallel_choices(config, tp_plan=None) -> tuple[bool, ...]:

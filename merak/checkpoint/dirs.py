@@ -25,7 +25,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from merak.trainer.checkpoint_files import (
+from merak.checkpoint.files import (
     PREFIX,
     CheckpointError,
     IncompleteCheckpointError,

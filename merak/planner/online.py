@@ -22,14 +22,16 @@ from dataclasses import fields, replace
 import torch
 import torch.distributed as dist
 
-import merak
+from merak.distributed.parallel_context import init
 from merak.distributed.teardown import transient_process_groups
-from merak.plan.cluster import measure_links
-from merak.plan.costs import BlockCosts, measure_costs
-from merak.plan.dry_run import dry_run
-from merak.plan.predict import Prediction
-from merak.plan.search import Plan, search, sequence_parallel_choices
-from merak.plan.shape import ModelShape
+from merak.strategy.cluster import measure_links
+from merak.strategy.costs import BlockCosts, measure_costs
+from merak.engine.options import EngineOptions
+from merak.planner.dry_run import dry_run
+from merak.rules import Choices
+from merak.strategy.predict import Prediction
+from merak.strategy.search import Plan, search, sequence_parallel_choices
+from merak.strategy.shape import ModelShape
 
 
 def device_memory(ctx) -> float:
@@ -77,15 +79,20 @@ def _distinct(ranked: list[Prediction], count: int, within: float = 1.5) -> list
 def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None = None,
                 micro_batch_sizes=(1, 2, 4, 8), dry_runs: int = 5, steps: int = 3,
                 dtype: torch.dtype | None = None, parallel_vocab: bool = False,
-                sequence_parallel: tuple[bool, ...] | None = None) -> Plan:
+                sequence_parallel: tuple[bool, ...] | None = None,
+                options: EngineOptions | None = None, job: Choices | None = None) -> Plan:
     """The plan for `config` on this job (every rank calls it; every rank gets the plan);
     `parallel_vocab` as the job will build its TP model; `sequence_parallel`: the settings
-    to try where tp > 1 (default: `sequence_parallel_choices` of the config)."""
+    to try where tp > 1 (default: `sequence_parallel_choices` of the config). `options`: the
+    job's engine options, each dry run's with the candidate's choices (default: the defaults
+    with `dtype` and `parallel_vocab`); `job`: the job's other choices, so only candidates
+    `merak.rules` accepts for it are searched."""
+    options = options or EngineOptions(autocast_dtype=dtype, parallel_vocab=parallel_vocab)
     start = time.perf_counter()
     with transient_process_groups():  # (the measuring layout's groups too)
         plan, best, memory = _plan_and_dry_run(config, global_batch, seq, memory_bytes,
-                                               micro_batch_sizes, dry_runs, steps, dtype,
-                                               parallel_vocab, sequence_parallel)
+                                               micro_batch_sizes, dry_runs, steps, options,
+                                               sequence_parallel, job)
     if best is None:
         label = min(plan.measured_memory, key=plan.measured_memory.get)
         raise ValueError(f"every dry run went over the memory limit of {memory / 2**30:.3g} "
@@ -100,35 +107,35 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
                 + ("" if best.candidate == first else
                    f"; the predicted best, {first.label}, measured "
                    f"{plan.measured.get(first.label, float('nan')):.4g} s") + "\n" + plan.why)
-    merak.init()  # the default layout again
+    init()  # the default layout again
     plan.search_s = time.perf_counter() - start
     return plan
 
 
 def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float | None,
-                      micro_batch_sizes, dry_runs: int, steps: int, dtype: torch.dtype | None,
-                      parallel_vocab: bool, sequence_parallel: tuple[bool, ...] | None
+                      micro_batch_sizes, dry_runs: int, steps: int, options: EngineOptions,
+                      sequence_parallel: tuple[bool, ...] | None, job: Choices | None
                       ) -> tuple[Plan, Prediction | None, float]:
     """`plan_online`'s measurements, search and dry runs: the plan, the fastest measured
     prediction within the memory limit (None when none is) and that limit."""
-    ctx = merak.init()  # every rank data-parallel while measuring
+    ctx = init()  # every rank data-parallel while measuring
     memory = memory_bytes or device_memory(ctx)
     shape = ModelShape.from_config(config)
     sizes = [m for m in micro_batch_sizes if global_batch % m == 0]
-    costs = {m: _averaged(measure_costs(config, m, seq, ctx.device, dtype,
+    costs = {m: _averaged(measure_costs(config, m, seq, ctx.device, options.autocast_dtype,
                                         together=dist.barrier), ctx) for m in sizes}
     peak_flops = 1.0  # measured costs are times already; FLOP/s only enter offline plans
     cluster = measure_links(ctx, memory, peak_flops)
     if sequence_parallel is None:
         sequence_parallel = sequence_parallel_choices(config)
-    plan = search(shape, costs, cluster, global_batch, seq, memory, parallel_vocab,
-                  micro_batch_sizes=sizes, sequence_parallel=sequence_parallel)
+    plan = search(shape, costs, cluster, global_batch, seq, memory, options.parallel_vocab,
+                  micro_batch_sizes=sizes, sequence_parallel=sequence_parallel, job=job)
     best = None
     for prediction in _distinct(plan.ranked, dry_runs):
         c = prediction.candidate
         run = dry_run(c, config, seq, steps,
-                      prediction.recompute_ratios if c.recompute == "budget" else None, dtype,
-                      parallel_vocab)
+                      prediction.recompute_ratios if c.recompute == "budget" else None,
+                      options=options)
         plan.measured[c.label] = run.step_s
         plan.measured_memory[c.label] = run.peak_bytes
         if run.peak_bytes <= memory and (best is None or

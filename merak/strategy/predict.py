@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from merak.plan.cluster import Cluster
-from merak.plan.costs import BlockCosts
-from merak.plan.shape import ModelShape
+from merak.strategy.cluster import Cluster
+from merak.strategy.costs import BlockCosts
+from merak.strategy.shape import ModelShape
 from merak.recompute.stage_aware import KeptBytes
 from merak.schedule.registry import make_schedule
 from merak.schedule.simulator import CostModel, MemoryModel, simulate

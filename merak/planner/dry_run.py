@@ -1,8 +1,8 @@
 """Run a candidate's real training step for a few steps: its measured step time and memory.
 
-The step is the one `MerakTrainer` runs, built the same way (`merak.parallelize`, FSDP2 for
-ZeRO-2/3, `ZeroRedundancyOptimizer` for ZeRO-1, the `PipelineInterpreter` with the candidate's
-schedule and recomputation), on random token windows. Every rank of the job takes part (a
+The step is the one `MerakTrainer` runs, built by the same assembly
+(`merak.engine.build_engine`) from the job's `EngineOptions` with the candidate's choices
+(`EngineOptions.with_candidate`), on random token windows. Every rank of the job takes part (a
 collective); each returns the slowest rank's step time and the fullest rank's memory.
 
 Memory: on CUDA the device memory the steps took (`device_peak_bytes`: the caching allocator's
@@ -21,17 +21,20 @@ allocator, and the later candidates would be judged in less memory than training
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-import merak
 from merak.data_parallel.shards import local
+from merak.data_parallel.zero1 import local_optimizer
+from merak.distributed.parallel_context import init
 from merak.distributed.teardown import transient_process_groups
-from merak.plan.costs import fastest
-from merak.plan.predict import Candidate
-from merak.trainer.model_setup import local_optimizer, zero1
+from merak.engine.assemble import build_engine
+from merak.engine.options import EngineOptions
+from merak.materialize.meta import init_empty_weights
+from merak.strategy.costs import fastest
+from merak.strategy.predict import Candidate
 
 
 def _state_bytes(stage: torch.nn.Module, optimizer) -> int:
@@ -73,48 +76,36 @@ class Measured:
 
 def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
             recompute_ratios: list[float] | None = None,
-            dtype: torch.dtype | None = None, parallel_vocab: bool = False) -> Measured:
+            dtype: torch.dtype | None = None, parallel_vocab: bool = False,
+            options: EngineOptions | None = None) -> Measured:
     """The figures of `candidate` training the HF causal LM `config` describes, timed after
-    one warm-up step. The process groups it made are destroyed and the caller's default
-    context is restored before it returns."""
-    c = candidate
-    if c.recompute == "budget" and recompute_ratios is None:
-        raise ValueError(f"{c.label}: a budget recomputation needs its per-stage ratios "
-                         f"(the prediction's recompute_ratios)")
+    one warm-up step. `options`: the job's engine options, which the candidate's choices
+    replace (default: the defaults with `dtype` and `parallel_vocab`). The process groups it
+    made are destroyed and the caller's default context is restored before it returns."""
+    base = options or EngineOptions(autocast_dtype=dtype, parallel_vocab=parallel_vocab)
+    engine_options = base.with_candidate(candidate, recompute_ratios)
     with transient_process_groups():
-        figures = _run(c, config, seq, steps, recompute_ratios, dtype, parallel_vocab)
+        figures = _run(candidate, config, seq, steps, engine_options)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return Measured(*figures)
 
 
-def _run(c: Candidate, config, seq: int, steps: int, recompute_ratios: list[float] | None,
-         dtype: torch.dtype | None, parallel_vocab: bool) -> list[float]:
+def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions) -> list[float]:
     """`dry_run`'s figures, with everything the steps made freed before it returns but the
     process groups (the caller destroys those)."""
     from transformers import AutoModelForCausalLM
 
-    from merak.data_parallel.zero import shard_stage
-
-    ctx = merak.init(dp=c.dp, tp=c.tp, pp=c.pp)
+    ctx = init(dp=c.dp, tp=c.tp, pp=c.pp)
+    cuda = ctx.device.type == "cuda"
     torch.manual_seed(0)
-    with merak.init_empty_weights():
+    with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
     rows = c.micro_batch
     ids = torch.randint(0, config.vocab_size, (rows, seq))
-    stage = merak.parallelize(model, {"input_ids": ids, "labels": ids}, ctx,
-                              num_model_chunks=c.chunks, parallel_vocab=parallel_vocab,
-                              sequence_parallel=c.sequence_parallel, autocast_dtype=dtype)
-    zero = shard_stage(stage, ctx, c.zero) if c.zero >= 2 else None
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
-    if c.zero == 1:
-        optimizer = zero1(optimizer, ctx)
-    ratios = recompute_ratios if recompute_ratios is not None else \
-        (1.0 if c.recompute == "full" else 0.0)
-    cuda = ctx.device.type == "cuda"
-    engine = merak.PipelineInterpreter(stage, ctx, optimizer, c.microbatches,
-                                       schedule=c.schedule, recompute_ratio=ratios, zero=zero,
-                                       autocast_dtype=dtype, measure_activations=not cuda)
+    built = build_engine(model, {"input_ids": ids, "labels": ids}, ctx,
+                         replace(options, measure_activations=not cuda))
+    stage, optimizer, engine = built.stage, built.optimizer, built.interpreter
     generator = torch.Generator().manual_seed(ctx.dp_rank)
     rows_per_step = rows * c.microbatches
 
@@ -138,6 +129,6 @@ def _run(c: Candidate, config, seq: int, steps: int, recompute_ratios: list[floa
                            device=ctx.device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     engine.remove_recomputation()
-    engine = optimizer = stage = model = zero = None  # (freed before the groups go)
+    built = engine = optimizer = stage = model = None  # (freed before the groups go)
     gc.collect()
     return figures.tolist()

@@ -36,7 +36,7 @@ from torch import nn
 from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
 from merak.distributed.parallel_context import ParallelContext
 from merak.tensor_parallel.layers import ShardSpec
-from merak.trainer.checkpoint_dirs import (  # noqa: F401 - the trainer's names for them
+from merak.checkpoint.dirs import (  # noqa: F401 - the trainer's names for them
     PARTIAL,
     complete_checkpoints,
     install,
@@ -45,7 +45,7 @@ from merak.trainer.checkpoint_dirs import (  # noqa: F401 - the trainer's names 
     resolve,
     rotate,
 )
-from merak.trainer.checkpoint_files import (  # noqa: F401 - read_layout: for its users
+from merak.checkpoint.files import (  # noqa: F401 - read_layout: for its users
     MARKER,
     PREFIX,
     CheckpointError,

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from merak.plan.cluster import Cluster, synchronize
-from merak.plan.shape import ModelShape
+from merak.strategy.cluster import Cluster, synchronize
+from merak.strategy.shape import ModelShape
 
 # AdamW reads weight, gradient and two moments and writes weight and moments, all fp32
 ADAMW_BYTES_PER_PARAM = 4 * (4 + 3)

@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import fx, nn
 
-from merak.runtime.split import PipelineSplit, ValueKey
+from merak.stages.split import PipelineSplit, ValueKey
 
 
 def _attach(root: nn.Module, qualified_name: str, module: nn.Module) -> None:

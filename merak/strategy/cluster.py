@@ -122,7 +122,7 @@ def cluster(spec: str, world_size: int | None = None) -> Cluster:
         found = Cluster.from_json(json.loads(Path(spec).read_text()))
     else:
         raise ValueError(f"unknown cluster {spec!r}: give one of {sorted(CLUSTERS)} or a JSON "
-                         f"file with the fields of merak.plan.Cluster")
+                         f"file with the fields of merak.strategy.Cluster")
     return replace(found, world_size=world_size) if world_size else found
 
 

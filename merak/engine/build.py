@@ -22,7 +22,7 @@ from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoint
 from merak.partition.auto import AutoSplit, auto_split
-from merak.runtime.stage import InterleavedStage, PipelineStage, interleaved_stage
+from merak.stages.stage import InterleavedStage, PipelineStage, interleaved_stage
 from merak.tensor_parallel.apply import apply_tensor_parallel
 from merak.tensor_parallel.plans import TPPlan
 

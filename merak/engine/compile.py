@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from merak.runtime.stage import InterleavedStage, PipelineStage, block_names
+from merak.stages.stage import InterleavedStage, PipelineStage, block_names
 
 
 # torch.compile modes a pipeline stage can take. "reduce-overhead" and "max-autotune" capture

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from merak.partition import assign
+from merak.stages import assign
 
 ValueKey = tuple[str, int]  # (name, index of the producing piece); -1 marks a batch input
 

@@ -37,9 +37,11 @@ class LossScaler(InstructionHook):
     """Unscales the gradients before the optimizer step, skips overflowing steps, and moves the
     dynamic scale by DeepSpeed's rule (see the module docstring).
 
+    Bound to the interpreter with `bind` (`build_engine` does): the interpreter's `loss_scale`
+    is what each micro-batch's loss is multiplied by, and its `skip_optimizer_step` is set on
+    an overflow.
+
     Args:
-        engine: the interpreter; its `loss_scale` is what each micro-batch's loss is multiplied
-            by, and its `skip_optimizer_step` is set on an overflow.
         ctx: the parallel context (the overflow flag is all-reduced over its world).
         static_scale: a fixed scale; 0 for dynamic scaling.
         initial_scale_power: the dynamic scale starts at 2 ** this.
@@ -50,10 +52,10 @@ class LossScaler(InstructionHook):
         min_scale: the dynamic scale never goes below this.
     """
 
-    def __init__(self, engine, ctx: ParallelContext, *, static_scale: float = 0.0,
+    def __init__(self, ctx: ParallelContext, *, static_scale: float = 0.0,
                  initial_scale_power: int = 16, window: int = 1000, hysteresis: int = 2,
                  consecutive_hysteresis: bool = False, min_scale: float = 1.0):
-        self.engine, self.ctx = engine, ctx
+        self.engine, self.ctx = None, ctx
         self.dynamic = static_scale == 0
         self.scale = float(2 ** initial_scale_power) if self.dynamic else float(static_scale)
         self.window, self.hysteresis, self.min_scale = window, hysteresis, min_scale
@@ -62,6 +64,10 @@ class LossScaler(InstructionHook):
         self._clean_steps = 0  # consecutive clean steps since the last overflow (or the start)
         self.overflowed = False
         self.skipped_steps = 0
+
+    def bind(self, engine) -> None:
+        """Scale `engine`'s micro-batch losses from now on (the interpreter this hook is in)."""
+        self.engine = engine
         engine.loss_scale = self.scale
 
     def on_instruction_begin(self, name: str, action) -> None:

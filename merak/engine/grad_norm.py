@@ -18,8 +18,8 @@ import torch.distributed as dist
 from merak.data_parallel.shards import is_sharded, local
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
-from merak.runtime.stage import InterleavedStage
-from merak.runtime.stage import PipelineStage
+from merak.stages.stage import InterleavedStage
+from merak.stages.stage import PipelineStage
 
 
 class GradNormClipper(InstructionHook):

@@ -1,0 +1,1 @@
+"""Merak checkpoints: per-rank shard files, directories, validation and HF-format export."""

@@ -1,0 +1,114 @@
+"""`build_engine`: the one assembly of a rank's training engine, in one documented order.
+
+    parallelize (TP -> split -> materialize or load this rank's stage)
+    -> torch.compile of the blocks (before recomputation wraps them)
+    -> ZeRO-2/3 (FSDP2, before anything holds the parameters)
+    -> optimizer over the stage -> ZeRO-1 (its state sharded over dp)
+    -> hooks (fp16 loss scale, gradient clipping, wall-clock timers, then the caller's)
+    -> `PipelineInterpreter`
+
+`MerakTrainer`, the planner's dry runs, `merak coverage` and the benches all build through
+here, from an `EngineOptions`: the planner measures the engine the trainer runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from merak.data_parallel.zero import ZeroSharding, check_optimizer, shard_stage
+from merak.data_parallel.zero1 import zero1
+from merak.distributed.parallel_context import ParallelContext
+from merak.engine.build import parallelize
+from merak.engine.compile import compile_blocks
+from merak.engine.grad_norm import GradNormClipper
+from merak.engine.loss_scale import LossScaler
+from merak.engine.options import EngineOptions
+from merak.engine.timers import WallClockBreakdown
+from merak.runtime.hooks import InstructionHook
+from merak.runtime.interpreter import PipelineInterpreter
+from merak.stages.stage import InterleavedStage, PipelineStage
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+@dataclass
+class Engine:
+    """What `build_engine` made for this rank: the stage (its model chunks), the optimizer as
+    the step uses it (ZeRO-1 wrapped), the interpreter, and the hooks it built."""
+
+    stage: PipelineStage | InterleavedStage
+    optimizer: torch.optim.Optimizer
+    interpreter: PipelineInterpreter
+    zero: ZeroSharding | None
+    clipper: GradNormClipper
+    scaler: LossScaler | None
+    timers: WallClockBreakdown | None
+
+
+def default_optimizer(stage: nn.Module) -> torch.optim.Optimizer:
+    """AdamW at lr 1e-4 over the stage: what a dry run steps when the job gives none."""
+    return torch.optim.AdamW(stage.parameters(), lr=1e-4)
+
+
+def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: ParallelContext,
+                 options: EngineOptions, *,
+                 make_optimizer: OptimizerFactory = default_optimizer,
+                 checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
+                 tp_rng: object = None,
+                 stage_hooks: Callable[[nn.Module], Sequence[InstructionHook]] | None = None,
+                 hooks: Sequence[InstructionHook] = ()) -> Engine:
+    """Build this rank's engine for `model` (ideally meta-built) from one micro-batch
+    `example`, in the order of this module's docstring.
+
+    Args:
+        make_optimizer: builds the optimizer over the stage (HF's `create_optimizer` for the
+            trainer); ZeRO-1 then wraps it when ``options.zero_stage == 1``.
+        checkpoint, checkpoint_prefix: see `merak.parallelize` (default: the directory of a
+            model built by ``from_pretrained``).
+        tp_rng: the model's `TPRandomState` (recomputation replays it).
+        stage_hooks: called with the built stage, returns hooks that need it (NEFTune's noise
+            on the stage's embedding); they run after the assembly's own hooks.
+        hooks: more hooks, run last (the energy plan's clock hook).
+    """
+    o = options
+    stage = parallelize(
+        model, example, ctx, num_model_chunks=o.chunks, autocast_dtype=o.autocast_dtype,
+        checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix, tp_plan=o.tp_plan,
+        parallel_vocab=o.parallel_vocab, sequence_parallel=o.sequence_parallel,
+        sequence_dim=o.sequence_dim, tp_overlapping_level=o.tp_overlapping_level,
+        trace_method=o.trace_method, split_method=o.split_method,
+        partition_method=o.partition_method,
+        custom_partition=list(o.custom_partition) if o.custom_partition else None,
+        custom_split_points=list(o.custom_split_points) if o.custom_split_points else None,
+        leaf_modules=o.leaf_modules, no_tie_modules=o.no_tie_modules)
+    if o.torch_compile:  # before the interpreter wraps the blocks for recomputation
+        compile_blocks(stage, o.torch_compile_backend, o.torch_compile_mode)
+    param_dtype = torch.bfloat16 if o.autocast_dtype == torch.bfloat16 else None
+    zero = shard_stage(stage, ctx, o.zero_stage, param_dtype=param_dtype) \
+        if o.zero_stage >= 2 else None
+    optimizer = make_optimizer(stage)
+    if o.zero_stage == 1:
+        optimizer = zero1(optimizer, ctx)
+    if zero is not None:
+        check_optimizer(optimizer, o.zero_allow_untested_optimizer)
+    scaler = LossScaler(ctx, **vars(o.loss_scaling)) if o.loss_scaling is not None else None
+    clipper = GradNormClipper(stage, ctx, o.max_grad_norm)
+    timers = WallClockBreakdown(ctx.device) if o.wall_clock_breakdown else None
+    built = [h for h in (scaler, clipper, timers) if h is not None]  # unscale before clipping
+    later = list(stage_hooks(stage)) if stage_hooks is not None else []
+    interpreter = PipelineInterpreter(
+        stage, ctx, optimizer, o.num_microbatches, schedule=o.schedule,
+        hooks=[*built, *later, *hooks], bucket_bytes=o.bucket_bytes,
+        autocast_dtype=o.autocast_dtype, grad_predivide=o.grad_predivide,
+        recompute_ratio=list(o.recompute_ratio) if isinstance(o.recompute_ratio, tuple)
+        else o.recompute_ratio, segment_size=o.segment_size,
+        measure_activations=o.measure_activations, tp_rng=tp_rng, zero=zero,
+        dealloc_outputs=o.dealloc_outputs)
+    if scaler is not None:
+        scaler.bind(interpreter)
+    return Engine(stage, optimizer, interpreter, zero, clipper, scaler, timers)

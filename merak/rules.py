@@ -1,0 +1,112 @@
+"""The one rule set: which combinations of a job's options Merak refuses, and why.
+
+`MerakArguments` (when it is made), the strategy planner's candidate list and the automatic plan
+(when it sets the arguments to its choice) all ask `refusal`, so the planner never proposes a
+layout the trainer would refuse. A rule here is about *combinations* (ZeRO-3 with a split
+backward); a single field's range (a positive count) is checked where the field is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from merak.schedule.registry import SCHEDULES
+
+
+class NotSupportedYetError(ValueError):
+    """A field asks for a feature Merak does not have yet."""
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The option values the rules read: `from_arguments` takes them from `MerakArguments`;
+    the planner varies the schedule, ZeRO stage, recomputation and sequence parallelism of
+    the job's own (`with_candidate`)."""
+
+    train_schedule: str = "1f1b"
+    zero_stage: int = 0
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    lora: bool = False                 # LoRA adapters (lora_config, or a peft model)
+    torch_compile: bool = False
+    auto_find_batch_size: bool = False
+    divides_gradients: bool = False    # prescale_gradients or gradient_predivide_factor != 1
+    text_generation: bool = False
+    tp_overlapping_level: int = 0
+
+    @classmethod
+    def from_arguments(cls, args, *, lora: bool | None = None) -> Choices:
+        """The choices of `MerakArguments` `args` (read by field name); `lora`: whether the
+        model carries adapters (default: whether `args.lora_config` asks for them)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls)
+                  if f.name not in ("lora", "divides_gradients") and hasattr(args, f.name)}
+        values["lora"] = args.lora_config is not None if lora is None else lora
+        values["divides_gradients"] = bool(args.prescale_gradients) \
+            or args.gradient_predivide_factor != 1.0
+        return cls(**values)
+
+    def with_candidate(self, candidate) -> Choices:
+        """These choices with a planner candidate's schedule, ZeRO stage, recomputation and
+        sequence parallelism."""
+        return replace(self, train_schedule=candidate.schedule, zero_stage=candidate.zero,
+                       activation_checkpointing=candidate.recompute != "off",
+                       sequence_parallel=candidate.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a combination is refused: the field to change, the message, and whether the
+    combination is a missing feature (`NotSupportedYetError`) or meaningless (`ValueError`)."""
+
+    field: str
+    message: str
+    not_supported_yet: bool = True
+
+    def error(self) -> ValueError:
+        return (NotSupportedYetError if self.not_supported_yet else ValueError)(self.message)
+
+
+def refusal(c: Choices, owner: str = "MerakArguments") -> Refusal | None:
+    """The first rule `c` breaks, or None when Merak builds it. `owner` prefixes the field
+    names in the message (``MerakArguments``, or a plan's label)."""
+    info = SCHEDULES[c.train_schedule]
+    if c.zero_stage >= 2:
+        name = f"{owner}.zero_stage={c.zero_stage}"
+        if info.splits_backward:
+            return Refusal("zero_stage", f"{name} with train_schedule={c.train_schedule!r} is "
+                           f"not supported yet (FSDP2 cannot follow a backward split into "
+                           f"input and weight halves); use 1f1b, interleaved_1f1b, gpipe or "
+                           f"Merak's schedules")
+        if c.divides_gradients:
+            return Refusal("zero_stage", f"{name} with prescale_gradients or "
+                           f"gradient_predivide_factor is not supported yet (FSDP2's "
+                           f"reduce-scatter divides by dp itself); leave both at their defaults")
+        for other, why in (("auto_find_batch_size", "its memory probe runs unsharded steps"),
+                           ("lora", "FSDP2 would shard the frozen base weights too; untested"),
+                           ("torch_compile", "compiled blocks under FSDP2 are untested")):
+            if getattr(c, other):
+                shown = "lora_config" if other == "lora" else other
+                return Refusal("zero_stage", f"{name} with {shown} is not supported yet "
+                               f"({why})")
+    if info.needs_recompute and not c.activation_checkpointing:
+        return Refusal("train_schedule", f"{owner}.train_schedule={c.train_schedule!r} "
+                       f"reorders recomputation; set activation_checkpointing=True",
+                       not_supported_yet=False)
+    overlap = c.tp_overlapping_level > 0
+    if c.text_generation and (c.sequence_parallel or overlap):
+        return Refusal("text_generation", f"{owner}.text_generation runs without "
+                       f"sequence_parallel and tp_overlapping_level (a decode step has one "
+                       f"position); turn them off to generate", not_supported_yet=False)
+    if c.lora and (c.sequence_parallel or overlap):
+        return Refusal("sequence_parallel", f"{owner}: LoRA adapters under tensor parallelism "
+                       f"work without sequence parallelism and TP overlap; set "
+                       f"sequence_parallel=False and tp_overlapping_level=0",
+                       not_supported_yet=False)
+    return None
+
+
+def check(c: Choices, owner: str = "MerakArguments") -> None:
+    """Raise the error of the first rule `c` breaks (see `refusal`)."""
+    found = refusal(c, owner)
+    if found is not None:
+        raise found.error()

@@ -1,0 +1,43 @@
+"""`merak.init`: the parallel context of the job, its degrees given or read from a plan file.
+
+The context itself (`merak.distributed.parallel_context.init`) knows nothing of plans; this
+is the one place where a ``merak plan`` file (plan.json) turns into degrees.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from merak.distributed import parallel_context
+from merak.distributed.parallel_context import ParallelContext
+from merak.strategy.search import read_plan
+
+
+def degrees_from_plan(path: str | Path) -> tuple[int, int, int]:
+    """(dp, tp, pp) of the layout a ``merak plan`` file chose."""
+    chosen = read_plan(path)[0]
+    return chosen.dp, chosen.tp, chosen.pp
+
+
+def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
+         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
+         plan: str | Path | None = None) -> ParallelContext:
+    """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh; see
+    `merak.distributed.parallel_context.init` for every argument but `plan`.
+
+    Args:
+        plan: a ``merak plan`` file (plan.json): its chosen degrees (the degree arguments must
+            be left out or agree).
+
+    Raises:
+        ValueError: the degrees disagree with the plan's, or see the context's `init`.
+    """
+    if plan is not None:
+        planned = degrees_from_plan(plan)
+        given = (dp, tp, pp)
+        if any(g is not None and g != p for g, p in zip(given, planned)):
+            raise ValueError(f"merak.init: (dp, tp, pp) = {given} disagree with the plan "
+                             f"{plan}'s {planned}; leave the degrees out to use the plan's")
+        dp, tp, pp = planned
+    return parallel_context.init(dp, tp, pp, backend, timeout=timeout)
