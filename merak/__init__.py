@@ -13,8 +13,9 @@ from merak.runtime.p2p import P2PTimeoutError
 from merak.stages.split import Piece, PipelineSplit, TiedWeight, manual_split
 from merak.stages.stage import InterleavedStage, PipelineStage
 from merak.schedule.actions import Action, ActionKind, Schedule
+from merak.schedule.errors import ScheduleError
 from merak.schedule.registry import SCHEDULES, ScheduleInfo, make_schedule
-from merak.schedule.simulator import CostModel, ScheduleError, SimulationResult, simulate
+from merak.schedule.simulator import CostModel, SimulationResult, simulate
 from merak.schedule.validate import validate_schedule
 from merak.tensor_parallel.apply import apply_tensor_parallel
 from merak.tensor_parallel.layers import vocab_parallel_cross_entropy

@@ -12,15 +12,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from merak.schedule.actions import COMPUTE_KINDS, RECV_KINDS, STEP_KINDS, Action, ActionKind, \
-    Schedule
+from merak.schedule.actions import (
+    COMPUTE_KINDS,
+    RECV_KINDS,
+    STEP_KINDS,
+    Action,
+    ActionKind,
+    Schedule,
+)
+from merak.schedule.errors import ScheduleError
+from merak.schedule.validate import validate_schedule
 
 K = ActionKind
 FREEING_KINDS = frozenset({K.BACKWARD, K.BACKWARD_WEIGHT})  # the last use of a micro-batch
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: unmatched communication, a deadlock, or a bad order."""
 
 
 def per_rank(value: float | Sequence[float], rank: int) -> float:
@@ -136,6 +140,15 @@ class SimulationResult:
 
 
 class _Group:
+    """One posting group (one ``batch_isend_irecv``) of one rank, from posting to finish.
+
+    Attributes:
+        posted: the host time it was posted at.
+        start: when it reaches the head of the rank's stream (None before).
+        done: completion times of those of its transfers that met their partner.
+        receives: whether it holds a receive (the host then waits for it).
+    """
+
     def __init__(self, rank: int, actions: list[Action], posted: float):
         self.rank, self.actions, self.posted = rank, actions, posted
         self.start: float | None = None
@@ -144,8 +157,176 @@ class _Group:
 
     @property
     def end(self) -> float | None:
+        """When its last transfer completed; None while any is unmatched."""
         return max(self.done, default=self.start) if len(self.done) == len(self.actions) \
             else None
+
+
+Transfer = tuple[_Group, Action]
+
+
+class _Simulation:
+    """The state of one replay of `schedule`, advanced in rounds until nothing moves.
+
+    Per rank the host runs its program in order on its own clock, posting each group of
+    transfers onto the rank's stream; only the stream's head group is started, and its
+    transfers queue on their (sender, receiver) channel, where they pair up in posting order.
+    Memory is tracked per (stage, micro-batch) from its forward to the backward that frees it.
+    """
+
+    def __init__(self, schedule: Schedule, costs, memory: MemoryModel):
+        num_ranks = schedule.num_ranks
+        self.schedule, self.programs = schedule, schedule.programs
+        self.costs, self.memory = costs, memory
+        self.ranks = range(num_ranks)
+        # a CostModel's durations are per rank, shared among the rank's stages
+        self.share = 1.0 / schedule.stages_per_rank if isinstance(costs, CostModel) else 1.0
+        self.recomputed = {(a.stage_id, a.microbatch_id) for program in self.programs
+                           for a in program if a.kind is K.RECOMPUTE}
+        # hosts
+        self.clock = [0.0] * num_ranks
+        self.busy = [0.0] * num_ranks
+        self.pointer = [0] * num_ranks  # the next action of each program
+        self.waiting: list[_Group | None] = [None] * num_ranks  # a receiving group
+        # streams and channels
+        self.streams: list[list[_Group]] = [[] for _ in self.ranks]  # posted, not finished
+        self.last_end = [0.0] * num_ranks  # when each stream's last finished group ended
+        self.channels: dict[tuple[int, int], tuple[list[Transfer], list[Transfer]]] = {}
+        # memory
+        self.in_flight = [0] * num_ranks
+        self.peak_activations = [0] * num_ranks
+        self.held: dict[tuple[int, int], float] = {}  # per (stage, micro-batch)
+        self.live = [0.0] * num_ranks
+        self.peak_memory = [0.0] * num_ranks
+        self.events: list[Event] = []
+
+    def run(self) -> SimulationResult:
+        """Replay to the end; raise `ScheduleError` when some rank cannot finish."""
+        while self._advance():
+            pass
+        stuck = [r for r in self.ranks
+                 if self.pointer[r] < len(self.programs[r]) or self.streams[r]]
+        if stuck:
+            validate_schedule(self.schedule)  # names the deadlock
+            raise ScheduleError(f"the replay stopped with ranks {stuck} unfinished")
+        makespan = max(max(self.clock), max(self.last_end))
+        self.events.sort(key=lambda e: (e.rank, e.start))
+        return SimulationResult(makespan=makespan, busy=self.busy,
+                                peak_activations=self.peak_activations, events=self.events,
+                                peak_memory=self.peak_memory)
+
+    def _advance(self) -> bool:
+        """One round: every host runs as far as it can, queued transfers pair up, finished
+        groups leave their streams. Returns whether anything moved."""
+        moved = False
+        for rank in self.ranks:
+            moved |= self._run_host(rank)
+        moved |= self._match()
+        for rank in self.ranks:
+            moved |= self._retire(rank)
+        return moved
+
+    def _run_host(self, rank: int) -> bool:
+        """Run `rank`'s program until it waits for a receiving group or ends."""
+        program = self.programs[rank]
+        moved = False
+        while self.waiting[rank] is None and self.pointer[rank] < len(program):
+            action = program[self.pointer[rank]]
+            if action.group is None:
+                self._execute(rank, action)
+                self.pointer[rank] += 1
+            else:
+                self._post(rank, action.group)
+            moved = True
+        return moved
+
+    def _execute(self, rank: int, action: Action) -> None:
+        """Run one host action (computation, load or per-step action) on `rank`'s clock."""
+        scale = self.share if action.stage_id is not None else 1.0
+        duration = self.costs.duration(rank, action) * scale
+        start = self.clock[rank]
+        self.clock[rank] = start + duration
+        self.events.append(Event(rank, action, start, self.clock[rank]))
+        if action.kind in COMPUTE_KINDS:
+            self.busy[rank] += duration
+            self._account_memory(rank, action)
+
+    def _account_memory(self, rank: int, action: Action) -> None:
+        """A forward holds activations, a recomputation adds back what the forward dropped,
+        the micro-batch's last backward frees them; track the rank's peaks."""
+        key = (action.stage_id, action.microbatch_id)
+        kept, extra = self.memory.of(rank, action.stage_id, self.schedule.stages_per_rank,
+                                     key in self.recomputed)
+        if action.kind is K.FORWARD:
+            self.in_flight[rank] += 1
+            self.peak_activations[rank] = max(self.peak_activations[rank], self.in_flight[rank])
+            self.held[key] = kept
+            self.live[rank] += kept
+        elif action.kind is K.RECOMPUTE:
+            self.held[key] += extra
+            self.live[rank] += extra
+        elif action.kind in FREEING_KINDS:
+            self.in_flight[rank] -= 1
+            self.live[rank] -= self.held.pop(key)
+        self.peak_memory[rank] = max(self.peak_memory[rank], self.live[rank])
+
+    def _post(self, rank: int, group_id: int) -> None:
+        """Post the run of actions of group `group_id` at `rank`'s pointer onto its stream;
+        the host waits for a group that receives."""
+        program, first = self.programs[rank], self.pointer[rank]
+        end = first
+        while end < len(program) and program[end].group == group_id:
+            end += 1
+        group = _Group(rank, list(program[first:end]), self.clock[rank])
+        self.streams[rank].append(group)
+        if len(self.streams[rank]) == 1:
+            self._start_head(rank)
+        if group.receives:
+            self.waiting[rank] = group
+        self.pointer[rank] = end
+
+    def _start_head(self, rank: int) -> None:
+        """Start the group at the head of `rank`'s stream: queue its transfers."""
+        group = self.streams[rank][0]
+        group.start = max(group.posted, self.last_end[rank])
+        for action in group.actions:
+            receives = action.kind in RECV_KINDS
+            src, dst = (action.peer, rank) if receives else (rank, action.peer)
+            sends, recvs = self.channels.setdefault((src, dst), ([], []))
+            (recvs if receives else sends).append((group, action))
+
+    def _match(self) -> bool:
+        """Pair queued sends and receives on every channel in posting order; a transfer
+        completes `p2p` after both sides' groups started. Returns whether any paired."""
+        moved = False
+        for sends, recvs in self.channels.values():
+            while sends and recvs:
+                (g1, a1), (g2, a2) = sends.pop(0), recvs.pop(0)
+                if a1.message != a2.message:
+                    raise ScheduleError(f"rank {g1.rank}'s {a1} would pair with rank "
+                                        f"{g2.rank}'s {a2}")
+                done = max(g1.start, g2.start) + self.costs.p2p
+                for group, action in ((g1, a1), (g2, a2)):
+                    group.done.append(done)
+                    self.events.append(Event(group.rank, action, group.start, done))
+                moved = True
+        return moved
+
+    def _retire(self, rank: int) -> bool:
+        """Drop finished groups from the head of `rank`'s stream, release a host waiting for
+        one, and start the next. Returns whether any finished."""
+        stream = self.streams[rank]
+        moved = False
+        while stream and stream[0].end is not None:
+            group = stream.pop(0)
+            self.last_end[rank] = group.end
+            if self.waiting[rank] is group:
+                self.clock[rank] = max(self.clock[rank], group.end)
+                self.waiting[rank] = None
+            if stream:
+                self._start_head(rank)
+            moved = True
+        return moved
 
 
 def simulate(schedule: Schedule, costs=None, memory: MemoryModel | None = None
@@ -160,119 +341,4 @@ def simulate(schedule: Schedule, costs=None, memory: MemoryModel | None = None
     Raises:
         ScheduleError: the replay cannot finish (see `merak.schedule.validate` for the reason).
     """
-    costs = costs or CostModel()
-    memory = memory or MemoryModel()
-    p, v = schedule.num_ranks, schedule.stages_per_rank
-    share = 1.0 / v if isinstance(costs, CostModel) else 1.0
-    programs = schedule.programs
-    recomputed = {(a.stage_id, a.microbatch_id) for prog in programs for a in prog
-                  if a.kind is K.RECOMPUTE}
-    clock, busy = [0.0] * p, [0.0] * p
-    pointer = [0] * p
-    streams: list[list[_Group]] = [[] for _ in range(p)]  # posted, not yet finished
-    last_end = [0.0] * p
-    waiting: list[_Group | None] = [None] * p  # a receiving group the host waits for
-    channels: dict[tuple[int, int], tuple[list, list]] = {}
-    in_flight, peak = [0] * p, [0] * p
-    held: dict[tuple[int, int], float] = {}
-    live, peak_memory = [0.0] * p, [0.0] * p
-    events: list[Event] = []
-
-    def activate(rank: int) -> None:
-        group = streams[rank][0]
-        group.start = max(group.posted, last_end[rank])
-        for action in group.actions:
-            src, dst = (rank, action.peer) if action.kind not in RECV_KINDS else \
-                (action.peer, rank)
-            sends, recvs = channels.setdefault((src, dst), ([], []))
-            (recvs if action.kind in RECV_KINDS else sends).append((group, action))
-
-    def match() -> bool:
-        moved = False
-        for sends, recvs in channels.values():
-            while sends and recvs:
-                (g1, a1), (g2, a2) = sends.pop(0), recvs.pop(0)
-                if a1.message != a2.message:
-                    raise ScheduleError(f"rank {g1.rank}'s {a1} would pair with rank "
-                                        f"{g2.rank}'s {a2}")
-                done = max(g1.start, g2.start) + costs.p2p
-                for group, action in ((g1, a1), (g2, a2)):
-                    group.done.append(done)
-                    events.append(Event(group.rank, action, group.start, done))
-                moved = True
-        return moved
-
-    def retire(rank: int) -> bool:
-        moved = False
-        while streams[rank] and streams[rank][0].end is not None:
-            group = streams[rank].pop(0)
-            last_end[rank] = group.end
-            if waiting[rank] is group:
-                clock[rank] = max(clock[rank], group.end)
-                waiting[rank] = None
-            if streams[rank]:
-                activate(rank)
-            moved = True
-        return moved
-
-    def run_host(rank: int) -> bool:
-        moved = False
-        program = programs[rank]
-        while waiting[rank] is None and pointer[rank] < len(program):
-            action = program[pointer[rank]]
-            if action.group is not None:
-                end = pointer[rank]
-                while end < len(program) and program[end].group == action.group:
-                    end += 1
-                group = _Group(rank, list(program[pointer[rank]:end]), clock[rank])
-                streams[rank].append(group)
-                if len(streams[rank]) == 1:
-                    activate(rank)
-                if group.receives:
-                    waiting[rank] = group
-                pointer[rank] = end
-                moved = True
-                continue
-            duration = costs.duration(rank, action) * (share if action.stage_id is not None
-                                                        else 1.0)
-            start = clock[rank]
-            clock[rank] = start + duration
-            events.append(Event(rank, action, start, clock[rank]))
-            if action.kind in COMPUTE_KINDS:
-                busy[rank] += duration
-                key = (action.stage_id, action.microbatch_id)
-                kept, extra = memory.of(rank, action.stage_id, v, key in recomputed)
-                if action.kind is K.FORWARD:
-                    in_flight[rank] += 1
-                    peak[rank] = max(peak[rank], in_flight[rank])
-                    held[key] = kept
-                    live[rank] += kept
-                elif action.kind is K.RECOMPUTE:
-                    held[key] += extra
-                    live[rank] += extra
-                elif action.kind in FREEING_KINDS:
-                    in_flight[rank] -= 1
-                    live[rank] -= held.pop(key)
-                peak_memory[rank] = max(peak_memory[rank], live[rank])
-            pointer[rank] += 1
-            moved = True
-        return moved
-
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            progress |= run_host(rank)
-        progress |= match()
-        for rank in range(p):
-            progress |= retire(rank)
-    stuck = [r for r in range(p) if pointer[r] < len(programs[r]) or streams[r]]
-    if stuck:
-        from merak.schedule.validate import validate_schedule
-
-        validate_schedule(schedule)  # names the deadlock
-        raise ScheduleError(f"the replay stopped with ranks {stuck} unfinished")
-    makespan = max(max(clock), max(last_end))
-    events.sort(key=lambda e: (e.rank, e.start))
-    return SimulationResult(makespan=makespan, busy=busy, peak_activations=peak, events=events,
-                            peak_memory=peak_memory)
+    return _Simulation(schedule, costs or CostModel(), memory or MemoryModel()).run()

@@ -20,7 +20,7 @@ from merak.schedule.actions import (
     ActionKind,
     Schedule,
 )
-from merak.schedule.simulator import ScheduleError
+from merak.schedule.errors import ScheduleError
 
 K = ActionKind
 
