@@ -6,7 +6,7 @@ As for SFT (examples/trl_sft.py), two classes: a config that is both Merak's and
 the reference log-probabilities computed once before training (`precompute_ref_log_probs`, set
 here: the initial policy's, by a gradient-free pass through the pipeline); a separate
 `ref_model`, peft adapters and a model built on the meta device are refused with the reason
-(README, "Fine-tuning"). The degrees come from DP, TP and PP (default 1 x 1 x 2). Preference
+(docs/trainer.md). The degrees come from DP, TP and PP (default 1 x 1 x 2). Preference
 rows made from examples/data/train.txt (prompt: a sentence's first words; chosen: its rest;
 rejected: the second half of a sentence further on), 4 CPU ranks at dp=1 x tp=2 x pp=2:
 

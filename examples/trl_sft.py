@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Supervised fine-tuning with TRL's `SFTTrainer`, trained by Merak with dp x tp x pp.
 
-Two classes are all it takes (README, "Fine-tuning"): a config that is both Merak's and TRL's,
-and a trainer that is both; everything of `SFTConfig` (max_length, packing, loss_type,
-completion_only_loss, ...) is a command-line flag, as in TRL's own scripts. The degrees come from
-the environment variables DP, TP and PP (default 1 x 1 x 2; their product is the number of
-processes). A tiny Llama built from examples/data/tiny-llama on the sentences of
-examples/data/train.txt, 4 CPU ranks at dp=1 x tp=2 x pp=2:
+Two classes are all it takes (docs/trainer.md, "Trainer subclasses and TRL"): a config that is
+both Merak's and TRL's, and a trainer that is both; everything of `SFTConfig` (max_length,
+packing, loss_type, completion_only_loss, ...) is a command-line flag, as in TRL's own scripts.
+The degrees come from the environment variables DP, TP and PP (default 1 x 1 x 2; their product
+is the number of processes). A tiny Llama built from examples/data/tiny-llama on the sentences
+of examples/data/train.txt, 4 CPU ranks at dp=1 x tp=2 x pp=2:
 
     DP=1 TP=2 PP=2 .venv/bin/python -m torch.distributed.run --nproc_per_node 4 \\
         examples/trl_sft.py --output_dir runs/trl_sft --max_steps 20 --learning_rate 3e-3 \\

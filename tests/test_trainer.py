@@ -233,7 +233,7 @@ def test_features_not_landed_say_so(kwargs):
 
 def test_every_inherited_field_is_honoured_or_refused_with_its_reason():
     """hf_fields: each HF field MerakTrainer does not honour has a reason, given when it is set
-    (the README lists the same fields)."""
+    (docs/arguments.md lists the same fields)."""
     import dataclasses
 
     from transformers import TrainingArguments
@@ -250,9 +250,9 @@ def test_every_inherited_field_is_honoured_or_refused_with_its_reason():
                         ("deepspeed", "ds.json"), ("use_liger_kernel", True)):
         with pytest.raises(NotSupportedYetError, match=re.escape(REFUSED[name][:40])):
             MerakArguments(output_dir="out", **{name: value})
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    missing = [name for name in REFUSED if f"`{name}`" not in readme]
-    assert not missing, f"README does not list {missing}"
+    page = (Path(__file__).parents[1] / "docs" / "arguments.md").read_text()
+    missing = [name for name in REFUSED if f"`{name}`" not in page]
+    assert not missing, f"docs/arguments.md does not list {missing}"
 
 
 def test_zero_2_3_refuse_an_optimizer_that_is_not_element_wise():

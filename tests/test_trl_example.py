@@ -1,5 +1,5 @@
 """examples/trl_sft.py and examples/trl_dpo.py: TRL's SFTTrainer and DPOTrainer through Merak
-(the two classes of the README) on 2 ranks at pp=2 log the losses of the same script's plain
+(the two classes of docs/trainer.md) on 2 ranks at pp=2 log the losses of the same script's plain
 single-process TRL run (``--reference``), on the shipped tiny Llama, tokenizer and text
 (examples/data)."""
 

@@ -3,7 +3,7 @@ refused.
 
 `MerakArguments` checks every HF field against this table: a field in `HONOURED` works with its
 HF meaning; any other field must keep its HF default, and setting it raises
-`NotSupportedYetError` with the reason from `REFUSED` (the README lists the same reasons).
+`NotSupportedYetError` with the reason from `REFUSED` (docs/arguments.md lists the same reasons).
 """
 
 from __future__ import annotations

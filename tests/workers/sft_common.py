@@ -101,7 +101,7 @@ def logged(log_history: list[dict]) -> dict[str, list[float]]:
 
 
 def merak_classes(config_cls: type, trainer_cls: type) -> tuple[type, type]:
-    """The two classes a user writes for a TRL trainer (README): a config that is both
+    """The two classes a user writes for a TRL trainer (docs/trainer.md): a config that is both
     Merak's and `config_cls`, and a trainer that is both MerakTrainer and `trainer_cls`."""
     import merak
 
