@@ -74,7 +74,7 @@ def rank_main(path: Path) -> None:
         model = AutoModelForCausalLM.from_config(config())
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 128))
     split = auto_split(model, {"input_ids": ids, "labels": ids.clone()}, ctx.pp)
-    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    stage = merak.PipelineStage(split.container, split, ctx.pp_rank)
     materialize_(stage, initialize=False)
     load_safetensors_(stage, path)
     own_mb = sum(p.numel() * p.element_size() for p in stage.parameters()) / MB

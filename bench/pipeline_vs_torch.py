@@ -85,7 +85,7 @@ def main() -> None:
         model = build_model(args)
         pieces_per_stage = [1 + cut, args.layers - cut + 1]  # embed + first half | rest + head
         split = merak.manual_split(model, gpt_pieces(model), pieces_per_stage=pieces_per_stage)
-        stage = merak.PipelineStage(model, split, ctx.stage_id)
+        stage = merak.PipelineStage(model, split, ctx.pp_rank)
         return merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters(), lr=1e-4),
                                          args.microbatches, schedule="1f1b",
                                          lend_idle_cores=lend_idle_cores)
@@ -94,8 +94,8 @@ def main() -> None:
     ours_batch = {k: batch[k] for k in ours.batch_keys}
 
     torch_model = build_model(args)
-    module = TorchStage0(torch_model, cut) if ctx.stage_id == 0 else TorchStage1(torch_model, cut)
-    torch_stage = TorchStage(module, ctx.stage_id, 2, ctx.device)
+    module = TorchStage0(torch_model, cut) if ctx.pp_rank == 0 else TorchStage1(torch_model, cut)
+    torch_stage = TorchStage(module, ctx.pp_rank, 2, ctx.device)
     torch_schedule = Schedule1F1B(torch_stage, args.microbatches, loss_fn=cross_entropy)
     torch_optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
@@ -106,7 +106,7 @@ def main() -> None:
         ours_plain.train_step(ours_batch)
 
     def step_torch():
-        if ctx.stage_id == 0:
+        if ctx.pp_rank == 0:
             torch_schedule.step(batch["input_ids"])
         else:
             torch_schedule.step(target=batch["labels"])

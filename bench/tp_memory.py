@@ -51,7 +51,7 @@ def rank_main(out: Path, dp: int, tp: int, pp: int) -> None:
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 16))
     split = merak.auto_split(model, {"input_ids": ids, "labels": ids}, pp,
                              partition_method="parameters")
-    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    stage = merak.PipelineStage(split.container, split, ctx.pp_rank)
     merak.materialize_(stage)
     optimizer = torch.optim.Adam(stage.parameters(), lr=1e-4)
     engine = merak.PipelineInterpreter(stage, ctx, optimizer, num_microbatches=1)
@@ -63,7 +63,7 @@ def rank_main(out: Path, dp: int, tp: int, pp: int) -> None:
     replicated = sum(p.numel() * p.element_size() for p in params
                      if getattr(p, "tp_shard", None) is None)
     (out / f"rank{ctx.rank}.json").write_text(json.dumps({
-        "rank": ctx.rank, "stage": ctx.stage_id, "tp_rank": ctx.tp_rank, "full": full_bytes,
+        "rank": ctx.rank, "stage": ctx.pp_rank, "tp_rank": ctx.tp_rank, "full": full_bytes,
         "params": param_bytes, "adam": state_bytes, "replicated": replicated}))
 
 

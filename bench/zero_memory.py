@@ -50,8 +50,8 @@ def worker(out: Path, zero: int, dp: int, pp: int) -> None:
     import merak
     from merak.data_parallel.shards import local
     from merak.data_parallel.zero import shard_stage
-    from merak.runtime.hooks import InstructionHook
     from merak.data_parallel.zero1 import local_optimizer, zero1
+    from merak.runtime.hooks import InstructionHook
 
     torch.set_num_threads(1)
     ctx = merak.init(dp=dp, tp=1, pp=pp)
@@ -86,7 +86,7 @@ def worker(out: Path, zero: int, dp: int, pp: int) -> None:
         times.append(time.perf_counter() - start)
     state = [t for s in local_optimizer(optimizer).state.values() for t in s.values()
              if torch.is_tensor(t) and t.dim() > 0]
-    row = {"rank": ctx.rank, "stage": ctx.stage_id, "whole": whole, "gathered": gathered,
+    row = {"rank": ctx.rank, "stage": ctx.pp_rank, "whole": whole, "gathered": gathered,
            "parameters": _bytes(local(p) for p in stage.parameters()),
            "gradients": seen["grads"], "optimizer": _bytes(state),
            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import datasets
-import merak
 import numpy as np
 import transformers
 from transformers import (
@@ -59,6 +58,8 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
+
+import merak
 
 logger = logging.getLogger(__name__)
 

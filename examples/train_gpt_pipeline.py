@@ -51,7 +51,7 @@ def main() -> None:
                        max_positions=args.seq_len)
     model = GPT(config)
     split = merak.manual_split(model, gpt_pieces(model), num_stages=args.pp)
-    stage = merak.PipelineStage(model, split, ctx.stage_id)
+    stage = merak.PipelineStage(model, split, ctx.pp_rank)
     del model
     log(f"{ctx.describe()}\n{split.describe()}")
 

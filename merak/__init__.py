@@ -1,8 +1,7 @@
 """Merak: automatic 3D parallelism (data x tensor x pipeline) for PyTorch and HF models."""
 
-from merak.engine.build import parallelize
 from merak.distributed.parallel_context import ParallelContext, get_context
-from merak.strategy.init import init
+from merak.engine.build import parallelize
 from merak.generation import generate
 from merak.materialize.meta import init_empty_weights, materialize_
 from merak.materialize.safetensors import load_safetensors_
@@ -10,13 +9,14 @@ from merak.partition.auto import AutoSplit, auto_split
 from merak.runtime.hooks import InstructionHook, TimelineRecorder
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.runtime.p2p import P2PTimeoutError
-from merak.stages.split import Piece, PipelineSplit, TiedWeight, manual_split
-from merak.stages.stage import InterleavedStage, PipelineStage
 from merak.schedule.actions import Action, ActionKind, Schedule
 from merak.schedule.errors import ScheduleError
 from merak.schedule.registry import SCHEDULES, ScheduleInfo, make_schedule
 from merak.schedule.simulator import CostModel, SimulationResult, simulate
 from merak.schedule.validate import validate_schedule
+from merak.stages.split import Piece, PipelineSplit, TiedWeight, manual_split
+from merak.stages.stage import InterleavedStage, PipelineStage
+from merak.strategy.init import init
 from merak.tensor_parallel.apply import apply_tensor_parallel
 from merak.tensor_parallel.layers import vocab_parallel_cross_entropy
 from merak.tensor_parallel.plans import TPPlan, set_tp_layer_lists

@@ -26,8 +26,8 @@ def _add_export(subparsers) -> None:
 def _export(args: argparse.Namespace) -> int:
     """Exit status 1, with what is missing or malformed, for a checkpoint that is not whole:
     nothing is written then (an export of part of a model would load with the rest random)."""
-    from merak.checkpoint.files import CheckpointError
     from merak.checkpoint.export import export_checkpoint
+    from merak.checkpoint.files import CheckpointError
 
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, merge=args.merge)

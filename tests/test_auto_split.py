@@ -12,8 +12,8 @@ from dist_harness import check
 from hf_models import FAMILIES, CustomMLP, batch
 
 import merak
-from merak.stages import assign
 from merak.partition.auto import auto_split
+from merak.stages import assign
 
 WORKER = "auto_split_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4)

@@ -21,12 +21,12 @@ from checkpoint_conversion import FAMILIES as TRAINED
 from dist_harness import check
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from merak.engine.build import tied_aliases
+from merak.checkpoint.export import save_hf_directory
 from merak.coverage.shrink import small_config
+from merak.engine.build import tied_aliases
 from merak.materialize import safetensors as st
 from merak.materialize.conversion import CheckpointLayout, meta_model_for, to_hub_layout
 from merak.tensor_parallel.layers import ShardSpec
-from merak.checkpoint.export import save_hf_directory
 
 WORKER = "checkpoint_conversion.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = tuple(DP_OF_WORLD)
@@ -206,9 +206,9 @@ def test_stages_save_the_buffers_the_models_state_dict_holds():
     save_pretrained writes; rotary ``inv_freq`` is not (fx copies it into the stage graphs as a
     persistent buffer, marked non-persistent again): the stages' checkpoints and exports hold
     exactly the model's."""
+    from merak.checkpoint.io import persistent_buffers
     from merak.partition.auto import auto_split
     from merak.stages.stage import PipelineStage
-    from merak.checkpoint.io import persistent_buffers
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config("deepseek_v3"))

@@ -27,8 +27,8 @@ import torch
 from checkpoint_fixtures import save, values, version_of
 from safetensors.torch import load_file
 
-from merak.cli import main as merak_main
 from merak.checkpoint import io as checkpoint
+from merak.cli import main as merak_main
 
 
 class Killed(BaseException):

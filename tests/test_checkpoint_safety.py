@@ -21,7 +21,6 @@ import pytest
 import torch
 from checkpoint_fixtures import PP, Stage, ctx, save, shapes, stage_names, values, version_of
 
-from merak.cli import main as merak_main
 from merak.checkpoint import io as checkpoint
 from merak.checkpoint.files import (
     CheckpointError,
@@ -29,6 +28,7 @@ from merak.checkpoint.files import (
     check_trainer_state,
     read_layout,
 )
+from merak.cli import main as merak_main
 
 
 def names(root) -> list[str]:

@@ -11,7 +11,6 @@ import json
 import collation_common as cc
 import pytest
 import sft_common as sft
-import torch
 import transformers as tf
 from dist_harness import check
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_counter import OpCounter
 
 import merak
 from merak.data_parallel.grad_sync import _Bucket
 from merak.data_parallel.zero import ZeroSharding
 from merak.models.gpt import GPT, GPTConfig, gpt_pieces
-from op_counter import OpCounter
 
 
 def _step(zero: ZeroSharding, stage, seen: dict) -> None:

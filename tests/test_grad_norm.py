@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from op_counter import OpCounter
 
 from merak.engine.grad_norm import GradNormClipper
-from op_counter import OpCounter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

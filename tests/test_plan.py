@@ -9,14 +9,14 @@ import json
 import pytest
 import transformers as tf
 
-from merak.rules import Choices
 from merak.cli import main as merak_main
+from merak.rules import Choices
+from merak.schedule.registry import SCHEDULES
 from merak.strategy.cluster import GIB, Cluster, cluster
 from merak.strategy.costs import analytic_costs
 from merak.strategy.predict import Candidate, Predictor, state_bytes
 from merak.strategy.search import candidates, layouts, read_plan, search
 from merak.strategy.shape import ModelShape
-from merak.schedule.registry import SCHEDULES
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)

@@ -53,6 +53,11 @@ def test_block_cost_probes_are_built_one_at_a_time_and_only_the_head_probe_has_l
     assert measured.optimizer_s_per_param > 0
 
 
+def test_the_dry_run_and_the_trainer_build_one_engine_from_one_options_object(launches):
+    """Issue 35: the planner measures the engine the trainer runs; same step losses."""
+    check(*launches(2), "dry-run-trains-as-the-trainer")
+
+
 def test_dry_runs_leave_no_process_group_behind(launches):
     check(*launches(2), "dry-runs-free-their-groups")
 

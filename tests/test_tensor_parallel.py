@@ -18,11 +18,17 @@ from tp_parity import scenario_names
 import merak
 import merak.engine.build
 from merak.distributed.parallel_context import get_context
-from merak.tensor_parallel.layers import ShardSpec, shard_parameter
 from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
-from merak.tensor_parallel.plans import (FAMILY_PLANS, TPPlan, _from_config_plan,
-                                         clear_registered_plan, plan_for, registered_plan)
+from merak.tensor_parallel.layers import ShardSpec, shard_parameter
+from merak.tensor_parallel.plans import (
+    FAMILY_PLANS,
+    TPPlan,
+    _from_config_plan,
+    clear_registered_plan,
+    plan_for,
+    registered_plan,
+)
 from merak.tensor_parallel.wrappers import PartialSum, RopeGradReduce
 
 WORKER = "tp_parity.py"  # pooled: launches(world_size), see conftest.py

@@ -21,7 +21,6 @@ from merak.tensor_parallel.layers import RowParallel
 from merak.tensor_parallel.overlap import set_tp_overlap
 from merak.tensor_parallel.plans import TPPlan
 
-
 # pooled: launches(world_size), see conftest.py
 WORKER, WORLD_SIZES = "tp_overlap_parity.py", (2,)
 

@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from merak import lora
+from merak.checkpoint.io import MARKER, full_tensors, persistent_buffers
 from merak.data_parallel.shards import is_sharded, whole
 from merak.distributed.host_objects import receive_each
 from merak.materialize.conversion import meta_model_for, to_hub_layout
-from merak.checkpoint.io import MARKER, full_tensors, persistent_buffers
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool = False

@@ -33,9 +33,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
-from merak.distributed.parallel_context import ParallelContext
-from merak.tensor_parallel.layers import ShardSpec
 from merak.checkpoint.dirs import (  # noqa: F401 - the trainer's names for them
     PARTIAL,
     complete_checkpoints,
@@ -55,6 +52,9 @@ from merak.checkpoint.files import (  # noqa: F401 - read_layout: for its users
     check_model_tensors,
     read_layout,
 )
+from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
+from merak.distributed.parallel_context import ParallelContext
+from merak.tensor_parallel.layers import ShardSpec
 
 
 def rng_states(model=None) -> dict:
@@ -81,7 +81,7 @@ def set_rng_states(states: dict, model=None) -> None:
 
 
 def model_file(ctx: ParallelContext) -> str:
-    return f"model-pp{ctx.stage_id}-tp{ctx.tp_rank}.safetensors"
+    return f"model-pp{ctx.pp_rank}-tp{ctx.tp_rank}.safetensors"
 
 
 def _barrier() -> None:

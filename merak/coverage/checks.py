@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import merak
+from merak.coverage.shrink import EXPERT_NAMES, SmallModel, example_batch
 from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions
-from merak.coverage.shrink import EXPERT_NAMES, SmallModel, example_batch
 from merak.runtime.hooks import InstructionHook
 
 MICROBATCHES, ROWS = 2, 2

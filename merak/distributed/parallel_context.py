@@ -57,20 +57,11 @@ class ParallelContext:
         return self.rank // (self.tp * self.dp)
 
     @property
-    def stage_id(self) -> int:
-        """The pipeline stage this rank runs (same as `pp_rank`)."""
-        return self.pp_rank
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp
-
-    @property
-    def is_first_stage(self) -> bool:
+    def is_first_pp_rank(self) -> bool:
         return self.pp_rank == 0
 
     @property
-    def is_last_stage(self) -> bool:
+    def is_last_pp_rank(self) -> bool:
         return self.pp_rank == self.pp - 1
 
     @property
@@ -106,10 +97,6 @@ class ParallelContext:
                 f"coordinates (pp={pp_rank}, dp={dp_rank}, tp={tp_rank}) are outside the "
                 f"mesh (pp={self.pp}, dp={self.dp}, tp={self.tp})")
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
-
-    def stage_rank(self, stage_id: int) -> int:
-        """Global rank running `stage_id` in this rank's (dp, tp) pipeline."""
-        return self.rank_of(pp_rank=stage_id)
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} backend={self.backend} "

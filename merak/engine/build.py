@@ -95,7 +95,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     if num_model_chunks > 1:
         stage = interleaved_stage(split, split.container, ctx, num_model_chunks)
     else:
-        stage = PipelineStage(split.container, split, ctx.stage_id)
+        stage = PipelineStage(split.container, split, ctx.pp_rank)
     if checkpoint is None:
         materialize_(stage, ctx.device)
     elif adapters:  # the base model's checkpoint: its weights load, the adapters initialize

@@ -20,7 +20,6 @@ from torch import nn
 
 from merak.stages.stage import InterleavedStage, PipelineStage, block_names
 
-
 # torch.compile modes a pipeline stage can take. "reduce-overhead" and "max-autotune" capture
 # CUDA graphs, which replay from static buffers: a stage keeps several micro-batches' forwards
 # alive at once (1F1B, GPipe) and recomputation reruns a block's forward, so a later replay

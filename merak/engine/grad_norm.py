@@ -18,8 +18,7 @@ import torch.distributed as dist
 from merak.data_parallel.shards import is_sharded, local
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
-from merak.stages.stage import InterleavedStage
-from merak.stages.stage import PipelineStage
+from merak.stages.stage import InterleavedStage, PipelineStage
 
 
 class GradNormClipper(InstructionHook):
@@ -29,7 +28,7 @@ class GradNormClipper(InstructionHook):
     def __init__(self, stage: PipelineStage | InterleavedStage, ctx: ParallelContext,
                  max_norm: float):
         self.ctx, self.max_norm = ctx, max_norm
-        own = set(getattr(stage, "stage_ids", [ctx.stage_id]))  # an interleaved rank's chunks
+        own = set(getattr(stage, "stage_ids", [ctx.pp_rank]))  # an interleaved rank's chunks
         # a tied weight is one parameter per rank: count the ranks holding it
         tied = {name: len({s % ctx.pp for s in t.stages}) for t in stage.split.tied_weights
                 for s, name in t.names if s in own}

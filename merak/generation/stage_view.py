@@ -33,10 +33,6 @@ from merak.runtime.p2p import StageTransfers
 from merak.schedule.actions import Action, ActionKind
 
 
-def _tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [*module.parameters(), *module.buffers()]
-
-
 def _held(module: nn.Module) -> bool | None:
     """True if every parameter of `module` is real here, False if every one is on meta, None
     if mixed (or none)."""

@@ -28,9 +28,13 @@ from torch import nn
 
 try:  # transformers >= 5
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                 dot_natural_key, rename_source_key,
-                                                 revert_weight_conversion)
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+        revert_weight_conversion,
+    )
 except ImportError:  # pragma: no cover - transformers 4.x stores what it holds
     get_model_conversion_mapping = None
 

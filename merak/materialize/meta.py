@@ -27,9 +27,14 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
-from merak.materialize.build_patches import (_inits_on_meta, _mark_from_pretrained,
-                                             _note_reseeds, _storage_key,
-                                             _track_data_assignments, _values_through_dispatch)
+from merak.materialize.build_patches import (
+    _inits_on_meta,
+    _mark_from_pretrained,
+    _note_reseeds,
+    _storage_key,
+    _track_data_assignments,
+    _values_through_dispatch,
+)
 from merak.materialize.record import InitRecord, _Recorder
 from merak.materialize.replay import replay
 

@@ -14,11 +14,11 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from merak.materialize.meta import has_meta_parameters
-from merak.stages import assign
 from merak.partition.fake_weights import FakeWeights
 from merak.partition.graph_rewrite import prepare_inputs, set_graph_device
-from merak.stages.blocks import find_blocks, within
 from merak.partition.graph_split import split_model
+from merak.stages import assign
+from merak.stages.blocks import find_blocks, within
 from merak.stages.split import Piece, PipelineSplit, find_tied_weights
 
 TRACE_METHODS = ("export", "fx", "dynamo")

@@ -14,8 +14,8 @@ stages:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 

@@ -20,8 +20,6 @@ import torch
 from torch import fx, nn
 
 from merak.partition.capture import Capture, capture_export, capture_fx
-from merak.partition.taps import is_tap_read
-from merak.stages.blocks import find_blocks
 from merak.partition.graph_rewrite import (
     dce,
     ident,
@@ -30,6 +28,8 @@ from merak.partition.graph_rewrite import (
     resolve,
     written_inputs,
 )
+from merak.partition.taps import is_tap_read
+from merak.stages.blocks import find_blocks
 
 
 # ----------------------------------------------------------------------------- stage assignment

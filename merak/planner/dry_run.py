@@ -21,6 +21,7 @@ allocator, and the later candidates would be judged in less memory than training
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +31,7 @@ from merak.data_parallel.shards import local
 from merak.data_parallel.zero1 import local_optimizer
 from merak.distributed.parallel_context import init
 from merak.distributed.teardown import transient_process_groups
-from merak.engine.assemble import build_engine
+from merak.engine.assemble import OptimizerFactory, build_engine, default_optimizer
 from merak.engine.options import EngineOptions
 from merak.materialize.meta import init_empty_weights
 from merak.strategy.costs import fastest
@@ -72,28 +73,36 @@ class Measured:
     peak_bytes: float        # CUDA: `device_peak_bytes`; CPU: states + activations
     state_bytes: float       # weights, gradients, optimizer state
     activation_bytes: float  # the peak of what the step kept for backward (CUDA: the rest)
+    losses: tuple[float, ...] = ()  # every step's loss, the warm-up step first
 
 
 def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
             recompute_ratios: list[float] | None = None,
             dtype: torch.dtype | None = None, parallel_vocab: bool = False,
-            options: EngineOptions | None = None) -> Measured:
-    """The figures of `candidate` training the HF causal LM `config` describes, timed after
-    one warm-up step. `options`: the job's engine options, which the candidate's choices
-    replace (default: the defaults with `dtype` and `parallel_vocab`). The process groups it
-    made are destroyed and the caller's default context is restored before it returns."""
+            options: EngineOptions | None = None,
+            make_optimizer: OptimizerFactory = default_optimizer,
+            batches: Callable[[int], dict] | None = None) -> Measured:
+    """The figures of `candidate` training the HF causal LM `config` describes (built with
+    seed 0), timed after one warm-up step. `options`: the job's engine options, which the
+    candidate's choices replace (default: the defaults with `dtype` and `parallel_vocab`);
+    `make_optimizer`: the job's optimizer over a stage; `batches(step)`: this dp rank's rows
+    of a step (default: random token windows). The process groups it made are destroyed and
+    the caller's default context is restored before it returns."""
     base = options or EngineOptions(autocast_dtype=dtype, parallel_vocab=parallel_vocab)
     engine_options = base.with_candidate(candidate, recompute_ratios)
     with transient_process_groups():
-        figures = _run(candidate, config, seq, steps, engine_options)
+        figures, losses = _run(candidate, config, seq, steps, engine_options, make_optimizer,
+                               batches)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return Measured(*figures)
+    return Measured(*figures, losses=tuple(losses))
 
 
-def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions) -> list[float]:
-    """`dry_run`'s figures, with everything the steps made freed before it returns but the
-    process groups (the caller destroys those)."""
+def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions,
+         make_optimizer: OptimizerFactory, batches: Callable[[int], dict] | None
+         ) -> tuple[list[float], list[float]]:
+    """`dry_run`'s figures and losses, with everything the steps made freed before it returns
+    but the process groups (the caller destroys those)."""
     from transformers import AutoModelForCausalLM
 
     ctx = init(dp=c.dp, tp=c.tp, pp=c.pp)
@@ -104,18 +113,25 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions) -> 
     rows = c.micro_batch
     ids = torch.randint(0, config.vocab_size, (rows, seq))
     built = build_engine(model, {"input_ids": ids, "labels": ids}, ctx,
-                         replace(options, measure_activations=not cuda))
+                         replace(options, measure_activations=not cuda),
+                         make_optimizer=make_optimizer)
     stage, optimizer, engine = built.stage, built.optimizer, built.interpreter
     generator = torch.Generator().manual_seed(ctx.dp_rank)
     rows_per_step = rows * c.microbatches
 
-    def batch():
-        ids = torch.randint(0, config.vocab_size, (rows_per_step, seq), generator=generator)
-        return {"input_ids": ids, "labels": ids} if engine.batch_keys else None
+    losses = []
+
+    def step():
+        if batches is not None:
+            rows = batches(len(losses))
+        else:
+            ids = torch.randint(0, config.vocab_size, (rows_per_step, seq), generator=generator)
+            rows = {"input_ids": ids, "labels": ids}
+        losses.append(engine.train_step(rows if engine.batch_keys else None))
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    step_s = fastest(ctx.device, lambda: engine.train_step(batch()), steps,  # + a warm-up
+    step_s = fastest(ctx.device, step, steps,  # + a warm-up
                      dist.barrier)
     allocated = float(torch.cuda.max_memory_allocated(ctx.device)) if cuda else 0.0
     device_peak = device_peak_bytes(ctx.device) if cuda else 0.0
@@ -131,4 +147,4 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions) -> 
     engine.remove_recomputation()
     built = engine = optimizer = stage = model = None  # (freed before the groups go)
     gc.collect()
-    return figures.tolist()
+    return figures.tolist(), losses

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from merak.distributed.parallel_context import init
 from merak.distributed.teardown import transient_process_groups
-from merak.strategy.cluster import measure_links
-from merak.strategy.costs import BlockCosts, measure_costs
 from merak.engine.options import EngineOptions
 from merak.planner.dry_run import dry_run
 from merak.rules import Choices
+from merak.strategy.cluster import measure_links
+from merak.strategy.costs import BlockCosts, measure_costs
 from merak.strategy.predict import Prediction
 from merak.strategy.search import Plan, search, sequence_parallel_choices
 from merak.strategy.shape import ModelShape

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from merak.recompute.blocks import checkpointed_blocks, recomputed_count
-from merak.stages.split import PipelineSplit
-from merak.stages.stage import block_names
 from merak.schedule.actions import Edge
 from merak.schedule.registry import make_schedule
 from merak.schedule.simulator import MemoryModel, simulate
+from merak.stages.split import PipelineSplit
+from merak.stages.stage import block_names
 
 
 def stage_segments(split: PipelineSplit, ratio: float | Sequence[float],

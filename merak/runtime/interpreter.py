@@ -22,29 +22,27 @@ from merak.data_parallel.shards import is_sharded
 from merak.data_parallel.zero import ZeroSharding
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
-from merak.recompute.stage_aware import stage_segments
 from merak.runtime.cpu_threads import IdleCoreLending
+from merak.runtime.forward_only import ForwardOnly
 from merak.runtime.hooks import InstructionHook
-from merak.runtime.p2p import StageTransfers
 from merak.runtime.microbatches import step_microbatches
+from merak.runtime.p2p import StageTransfers
+from merak.runtime.program import forward_program, training_schedule
 from merak.runtime.runner import OutputLoss, StageRunner
 from merak.runtime.shape_discovery import batch_shape_key, discover_shapes
-from merak.stages.stage import InterleavedStage, PipelineStage, block_names
 from merak.runtime.step_tail import (
     StepTail,
-    TiedGroups,
     last_weight_backwards,
     step_loss,
-    tied_weight_groups,
+    tied_parameter_groups,
 )
 from merak.schedule.actions import Action, ActionKind, Schedule
-from merak.schedule.registry import forward_schedule, make_schedule
-from merak.schedule.validate import validate_schedule
+from merak.stages.stage import InterleavedStage, PipelineStage, block_names
 
 K = ActionKind
 
 
-class PipelineInterpreter(StepTail):
+class PipelineInterpreter(ForwardOnly, StepTail):
     """Executes this rank's program, one training step per `train_step()` call.
 
     Args:
@@ -129,15 +127,14 @@ class PipelineInterpreter(StepTail):
         # replicated parameters that saw only this TP rank's heads or sequence shard
         self._tp_partial = [q for q in params
                             if q.requires_grad and getattr(q, "tp_partial_grad", False)]
-        self._tied = self._build_tied_groups()
+        self._tied = tied_parameter_groups(ctx, split, {i: r.stage for i, r in
+                                                        self.runners.items()})
         self.grad_averager = GradientAverager(
             [q for q in params if not is_sharded(q)], ctx.dp_group, bucket_bytes,
             grad_predivide, late=self._tp_partial + [q for _, g in self._tied for q in g],
             stages={s: list(r.stage.parameters()) for s, r in self.runners.items()})
-        discovery = forward_schedule(p, 1, stages_per_rank=v, edges=split.edges or None,
-                                     single_transfers=True)
-        validate_schedule(discovery, training=False)
-        self._discovery_program = list(discovery.programs[ctx.pp_rank])
+        self._discovery_program = forward_program(split, p, ctx.pp_rank, v, 1,
+                                                  single_transfers=True)
         self._schedule_spec = schedule
         self.set_recomputation(recompute_ratio, segment_size)
 
@@ -146,34 +143,17 @@ class PipelineInterpreter(StepTail):
                           schedule: str | Schedule | None = None) -> None:
         """(Re)build the schedule (`schedule`, or the current one) and the block recomputation
         for per-stage `ratio` (see the class doc); every rank calls it alike, between steps."""
-        ctx, split = self.ctx, self.split
-        segments = stage_segments(split, ratio, segment_size)
         self._schedule_spec = schedule = schedule or self._schedule_spec
-        if isinstance(schedule, str):
-            schedule = make_schedule(schedule, ctx.pp, self.num_microbatches,
-                                     stages_per_rank=self.stages_per_rank,
-                                     recompute=[bool(s) for s in segments],
-                                     edges=split.edges or None)
-        if (schedule.num_ranks, schedule.stages_per_rank, schedule.num_microbatches) != \
-                (ctx.pp, self.stages_per_rank, self.num_microbatches):
-            raise ValueError(f"the schedule is for {schedule.num_ranks} ranks x "
-                             f"{schedule.stages_per_rank} stages per rank x "
-                             f"{schedule.num_microbatches} micro-batches, not {ctx.pp} x "
-                             f"{self.stages_per_rank} x {self.num_microbatches}")
-        validate_schedule(schedule)
-        for s in range(split.num_stages):  # every rank checks every stage: same error
-            if not any(a.kind is K.RECOMPUTE for a in schedule.stage_actions(s)):
-                segments[s] = []  # the schedule keeps this stage's activations
-            elif not segments[s]:
-                raise ValueError(f"the schedule recomputes on stage {s}, which checkpoints no "
-                                 f"blocks; raise its recompute_ratio or drop its recompute "
-                                 f"actions")
+        schedule, segments = training_schedule(schedule, self.split, self.ctx.pp,
+                                               self.stages_per_rank, self.num_microbatches,
+                                               ratio, segment_size)
         self.segments, self.schedule = segments, schedule
-        self.program: list[Action] = list(schedule.programs[ctx.pp_rank])
+        self.program: list[Action] = list(schedule.programs[self.ctx.pp_rank])
         self._closing = last_weight_backwards(self.program)  # gradients final after these
         self._install_recomputation({s: segments[s] for s in self.runners})
         self.hooks = [h for h in self.hooks if not isinstance(h, IdleCoreLending)]
-        if self._lend:
+        if self._lend:  # (the interpreter's own hook: it follows the schedule)
+            ctx = self.ctx
             self.hooks.insert(0, IdleCoreLending(schedule, ctx.pp_rank, ctx.dp * ctx.tp))
 
     def _install_recomputation(self, segments: dict[int, Sequence[Sequence[int]]],
@@ -211,25 +191,6 @@ class PipelineInterpreter(StepTail):
     def set_rng_state(self, state: tuple) -> None:
         next(iter(self.runners.values())).recompute.set_rng_state(state)
 
-    def _build_tied_groups(self) -> TiedGroups:
-        """Weights tied across ranks, grouped by the ranks sharing them. Copies on two stages of
-        one rank are one parameter (`InterleavedStage`): autograd sums them."""
-        ctx, p = self.ctx, self.ctx.pp
-        by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
-        for tied in self.split.tied_weights:
-            params = by_ranks.setdefault(tuple(sorted({s % p for s in tied.stages})), [])
-            mine = {id(q): q for q in (self.runners[s].stage.get_parameter(n)
-                                       for s, n in tied.names if s in self.runners)}
-            if len(mine) > 1:
-                raise ValueError(f"the tied weight {tied.names} is {len(mine)} parameters on "
-                                 f"rank {ctx.rank}; materialize the rank's chunks together "
-                                 f"(materialize_(InterleavedStage(...)))")
-            # a frozen weight (a LoRA model's base) has no gradient to sum
-            params += [q for q in mine.values()
-                       if q.requires_grad and all(q is not r for r in params)]
-        return tied_weight_groups(ctx, {ranks: params for ranks, params in by_ranks.items()
-                                        if len(ranks) > 1})
-
     # -- steps --------------------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor] | Sequence[dict] | None) -> float:
         """Run one optimizer step over `batch` (this dp rank's share of the global batch): one
@@ -249,49 +210,6 @@ class PipelineInterpreter(StepTail):
             self.activation_peak = meter.peak
         self.global_step += 1
         return loss
-
-    def eval_step(self, batch: dict[str, torch.Tensor] | Sequence[dict] | None,
-                  num_microbatches: int | None = None, keep: str | None = None) -> float:
-        """Forward only, without gradients, in eval mode: the mean loss over `batch` (this dp
-        rank's share) and the dp ranks, on every rank. Hooks are not called. With `keep`, the
-        last stage also keeps that model output (e.g. ``"logits"``) of every micro-batch in
-        ``self.kept``, concatenated along the batch dimension."""
-        m = num_microbatches or self.num_microbatches
-        program = self._forward_program(m)
-        last = self.runners.get(self.split.num_stages - 1)
-        if last is not None:
-            last.keep = keep
-        was_training = self.stage.training
-        self.stage.eval()
-        try:
-            with torch.no_grad():
-                loss = self._run(program, batch, m, hooks=())
-            self.kept = torch.cat(last.kept) if last is not None and last.kept else None
-            return loss
-        finally:
-            self.stage.train(was_training)
-            if last is not None:
-                last.keep, last.kept = None, []
-
-    def measure_forward(self, batch: dict[str, torch.Tensor] | None,
-                        segments: dict[int, Sequence[Sequence[int]]]) -> dict[int, int]:
-        """Activation bytes micro-batch 0's forward keeps on each local stage for backward when
-        it recomputes the blocks of `segments` (per local stage); a collective (every rank calls
-        it: the micro-batch moves through the pipeline). Draws random numbers as a forward
-        does."""
-        self._install_recomputation(segments, measure="stage")
-        try:
-            self._run(self._forward_program(1), batch, self.num_microbatches, hooks=(),
-                      microbatches_used=1)
-            return {s: r.meter.peak for s, r in self.runners.items()}
-        finally:
-            self._install_recomputation({s: self.segments[s] for s in self.runners})
-
-    def _forward_program(self, num_microbatches: int) -> list[Action]:
-        schedule = forward_schedule(self.ctx.pp, num_microbatches,
-                                    stages_per_rank=self.stages_per_rank,
-                                    edges=self.split.edges or None)
-        return list(schedule.programs[self.ctx.pp_rank])
 
     # -- the walk -----------------------------------------------------------------------------
     def _run(self, program: Sequence[Action], batch: dict[str, torch.Tensor] | None,

@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from merak.distributed.parallel_context import process_group_timeout_s
-from merak.stages.split import PipelineSplit, ValueKey
 from merak.schedule.actions import Action, ActionKind
+from merak.stages.split import PipelineSplit, ValueKey
 
 K = ActionKind
 _MAX_NDIM = 8

@@ -17,8 +17,8 @@ import torch
 
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
-from merak.stages.split import PipelineSplit, ValueKey
 from merak.runtime.split_backward import backward_input, backward_weight
+from merak.stages.split import PipelineSplit, ValueKey
 from merak.stages.stage import PipelineStage
 
 

@@ -14,6 +14,7 @@ from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, l
 from merak.data_parallel.zero import ZeroSharding
 from merak.distributed.parallel_context import ParallelContext
 from merak.schedule.actions import Action, ActionKind
+from merak.stages.split import PipelineSplit
 
 TiedGroups = list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]
 
@@ -34,6 +35,28 @@ def tied_weight_groups(ctx: ParallelContext,
                 if ctx.rank in ranks:
                     groups.append((group, params))
     return groups
+
+
+def tied_parameter_groups(ctx: ParallelContext, split: PipelineSplit,
+                          stages: Mapping[int, torch.nn.Module]) -> TiedGroups:
+    """Weights of `split` tied across pipeline ranks, with this rank's parameters of each, by
+    the ranks sharing them (`tied_weight_groups`); `stages`: this rank's stages by id. Copies
+    on two stages of one rank are one parameter (`InterleavedStage`): autograd sums them."""
+    p = ctx.pp
+    by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+    for tied in split.tied_weights:
+        params = by_ranks.setdefault(tuple(sorted({s % p for s in tied.stages})), [])
+        mine = {id(q): q for q in (stages[s].get_parameter(n)
+                                   for s, n in tied.names if s in stages)}
+        if len(mine) > 1:
+            raise ValueError(f"the tied weight {tied.names} is {len(mine)} parameters on "
+                             f"rank {ctx.rank}; materialize the rank's chunks together "
+                             f"(materialize_(InterleavedStage(...)))")
+        # a frozen weight (a LoRA model's base) has no gradient to sum
+        params += [q for q in mine.values()
+                   if q.requires_grad and all(q is not r for r in params)]
+    return tied_weight_groups(ctx, {ranks: params for ranks, params in by_ranks.items()
+                                    if len(ranks) > 1})
 
 
 def last_weight_backwards(program: Sequence[Action]) -> dict[int, Action]:

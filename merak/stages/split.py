@@ -121,10 +121,6 @@ class PipelineSplit:
             names += [n for n, producer in self._bindings[i] if producer < 0 and n not in names]
         return names
 
-    def all_batch_inputs(self) -> list[str]:
-        return list(dict.fromkeys(n for s in range(self.num_stages)
-                                  for n in self.batch_inputs(s)))
-
     @functools.cached_property
     def transfers(self) -> dict[tuple[int, int], list[ValueKey]]:
         """``(src_stage, dst_stage) -> value keys`` sent between them, in a fixed order."""

@@ -9,9 +9,8 @@ optimizer, gradient clipping and checkpoints see one module, as with one stage p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import warnings
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import fx, nn

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from merak.strategy.cluster import Cluster
-from merak.strategy.costs import BlockCosts
-from merak.strategy.shape import ModelShape
 from merak.recompute.stage_aware import KeptBytes
 from merak.schedule.registry import make_schedule
 from merak.schedule.simulator import CostModel, MemoryModel, simulate
+from merak.strategy.cluster import Cluster
+from merak.strategy.costs import BlockCosts
+from merak.strategy.shape import ModelShape
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 RECOMPUTE_CHOICES = ("off", "full", "budget")

@@ -14,12 +14,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from merak.rules import Choices, refusal
+from merak.schedule.registry import SCHEDULES
 from merak.strategy.cluster import Cluster
 from merak.strategy.costs import BlockCosts
 from merak.strategy.predict import RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
 from merak.strategy.shape import ModelShape
-from merak.rules import Choices, refusal
-from merak.schedule.registry import SCHEDULES
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 

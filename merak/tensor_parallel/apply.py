@@ -14,14 +14,20 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from merak import lora
 from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.stages.blocks import find_blocks, within
-from merak import lora
 from merak.tensor_parallel import layers, lora_adapters, wrappers
-from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS
-from merak.tensor_parallel.plans import (DIVISIBLE_CONFIG_ATTRS, HEAD_ATTRS, TPPlan, as_tp_plan,
-                                         matches, plan_for)
+from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
+from merak.tensor_parallel.plans import (
+    DIVISIBLE_CONFIG_ATTRS,
+    HEAD_ATTRS,
+    TPPlan,
+    as_tp_plan,
+    matches,
+    plan_for,
+)
 from merak.tensor_parallel.rng import install_tp_rng
 from merak.tensor_parallel.sequence import enable_sequence_parallel
 

@@ -16,16 +16,15 @@ from typing import Any
 from transformers import TrainingArguments
 
 from merak import rules
-from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
-from merak.stages import assign
-from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
-from merak.schedule.registry import SCHEDULES
-from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
 from merak.engine.compile import check_compile_mode
+from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
+from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
+from merak.schedule.registry import SCHEDULES
+from merak.stages import assign
+from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
 from merak.trainer.config_bases import keep_declared_defaults
 from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 from merak.trainer.job import JobView
-
 
 
 def _help(group: str, text: str) -> dict[str, str]:

@@ -19,12 +19,12 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import HubStrategy
 
 from merak import lora
-from merak.data_parallel.shards import optimizer_state_from_local, optimizer_state_to_local
-from merak.materialize.meta import has_meta_parameters
 from merak.checkpoint import io as checkpoint
-from merak.checkpoint.files import check_trainer_state
 from merak.checkpoint.export import gather_full_tensors, save_hf_directory
+from merak.checkpoint.files import check_trainer_state
+from merak.data_parallel.shards import optimizer_state_from_local, optimizer_state_to_local
 from merak.data_parallel.zero1 import local_optimizer
+from merak.materialize.meta import has_meta_parameters
 
 # TrainerState fields a checkpoint keeps besides the step, epoch and log history
 _BEST_STATE = ("best_metric", "best_global_step", "best_model_checkpoint",

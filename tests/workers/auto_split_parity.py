@@ -51,7 +51,7 @@ def parity(family: str, pp: int) -> None:
         with merak.init_empty_weights():
             model = FAMILIES[family]()
     split = auto_split(model, batch(family, 0, ROWS), pp, **OPTIONS[family][pp])
-    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    stage = merak.PipelineStage(split.container, split, ctx.pp_rank)
     materialize_(stage)
     snapshot = GradSnapshot(stage)
     grads = snapshot.grads

@@ -21,8 +21,8 @@ from common import out_dir, run_scenarios
 from safetensors import safe_open
 
 import merak
-from merak.coverage.shrink import VOCAB, small_config
 from merak.checkpoint.export import export_checkpoint
+from merak.coverage.shrink import VOCAB, small_config
 
 STEPS, MICRO_BATCH, MICROBATCHES, SEQ, SEED = 2, 2, 2, 16, 1234
 COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed": SEED,

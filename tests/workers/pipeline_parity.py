@@ -96,7 +96,7 @@ def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
         assert (0, 2) in split.edges and len(split.transfers[(1, 2)]) == 2, split.describe()
     if kind == "gpt":
         assert split.tied_weights, "the GPT's tied embedding/head was not detected"
-    stage = merak.PipelineStage(model, split, ctx.stage_id)
+    stage = merak.PipelineStage(model, split, ctx.pp_rank)
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     snapshot = GradSnapshot(stage)
     engine = merak.PipelineInterpreter(stage, ctx, optimizer, NUM_MICROBATCHES,
@@ -118,7 +118,7 @@ def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
     assert dp == 1 or kind != "gpt" or pp > 2 or len(engine.grad_averager.buckets) > 2, \
         "one bucket"
     for step, grads in enumerate(snapshot.grads):
-        assert grads, f"stage {ctx.stage_id} has no parameters"
+        assert grads, f"stage {ctx.pp_rank} has no parameters"
         for name, grad in grads.items():
             assert_close(grad, ref_grads[step][name], f"step {step} grad of {name}")
     for name, param in stage.named_parameters():
@@ -132,7 +132,7 @@ def p2p_timeout() -> None:
     ctx = merak.init(dp=1, tp=1, pp=2)
     model, pieces = build("gpt")
     split = merak.manual_split(model, pieces, num_stages=2)
-    stage = merak.PipelineStage(model, split, ctx.stage_id)
+    stage = merak.PipelineStage(model, split, ctx.pp_rank)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
                                        2, schedule="1f1b")
     batch = global_batch("gpt", 0, 4)
@@ -140,7 +140,7 @@ def p2p_timeout() -> None:
     before = c10d._get_default_group()._get_backend(ctx.device).options._timeout
     c10d._set_pg_timeout(datetime.timedelta(seconds=2))
     try:
-        if ctx.stage_id == 0:
+        if ctx.pp_rank == 0:
             engine._begin(batch, 2, None)  # the step's batch-shape exchange, then silence
             time.sleep(8.0)  # alive but silent
             return
@@ -190,7 +190,7 @@ def host_reads(pp: int, dp: int) -> None:
     ctx = merak.init(dp=dp, tp=1, pp=pp)
     model, pieces = build("gpt")
     stage = merak.PipelineStage(model, merak.manual_split(model, pieces, num_stages=pp),
-                                ctx.stage_id)
+                                ctx.pp_rank)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
                                        NUM_MICROBATCHES, schedule="1f1b")
     rows = NUM_MICROBATCHES * MICRO_BATCH_SIZE
@@ -207,9 +207,9 @@ def context_positional_order() -> None:
     assert (ctx.dp, ctx.tp, ctx.pp) == (2, 1, 2)
     assert ctx.rank == dist.get_rank()
     assert ctx.rank == (ctx.pp_rank * 2 + ctx.dp_rank)
-    assert ctx.is_first_stage == (ctx.pp_rank == 0) and ctx.is_last_stage == (ctx.pp_rank == 1)
+    assert ctx.is_first_pp_rank == (ctx.pp_rank == 0) and ctx.is_last_pp_rank == (ctx.pp_rank == 1)
     assert dist.get_world_size(ctx.dp_group) == 2 and dist.get_world_size(ctx.pp_group) == 2
-    assert ctx.stage_rank(1 - ctx.stage_id) == ctx.rank_of(pp_rank=1 - ctx.pp_rank)
+    assert ctx.rank_of(pp_rank=1 - ctx.pp_rank) != ctx.rank
     try:
         merak.init(2, 1, 2, backend="nccl")
     except ValueError as error:

@@ -21,7 +21,8 @@ from common import run_scenarios
 
 import merak
 from merak.distributed.teardown import live_process_groups
-from merak.strategy import costs, dry_run
+from merak.planner import dry_run
+from merak.strategy import costs
 from merak.strategy.predict import Candidate
 
 SEQ = 16
@@ -78,8 +79,8 @@ def online_plan_frees_its_groups() -> None:
 
 
 def zero1_pending_state_is_the_shard() -> None:
-    from merak.runtime.memory_probe import pending_optimizer_state_bytes
     from merak.data_parallel.zero1 import local_optimizer, zero1
+    from merak.runtime.memory_probe import pending_optimizer_state_bytes
 
     ctx = merak.init(dp=2, tp=1, pp=1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16),
@@ -94,7 +95,55 @@ def zero1_pending_state_is_the_shard() -> None:
     assert shares.item() == 8 * total, (shares.item(), total)
 
 
-SCENARIOS = {"dry-runs-free-their-groups": dry_runs_free_their_groups,
+def dry_run_trains_as_the_trainer() -> None:
+    """One options object, two builders: MerakTrainer trains a tied-embedding Llama at pp=2
+    (1F1B, 4 micro-batches of 2 rows, AdamW, clipping) and the planner's dry run of the same
+    candidate, built from the options the trainer used, steps the same rows: every step's
+    loss is the same."""
+    import tempfile
+    from dataclasses import replace
+
+    from merak.engine.options import EngineOptions
+
+    ctx = merak.init(dp=1, tp=1, pp=2)
+    config = tiny_llama()
+    mbs, m, steps = 2, 4, 3
+    ids = torch.randint(0, config.vocab_size, ((steps + 1) * mbs * m, SEQ),
+                        generator=torch.Generator().manual_seed(7))
+    with tempfile.TemporaryDirectory() as out:
+        args = merak.MerakArguments(
+            output_dir=out, max_steps=steps + 1, per_device_train_batch_size=mbs,
+            gradient_accumulation_steps=m, learning_rate=1e-3, lr_scheduler_type="constant",
+            weight_decay=0.0, max_grad_norm=0.5, logging_steps=1, report_to="none",
+            use_cpu=True, save_strategy="no", train_sampling_strategy="sequential",
+            optim="adamw_torch", disable_tqdm=True)
+        torch.manual_seed(0)  # as the dry run builds its model
+        with merak.init_empty_weights():
+            model = tf.AutoModelForCausalLM.from_config(config)
+        trainer = merak.MerakTrainer(model=model, args=args, train_dataset=[
+            {"input_ids": row, "labels": row} for row in ids])
+        trainer.train()
+        trained = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        options = EngineOptions.from_arguments(args, pp=ctx.pp, dp=ctx.dp)
+        # the trainer's engine came from these options (its loss wrapper keeps the split's
+        # pieces opaque the same way: no leaf modules of its own here)
+        assert trainer.engine_options == options, (trainer.engine_options, options)
+    rows = mbs * m
+    measured = dry_run.dry_run(
+        Candidate(1, 1, 2, mbs, m), config, SEQ, steps=steps, options=options,
+        make_optimizer=lambda stage: torch.optim.AdamW(stage.parameters(), lr=1e-3,
+                                                       weight_decay=0.0),
+        batches=lambda k: {"input_ids": ids[k * rows:(k + 1) * rows],
+                           "labels": ids[k * rows:(k + 1) * rows]})
+    assert replace(options) == options  # (frozen, unchanged by the dry run)
+    assert len(trained) == steps + 1 == len(measured.losses), (trained, measured.losses)
+    torch.testing.assert_close(torch.tensor(measured.losses), torch.tensor(trained),
+                               rtol=1e-5, atol=1e-6)
+    assert trained[-1] < trained[0]  # (it learned: the steps did update the weights)
+
+
+SCENARIOS = {"dry-run-trains-as-the-trainer": dry_run_trains_as_the_trainer,
+             "dry-runs-free-their-groups": dry_runs_free_their_groups,
              "online-plan-frees-its-groups": online_plan_frees_its_groups,
              "zero1-pending-state-is-the-shard": zero1_pending_state_is_the_shard}
 

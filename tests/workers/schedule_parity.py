@@ -68,7 +68,7 @@ class _Family:
         with merak.init_empty_weights():
             model = FAMILIES[family]()
         self.split = auto_split(model, batch(family, 0, ROWS), pp)
-        self.stage = merak.PipelineStage(self.split.container, self.split, self.ctx.stage_id)
+        self.stage = merak.PipelineStage(self.split.container, self.split, self.ctx.pp_rank)
         materialize_(self.stage)
         self.initial = {k: v.clone() for k, v in self.stage.state_dict().items()}
         torch.manual_seed(SEED)
@@ -90,9 +90,9 @@ class _Family:
         try:
             kinds = {a.kind.value for a in engine.program}
             if options.get("recompute_ratio") == 1.0 and variant != "1f1b-recompute" and \
-                    not self.ctx.is_last_stage:
+                    not self.ctx.is_last_pp_rank:
                 assert "recompute" in kinds, \
-                    f"{variant}: stage {self.ctx.stage_id} never recomputes"
+                    f"{variant}: stage {self.ctx.pp_rank} never recomputes"
             losses = [engine.train_step(batch(self.family, step, ROWS * MICROBATCHES))
                       for step in range(STEPS)]
         finally:
@@ -110,7 +110,7 @@ def stage_aware_memory() -> None:
     with merak.init_empty_weights():
         model = tf.AutoModelForCausalLM.from_config(config)
     split = auto_split(model, batch("llama", 0, ROWS), pp)
-    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    stage = merak.PipelineStage(split.container, split, ctx.pp_rank)
     materialize_(stage)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
                                        m, measure_activations=True)
@@ -157,7 +157,7 @@ def dealloc_memory() -> None:
     with merak.init_empty_weights():
         model = tf.AutoModelForCausalLM.from_config(config)
     split = auto_split(model, batch("llama", 0, ROWS), pp)
-    stage = merak.PipelineStage(split.container, split, ctx.stage_id)
+    stage = merak.PipelineStage(split.container, split, ctx.pp_rank)
     materialize_(stage)
     data = batch("llama", 0, ROWS * m)
     peaks, losses, freeable = {}, {}, {}
@@ -167,17 +167,17 @@ def dealloc_memory() -> None:
                                            dealloc_outputs=dealloc)
         losses[dealloc] = engine.train_step(data)
         peaks[dealloc] = engine.activation_peak
-        freeable[dealloc] = engine.runners[ctx.stage_id].freeable
+        freeable[dealloc] = engine.runners[ctx.pp_rank].freeable
     hidden = ROWS * data["input_ids"].shape[1] * config.hidden_size * 4  # one sent fp32 h
     if ctx.rank == 0:
         print(f"dealloc pp={pp}: stage 0 peak {peaks[False]} -> {peaks[True]} bytes "
               f"(one sent activation: {hidden})", flush=True)
-    if ctx.is_last_stage:
+    if ctx.is_last_pp_rank:
         assert not freeable[True] and peaks[True] == peaks[False], (freeable, peaks)
     else:
         assert freeable[True] and not freeable[False], freeable
         assert peaks[False] - peaks[True] >= hidden, (peaks, hidden)
-    if ctx.is_last_stage:
+    if ctx.is_last_pp_rank:
         assert losses[True] == losses[False], losses
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import tempfile
 
+import generation_parity
+import host_objects
+import lora_parity
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
 from hf_models import CustomMLP, batch
-import generation_parity
-import host_objects
-import lora_parity
 from safetensors.torch import save_file, save_model
 from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES, tp_batch
 

@@ -31,8 +31,8 @@ from trainer_common import (
 )
 
 import merak
-from merak.data_parallel.shards import local
 from merak.checkpoint.export import gather_full_tensors
+from merak.data_parallel.shards import local
 from merak.data_parallel.zero1 import local_optimizer
 
 OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
@@ -195,7 +195,7 @@ def hf_api() -> None:
         metrics = trainer.evaluate()
     # 21 rows, 3 per dp rank -> 2 micro-batches of 2 (one padded) -> 3 steps, the last partial
     assert metrics["eval_steps"] == 3, metrics
-    if ctx.is_last_stage:
+    if ctx.is_last_pp_rank:
         assert shapes and all(s[-1] == model.config.vocab_size for s in shapes), shapes
     with no_object_collectives():  # the shards gathered one at a time through host memory
         trainer.save_model(str(out / "model"))
