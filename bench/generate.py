@@ -72,17 +72,20 @@ def _hf_generate(model) -> list[list[int]]:
 
 
 def _train_memory(ctx, lora: bool) -> dict:
-    import merak
     from merak import lora as merak_lora
+    from merak.engine.assemble import build_engine
+    from merak.engine.options import EngineOptions
 
     model = _model(meta=True)
     if lora:
         model = merak_lora.wrap(model, json.dumps(LORA))
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 32))
-    stage = merak.parallelize(model, {"input_ids": ids, "labels": ids}, ctx)
+    built = build_engine(model, {"input_ids": ids, "labels": ids}, ctx,
+                         EngineOptions(num_microbatches=2),
+                         make_optimizer=lambda stage: torch.optim.AdamW(
+                             [p for p in stage.parameters() if p.requires_grad], lr=1e-4))
+    stage, optimizer, engine = built.stage, built.optimizer, built.interpreter
     trainable = [p for p in stage.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    engine = merak.PipelineInterpreter(stage, ctx, optimizer, num_microbatches=2)
     rows = torch.cat([ids, ids])  # two micro-batches of the traced shape
     engine.train_step({"input_ids": rows, "labels": rows})
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values()

@@ -57,6 +57,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import merak
     from merak.schedule.registry import SCHEDULES
+    from merak.engine.assemble import build_engine
+    from merak.engine.options import EngineOptions
     from merak.schedule.simulator import CostModel, simulate
 
     ctx = merak.init(dp=1, tp=1, pp=args.ranks)
@@ -69,16 +71,17 @@ def rank_main(args: argparse.Namespace) -> None:
     ids = torch.randint(0, 1024, (rows, args.seq_len), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
     example = {k: v[:args.micro_batch_size] for k, v in batch.items()}
-    stages = []
-    for chunks in (1, 2):
+    sgd = lambda stage: torch.optim.SGD(stage.parameters(), lr=1e-4)
+    engines = []
+    for schedule in ("1f1b", "interleaved_1f1b"):  # one stage, or 2 model chunks, per rank
         torch.manual_seed(0)
         with merak.init_empty_weights():
             model = tf.LlamaForCausalLM(config)
-        stages.append(merak.parallelize(model, example, ctx, num_model_chunks=chunks))
-    sgd = lambda stage: torch.optim.SGD(stage.parameters(), lr=1e-4)
-    engine = merak.PipelineInterpreter(stages[0], ctx, sgd(stages[0]), args.microbatches)
-    interleaved = merak.PipelineInterpreter(stages[1], ctx, sgd(stages[1]), args.microbatches,
-                                            schedule="interleaved_1f1b")
+        options = EngineOptions(schedule=schedule, num_microbatches=args.microbatches,
+                                num_model_chunks=2)
+        engines.append(build_engine(model, example, ctx, options,
+                                    make_optimizer=sgd).interpreter)
+    engine, interleaved = engines
     tokens = rows * args.seq_len
     rates: dict[str, list[float]] = {name: [] for name, _, _ in VARIANTS}
 

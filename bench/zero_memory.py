@@ -44,13 +44,18 @@ def _bytes(tensors) -> int:
     return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
+def _whole_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def worker(out: Path, zero: int, dp: int, pp: int) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import merak
     from merak.data_parallel.shards import local
-    from merak.data_parallel.zero import shard_stage
-    from merak.data_parallel.zero1 import local_optimizer, zero1
+    from merak.data_parallel.zero1 import local_optimizer
+    from merak.engine.assemble import build_engine
+    from merak.engine.options import EngineOptions
     from merak.runtime.hooks import InstructionHook
 
     torch.set_num_threads(1)
@@ -59,15 +64,6 @@ def worker(out: Path, zero: int, dp: int, pp: int) -> None:
     with merak.init_empty_weights():
         model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
     ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ))
-    stage = merak.parallelize(model, {"input_ids": ids, "labels": ids}, ctx)
-    blocks = [m for name, m in stage.named_modules() if name.endswith(tuple(
-        f"layers.{i}" for i in range(CONFIG["num_hidden_layers"])))]
-    gathered = max((_bytes(b.parameters()) for b in blocks), default=0)
-    whole = _bytes(stage.parameters())
-    sharding = shard_stage(stage, ctx, zero) if zero >= 2 else None
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
-    if zero == 1:
-        optimizer = zero1(optimizer, ctx)
     seen = {}
 
     class GradBytes(InstructionHook):
@@ -75,8 +71,15 @@ def worker(out: Path, zero: int, dp: int, pp: int) -> None:
             if name == "optimizer_step":
                 seen["grads"] = _bytes(p.grad for p in stage.parameters() if p.grad is not None)
 
-    engine = merak.PipelineInterpreter(stage, ctx, optimizer, MICROBATCHES, hooks=[GradBytes()],
-                                       zero=sharding)
+    built = build_engine(model, {"input_ids": ids, "labels": ids}, ctx,
+                         EngineOptions(num_microbatches=MICROBATCHES, zero_stage=zero),
+                         hooks=[GradBytes()])  # AdamW at lr 1e-4 over the stage
+    stage, optimizer, engine = built.stage, built.optimizer, built.interpreter
+    blocks = [m for name, m in stage.named_modules() if name.endswith(tuple(
+        f"layers.{i}" for i in range(CONFIG["num_hidden_layers"])))]
+    # whole tensors: a ZeRO-2/3 shard's (DTensor's) numel is the whole parameter's
+    gathered = max((_whole_bytes(b.parameters()) for b in blocks), default=0)
+    whole = _whole_bytes(stage.parameters())
     g = torch.Generator().manual_seed(1 + ctx.dp_rank)
     times = []
     for _ in range(STEPS):

@@ -1,4 +1,5 @@
-"""Automatic parallel strategy: measure or describe, predict, search, dry-run (`merak plan`)."""
+"""The strategy planner's pure half: model shapes, costs, cluster descriptions, prediction and
+search (`merak plan`); the half that runs dry runs is `merak.planner`."""
 
 from merak.strategy.cluster import CLUSTERS, Cluster, cluster
 from merak.strategy.predict import Candidate, Prediction, Predictor
