@@ -18,7 +18,7 @@ from dist_harness import check
 
 from merak.energy.deploy import ClockPlanHook
 from merak.energy.gpu import NVMLGPU, SimulatedGPU, SyntheticGPUModel
-from merak.energy.plan_file import PlanError, check_plan, expected_instructions
+from merak.energy.plan_file import ClockPlanError, check_clock_plan, expected_instructions
 from merak.energy.planner import EnergyPlanner
 from merak.energy.profile_data import (
     aggregate,
@@ -115,9 +115,9 @@ def test_every_schedule_gets_a_plan_in_its_program_order(name):
     for entry in schedules:
         names = [n for n, _ in entry["frequencies"]]
         assert names == expected_instructions(schedule, entry["rank"] // 2)
-    assert len(check_plan(schedules, 8, lambda r: r // 2, schedule, SMALL.clocks())) == 8
-    with pytest.raises(PlanError, match="instruction order differs"):
-        check_plan(schedules, 8, lambda r: r // 2, make_schedule("1f1b", 4, 4), SMALL.clocks())
+    assert len(check_clock_plan(schedules, 8, lambda r: r // 2, schedule, SMALL.clocks())) == 8
+    with pytest.raises(ClockPlanError, match="instruction order differs"):
+        check_clock_plan(schedules, 8, lambda r: r // 2, make_schedule("1f1b", 4, 4), SMALL.clocks())
 
 
 def test_planner_names_instructions_the_profile_lacks():
@@ -184,19 +184,19 @@ def _plan(reference):
 def test_plan_is_checked_before_training(reference):
     schedule, clocks = make_schedule("1f1b", 4, 8), SyntheticGPUModel().clocks()
     schedules = _plan(reference)
-    assert len(check_plan(schedules, 4, lambda r: r, schedule, clocks)) == 4
-    with pytest.raises(PlanError, match="ranks \\[0, 1, 2, 3\\], this job has 8"):
-        check_plan(schedules, 8, lambda r: r // 2, schedule, clocks)
+    assert len(check_clock_plan(schedules, 4, lambda r: r, schedule, clocks)) == 4
+    with pytest.raises(ClockPlanError, match="ranks \\[0, 1, 2, 3\\], this job has 8"):
+        check_clock_plan(schedules, 8, lambda r: r // 2, schedule, clocks)
     swapped = json.loads(json.dumps(schedules))
     swapped[1]["frequencies"][0][0] = "backward"
-    with pytest.raises(PlanError, match="rank 1: the plan's instruction order differs"):
-        check_plan(swapped, 4, lambda r: r, schedule, clocks)
-    with pytest.raises(PlanError, match="rank 0: the plan's instruction order"):
-        check_plan(schedules, 4, lambda r: r, make_schedule("1f1b", 4, 4), clocks)
+    with pytest.raises(ClockPlanError, match="rank 1: the plan's instruction order differs"):
+        check_clock_plan(swapped, 4, lambda r: r, schedule, clocks)
+    with pytest.raises(ClockPlanError, match="rank 0: the plan's instruction order"):
+        check_clock_plan(schedules, 4, lambda r: r, make_schedule("1f1b", 4, 4), clocks)
     odd = json.loads(json.dumps(schedules))
     odd[2]["frequencies"][3][1] = 1234
-    with pytest.raises(PlanError, match="rank 2: clocks \\[1234\\] MHz are not supported"):
-        check_plan(odd, 4, lambda r: r, schedule, clocks)
+    with pytest.raises(ClockPlanError, match="rank 2: clocks \\[1234\\] MHz are not supported"):
+        check_clock_plan(odd, 4, lambda r: r, schedule, clocks)
 
 
 class _FakeClock:
@@ -228,7 +228,7 @@ def test_simulated_gpu_times_and_charges_the_model():
     assert hook.steps[0].time_s > 0 and gpu.energy_j() == pytest.approx(expected)
     assert clock.now == pytest.approx(0.5 + 0.01 + fwd + 0.01 + bwd)
     hook.on_step_begin(1)
-    with pytest.raises(PlanError, match="instruction 0 of the step is backward"):
+    with pytest.raises(ClockPlanError, match="instruction 0 of the step is backward"):
         hook.on_instruction_begin("backward", Action(ActionKind.BACKWARD, 0, 0))
     with pytest.raises(ValueError, match="1234 MHz is not a supported clock"):
         gpu.set_clock(1234)

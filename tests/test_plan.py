@@ -15,7 +15,7 @@ from merak.schedule.registry import SCHEDULES
 from merak.strategy.cluster import GIB, Cluster, cluster
 from merak.strategy.costs import analytic_costs
 from merak.strategy.predict import Candidate, Predictor, state_bytes
-from merak.strategy.search import candidates, layouts, read_plan, search
+from merak.strategy.search import candidates, layouts, read_strategy_plan, search
 from merak.strategy.shape import ModelShape
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -261,7 +261,7 @@ def test_offline_plan_command_for_llama3_8b_on_8_h100(tmp_path, capsys):
                        "--micro-batch-sizes", "1,2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "chosen:" in printed and "<==" in printed
-    chosen = read_plan(out)[0]
+    chosen = read_strategy_plan(out)[0]
     assert chosen.dp * chosen.tp * chosen.pp == 8
     data = json.loads(out.read_text())
     assert data["ranked"][0]["peak_bytes"] <= cluster("h100").memory_bytes

@@ -75,7 +75,7 @@ def add_energy(subparsers) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from merak.energy.plan_file import save_plan
+    from merak.energy.plan_file import save_clock_plan
     from merak.energy.planner import EnergyPlanner
     from merak.energy.profile_data import aggregate, read_profile
 
@@ -99,7 +99,7 @@ def _plan(args: argparse.Namespace) -> int:
     points = planner.frontier(focus_time=limit, coarse=args.coarse, window=args.window)
     chosen = planner.choose(points, base_time, args.target_time, args.max_slowdown)
     took = time.perf_counter() - start
-    out = save_plan(args.out, planner.schedules(chosen.plan),
+    out = save_clock_plan(args.out, planner.schedules(chosen.plan),
                     {"time_s": chosen.time_s, "energy_j": chosen.energy_j},
                     {"time_s": base_time, "energy_j": base_energy},
                     {"schedule": args.schedule, "stages": args.stages,
@@ -134,13 +134,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from merak.energy.plan_file import load_plan
+    from merak.energy.plan_file import load_clock_plan
     from merak.energy.report import report, summarize
 
     try:
         lines = report(summarize(args.run_steps, args.skip),
                        summarize(args.baseline, args.skip) if args.baseline else None,
-                       load_plan(args.plan) if args.plan else None)
+                       load_clock_plan(args.plan) if args.plan else None)
     except (OSError, ValueError) as error:
         raise SystemExit(f"merak energy report: {error}") from None
     print("\n".join(lines))

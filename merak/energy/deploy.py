@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from merak.energy.gpu import GPUControl
-from merak.energy.plan_file import PlanError
+from merak.energy.plan_file import ClockPlanError
 from merak.energy.profile_data import COMPUTE
 from merak.runtime.hooks import InstructionHook
 from merak.schedule.actions import Action
@@ -59,11 +59,11 @@ class ClockPlanHook(InstructionHook):
             return
         if self.frequencies is not None:
             if self._cursor >= len(self.frequencies):
-                raise PlanError(f"pipeline rank {self.pp_rank} runs more compute instructions "
+                raise ClockPlanError(f"pipeline rank {self.pp_rank} runs more compute instructions "
                                 f"per step than its plan has ({len(self.frequencies)})")
             planned, mhz = self.frequencies[self._cursor]
             if planned != name:
-                raise PlanError(f"pipeline rank {self.pp_rank}: instruction {self._cursor} of "
+                raise ClockPlanError(f"pipeline rank {self.pp_rank}: instruction {self._cursor} of "
                                 f"the step is {name} ({action}), the plan says {planned}")
             self.gpu.synchronize()  # what is queued finishes at the clock planned for it
             self.gpu.set_clock(mhz)
@@ -76,7 +76,7 @@ class ClockPlanHook(InstructionHook):
 
     def on_step_end(self, step: int) -> None:
         if self.frequencies is not None and self._cursor != len(self.frequencies):
-            raise PlanError(f"pipeline rank {self.pp_rank} ran {self._cursor} compute "
+            raise ClockPlanError(f"pipeline rank {self.pp_rank} ran {self._cursor} compute "
                             f"instructions this step, its plan has {len(self.frequencies)}")
         self.consumed.append(self._cursor)
         self.gpu.synchronize()  # the step's work, sends included, is in its window

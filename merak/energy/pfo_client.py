@@ -98,6 +98,6 @@ def join_job(client: PFOClient, ctx, clocks: list[int], metadata: str | None = N
 
 
 def fetch_schedules(client: PFOClient, job_id: str, ctx) -> list[dict]:
-    """Every rank's schedule, on every rank (for `check_plan` to see the whole plan)."""
+    """Every rank's schedule, on every rank (for `check_clock_plan` to see the whole plan)."""
     mine = _on_every_rank(ctx, lambda: client.schedule(job_id, ctx.rank).model_dump())
     return all_gather_objects(mine)

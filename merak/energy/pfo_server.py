@@ -142,9 +142,9 @@ def create_app(registry: PlanRegistry):
 
 
 def load_plans(paths: list[str]) -> list[dict]:
-    from merak.energy.plan_file import load_plan
+    from merak.energy.plan_file import load_clock_plan
 
-    return [load_plan(path) for path in paths]
+    return [load_clock_plan(path) for path in paths]
 
 
 def serve(plan_paths: list[str], host: str = "127.0.0.1", port: int = 7787,

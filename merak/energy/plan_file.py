@@ -3,7 +3,7 @@
 ``schedules`` holds one Zeus-style FrequencySchedule per rank,
 ``{"rank": r, "frequencies": [["forward", 1410], ["backward", 1215], ...]}``: the compute
 instructions of the rank's pipeline program in program order (`expected_instructions`; with
-several model chunks per rank, every chunk's). `check_plan` rejects a plan that does not fit the
+several model chunks per rank, every chunk's). `check_clock_plan` rejects a plan that does not fit the
 job before training starts.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 from merak.schedule.actions import Schedule
 
 
-class PlanError(ValueError):
+class ClockPlanError(ValueError):
     """A frequency plan that does not fit this job."""
 
 
-def save_plan(path: str | Path, schedules: list[dict], predicted: dict,
+def save_clock_plan(path: str | Path, schedules: list[dict], predicted: dict,
               baseline: dict | None = None, meta: dict | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,13 +32,13 @@ def save_plan(path: str | Path, schedules: list[dict], predicted: dict,
     return path
 
 
-def load_plan(path: str | Path) -> dict:
+def load_clock_plan(path: str | Path) -> dict:
     try:
         body = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise PlanError(f"cannot read the energy plan {path}: {error}") from None
+        raise ClockPlanError(f"cannot read the energy plan {path}: {error}") from None
     if not isinstance(body, dict) or not isinstance(body.get("schedules"), list):
-        raise PlanError(f"{path} is not an energy plan: it needs a 'schedules' list (write one "
+        raise ClockPlanError(f"{path} is not an energy plan: it needs a 'schedules' list (write one "
                         f"with `merak energy plan`)")
     return body
 
@@ -48,7 +48,7 @@ def expected_instructions(schedule: Schedule, pp_rank: int) -> list[str]:
     return [a.name for a in schedule.compute_actions(pp_rank)]
 
 
-def check_plan(schedules: list[dict], world_size: int, pp_rank_of, schedule: Schedule,
+def check_clock_plan(schedules: list[dict], world_size: int, pp_rank_of, schedule: Schedule,
                supported_clocks: list[int]) -> dict[int, list[tuple[str, int]]]:
     """Validate the per-rank schedules of a plan against the job; returns rank -> frequencies.
 
@@ -62,14 +62,14 @@ def check_plan(schedules: list[dict], world_size: int, pp_rank_of, schedule: Sch
     by_rank: dict[int, list[tuple[str, int]]] = {}
     for entry in schedules:
         if not isinstance(entry, dict) or "rank" not in entry or "frequencies" not in entry:
-            raise PlanError(f"a plan schedule must be {{'rank': r, 'frequencies': [[instruction, "
+            raise ClockPlanError(f"a plan schedule must be {{'rank': r, 'frequencies': [[instruction, "
                             f"MHz], ...]}}, got {str(entry)[:80]}")
         rank = entry["rank"]
         if rank in by_rank:
-            raise PlanError(f"the plan has two schedules for rank {rank}")
+            raise ClockPlanError(f"the plan has two schedules for rank {rank}")
         by_rank[rank] = [(str(name), int(mhz)) for name, mhz in entry["frequencies"]]
     if sorted(by_rank) != list(range(world_size)):
-        raise PlanError(f"the plan has schedules for ranks {sorted(by_rank)}, this job has "
+        raise ClockPlanError(f"the plan has schedules for ranks {sorted(by_rank)}, this job has "
                         f"{world_size} ranks (0..{world_size - 1}); plan for this job's layout")
     clocks = set(supported_clocks)
     for rank, freqs in by_rank.items():
@@ -78,7 +78,7 @@ def check_plan(schedules: list[dict], world_size: int, pp_rank_of, schedule: Sch
         if names != expected:
             where = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b),
                          min(len(names), len(expected)))
-            raise PlanError(f"rank {rank}: the plan's instruction order differs from the "
+            raise ClockPlanError(f"rank {rank}: the plan's instruction order differs from the "
                             f"schedule at position {where} (plan {names[where:where + 3]}, "
                             f"schedule {expected[where:where + 3]}; {len(names)} vs "
                             f"{len(expected)} instructions); plan with the same --schedule, "
@@ -88,6 +88,6 @@ def check_plan(schedules: list[dict], world_size: int, pp_rank_of, schedule: Sch
                             f"micro-batches)")
         unknown = sorted({mhz for _, mhz in freqs} - clocks)
         if unknown:
-            raise PlanError(f"rank {rank}: clocks {unknown} MHz are not supported by this GPU "
+            raise ClockPlanError(f"rank {rank}: clocks {unknown} MHz are not supported by this GPU "
                             f"(supported {max(clocks)}..{min(clocks)} MHz)")
     return by_rank

@@ -38,14 +38,14 @@ from merak.schedule.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action
 from merak.schedule.simulator import simulate
 
 Key = tuple[int, Action]  # (pipeline rank, compute action of its program)
-Plan = dict[Key, int]     # -> MHz
+ClockPlan = dict[Key, int]     # -> MHz
 
 
 @dataclass
 class FrontierPoint:
     time_s: float
     energy_j: float
-    plan: Plan = field(repr=False)
+    plan: ClockPlan = field(repr=False)
 
 
 @dataclass
@@ -189,7 +189,7 @@ class EnergyPlanner:
         """Clock -> (time, energy) of `action` on pipeline rank `rank`, highest clock first."""
         return self.profiles[rank].options[action.kind.value]
 
-    def evaluate(self, plan: Plan) -> tuple[float, float]:
+    def evaluate(self, plan: ClockPlan) -> tuple[float, float]:
         """(iteration time, total energy) of `plan`: the longest path through the instruction
         DAG (what the simulator replays, without its per-action overhead: the planner scores
         thousands of points), idle time charged at the p2p power."""
@@ -209,12 +209,12 @@ class EnergyPlanner:
         idle = sum(g * (makespan - b) for g, b in zip(self.gpus, busy))
         return makespan, compute + self.p2p_power * idle
 
-    def simulated(self, plan: Plan) -> float:
+    def simulated(self, plan: ClockPlan) -> float:
         """`plan`'s iteration time replayed by the pipeline simulator (checks `evaluate`)."""
         times = {key: self.option(*key, mhz)[0] for key, mhz in plan.items()}
         return simulate(self.schedule, PlanCosts(times)).makespan
 
-    def max_clock_plan(self) -> Plan:
+    def max_clock_plan(self) -> ClockPlan:
         return {(r, a): max(self.clocks(r, a)) for r, a in self.compute}
 
     def physical_limit(self) -> tuple[float, float]:
@@ -266,7 +266,7 @@ class EnergyPlanner:
         return dag, {node: key for key, node in node_of.items()}
 
     def _walk(self, unit_time: float, windows: dict[tuple[int, Action], tuple[int, ...]] | None
-              = None) -> list[Plan]:
+              = None) -> list[ClockPlan]:
         """The plans lowtime's solver visits, slowest to fastest, with time quantum `unit_time`
         and each instruction's clocks restricted to `windows` (default: all its clocks)."""
         dag, key_of = self._dag()
@@ -286,7 +286,7 @@ class EnergyPlanner:
                 plans.append(read())
         return plans
 
-    def _points(self, plans: list[Plan], scored: dict[tuple, FrontierPoint]
+    def _points(self, plans: list[ClockPlan], scored: dict[tuple, FrontierPoint]
                 ) -> list[FrontierPoint]:
         """Every distinct plan of `scored` and `plans`, scored once (`scored` keeps them)."""
         for plan in plans:
@@ -331,7 +331,7 @@ class EnergyPlanner:
         solver fits each instruction's cost curve over its quantized times)."""
         return max(1, min(wanted, int(self.shortest_s / (10 * self.unit_time))))
 
-    def fit(self, plan: Plan, limit: float) -> Plan:
+    def fit(self, plan: ClockPlan, limit: float) -> ClockPlan:
         """`plan` with the instructions of its critical path raised to the highest clock until
         it takes at most `limit` seconds. The solver's fastest point can overshoot the all-max
         time by a few time units (each instruction's time is rounded down to whole units)."""
@@ -376,7 +376,7 @@ class EnergyPlanner:
                              f"takes {points[0].time_s:.4f}s")
         return min(allowed, key=lambda p: (p.energy_j, p.time_s))
 
-    def schedules(self, plan: Plan) -> list[dict]:
+    def schedules(self, plan: ClockPlan) -> list[dict]:
         """One Zeus-style FrequencySchedule per GPU: its pipeline rank's compute instructions in
         program order (`merak.energy.plan_file.expected_instructions`)."""
         result = []

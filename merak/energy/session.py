@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from merak.energy.deploy import ClockPlanHook
 from merak.energy.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel, nvml_uuid
-from merak.energy.plan_file import check_plan, load_plan
+from merak.energy.plan_file import check_clock_plan, load_clock_plan
 from merak.schedule.actions import ActionKind, Schedule
 from merak.schedule.registry import SCHEDULES, make_schedule
 
@@ -95,7 +95,7 @@ class TrainerEnergy:
         self.client = self.job_id = None
         self._plan: list[dict] | None = None
         if args.energy_plan:
-            self._plan = load_plan(args.energy_plan)["schedules"]  # unreadable: fail early
+            self._plan = load_clock_plan(args.energy_plan)["schedules"]  # unreadable: fail early
             self.source = args.energy_plan
         elif args.pfo_server_url:
             from merak.energy.pfo_client import PFOClient, join_job
@@ -120,7 +120,7 @@ class TrainerEnergy:
 
     def _check(self, schedules: list[dict]) -> list[tuple[str, int]]:
         ranks_per_stage = self.ctx.dp * self.ctx.tp
-        by_rank = check_plan(schedules, self.ctx.world_size, lambda r: r // ranks_per_stage,
+        by_rank = check_clock_plan(schedules, self.ctx.world_size, lambda r: r // ranks_per_stage,
                              self.schedule, self.gpu.supported_clocks())
         return by_rank[self.ctx.rank]
 

@@ -1,6 +1,6 @@
 """Plan on the running job: measure, predict, dry-run the best few, keep the fastest measured.
 
-Every rank calls `plan_online` (under torchrun); all get the same `Plan`. Every rank measures
+Every rank calls `plan_online` (under torchrun); all get the same `StrategyPlan`. Every rank measures
 the model's blocks at the same time, as they will train (sharing a host's cores, a node's
 power), and the ranks' mean is used; the links are measured by all (`measure_links`). The best
 `dry_runs` predicted candidates (distinct layouts and schedules first) then run a few real
@@ -30,7 +30,7 @@ from merak.rules import Choices
 from merak.strategy.cluster import measure_links
 from merak.strategy.costs import BlockCosts, measure_costs
 from merak.strategy.predict import Prediction
-from merak.strategy.search import Plan, search, sequence_parallel_choices
+from merak.strategy.search import StrategyPlan, search, sequence_parallel_choices
 from merak.strategy.shape import ModelShape
 
 
@@ -80,7 +80,7 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
                 micro_batch_sizes=(1, 2, 4, 8), dry_runs: int = 5, steps: int = 3,
                 dtype: torch.dtype | None = None, parallel_vocab: bool = False,
                 sequence_parallel: tuple[bool, ...] | None = None,
-                options: EngineOptions | None = None, job: Choices | None = None) -> Plan:
+                options: EngineOptions | None = None, job: Choices | None = None) -> StrategyPlan:
     """The plan for `config` on this job (every rank calls it; every rank gets the plan);
     `parallel_vocab` as the job will build its TP model; `sequence_parallel`: the settings
     to try where tp > 1 (default: `sequence_parallel_choices` of the config). `options`: the
@@ -115,7 +115,7 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
 def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float | None,
                       micro_batch_sizes, dry_runs: int, steps: int, options: EngineOptions,
                       sequence_parallel: tuple[bool, ...] | None, job: Choices | None
-                      ) -> tuple[Plan, Prediction | None, float]:
+                      ) -> tuple[StrategyPlan, Prediction | None, float]:
     """`plan_online`'s measurements, search and dry runs: the plan, the fastest measured
     prediction within the memory limit (None when none is) and that limit."""
     ctx = init()  # every rank data-parallel while measuring

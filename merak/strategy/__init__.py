@@ -3,8 +3,8 @@ search (`merak plan`); the half that runs dry runs is `merak.planner`."""
 
 from merak.strategy.cluster import CLUSTERS, Cluster, cluster
 from merak.strategy.predict import Candidate, Prediction, Predictor
-from merak.strategy.search import Plan, read_plan, search
+from merak.strategy.search import StrategyPlan, read_strategy_plan, search
 from merak.strategy.shape import ModelShape
 
-__all__ = ["CLUSTERS", "Candidate", "Cluster", "ModelShape", "Plan", "Prediction", "Predictor",
-           "cluster", "read_plan", "search"]
+__all__ = ["CLUSTERS", "Candidate", "Cluster", "ModelShape", "StrategyPlan", "Prediction", "Predictor",
+           "cluster", "read_strategy_plan", "search"]

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from merak.distributed import parallel_context
 from merak.distributed.parallel_context import ParallelContext
-from merak.strategy.search import read_plan
+from merak.strategy.search import read_strategy_plan
 
 
 def degrees_from_plan(path: str | Path) -> tuple[int, int, int]:
     """(dp, tp, pp) of the layout a ``merak plan`` file chose."""
-    chosen = read_plan(path)[0]
+    chosen = read_strategy_plan(path)[0]
     return chosen.dp, chosen.tp, chosen.pp
 
 

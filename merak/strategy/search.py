@@ -79,7 +79,7 @@ def sequence_parallel_choices(config, tp_plan=None) -> tuple[bool, ...]:
 
 
 @dataclass
-class Plan:
+class StrategyPlan:
     """The outcome of a search: every prediction (best first), the dry runs and the choice."""
 
     model: str
@@ -154,8 +154,8 @@ def _prediction_json(p: Prediction) -> dict:
             "recompute_ratios": p.recompute_ratios}
 
 
-def read_plan(path: str | Path) -> tuple[Candidate, list[float] | None, int | None]:
-    """The chosen candidate of a ``plan.json`` (`Plan.write`), its per-stage recomputation
+def read_strategy_plan(path: str | Path) -> tuple[Candidate, list[float] | None, int | None]:
+    """The chosen candidate of a ``plan.json`` (`StrategyPlan.write`), its per-stage recomputation
     ratios and the global batch it was planned for."""
     data = json.loads(Path(path).read_text())
     if not data.get("chosen"):
@@ -166,7 +166,7 @@ def read_plan(path: str | Path) -> tuple[Candidate, list[float] | None, int | No
 
 def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
            global_batch: int, seq: int, memory_bytes: float | None = None,
-           parallel_vocab: bool = False, **options) -> Plan:
+           parallel_vocab: bool = False, **options) -> StrategyPlan:
     """Predict every candidate (`candidates`' keyword options) and rank them (`parallel_vocab`:
     see `Predictor`).
 
@@ -205,7 +205,7 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                          f"micro-batch size of {cluster.world_size} ranks; use a multiple of "
                          f"{cluster.world_size}")
     ranked.sort(key=lambda p: (p.step_s, p.peak_bytes))
-    plan = Plan(shape.name, cluster, global_batch, seq, predictor.memory_bytes, ranked, dropped,
+    plan = StrategyPlan(shape.name, cluster, global_batch, seq, predictor.memory_bytes, ranked, dropped,
                 flops_per_token=shape.flops_per_token(seq), costs=dict(costs))
     if not ranked:
         least = min(dropped, key=lambda p: p.peak_bytes)

@@ -11,7 +11,7 @@ from merak import lora, rules
 from merak.distributed.parallel_context import ParallelContext, init
 from merak.engine.options import EngineOptions
 from merak.strategy.predict import Candidate
-from merak.strategy.search import read_plan
+from merak.strategy.search import read_strategy_plan
 
 
 def global_batch(args) -> int:
@@ -28,13 +28,13 @@ def sequence_parallel_settings(args, config, ctx) -> tuple[bool, ...]:
     return sequence_parallel_choices(config, args.tp_plan or registered_plan(ctx))
 
 
-def apply_plan(trainer, example_rows: dict) -> ParallelContext:
+def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
     """Plan (auto_parallel) or read the plan file, set the trainer's arguments to it and
     re-initialize the parallel context with its degrees; returns the new context."""
     args, ctx = trainer.args, trainer.ctx
     job = rules.Choices.from_arguments(args, lora=lora.is_peft_model(trainer.model))
     if args.plan:
-        candidate, ratios, planned = read_plan(args.plan)
+        candidate, ratios, planned = read_strategy_plan(args.plan)
         if planned is not None and planned != global_batch(args):
             raise ValueError(f"{args.plan} was made for a global batch of {planned} sequences, "
                              f"but per_device_train_batch_size x gradient_accumulation_steps = "

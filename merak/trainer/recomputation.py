@@ -24,7 +24,7 @@ from merak.recompute.stage_aware import (
 )
 
 
-def plan(engine, args, batch: dict[str, torch.Tensor]) -> list[float] | None:
+def plan_recomputation(engine, args, batch: dict[str, torch.Tensor]) -> list[float] | None:
     """For the planned modes, measure (`batch`: one step of micro-batches), choose the ratios,
     apply them to `engine` and return them with a log line; None for the other modes."""
     pp = engine.ctx.pp

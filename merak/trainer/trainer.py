@@ -31,7 +31,7 @@ from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.memory_probe import fits_in_memory
 from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
-from merak.trainer.auto_plan import apply_plan
+from merak.trainer.auto_plan import apply_strategy_plan
 from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.data import StageBatches, loader_options, model_input_filter
 from merak.trainer.evaluation import EvaluationMixin
@@ -209,13 +209,14 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
             raise ValueError("MerakTrainer.train() needs a train_dataset")
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         if (args.auto_parallel or args.plan) and self.engine is None:  # before building
-            self.ctx = apply_plan(self, self._example(self.train_dataset, 1))
+            self.ctx = apply_strategy_plan(self, self._example(self.train_dataset, 1))
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._assemble(self._example(self.train_dataset, mbs))
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
         if args.auto_find_batch_size:
             mbs = self._train_batch_size = self._find_micro_batch_size(mbs, m)
-        recomputation.plan(self.engine, args, self._example(self.train_dataset, mbs * m, m))
+        recomputation.plan_recomputation(self.engine, args,
+                                         self._example(self.train_dataset, mbs * m, m))
         if self.energy is not None:  # the clock plan must fit the schedule that runs
             self.energy.attach(self.engine)
         data = self._batches(self.train_dataset, mbs, m)

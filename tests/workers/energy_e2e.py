@@ -32,7 +32,7 @@ from hf_models import CustomMLP, batch
 import merak
 from merak.energy.deploy import ClockPlanHook
 from merak.energy.gpu import SimulatedGPU, SyntheticGPUModel
-from merak.energy.plan_file import check_plan, expected_instructions
+from merak.energy.plan_file import check_clock_plan, expected_instructions
 from merak.energy.planner import EnergyPlanner
 from merak.energy.profile_data import aggregate, write_profile
 from merak.energy.profiler import ClockProfiler, profile_clocks
@@ -150,7 +150,7 @@ def _scenario(name: str) -> None:
     profiled = time.perf_counter()
     plan = _plan(name, engine, rows, ctx)
     planned = time.perf_counter()
-    mine = check_plan(plan["schedules"], ctx.world_size, lambda r: r, schedule,
+    mine = check_clock_plan(plan["schedules"], ctx.world_size, lambda r: r, schedule,
                       gpu.supported_clocks())[ctx.rank]
     expected = expected_instructions(schedule, ctx.pp_rank)
     assert [n for n, _ in mine] == expected

@@ -23,7 +23,7 @@ from hf_models import VOCAB
 from trainer_common import dataset
 
 import merak
-from merak.energy.plan_file import PlanError, load_plan
+from merak.energy.plan_file import ClockPlanError, load_clock_plan
 from merak.energy.profile_data import read_profile
 from merak.energy.report import report, summarize
 
@@ -91,7 +91,7 @@ def profile_then_plan_from_a_file() -> None:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     run, base = summarize(steps_file("planned")), summarize(steps_file("all-max"))
-    lines = report(run, base, load_plan(PLAN))
+    lines = report(run, base, load_clock_plan(PLAN))
     if dist.get_rank() == 0:
         print("\n".join(lines))
     # every step ran every instruction at its planned clock (the all-max run at the highest);
@@ -102,7 +102,7 @@ def profile_then_plan_from_a_file() -> None:
     assert planned.energy.gpu.ran == Counter({(n, f): STEPS * c for (n, f), c in
                                               Counter(map(tuple, mine)).items()}), lines
     assert {f for _, f in measured.energy.gpu.ran} == {1410}
-    clocks = {f for s in load_plan(PLAN)["schedules"] for _, f in s["frequencies"]}
+    clocks = {f for s in load_clock_plan(PLAN)["schedules"] for _, f in s["frequencies"]}
     assert min(clocks) < 1410, clocks  # the plan lowers some clocks
 
 
@@ -122,7 +122,7 @@ def _serving(plan: dict, run) -> object:
 
 
 def plan_from_a_server() -> None:
-    registry = _serving(load_plan(PLAN), lambda url: train(
+    registry = _serving(load_clock_plan(PLAN), lambda url: train(
         "served", pfo_server_url=url, logging_steps=2))
     if registry is not None:
         (job,) = registry.jobs.values()
@@ -133,13 +133,13 @@ def plan_from_a_server() -> None:
 
 def _refused(match: str, **kwargs) -> None:
     t = trainer("refused", **kwargs)
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(ClockPlanError, match=match):
         t.train()
     assert t.state.global_step == 0 and not steps_file("refused").exists()
 
 
 def malformed_plans_stop_before_training() -> None:
-    good = load_plan(PLAN)
+    good = load_clock_plan(PLAN)
     bad = {"ranks": {**good, "schedules": good["schedules"][:1]},
            "order": {**good, "schedules": [{**s, "frequencies": s["frequencies"][::-1]}
                                            for s in good["schedules"]]},
