@@ -8,8 +8,6 @@ lists the ones it does). Bad values raise `ValueError` naming the field and the 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +19,9 @@ from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
 from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
 from merak.schedule.registry import SCHEDULES
 from merak.stages import assign
-from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan, as_tp_plan
+from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan
+from merak.trainer.argument_checks import ArgumentChecks
 from merak.trainer.config_bases import keep_declared_defaults
-from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 from merak.trainer.job import JobView
 
 
@@ -33,24 +31,8 @@ def _help(group: str, text: str) -> dict[str, str]:
     return {"help": f"[Merak {group}] {text}"}
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
-_OFF = (None, False, "no", "", (), [], {})
-
-
-def _same(value: Any, default: Any) -> bool:
-    """Equal, or both an 'off' spelling (the CLI parser turns some None/'no' into False)."""
-    return value == default or (value in _OFF and default in _OFF)
-
-
 @dataclass
-class MerakArguments(JobView, TrainingArguments):
+class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
     """`TrainingArguments` with Merak's pipeline, tensor-parallel and runtime fields.
 
     Degrees come from `merak.init(dp=, tp=, pp=)`; micro-batches per step are
@@ -229,93 +211,11 @@ class MerakArguments(JobView, TrainingArguments):
     PLANNED = ("train_schedule", "num_model_chunks", "zero_stage", "activation_checkpointing",
                "activation_checkpoint_ratio", "activation_memory_budget", "sequence_parallel")
 
-    def _check_auto_parallel(self) -> None:
-        if self.auto_parallel and self.plan:
-            raise ValueError("MerakArguments: give auto_parallel=True (plan at train()) or "
-                             "plan='plan.json' (a plan made before), not both")
-        if not (self.auto_parallel or self.plan):
-            extra = [n for n in ("plan_memory_gib",) if getattr(self, n) is not None]
-            if extra or self.plan_dry_runs != 3:
-                raise ValueError(f"MerakArguments.{(extra or ['plan_dry_runs'])[0]} only "
-                                 f"applies with auto_parallel=True")
-            return
-        own = {f.name: f for f in dataclasses.fields(MerakArguments)}
-        chosen = [n for n in self.PLANNED if not _same(getattr(self, n), _default(own[n]))]
-        if chosen:
-            raise ValueError(f"MerakArguments.{chosen[0]} is chosen by the plan with "
-                             f"{'auto_parallel' if self.auto_parallel else 'plan'}; leave it at "
-                             f"its default")
-        if self.plan_dry_runs < 1 or (self.plan_memory_gib is not None
-                                      and self.plan_memory_gib <= 0):
-            raise ValueError("MerakArguments.plan_dry_runs must be >= 1 and plan_memory_gib "
-                             "positive")
-
-    def _check_choices(self) -> None:
-        choices = {
-            "train_schedule": tuple(SCHEDULES),
-            "partition_method": assign.PARTITION_METHODS,
-            "split_method": SPLIT_METHODS, "trace_method": TRACE_METHODS,
-            "zero_stage": (0, 1, 2, 3), "tp_overlapping_level": (0, 1, 2),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"MerakArguments.{name}={getattr(self, name)!r} is not one of "
-                                 f"{list(allowed)}")
-        if self.partition_method == "custom" and not self.custom_partition:
-            raise ValueError("MerakArguments.partition_method='custom' needs custom_partition")
-        if self.split_method == "layer_split" and not self.custom_split_points:
-            raise ValueError("MerakArguments.split_method='layer_split' needs "
-                             "custom_split_points")
-        for name in ("checkpoint_num_layers", "out_seq_length", "loss_scale_window",
-                     "hysteresis", "num_model_chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
-        self._check_energy()
-        self._check_schedule_and_recomputation()
-        if self.eval_iters is not None and self.eval_iters < 1:
-            raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
-                             f"{self.eval_iters}")
-        if self.gradient_predivide_factor <= 0:
-            raise ValueError(f"MerakArguments.gradient_predivide_factor must be positive, got "
-                             f"{self.gradient_predivide_factor}")
-        if self.sequence_dim not in (0, 1):
-            raise ValueError(f"MerakArguments.sequence_dim must be 0 or 1, got "
-                             f"{self.sequence_dim}")
-
-    def _check_tp_plan(self) -> None:
-        value = self.tp_plan
-        if isinstance(value, str):  # from the command line
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"MerakArguments.tp_plan={self.tp_plan!r} is not a JSON object "
-                                 f"({error})") from None
-        try:
-            self.tp_plan = as_tp_plan(value)
-        except ValueError as error:
-            raise ValueError(f"MerakArguments.tp_plan: {error}") from None
-
     def to_dict(self) -> dict[str, Any]:
         serialized = super().to_dict()
         if isinstance(self.tp_plan, TPPlan):  # JSON-friendly (its fields may hold functions)
             serialized["tp_plan"] = repr(self.tp_plan)
         return serialized
-
-    def _check_energy(self) -> None:
-        if self.energy_gpu not in (None, "nvml", "simulated"):
-            raise ValueError(f"MerakArguments.energy_gpu={self.energy_gpu!r} is not one of "
-                             f"[None, 'nvml', 'simulated']")
-        wanted = [name for name in ("energy_profile", "energy_plan", "pfo_server_url")
-                  if getattr(self, name)]
-        if wanted and self.energy_gpu is None:
-            raise ValueError(f"MerakArguments.{wanted[0]} needs a GPU to control: set "
-                             f"energy_gpu='nvml' (NVIDIA GPUs) or 'simulated' (CPU machines)")
-        if len(wanted) > 1:
-            raise ValueError(f"MerakArguments: choose one of {wanted} (profile first, then train "
-                             f"with a plan from a file or from a Perseus server)")
-        if self.simulated_gpu is not None and self.energy_gpu != "simulated":
-            raise ValueError("MerakArguments.simulated_gpu only applies with "
-                             "energy_gpu='simulated'")
 
     @property
     def plans_recomputation(self) -> bool:
@@ -324,110 +224,6 @@ class MerakArguments(JobView, TrainingArguments):
         return self.activation_checkpointing and (
             self.activation_memory_budget is not None
             or len(self.activation_checkpoint_ratio or ()) == 1)
-
-    def _check_schedule_and_recomputation(self) -> None:
-        shaped = [n for n in ("activation_checkpoint_ratio", "activation_memory_budget")
-                  if getattr(self, n) is not None]
-        if not self.activation_checkpointing:
-            extra = shaped + ["checkpoint_num_layers"] * (self.checkpoint_num_layers != 1)
-            if extra:
-                raise ValueError(f"MerakArguments.{extra[0]} only applies with "
-                                 f"activation_checkpointing=True")
-        if len(shaped) > 1:
-            raise ValueError("MerakArguments: give activation_checkpoint_ratio (fractions) or "
-                             "activation_memory_budget (MiB), not both")
-        for ratio in self.activation_checkpoint_ratio or ():
-            if not 0.0 <= ratio <= 1.0:
-                raise ValueError(f"MerakArguments.activation_checkpoint_ratio values must lie in "
-                                 f"[0, 1], got {ratio}")
-        if any(b <= 0 for b in self.activation_memory_budget or ()):
-            raise ValueError("MerakArguments.activation_memory_budget values must be positive "
-                             "MiB")
-        interleaved = SCHEDULES[self.train_schedule].several_stages_per_rank
-        if not interleaved and self.num_model_chunks != 2:
-            raise ValueError("MerakArguments.num_model_chunks only applies with "
-                             "train_schedule='interleaved_1f1b'")
-        if interleaved and self.num_model_chunks < 2:
-            raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
-                             "(1 chunk per rank is train_schedule='1f1b')")
-
-    def _check_buckets_and_scaler(self) -> None:
-        own = {f.name: f for f in dataclasses.fields(MerakArguments)}
-        gather = own["zero_allgather_bucket_size"]
-        if self.zero_allgather_bucket_size != _default(gather):
-            raise ValueError(
-                f"MerakArguments.zero_allgather_bucket_size={self.zero_allgather_bucket_size} "
-                f"does not apply: ZeRO-2/3 (FSDP2) all-gather one block's parameters at a time "
-                f"(each block is one fully_shard unit: the block is the bucket), and ZeRO-1 "
-                f"broadcasts each rank's updated shard whole; leave it at its default "
-                f"({_default(gather)})")
-        if not self.fp16:
-            for name in ("loss_scale", "initial_scale_power", "loss_scale_window",
-                         "hysteresis", "consecutive_hysteresis", "min_loss_scale"):
-                if getattr(self, name) != _default(own[name]):
-                    raise ValueError(f"MerakArguments.{name} only applies with fp16=True")
-        if self.fp16 and self.bf16:
-            raise ValueError("MerakArguments: choose one of fp16 and bf16")
-        if self.zero_stage >= 2:
-            self._check_fsdp()
-        elif self.zero_allow_untested_optimizer:
-            raise ValueError("MerakArguments.zero_allow_untested_optimizer only applies with "
-                             "zero_stage 2 or 3 (ZeRO-0/1 step whole parameters)")
-        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
-            raise ValueError("MerakArguments: prescale_gradients divides by dp before the "
-                             "all-reduce; do not also set gradient_predivide_factor")
-        if self.save and str(self.save_strategy).lower().endswith("no"):
-            self.save_strategy = "steps"
-
-    def _check_fsdp(self) -> None:
-        """The bucket fields ZeRO-2/3 (FSDP2) ignores; its refused combinations are
-        `merak.rules`'."""
-        name = f"MerakArguments.zero_stage={self.zero_stage}"
-        own = {f.name: f for f in dataclasses.fields(MerakArguments)}
-        for field_name in ("zero_reduce_bucket_size", "ddp_bucket_cap_mb"):
-            if getattr(self, field_name) != _default(own[field_name]):
-                raise ValueError(f"{name}: {field_name} does not apply: FSDP2 reduce-scatters "
-                                 f"each block's gradients as one unit (the block is the "
-                                 f"bucket); leave {field_name} at its default")
-
-    def _check_gradient_checkpointing(self) -> None:
-        """HF's `gradient_checkpointing=True` is Merak's recomputation: every block of every
-        stage, as `activation_checkpointing=True` (whose ratio / budget / checkpoint_num_layers
-        fields refine it). HF's own `model.gradient_checkpointing_enable()` is not called: the
-        pipeline split traces the plain forward and the runtime recomputes the blocks."""
-        kwargs = self.gradient_checkpointing_kwargs or {}
-        kwargs = json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)  # the CLI: JSON
-        if kwargs and not self.gradient_checkpointing:
-            raise ValueError("MerakArguments.gradient_checkpointing_kwargs only applies with "
-                             "gradient_checkpointing=True")
-        for key in kwargs:
-            if key not in CHECKPOINT_KWARGS:
-                raise NotSupportedYetError(
-                    f"TrainingArguments.gradient_checkpointing_kwargs[{key!r}] is not supported "
-                    f"yet by MerakTrainer (its recomputation is Merak's own, not "
-                    f"torch.utils.checkpoint; it takes {sorted(CHECKPOINT_KWARGS)}, and "
-                    f"activation_checkpoint_ratio / activation_memory_budget / "
-                    f"checkpoint_num_layers to choose what is recomputed)")
-        if self.gradient_checkpointing:
-            self.activation_checkpointing = True
-
-    def _check_inherited(self) -> None:
-        own = {f.name for f in dataclasses.fields(MerakArguments)} - {
-            f.name for f in dataclasses.fields(TrainingArguments)}
-        redefined = {"activation_checkpointing"}  # checked as a Merak field
-        for f in dataclasses.fields(TrainingArguments):
-            if f.name in HONOURED or f.name in redefined or f.name in own or not f.init:
-                continue
-            default = _default(f)
-            if default is not dataclasses.MISSING and not _same(getattr(self, f.name), default):
-                raise NotSupportedYetError(
-                    f"TrainingArguments.{f.name}={getattr(self, f.name)!r} is not supported yet "
-                    f"by MerakTrainer ({REFUSED.get(f.name, 'not implemented')}); leave it at "
-                    f"its default ({default!r})")
-        bucket = MerakArguments.__dataclass_fields__["zero_reduce_bucket_size"]
-        if self.ddp_bucket_cap_mb is not None and self.zero_reduce_bucket_size != _default(bucket):
-            raise ValueError("MerakArguments: give the dp gradient bucket as ddp_bucket_cap_mb "
-                             "(MiB) or zero_reduce_bucket_size (elements), not both")
 
     @property
     def gradient_bucket_bytes(self) -> int:
