@@ -5,12 +5,12 @@
 Launches itself under torchrun (`--ranks` ranks, pp = that number, CPU/gloo). A Llama-style
 model (`--layers` blocks, hidden `--hidden`) is auto-split into pp stages and trained with SGD on
 `--microbatches` micro-batches of `--micro-batch-size` x `--seq-len` tokens. One interpreter
-switches between schedules (`set_recomputation(ratio, schedule=...)`): the recomputation
-schedules recompute every block of every stage (1f1b with recomputation is their baseline);
-1f1b and zero_bubble run without, and interleaved_1f1b runs a second copy of the model split into
-2 model chunks per rank (`PipelineInterpreter` runs both). After one warm-up step each, 3 timed runs: in each, every
-schedule runs `--steps` steps, in an order that rotates from run to run. Rank 0 prints, per
-schedule, the median tokens/s over the 3 runs, its ratio to 1f1b with recomputation measured in
+switches between schedules (`set_recomputation(ratio, schedule=...)`): the recomputation schedules
+recompute every block of every stage (1f1b with recomputation is their baseline); 1f1b and
+zero_bubble run without, and interleaved_1f1b runs a second copy of the model split into 2 model
+chunks per rank (`PipelineInterpreter` runs both). After one warm-up step each, 3 timed runs: in
+each, every schedule runs `--steps` steps, in an order that rotates from run to run. Rank 0 prints,
+per schedule, the median tokens/s over the 3 runs, its ratio to 1f1b with recomputation measured in
 this same launch, and the simulator's makespan for the issue's costs (forward 1, backward 2,
 recomputation 1) for comparison of the orderings.
 

@@ -74,7 +74,8 @@ def main() -> None:
         dt = time.perf_counter() - t0
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
-        log(f"step {step + 1:4d}/{args.steps}  loss {loss:.4f}  {tokens_per_step / dt:8.0f} tokens/s")
+        log(f"step {step + 1:4d}/{args.steps}  loss {loss:.4f}  "
+            f"{tokens_per_step / dt:8.0f} tokens/s")
     elapsed = time.perf_counter() - start
     events = gather_events(recorder.events)
     if ctx.rank == 0:

@@ -67,10 +67,10 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     rank of dp rank 0 sends its stage's tensors as CPU tensors; tensor-parallel shards are put
     back together (`ShardSpec.assemble`).
 
-    The shards travel through host memory over the job's host group (`ParallelContext.host_group`) and rank 0 takes
-    them one rank at a time (`receive_each`): besides the model it assembles, it holds one
-    rank's shard in flight. (torch's `gather_object` staged every rank's pickled shard on rank
-    0's GPU at once under NCCL; files in the output directory would need a file system shared
+    The shards travel through host memory over the job's host group (`ParallelContext.host_group`)
+    and rank 0 takes them one rank at a time (`receive_each`): besides the model it assembles, it
+    holds one rank's shard in flight. (torch's `gather_object` staged every rank's pickled shard on
+    rank 0's GPU at once under NCCL; files in the output directory would need a file system shared
     by every node.)"""
     mine = None
     params = list(stage.named_parameters())

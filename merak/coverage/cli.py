@@ -3,15 +3,15 @@
     python -m merak coverage [--stages 2] [--tp 2] [--families a,b] [--json out.json]
                              [--trainer olmo2,mixtral]
 
-Every causal-LM model type of the installed transformers is shrunk (`shrink`), built, and
-checked on a small gloo job of `--tp` ranks (`worker`): a single-process forward/backward; the
-automatic split into `--stages` stages, run stage after stage in one process (the ranks take
-turns); and one 1F1B step at tp=`--tp` through `merak.parallelize` and the interpreter; each
-with its loss and every gradient compared with the single-process model; and the load check:
-the model written by `save_pretrained` (the Hub layout) and loaded per rank at pp=`--stages` and
-tp=`--tp` against HF's own `from_pretrained` of the same directory. `--trainer` also trains the named families through MerakTrainer at
-dp x tp x pp = 2 x 2 x 2 against single-process HF Trainer (`trainer_check`). A family that
-crashes its worker is recorded as such and the sweep goes on with the next one.
+Every causal-LM model type of the installed transformers is shrunk (`shrink`), built, and checked on
+a small gloo job of `--tp` ranks (`worker`): a single-process forward/backward; the automatic split
+into `--stages` stages, run stage after stage in one process (the ranks take turns); and one 1F1B
+step at tp=`--tp` through `merak.parallelize` and the interpreter; each with its loss and every
+gradient compared with the single-process model; and the load check: the model written by
+`save_pretrained` (the Hub layout) and loaded per rank at pp=`--stages` and tp=`--tp` against HF's
+own `from_pretrained` of the same directory. `--trainer` also trains the named families through
+MerakTrainer at dp x tp x pp = 2 x 2 x 2 against single-process HF Trainer (`trainer_check`). A
+family that crashes its worker is recorded as such and the sweep goes on with the next one.
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
         lines.append(f"pp={stages} parity: {share([r for r in runs if r.get('pp') == 'ok'], runs)}"
                      f" of the families that run")
     if tp > 1 and ran_tp:
-        lines.append(f"tp={tp} parity: {share([r for r in planned if r.get('tp') == 'ok'], planned)}"
+        lines.append(f"tp={tp} parity: "
+                     f"{share([r for r in planned if r.get('tp') == 'ok'], planned)}"
                      f" of those with a base_model_tp_plan; "
                      f"{share([r for r in any_plan if r.get('tp') == 'ok'], any_plan)} of those "
                      f"with any plan (Merak's table or the config's)")

@@ -1,13 +1,13 @@
 """Python objects between ranks through host memory, whatever the job's backend.
 
-Why not torch's object collectives (`gather_object`, `all_gather_object`,
-`broadcast_object_list`): they pickle on the group's device. On NCCL every payload is staged on
-the current GPU, and a receiver allocates world size times the largest payload there, all at
-once: rank 0 of a model export held every rank's shard on its GPU. Objects live on the host, so
-they travel through the host here: over a gloo group kept beside an NCCL job
-(`ParallelContext.host_group`; the mesh's own groups where its backend already moves CPU
-tensors), as pickled bytes in CPU tensors. A receiver taking several payloads takes them one at a time (`receive_each`,
-`broadcast_object` per sender), so what it holds beyond its result is one payload.
+Why not torch's object collectives (`gather_object`, `all_gather_object`, `broadcast_object_list`):
+they pickle on the group's device. On NCCL every payload is staged on the current GPU, and a
+receiver allocates world size times the largest payload there, all at once: rank 0 of a model export
+held every rank's shard on its GPU. Objects live on the host, so they travel through the host here:
+over a gloo group kept beside an NCCL job (`ParallelContext.host_group`; the mesh's own groups where
+its backend already moves CPU tensors), as pickled bytes in CPU tensors. A receiver taking several
+payloads takes them one at a time (`receive_each`, `broadcast_object` per sender), so what it holds
+beyond its result is one payload.
 
 The groups are the context's (`ParallelContext.host_group`, made by `merak.init`); a function
 given no group uses every rank's of the default context.

@@ -238,9 +238,10 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         timeout = datetime.timedelta(seconds=float(timeout))
     if dist.is_initialized():
         if backend is not None and backend != dist.get_backend():
-            raise ValueError(f"merak.init: backend={backend!r} was asked for, but torch.distributed "
-                             f"is already initialized with {dist.get_backend()!r}; drop the "
-                             f"backend argument or initialize with {backend!r}")
+            raise ValueError(f"merak.init: backend={backend!r} was asked for, but "
+                             f"torch.distributed is already initialized with "
+                             f"{dist.get_backend()!r}; drop the backend argument or initialize "
+                             f"with {backend!r}")
         backend = dist.get_backend()
     elif backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -270,7 +271,8 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
 def get_context() -> ParallelContext:
     """The context built by the last `merak.init()`."""
     if _default_context is None:
-        raise RuntimeError("merak has no parallel context yet: call merak.init(dp=, tp=, pp=) first")
+        raise RuntimeError("merak has no parallel context yet: "
+                           "call merak.init(dp=, tp=, pp=) first")
     return _default_context
 
 

@@ -152,6 +152,6 @@ def initial_recompute_ratio(args, stages: int) -> float | tuple[float, ...]:
         return ratio[0]
     if len(ratio) != stages:
         raise ValueError(f"MerakArguments.activation_checkpoint_ratio has {len(ratio)} values for "
-                         f"{stages} pipeline stages; give one per stage, or one for the first stage "
-                         f"(stage-aware)")
+                         f"{stages} pipeline stages; give one per stage, or one for the first "
+                         f"stage (stage-aware)")
     return tuple(ratio)

@@ -61,7 +61,8 @@ class AutoSplit(PipelineSplit):
             if graph.batch_input_names:
                 lines.append(f"  loads    {', '.join(graph.batch_input_names)}")
             for name in graph.recv_names:
-                node = next(n for n in graph.graph.nodes if n.op == "placeholder" and n.target == name)
+                node = next(n for n in graph.graph.nodes
+                            if n.op == "placeholder" and n.target == name)
                 shape = getattr(node.meta.get("val"), "shape", "?")
                 lines.append(f"  receives {name} {list(shape) if shape != '?' else shape}")
         for tied in self.tied_weights:
@@ -171,8 +172,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     blocks = _blocks_that_run(model, example_inputs, find_blocks(model), device)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of "
-                         f"layers that hold parameters) to split between stages; split it by hand with "
-                         f"merak.manual_split")
+                         f"layers that hold parameters) to split between stages; split it by hand "
+                         f"with merak.manual_split")
     if num_stages > len(blocks):
         raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
                          f"most {len(blocks)} stages")

@@ -64,7 +64,8 @@ def _outputs(out_node: fx.Node, spec) -> tuple[list, list[str]]:
 
 def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
                    leaf_modules: tuple[str, ...], *, strict: bool = False,
-                   dynamic_batch: bool = False, restore: Callable[[], None] | None = None) -> Capture:
+                   dynamic_batch: bool = False,
+                   restore: Callable[[], None] | None = None) -> Capture:
     """torch.export (non-strict, or strict = TorchDynamo) with block signatures preserved."""
     kwargs = prepare_inputs(model, example_inputs)
     ep = _export(model, kwargs, [*blocks, *leaf_modules], dynamic_batch, strict)
@@ -175,7 +176,8 @@ def capture_fx(model: nn.Module, example_inputs: dict, blocks: list[str],
         if input_names[ph] in concrete:
             value = concrete[input_names.pop(ph)]
             for user in list(ph.users):
-                user.args = fx.node.map_arg(user.args, lambda a, ph=ph, v=value: v if a is ph else a)
+                user.args = fx.node.map_arg(user.args,
+                                            lambda a, ph=ph, v=value: v if a is ph else a)
                 user.kwargs = fx.node.map_arg(user.kwargs,
                                               lambda a, ph=ph, v=value: v if a is ph else a)
             g.erase_node(ph)

@@ -36,7 +36,8 @@ def spec_paths(spec, prefix=()):
     if spec.is_leaf():
         return [prefix]
     kids, ctx, out = spec.children(), spec.context, []
-    keyed = isinstance(ctx, (list, tuple)) and len(ctx) == len(kids) and spec.type not in (tuple, list)
+    keyed = (isinstance(ctx, (list, tuple)) and len(ctx) == len(kids)
+             and spec.type not in (tuple, list))
     for i, c in enumerate(kids):
         out += spec_paths(c, prefix + ((ctx[i] if keyed else i),))
     return out
@@ -190,9 +191,11 @@ def prepare_inputs(model, example_inputs):
 # ----------------------------------------------------------------------------- graph rewrites
 def cleanup(g: fx.Graph):
     for n in list(g.nodes):
-        if n.op == "call_module" and n.target == "_guards_fn" or n.op == "call_function" and n.target in _DROP_TARGETS and not n.users:
+        if (n.op == "call_module" and n.target == "_guards_fn"
+                or n.op == "call_function" and n.target in _DROP_TARGETS and not n.users):
             g.erase_node(n)
-        elif n.op == "call_function" and "tracepoint" in str(n.target):  # preserved-signature marker
+        elif n.op == "call_function" and "tracepoint" in str(n.target):
+            # the preserved-signature marker
             n.replace_all_uses_with(n.args[0] if len(n.args) == 1 else n.args)
             g.erase_node(n)
 

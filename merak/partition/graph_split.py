@@ -80,7 +80,8 @@ def _assign(g: fx.Graph, free: set, tainted: set, stage_of_block: dict, num_stag
             stage[n] = stage_of_block[n.meta["block"]]
             if stage[n] < prev:
                 raise ValueError(f"block {n.meta['block']} on stage {stage[n]} needs a value from "
-                                 f"stage {prev}: stage_of_block must be non-decreasing in model order")
+                                 f"stage {prev}: stage_of_block must be non-decreasing in model "
+                                 f"order")
         else:
             stage[n] = prev
         if not 0 <= stage[n] < num_stages:

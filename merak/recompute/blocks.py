@@ -69,7 +69,8 @@ def recomputed_count(num_blocks: int, ratio: float) -> int:
 
 def checkpointed_blocks(num_blocks: int, ratio: float, segment_size: int) -> list[list[int]]:
     """The segments of block indices a stage recomputes: the first
-    `recomputed_count(num_blocks, ratio)` blocks, in segments of `segment_size` consecutive blocks."""
+    `recomputed_count(num_blocks, ratio)` blocks, in segments of `segment_size` consecutive
+    blocks."""
     count = recomputed_count(num_blocks, ratio)
     return [list(range(i, min(i + segment_size, count))) for i in range(0, count, segment_size)]
 

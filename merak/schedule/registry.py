@@ -108,6 +108,17 @@ def _message_order(action: Action) -> tuple:
     return (action.kind not in SEND_KINDS, action.message)
 
 
+def _flush(program: list[Action], pending: list[Action], group: int) -> int:
+    """Append the `pending` sends and receives to `program` as posting group `group`, ordered
+    by message, and empty `pending`. Returns the next group number (`group` if none pended)."""
+    if not pending:
+        return group
+    program.extend(Action(a.kind, a.stage_id, a.microbatch_id, a.peer, a.peer_stage, group)
+                   for a in sorted(pending, key=_message_order))
+    pending.clear()
+    return group + 1
+
+
 def lower(order: Sequence[Sequence[Action]], num_ranks: int, stages_per_rank: int,
           edges: Iterable[Edge], tail: Sequence[Action] = (),
           single_transfers: bool = False) -> tuple[tuple[Action, ...], ...]:
@@ -125,16 +136,6 @@ def lower(order: Sequence[Sequence[Action]], num_ranks: int, stages_per_rank: in
         program: list[Action] = []
         pending: list[Action] = []  # this run of sends and receives
         group = 0
-
-        def flush() -> None:
-            nonlocal group
-            if pending:
-                program.extend(Action(a.kind, a.stage_id, a.microbatch_id, a.peer,
-                                      a.peer_stage, group)
-                               for a in sorted(pending, key=_message_order))
-                group += 1
-                pending.clear()
-
         for action in actions:
             if action.kind in P2P_KINDS:
                 s = action.stage_id
@@ -147,13 +148,13 @@ def lower(order: Sequence[Sequence[Action]], num_ranks: int, stages_per_rank: in
                         program.append(dataclasses.replace(transfer, group=group))
                         group += 1
                     del pending[:-1]
-                    flush()
+                    group = _flush(program, pending, group)
             elif action.kind in COMPUTE_KINDS:
-                flush()
+                group = _flush(program, pending, group)
                 program.append(action)
             else:
                 program.append(action)  # a load does not end a group: it needs no peer
-        flush()
+        group = _flush(program, pending, group)
         programs.append(tuple(program) + tuple(tail))
     return tuple(programs)
 

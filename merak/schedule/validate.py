@@ -52,8 +52,8 @@ def _check_stage_order(schedule: Schedule, stage_id: int, training: bool) -> Non
     split = any(a.kind is K.BACKWARD_INPUT for a in actions)
     grad = K.BACKWARD_INPUT if split else K.BACKWARD  # the action that makes input gradients
     for mb in range(m):
-        def at(kind: ActionKind, peer: int | None = None) -> int | None:
-            return position.get((kind, mb, peer))
+        def at(kind: ActionKind, peer: int | None = None, *, mb: int = mb) -> int | None:
+            return position.get((kind, mb, peer))  # mb bound now: called in this iteration only
 
         required = [(K.LOAD, None), (K.FORWARD, None)] + [(K.RECV_ACT, u) for u in upstream] \
             + [(K.SEND_ACT, d) for d in downstream]

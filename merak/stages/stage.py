@@ -188,7 +188,8 @@ class InterleavedStage(nn.Module):
         return self.chunks
 
     def forward(self, *args, **kwargs):
-        raise TypeError("an InterleavedStage is run by PipelineInterpreter, one model chunk at a time")
+        raise TypeError("an InterleavedStage is run by PipelineInterpreter, "
+                        "one model chunk at a time")
 
 
 def interleaved_stage(split: PipelineSplit, container: nn.Module, ctx,

@@ -137,7 +137,8 @@ FAMILY_PLANS: dict[str, TPPlan] = {
         fused={"self_attn.qkv_proj": _phi3_qkv,
                "mlp.gate_up_proj": lambda c: (c.intermediate_size,) * 2},
         divide={"self_attn": ("num_key_value_heads",)},
-        own_config={"self_attn": ("num_attention_heads", "num_key_value_heads")}, sp_gather=("self_attn", "mlp"),
+        own_config={"self_attn": ("num_attention_heads", "num_key_value_heads")},
+        sp_gather=("self_attn", "mlp"),
         embeddings=("model.embed_tokens",), lm_head=("lm_head",)),
     "gpt_neox": TPPlan(  # query_key_value is laid out per head: a plain split keeps whole heads
         column=("attention.query_key_value", "mlp.dense_h_to_4h"),
@@ -150,8 +151,8 @@ FAMILY_PLANS: dict[str, TPPlan] = {
         embeddings=("transformer.word_embeddings",), lm_head=("lm_head",)),
     "gpt2": TPPlan(
         column=("attn.c_attn", "mlp.c_fc"), row=("attn.c_proj", "mlp.c_proj"),
-        fused={"attn.c_attn": _gpt2_qkv}, divide={"attn": ("split_size",)}, embeddings=("transformer.wte",),
-        lm_head=("lm_head",)),
+        fused={"attn.c_attn": _gpt2_qkv}, divide={"attn": ("split_size",)},
+        embeddings=("transformer.wte",), lm_head=("lm_head",)),
     "opt": TPPlan(
         column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
         row=("self_attn.out_proj", "fc2"), divide={"self_attn": ("num_heads",)},

@@ -18,11 +18,11 @@ present NCCL's contract instead (see ../../shared/FINDINGS.md, "NCCL's point-to-
   NCCL races with the transfer) reads garbage here every time;
 - plain `isend` / `irecv` / `send` / `recv` are groups of one.
 
-Collectives, subgroups and `DeviceMesh` are gloo's own and keep working. The production code
-runs unchanged: it takes the very branch it takes on NCCL (one `Work` per group, waited before
-any receive is read). The module installs itself when imported, which ``sitecustomize.py`` beside it does in every
-process of the suite once torch.distributed is imported (tests/conftest.py puts this folder on
-PYTHONPATH); MERAK_TEST_BACKEND=gloo leaves plain gloo, for the runs that check it.
+Collectives, subgroups and `DeviceMesh` are gloo's own and keep working. The production code runs
+unchanged: it takes the very branch it takes on NCCL (one `Work` per group, waited before any
+receive is read). The module installs itself when imported, which ``sitecustomize.py`` beside it
+does in every process of the suite once torch.distributed is imported (tests/conftest.py puts this
+folder on PYTHONPATH); MERAK_TEST_BACKEND=gloo leaves plain gloo, for the runs that check it.
 """
 
 from __future__ import annotations

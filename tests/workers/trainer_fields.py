@@ -350,8 +350,9 @@ def lora_trainer() -> None:
     dist.barrier()
 
 
-SCENARIOS = {"lora-trainer": lora_trainer, "push-to-hub": push_to_hub, "ignore-data-skip": ignore_data_skip,
-             "dataloader-workers": dataloader_workers, "auto-find-batch-size": auto_find_batch_size,
+SCENARIOS = {"lora-trainer": lora_trainer, "push-to-hub": push_to_hub,
+             "ignore-data-skip": ignore_data_skip, "dataloader-workers": dataloader_workers,
+             "auto-find-batch-size": auto_find_batch_size,
              "eval-metrics-inputs": eval_metrics_inputs}
 if __name__ == "__main__":
     from common import run_scenarios

@@ -1,7 +1,8 @@
 """Resume a dp2 x tp2 x pp2 ZeRO-3 checkpoint with 2 chunks per rank (trainer_parity's
-RESHARD_SOURCE run) on 4 ranks as dp1 x tp1 x pp4 and dp4 x tp1 x pp1 under ZeRO-2: the next step's loss must be the one
-the original run logged; `merak export` of the same checkpoint loads with `from_pretrained` and
-gives that loss too (see test_trainer). The same launch makes trainer_parity's dp2 x pp2 runs.
+RESHARD_SOURCE run) on 4 ranks as dp1 x tp1 x pp4 and dp4 x tp1 x pp1 under ZeRO-2: the next step's
+loss must be the one the original run logged; `merak export` of the same checkpoint loads with
+`from_pretrained` and gives that loss too (see test_trainer). The same launch makes trainer_parity's
+dp2 x pp2 runs.
 """
 
 from __future__ import annotations
