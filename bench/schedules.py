@@ -56,9 +56,9 @@ def rank_main(args: argparse.Namespace) -> None:
     import transformers as tf
 
     import merak
-    from merak.schedule.registry import SCHEDULES
     from merak.engine.assemble import build_engine
     from merak.engine.options import EngineOptions
+    from merak.schedule.registry import SCHEDULES
     from merak.schedule.simulator import CostModel, simulate
 
     ctx = merak.init(dp=1, tp=1, pp=args.ranks)

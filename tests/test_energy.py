@@ -117,7 +117,8 @@ def test_every_schedule_gets_a_plan_in_its_program_order(name):
         assert names == expected_instructions(schedule, entry["rank"] // 2)
     assert len(check_clock_plan(schedules, 8, lambda r: r // 2, schedule, SMALL.clocks())) == 8
     with pytest.raises(ClockPlanError, match="instruction order differs"):
-        check_clock_plan(schedules, 8, lambda r: r // 2, make_schedule("1f1b", 4, 4), SMALL.clocks())
+        check_clock_plan(schedules, 8, lambda r: r // 2, make_schedule("1f1b", 4, 4),
+                         SMALL.clocks())
 
 
 def test_planner_names_instructions_the_profile_lacks():

@@ -100,11 +100,11 @@ def _plan(args: argparse.Namespace) -> int:
     chosen = planner.choose(points, base_time, args.target_time, args.max_slowdown)
     took = time.perf_counter() - start
     out = save_clock_plan(args.out, planner.schedules(chosen.plan),
-                    {"time_s": chosen.time_s, "energy_j": chosen.energy_j},
-                    {"time_s": base_time, "energy_j": base_energy},
-                    {"schedule": args.schedule, "stages": args.stages,
-                     "microbatches": args.microbatches, "interleave": args.interleave,
-                     "recompute": recompute, "p2p_power_w": p2p_power})
+                          {"time_s": chosen.time_s, "energy_j": chosen.energy_j},
+                          {"time_s": base_time, "energy_j": base_energy},
+                          {"schedule": args.schedule, "stages": args.stages,
+                           "microbatches": args.microbatches, "interleave": args.interleave,
+                           "recompute": recompute, "p2p_power_w": p2p_power})
     png = save_frontier_png(points, chosen, (base_time, base_energy), out.with_suffix(".png"))
     print(f"all max clocks   {base_time:.4f} s  {base_energy:.1f} J")
     print(f"chosen plan      {chosen.time_s:.4f} s  {chosen.energy_j:.1f} J  "

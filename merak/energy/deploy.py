@@ -60,11 +60,11 @@ class ClockPlanHook(InstructionHook):
         if self.frequencies is not None:
             if self._cursor >= len(self.frequencies):
                 raise ClockPlanError(f"pipeline rank {self.pp_rank} runs more compute instructions "
-                                f"per step than its plan has ({len(self.frequencies)})")
+                                     f"per step than its plan has ({len(self.frequencies)})")
             planned, mhz = self.frequencies[self._cursor]
             if planned != name:
                 raise ClockPlanError(f"pipeline rank {self.pp_rank}: instruction {self._cursor} of "
-                                f"the step is {name} ({action}), the plan says {planned}")
+                                     f"the step is {name} ({action}), the plan says {planned}")
             self.gpu.synchronize()  # what is queued finishes at the clock planned for it
             self.gpu.set_clock(mhz)
         self._cursor += 1
@@ -77,7 +77,7 @@ class ClockPlanHook(InstructionHook):
     def on_step_end(self, step: int) -> None:
         if self.frequencies is not None and self._cursor != len(self.frequencies):
             raise ClockPlanError(f"pipeline rank {self.pp_rank} ran {self._cursor} compute "
-                            f"instructions this step, its plan has {len(self.frequencies)}")
+                                 f"instructions this step, its plan has {len(self.frequencies)}")
         self.consumed.append(self._cursor)
         self.gpu.synchronize()  # the step's work, sends included, is in its window
         self.steps.append(StepMeasurement(step, time.perf_counter() - self._start,

@@ -121,7 +121,7 @@ class TrainerEnergy:
     def _check(self, schedules: list[dict]) -> list[tuple[str, int]]:
         ranks_per_stage = self.ctx.dp * self.ctx.tp
         by_rank = check_clock_plan(schedules, self.ctx.world_size, lambda r: r // ranks_per_stage,
-                             self.schedule, self.gpu.supported_clocks())
+                                   self.schedule, self.gpu.supported_clocks())
         return by_rank[self.ctx.rank]
 
     def _fetch(self) -> list[tuple[str, int]]:

@@ -1,7 +1,7 @@
 """Plan on the running job: measure, predict, dry-run the best few, keep the fastest measured.
 
-Every rank calls `plan_online` (under torchrun); all get the same `StrategyPlan`. Every rank measures
-the model's blocks at the same time, as they will train (sharing a host's cores, a node's
+Every rank calls `plan_online` (under torchrun); all get the same `StrategyPlan`. Every rank
+measures the model's blocks at the same time, as they will train (sharing a host's cores, a node's
 power), and the ranks' mean is used; the links are measured by all (`measure_links`). The best
 `dry_runs` predicted candidates (distinct layouts and schedules first) then run a few real
 steps each (`dry_run`); the fastest measured within the memory limit wins, and the table shows

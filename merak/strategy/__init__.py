@@ -6,5 +6,5 @@ from merak.strategy.predict import Candidate, Prediction, Predictor
 from merak.strategy.search import StrategyPlan, read_strategy_plan, search
 from merak.strategy.shape import ModelShape
 
-__all__ = ["CLUSTERS", "Candidate", "Cluster", "ModelShape", "StrategyPlan", "Prediction", "Predictor",
-           "cluster", "read_strategy_plan", "search"]
+__all__ = ["CLUSTERS", "Candidate", "Cluster", "ModelShape", "Prediction", "Predictor",
+           "StrategyPlan", "cluster", "read_strategy_plan", "search"]

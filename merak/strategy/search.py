@@ -205,8 +205,8 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                          f"micro-batch size of {cluster.world_size} ranks; use a multiple of "
                          f"{cluster.world_size}")
     ranked.sort(key=lambda p: (p.step_s, p.peak_bytes))
-    plan = StrategyPlan(shape.name, cluster, global_batch, seq, predictor.memory_bytes, ranked, dropped,
-                flops_per_token=shape.flops_per_token(seq), costs=dict(costs))
+    plan = StrategyPlan(shape.name, cluster, global_batch, seq, predictor.memory_bytes, ranked,
+                        dropped, flops_per_token=shape.flops_per_token(seq), costs=dict(costs))
     if not ranked:
         least = min(dropped, key=lambda p: p.peak_bytes)
         raise ValueError(f"no candidate fits in {predictor.memory_bytes / 2**30:.2f} GiB per "

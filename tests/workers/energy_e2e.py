@@ -151,7 +151,7 @@ def _scenario(name: str) -> None:
     plan = _plan(name, engine, rows, ctx)
     planned = time.perf_counter()
     mine = check_clock_plan(plan["schedules"], ctx.world_size, lambda r: r, schedule,
-                      gpu.supported_clocks())[ctx.rank]
+                            gpu.supported_clocks())[ctx.rank]
     expected = expected_instructions(schedule, ctx.pp_rank)
     assert [n for n, _ in mine] == expected
     measured, hooks = _measure(engine, gpu, {"all-max": None, "plan": mine}, data)
