@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import datasets
+import merak
 import numpy as np
 import transformers
 from transformers import (
@@ -58,8 +59,6 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-
-import merak
 
 logger = logging.getLogger(__name__)
 
