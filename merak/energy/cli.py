@@ -76,7 +76,18 @@ def add_energy(subparsers) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port_number, default=7787)
     serve.add_argument("--results-dir", default=None,
-                       help="append every reported step window here, one JSON line per report")
+                       help="append every reported step window here, one JSON line per report "
+                            "(16 MiB per job file, then rotated; 1 GiB in all)")
+    serve.add_argument("--max-body-bytes", type=positive_int, default=256 * 2**10,
+                       help="larger requests are refused with 413 (default 256 KiB)")
+    serve.add_argument("--readers", type=positive_int, default=128,
+                       help="request bodies received at once; the others wait (default 128)")
+    serve.add_argument("--concurrency", type=positive_int, default=8,
+                       help="requests parsed and handled at once; the others wait (default 8)")
+    serve.add_argument("--body-timeout", type=positive_float, default=30.0,
+                       help="seconds a request's body may take to arrive (then 408)")
+    serve.add_argument("--max-jobs", type=positive_int, default=1024,
+                       help="jobs kept; past it the one idle longest is forgotten")
     serve.set_defaults(run=_serve)
 
     report = commands.add_parser(
@@ -153,7 +164,11 @@ def _serve(args: argparse.Namespace) -> int:
     from merak.energy.plan_file import ClockPlanError
 
     try:
-        serve(args.plan, args.host, args.port, args.results_dir)
+        serve(args.plan, args.host, args.port, args.results_dir,
+              {"max_body_bytes": args.max_body_bytes, "concurrency": args.concurrency,
+               "readers": args.readers,
+               "body_timeout_s": args.body_timeout},
+              max_jobs=args.max_jobs)
     except ClockPlanError as error:  # a plan that is not one, refused before serving
         raise InputError(str(error)) from None
     return 0
