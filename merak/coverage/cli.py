@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from merak.coverage.worker import HF_CANNOT_LOAD, NO_PLAN
+from merak.inputs import InputError, positive_float, positive_int
 
 CHECKS = ("build", "single", "pp", "tp", "load")
 OPTIONAL = ("pp", "tp", "load")  # what --checks can choose
@@ -34,12 +35,14 @@ OPTIONAL = ("pp", "tp", "load")  # what --checks can choose
 def add_coverage(subparsers) -> None:
     parser = subparsers.add_parser(
         "coverage", help="check every HF causal-LM family: split at pp, shard at tp, at parity")
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--stages", type=positive_int, default=2,
+                        help="pipeline stages (default 2)")
+    parser.add_argument("--tp", type=positive_int, default=2,
+                        help="tensor-parallel degree (default 2)")
     parser.add_argument("--families", default="",
                         help="comma-separated model types (default: every causal-LM family)")
     parser.add_argument("--json", default=None, help="write the per-family results here")
-    parser.add_argument("--timeout", type=float, default=180.0,
+    parser.add_argument("--timeout", type=positive_float, default=180.0,
                         help="seconds per family and check before it counts as a failure")
     parser.add_argument("--checks", default=",".join(OPTIONAL),
                         help="which checks to run after build and single (default: pp,tp,load;"
@@ -60,8 +63,8 @@ def _families(text: str) -> list[str]:
     chosen = [f.strip() for f in text.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in known]
     if unknown:
-        raise SystemExit(f"merak coverage: {unknown} are not causal-LM model types of this "
-                         f"transformers; choose from {', '.join(known)}")
+        raise InputError(f"{unknown} are not causal-LM model types of this transformers; "
+                         f"choose from {', '.join(known)}")
     return chosen
 
 
@@ -163,8 +166,7 @@ def run_coverage(args: argparse.Namespace) -> int:
     families = _families(args.families)
     unknown = sorted(set(args.checks.split(",")) - set(OPTIONAL))
     if unknown:
-        raise SystemExit(f"merak coverage: --checks {unknown} unknown; choose from "
-                         f"{', '.join(OPTIONAL)}")
+        raise InputError(f"--checks {unknown} unknown; choose from {', '.join(OPTIONAL)}")
     start = time.perf_counter()
     print(f"merak coverage: {len(families)} families, pp={args.stages}, tp={args.tp}", flush=True)
     rows = sweep(families, args) if families else []

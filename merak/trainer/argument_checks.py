@@ -59,10 +59,6 @@ class ArgumentChecks:
             raise ValueError(f"MerakArguments.{chosen[0]} is chosen by the plan with "
                              f"{'auto_parallel' if self.auto_parallel else 'plan'}; leave it at "
                              f"its default")
-        if self.plan_dry_runs < 1 or (self.plan_memory_gib is not None
-                                      and self.plan_memory_gib <= 0):
-            raise ValueError("MerakArguments.plan_dry_runs must be >= 1 and plan_memory_gib "
-                             "positive")
 
     def _check_choices(self) -> None:
         choices = {
@@ -80,18 +76,8 @@ class ArgumentChecks:
         if self.split_method == "layer_split" and not self.custom_split_points:
             raise ValueError("MerakArguments.split_method='layer_split' needs "
                              "custom_split_points")
-        for name in ("checkpoint_num_layers", "out_seq_length", "loss_scale_window",
-                     "hysteresis", "num_model_chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
         self._check_energy()
         self._check_schedule_and_recomputation()
-        if self.eval_iters is not None and self.eval_iters < 1:
-            raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
-                             f"{self.eval_iters}")
-        if self.gradient_predivide_factor <= 0:
-            raise ValueError(f"MerakArguments.gradient_predivide_factor must be positive, got "
-                             f"{self.gradient_predivide_factor}")
         if self.sequence_dim not in (0, 1):
             raise ValueError(f"MerakArguments.sequence_dim must be 0 or 1, got "
                              f"{self.sequence_dim}")
@@ -136,13 +122,6 @@ class ArgumentChecks:
         if len(shaped) > 1:
             raise ValueError("MerakArguments: give activation_checkpoint_ratio (fractions) or "
                              "activation_memory_budget (MiB), not both")
-        for ratio in self.activation_checkpoint_ratio or ():
-            if not 0.0 <= ratio <= 1.0:
-                raise ValueError(f"MerakArguments.activation_checkpoint_ratio values must lie in "
-                                 f"[0, 1], got {ratio}")
-        if any(b <= 0 for b in self.activation_memory_budget or ()):
-            raise ValueError("MerakArguments.activation_memory_budget values must be positive "
-                             "MiB")
         interleaved = SCHEDULES[self.train_schedule].several_stages_per_rank
         if not interleaved and self.num_model_chunks != 2:
             raise ValueError("MerakArguments.num_model_chunks only applies with "

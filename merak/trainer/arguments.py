@@ -21,6 +21,7 @@ from merak.schedule.registry import SCHEDULES
 from merak.stages import assign
 from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan
 from merak.trainer.argument_checks import ArgumentChecks
+from merak.trainer.argument_ranges import check_ranges
 from merak.trainer.config_bases import keep_declared_defaults
 from merak.trainer.job import JobView
 
@@ -190,6 +191,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         keep_declared_defaults(cls)
 
     def __post_init__(self) -> None:
+        check_ranges(self)  # every number in its range, before anything reads one
         self._check_auto_parallel()
         self._check_gradient_checkpointing()
         self._check_tp_plan()
@@ -197,9 +199,6 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         self._check_buckets_and_scaler()
         self._check_inherited()
         check_compile_mode(self.torch_compile_mode)
-        if self.temperature < 0:
-            raise ValueError(f"MerakArguments.temperature must be >= 0 (0: greedy decoding), "
-                             f"got {self.temperature}")
         rules.check(rules.Choices.from_arguments(self))  # the combinations (merak.rules)
         if self.lora_config is not None:  # a bad config fails here, before any work
             from merak.lora import load_lora_config

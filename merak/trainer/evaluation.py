@@ -26,7 +26,7 @@ from transformers.trainer_utils import (
 )
 
 from merak.distributed.host_objects import broadcast_object
-from merak.trainer.data import EvalBatches
+from merak.trainer.data import EvalBatches, check_eval_dataset
 
 
 class EvaluationMixin:
@@ -53,6 +53,7 @@ class EvaluationMixin:
                          ) -> EvalLoopOutput:
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
+        check_eval_dataset(dataset, "evaluation dataset")
         args, ctx = self.args, self.ctx
         predictions = predictions or (self.compute_metrics is not None
                                       and not args.prediction_loss_only)

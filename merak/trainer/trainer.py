@@ -33,7 +33,13 @@ from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.auto_plan import apply_strategy_plan
 from merak.trainer.checkpointing import CheckpointMixin
-from merak.trainer.data import StageBatches, loader_options, model_input_filter
+from merak.trainer.data import (
+    StageBatches,
+    check_eval_dataset,
+    check_train_dataset,
+    loader_options,
+    model_input_filter,
+)
 from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.loss_setup import LossSetupMixin
@@ -83,11 +89,29 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         self._loss, self._counts_items = self._choose_loss(base)
         # HF's rule for which labels count (a causal LM's loss shifts them)
         self._shifted_count = getattr(self, "_loss_shifts_labels", shifts_labels(base))
+        self._check_inputs()  # before any model is built from their first items
         self.generation_prompts, self.generations = generation_prompts, None
         self.stage = self.engine = self.clipper = self.zero = None
         self._user_model = model
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
             if args.remove_unused_columns else (lambda batch: batch)
+
+    def _check_inputs(self, training: bool = False) -> None:
+        """The engine's options for this layout build (a per-stage list fits pp); map-style
+        sets with items; `training`: the training set holds one global batch
+        (with auto_parallel or a plan file that is per_device_train_batch_size x
+        gradient_accumulation_steps: the plan divides it over dp). A trainer made only to
+        evaluate or predict may hold a smaller training set."""
+        args = self.args
+        if self.train_dataset is not None:
+            planned = args.auto_parallel or bool(args.plan)
+            rows = (args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                    1 if planned else self.ctx.dp) if training else (1, 1, 1)
+            check_train_dataset(self.train_dataset, *rows)
+        if self.eval_dataset is not None:
+            check_eval_dataset(self.eval_dataset)
+        if not (args.auto_parallel or args.plan):  # per-stage fields fit this layout
+            EngineOptions.from_arguments(args, pp=self.ctx.pp, dp=self.ctx.dp)
 
     def is_world_process_zero(self) -> bool:
         return self.ctx.rank == 0
@@ -207,6 +231,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         args = self.args
         if self.train_dataset is None:
             raise ValueError("MerakTrainer.train() needs a train_dataset")
+        self._check_inputs(training=True)  # before the first items build anything
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         if (args.auto_parallel or args.plan) and self.engine is None:  # before building
             self.ctx = apply_strategy_plan(self, self._example(self.train_dataset, 1))
