@@ -99,6 +99,12 @@ class ContextParallelAttention:
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None,
                  scaling: float | None = None, dropout: float = 0.0, **kwargs):
+        if _traced(query):  # Merak's capture runs blocks on fake tensors and keeps them eager:
+            # only the shapes (this rank's tokens) matter here
+            inner = _inner_function(module, self.inner)
+            passed = {k: v for k, v in kwargs.items() if k not in _LOCAL_KWARGS}
+            return inner(module, query, key, value, None, scaling=scaling, dropout=dropout,
+                         **passed)
         self.calls += 1
         seq_len = query.shape[2] * self.cp
         causal = bool(getattr(module, "is_causal", True))
@@ -186,6 +192,13 @@ class ContextParallelAttention:
 # values describing the rank's local tokens, wrong for the whole row the inner one sees
 _LOCAL_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                  "max_length_k", "is_causal")
+
+
+def _traced(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is traced (fake or meta) rather than computed."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor) or torch.compiler.is_compiling()
 
 
 def _inner_function(module: nn.Module, inner: str):

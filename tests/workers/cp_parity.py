@@ -13,6 +13,7 @@ import torch.distributed as dist
 import transformers as tf
 from tp_models import ATTN
 
+import merak
 from merak.context_parallel import enable_context_parallel, split_batch
 
 ROWS, SEQ, VOCAB, SEED = 2, 24, 128, 7
@@ -45,7 +46,8 @@ def _rows(step: int) -> dict[str, torch.Tensor]:
 
 
 def parity(family: str, mode: str, inner: str, **overrides) -> None:
-    group, cp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    ctx = merak.init(dp=1, tp=1, pp=1, cp=dist.get_world_size())
+    group, cp, rank = ctx.cp_group, ctx.cp, ctx.cp_rank
     reference, model = _models(family, inner, **overrides)
     attention = enable_context_parallel(model, group, mode)
     for step in range(2):
@@ -71,7 +73,7 @@ def parity(family: str, mode: str, inner: str, **overrides) -> None:
 
 def window_refused_by_ring() -> None:
     _, model = _models("mistral", "eager", sliding_window=8)
-    enable_context_parallel(model, dist.group.WORLD, "ring")
+    enable_context_parallel(model, merak.init(pp=1, cp=dist.get_world_size()).cp_group, "ring")
     mine = split_batch(_rows(0), dist.get_world_size(), dist.get_rank())
     try:
         model(**mine)
@@ -83,13 +85,34 @@ def window_refused_by_ring() -> None:
 
 def ulysses_heads_refused() -> None:
     _, model = _models("llama", "sdpa", num_key_value_heads=1)
-    enable_context_parallel(model, dist.group.WORLD, "ulysses")
+    enable_context_parallel(model, merak.init(pp=1, cp=dist.get_world_size()).cp_group,
+                            "ulysses")
     try:
         model(**split_batch(_rows(0), dist.get_world_size(), dist.get_rank()))
     except ValueError as error:
         assert "llama" in str(error) and "key/value heads" in str(error), error
     else:
         raise AssertionError("Ulysses ran with key/value heads cp does not divide")
+
+
+def layout() -> None:
+    """The (pp, dp, cp, tp) rank layout: tp innermost, then cp, dp, pp; cp ranks share their
+    dp rank (the same rows) and gradients are reduced over dp x cp."""
+    ranks = dist.get_process_group_ranks
+    ctx = merak.init(dp=2, tp=1, pp=1, cp=2)
+    rank = ctx.rank
+    assert (ctx.dp_rank, ctx.cp_rank) == divmod(rank, 2), ctx.describe()
+    assert ranks(ctx.cp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert ranks(ctx.dp_group) == [rank % 2, rank % 2 + 2]
+    assert ranks(ctx.replica_group) == [0, 1, 2, 3] and ctx.replicas == 4
+    assert ctx.rank_of(dp_rank=1, cp_rank=0) == 2
+    ctx = merak.init(dp=1, tp=2, pp=1, cp=2)
+    assert (ctx.cp_rank, ctx.tp_rank) == divmod(rank, 2)
+    assert ranks(ctx.cp_group) == [rank % 2, rank % 2 + 2]
+    assert ranks(ctx.replica_group) == ranks(ctx.cp_group) and "cp=" in ctx.describe()
+    ctx = merak.init(dp=2, tp=2, pp=1)  # cp = 1: the (pp, dp, tp) layout as before
+    assert ctx.cp == 1 and ctx.cp_group is None and ctx.mesh.mesh_dim_names == ("pp", "dp", "tp")
+    assert ranks(ctx.replica_group) == ranks(ctx.dp_group)
 
 
 def scenarios(world_size: int) -> dict:
@@ -107,6 +130,8 @@ def scenarios(world_size: int) -> dict:
                                                      sliding_window=8)
         out["mistral-cp2-ring-window-refused"] = window_refused_by_ring
         out["llama-cp2-ulysses-heads-refused"] = ulysses_heads_refused
+    if world_size == 4:
+        out["layout-dp2cp2-tp2cp2"] = layout
     return out
 
 
