@@ -35,7 +35,7 @@ def _clipper(num_params: int, tp: int = 1, max_norm: float = 0.0, seed: int = 0)
         named.append((f"p{i}", param))
     stage = SimpleNamespace(split=SimpleNamespace(tied_weights=[]),
                             named_parameters=lambda: iter(named))
-    ctx = SimpleNamespace(pp_rank=0, pp=1, tp=tp, dp=1, world_size=1,
+    ctx = SimpleNamespace(pp_rank=0, pp=1, tp=tp, dp=1, replicas=1, world_size=1,
                           device=torch.device("cpu"))
     return GradNormClipper(stage, ctx, max_norm), [p for _, p in named]
 

@@ -274,7 +274,7 @@ def test_plan_json_round_trips_into_init_degrees(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"chosen": Candidate(2, 1, 2, 1, 4).__dict__,
                                 "chosen_ratios": [0.0, 0.0]}))
-    assert degrees_from_plan(path) == (2, 1, 2)
+    assert degrees_from_plan(path) == (2, 1, 2, 1)
     path.write_text(json.dumps({"chosen": None}))
     with pytest.raises(ValueError, match="no chosen plan"):
         degrees_from_plan(path)

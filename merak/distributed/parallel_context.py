@@ -1,4 +1,5 @@
-"""The parallel context: one validated object describing the (pp, dp, tp) layout of this job.
+"""The parallel context: one validated object describing the (pp, dp, cp, tp) layout of this job
+(cp, context parallelism, is 1 unless asked for; the mesh then has no cp dimension).
 
 `init()` is the only place that touches process-global state: it initializes torch.distributed
 when needed and remembers the context it built as the default for `get_context()`, so that old
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+CP_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")  # with context parallelism (cp > 1)
 
 # The one piece of module-level state Merak keeps: the context built by the last `init()`.
 _default_context: ParallelContext | None = None
@@ -26,10 +28,13 @@ _default_context: ParallelContext | None = None
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Ranks, sizes and process groups of a (pp, dp, tp) job.
+    """Ranks, sizes and process groups of a (pp, dp, cp, tp) job.
 
-    Global ranks are laid out with tp innermost and pp outermost:
-    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
+    Global ranks are laid out with tp innermost, then cp, dp, and pp outermost:
+    ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`` (with cp = 1, the
+    (pp, dp, tp) layout ``(pp_rank * dp + dp_rank) * tp + tp_rank``). The cp ranks of a group
+    read the same rows and hold the same weights: gradients are reduced over dp x cp (the
+    `replica_group`).
     """
 
     dp: int
@@ -43,10 +48,35 @@ class ParallelContext:
     # this rank's groups for host (CPU) tensors, by mesh dimension and "world" (`host_group`)
     host_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False,
                                                        repr=False)
+    cp: int = 1  # context-parallel degree: each row's sequence split over cp ranks
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights of a stage (and TP shard): dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks splitting this rank's rows (None when cp == 1)."""
+        return self.mesh.get_group("cp") if self.cp > 1 else None
+
+    @property
+    def replica_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the `replicas` (the dp dimension, or dp x cp flattened): where
+        gradients are averaged and ZeRO shards."""
+        return self.mesh["dp_cp"] if self.cp > 1 else self.mesh["dp"]
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        return self.replica_mesh.get_group()
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // (self.tp * self.cp)) % self.dp
 
     @property
     def tp_rank(self) -> int:
@@ -54,7 +84,7 @@ class ParallelContext:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
 
     @property
     def is_first_pp_rank(self) -> bool:
@@ -87,25 +117,28 @@ class ParallelContext:
         return self.host_groups[dim]
 
     def rank_of(self, *, pp_rank: int | None = None, dp_rank: int | None = None,
-                tp_rank: int | None = None) -> int:
+                tp_rank: int | None = None, cp_rank: int | None = None) -> int:
         """Global rank at the given coordinates; omitted coordinates are this rank's own."""
         pp_rank = self.pp_rank if pp_rank is None else pp_rank
         dp_rank = self.dp_rank if dp_rank is None else dp_rank
         tp_rank = self.tp_rank if tp_rank is None else tp_rank
-        if not (0 <= pp_rank < self.pp and 0 <= dp_rank < self.dp and 0 <= tp_rank < self.tp):
+        cp_rank = self.cp_rank if cp_rank is None else cp_rank
+        if not (0 <= pp_rank < self.pp and 0 <= dp_rank < self.dp and 0 <= tp_rank < self.tp
+                and 0 <= cp_rank < self.cp):
             raise ValueError(
-                f"coordinates (pp={pp_rank}, dp={dp_rank}, tp={tp_rank}) are outside the "
-                f"mesh (pp={self.pp}, dp={self.dp}, tp={self.tp})")
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+                f"coordinates (pp={pp_rank}, dp={dp_rank}, cp={cp_rank}, tp={tp_rank}) are "
+                f"outside the mesh (pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp})")
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} backend={self.backend} "
                 f"pp={self.pp_rank}/{self.pp} dp={self.dp_rank}/{self.dp} "
-                f"tp={self.tp_rank}/{self.tp}")
+                + (f"cp={self.cp_rank}/{self.cp} " if self.cp > 1 else "")
+                + f"tp={self.tp_rank}/{self.tp}")
 
 
-def _check_degrees(dp: int, tp: int, pp: int) -> None:
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+def _check_degrees(dp: int, tp: int, pp: int, cp: int = 1) -> None:
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"merak.init: {name} must be a positive int, got {value!r}")
         if value <= 0:
@@ -142,9 +175,9 @@ def make_host_groups(mesh: DeviceMesh, backend: str) -> dict[str, dist.ProcessGr
     dimension, in one order, as `new_group` requires)."""
     if handles_cpu_tensors(backend):
         return {"world": dist.group.WORLD,
-                **{dim: mesh.get_group(dim) for dim in MESH_DIM_NAMES}}
+                **{dim: mesh.get_group(dim) for dim in mesh.mesh_dim_names}}
     groups = {"world": dist.new_group(backend="gloo")}
-    for index, dim in enumerate(MESH_DIM_NAMES):
+    for index, dim in enumerate(mesh.mesh_dim_names):
         lines = mesh.mesh.movedim(index, -1).reshape(-1, mesh.size(index))
         groups[dim], _ = dist.new_subgroups_by_enumeration([row.tolist() for row in lines],
                                                            backend="gloo")
@@ -199,9 +232,9 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
 
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0
-         ) -> ParallelContext:
-    """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh.
+         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
+         cp: int | None = None) -> ParallelContext:
+    """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh.
 
     Args:
         dp: data-parallel degree. With no degree at all, every rank is data-parallel (dp =
@@ -211,6 +244,10 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         pp: pipeline-parallel degree (number of stages; default 1 when any degree is given).
         backend: torch.distributed backend; default ``nccl`` when CUDA is available, else ``gloo``.
             An explicit value is always honoured.
+        cp: context-parallel degree (default 1): each row's sequence is split over cp ranks
+            (`merak.context_parallel`), which hold the same weights. With cp > 1 the mesh is
+            (pp, dp, cp, tp), the rank layout is ``((pp_rank * dp + dp_rank) * cp + cp_rank) *
+            tp + tp_rank``, and dp x cp is flattened into ``dp_cp`` (`replica_mesh`).
         timeout: collective timeout (seconds or timedelta) used when this call creates the
             process group: every wait of the job, collective or point-to-point, ends after it
             with an error (a group created earlier keeps its own).
@@ -226,14 +263,15 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         The `ParallelContext`; it also becomes the default returned by `get_context()`.
 
     Raises:
-        ValueError: a degree is not a positive int, or dp * tp * pp differs from the world size.
+        ValueError: a degree is not a positive int, or dp * cp * tp * pp differs from the world
+            size.
     """
     global _default_context
-    if dp is None and tp is None and pp is None:
+    if dp is None and tp is None and pp is None and cp is None:
         dp = dist.get_world_size() if dist.is_initialized() else \
             int(os.environ.get("WORLD_SIZE", "1"))
-    dp, tp, pp = (1 if d is None else d for d in (dp, tp, pp))
-    _check_degrees(dp, tp, pp)
+    dp, tp, pp, cp = (1 if d is None else d for d in (dp, tp, pp, cp))
+    _check_degrees(dp, tp, pp, cp)
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     if dist.is_initialized():
@@ -255,15 +293,23 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
     atexit.unregister(_destroy_at_exit)  # once, however many times init runs
     atexit.register(_destroy_at_exit)
     world_size = dist.get_world_size()
-    if dp * tp * pp != world_size:
+    size = dp * cp * tp * pp
+    if size != world_size:
+        shown = f"dp * tp * pp = {dp} * {tp} * {pp}" if cp == 1 else \
+            f"dp * cp * tp * pp = {dp} * {cp} * {tp} * {pp}"
         raise ValueError(
-            f"merak.init: dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} but the world size "
-            f"is {world_size}; choose degrees whose product is {world_size} or launch "
-            f"{dp * tp * pp} processes (torchrun --nproc_per_node {dp * tp * pp})")
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
+            f"merak.init: {shown} = {size} but the world size is {world_size}; choose degrees "
+            f"whose product is {world_size} or launch {size} processes "
+            f"(torchrun --nproc_per_node {size})")
+    if cp == 1:
+        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
+    else:
+        mesh = init_device_mesh(device.type, (pp, dp, cp, tp),
+                                mesh_dim_names=CP_MESH_DIM_NAMES)
+        mesh["dp", "cp"]._flatten("dp_cp")  # (torch's way to a 1-D mesh of two dimensions)
     context = ParallelContext(dp=dp, tp=tp, pp=pp, rank=dist.get_rank(), world_size=world_size,
                               backend=backend, device=device, mesh=mesh,
-                              host_groups=make_host_groups(mesh, backend))
+                              host_groups=make_host_groups(mesh, backend), cp=cp)
     _default_context = context
     return context
 

@@ -4,8 +4,8 @@ compute on the whole model in one process.
 Each logical parameter is counted once: a tensor-parallel shard contributes its own squares;
 a parameter replicated over the tp ranks contributes 1/tp on each; a weight tied across k
 ranks contributes 1/k on each; dp replicas hold identical (already averaged) gradients, so the
-world-wide sum is divided by dp, except for a ZeRO-2/3 shard, which each dp rank holds a
-different part of.
+world-wide sum is divided by dp (times cp: context-parallel ranks hold the same weights too),
+except for a ZeRO-2/3 shard, which each of those ranks holds a different part of.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class GradNormClipper(InstructionHook):
             if getattr(param, "tp_shard", None) is None:
                 weight /= ctx.tp
             if is_sharded(param):
-                weight *= ctx.dp
+                weight *= ctx.replicas
             self.weighted.append((param, weight))
         self.last_norm: float | None = None
 
@@ -48,7 +48,7 @@ class GradNormClipper(InstructionHook):
         total = self.local_sum_of_squares()
         if self.ctx.world_size > 1:
             dist.all_reduce(total)
-        norm = (total / self.ctx.dp).sqrt().item()
+        norm = (total / self.ctx.replicas).sqrt().item()
         self.last_norm = norm
         if self.max_norm > 0:
             coef = min(1.0, self.max_norm / (norm + 1e-6))

@@ -130,7 +130,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self._tied = tied_parameter_groups(ctx, split, {i: r.stage for i, r in
                                                         self.runners.items()})
         self.grad_averager = GradientAverager(
-            [q for q in params if not is_sharded(q)], ctx.dp_group, bucket_bytes,
+            [q for q in params if not is_sharded(q)], ctx.replica_group, bucket_bytes,
             grad_predivide, late=self._tp_partial + [q for _, g in self._tied for q in g],
             stages={s: list(r.stage.parameters()) for s, r in self.runners.items()})
         self._discovery_program = forward_program(split, p, ctx.pp_rank, v, 1,
@@ -154,7 +154,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self.hooks = [h for h in self.hooks if not isinstance(h, IdleCoreLending)]
         if self._lend:  # (the interpreter's own hook: it follows the schedule)
             ctx = self.ctx
-            self.hooks.insert(0, IdleCoreLending(schedule, ctx.pp_rank, ctx.dp * ctx.tp))
+            self.hooks.insert(0, IdleCoreLending(schedule, ctx.pp_rank, ctx.replicas * ctx.tp))
 
     def _install_recomputation(self, segments: dict[int, Sequence[Sequence[int]]],
                                measure: str | None = None) -> None:
@@ -251,7 +251,10 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         used = microbatches_used or num_microbatches
         for runner in self.runners.values():
             runner.device, runner.autocast_dtype = self.ctx.device, self.autocast_dtype
-            runner.loss_scale, runner.loss_weight = self.loss_scale, loss_weight
+            # cp ranks' losses are shares of their rows' loss: times cp, the average over
+            # the dp x cp replicas sums over cp (and averages over dp)
+            runner.loss_scale = self.loss_scale * self.ctx.cp
+            runner.loss_weight = loss_weight
             runner.begin([{k: part[k] for k in runner.batch_keys} for part in parts], used)
         if self.split.edges:
             key, classes = batch_shape_key(self, parts, used)

@@ -22,18 +22,19 @@ TiedGroups = list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]
 def tied_weight_groups(ctx: ParallelContext,
                        params_by_pp_ranks: Mapping[tuple[int, ...], list[torch.nn.Parameter]],
                        ) -> TiedGroups:
-    """One process group per set of pipeline ranks sharing weights, per (dp, tp) coordinate,
+    """One process group per set of pipeline ranks sharing weights, per (dp, cp, tp) coordinate,
     with this rank's parameters of that set. Every rank creates every group in the same order
     (torch.distributed requires it), so every rank passes the same keys in the same order."""
     groups = []
     for pp_ranks, params in params_by_pp_ranks.items():
         for dp_rank in range(ctx.dp):
-            for tp_rank in range(ctx.tp):
-                ranks = [ctx.rank_of(pp_rank=r, dp_rank=dp_rank, tp_rank=tp_rank)
-                         for r in pp_ranks]
-                group = dist.new_group(ranks)
-                if ctx.rank in ranks:
-                    groups.append((group, params))
+            for cp_rank in range(ctx.cp):
+                for tp_rank in range(ctx.tp):
+                    ranks = [ctx.rank_of(pp_rank=r, dp_rank=dp_rank, tp_rank=tp_rank,
+                                         cp_rank=cp_rank) for r in pp_ranks]
+                    group = dist.new_group(ranks)
+                    if ctx.rank in ranks:
+                        groups.append((group, params))
     return groups
 
 

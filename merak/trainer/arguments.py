@@ -124,6 +124,11 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "sequence dimension of hidden states"))
     tp_overlapping_level: int = field(default=0, metadata=_help("tensor parallel",
         "sub-pipelined TP: 0 off, 1 within linear pairs, 2 across attention and MLP"))
+    # ---- context parallelism (the degree is merak.init's cp)
+    cp_mode: str = field(default="ring", metadata=_help("context parallel",
+        "attention across the sequence split when merak.init(cp=) > 1: 'ring' (K/V blocks "
+        "around the ring, any head count) or 'ulysses' (all-to-all of heads and sequence; "
+        "heads divisible by cp x tp)"))
     # ---- checkpoints
     save: bool = field(default=False, metadata=_help("checkpoints",
         "save Merak checkpoints every save_steps (same as save_strategy='steps')"))

@@ -57,6 +57,7 @@ class EvaluationMixin:
         args, ctx = self.args, self.ctx
         predictions = predictions or (self.compute_metrics is not None
                                       and not args.prediction_loss_only)
+        self._check_predictions(predictions)
         mbs = self._train_batch_size  # the micro-batch the pipeline is built for
         self._assemble(self._example(dataset, min(mbs, len(dataset))))
         m = -(-args.per_device_eval_batch_size // mbs)

@@ -33,6 +33,7 @@ from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.auto_plan import apply_strategy_plan
 from merak.trainer.checkpointing import CheckpointMixin
+from merak.trainer.context_parallel import ContextParallelMixin
 from merak.trainer.data import (
     StageBatches,
     check_eval_dataset,
@@ -50,8 +51,8 @@ from merak.trainer.subclasses import check_dpo, check_overrides, trainer_keyword
 from merak.trainer.text_generation import TextGenerationMixin
 
 
-class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, EvaluationMixin,
-                   TrainingFlowMixin, TextGenerationMixin, Trainer):
+class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, CheckpointMixin,
+                   EvaluationMixin, TrainingFlowMixin, TextGenerationMixin, Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -89,6 +90,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         self._loss, self._counts_items = self._choose_loss(base)
         # HF's rule for which labels count (a causal LM's loss shifts them)
         self._shifted_count = getattr(self, "_loss_shifts_labels", shifts_labels(base))
+        self._check_context_parallel(model)
         self._check_inputs()  # before any model is built from their first items
         self.generation_prompts, self.generations = generation_prompts, None
         self.stage = self.engine = self.clipper = self.zero = None
@@ -135,6 +137,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         if lora.is_peft_model(model):  # the peft layers live in the model peft wraps
             model = model.get_base_model()
         self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
+        self._enable_context_parallel()  # before the trace: the stages attend across cp
         traced = self._traced_inputs(example)
         loss_fn = self._loss
         self._wrapped_loss = loss_fn is not None
