@@ -2,6 +2,7 @@
 
     meta model -> tensor parallelism -> pipeline split -> materialize own stage (initialize
     exactly as the full model would, or load its shard from an HF safetensors checkpoint)
+    -> the proof of an inferred tensor-parallel plan on this rank's blocks
     -> data parallelism (the interpreter averages gradients over the dp group)
 
 Tensor parallelism comes before the split so the split traces per-rank shapes and keeps the
@@ -25,6 +26,7 @@ from merak.partition.auto import AutoSplit, auto_split
 from merak.stages.stage import InterleavedStage, PipelineStage, interleaved_stage
 from merak.tensor_parallel.apply import apply_tensor_parallel
 from merak.tensor_parallel.plans import TPPlan
+from merak.tensor_parallel.proof import prove_plan
 
 
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -70,6 +72,11 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     Returns:
         The `PipelineStage` (its ``split`` is the `AutoSplit`), ready for `PipelineInterpreter`;
         with model chunks, the `InterleavedStage`; either is ready for `PipelineInterpreter`.
+
+    Raises:
+        merak.tensor_parallel.proof.PlanRefused: on every rank, when the tensor-parallel plan
+            was inferred from the blocks (the model's family has no other) and a rank's sharded
+            block does not compute what the unsharded one does.
     """
     ctx = ctx or get_context()
     if lora.is_peft_model(model):  # LoRA: the peft layers live in the model peft wraps,
@@ -105,4 +112,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     else:
         materialize_(stage, ctx.device, initialize=False)
         load_safetensors_(stage, checkpoint, aliases=aliases, layout=layout)
+    info = getattr(model, "merak_tp", None)
+    if info is not None and info.examples:  # an inferred plan, proven on this rank's blocks
+        prove_plan(model, list(info.examples), ctx)
     return stage

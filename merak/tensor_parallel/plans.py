@@ -52,14 +52,23 @@ class TPPlan:
     `divide_heads` divides the head counts (`HEAD_ATTRS`) of every module holding a
     column-parallel layer whose output stays sharded, and of its private config; `divisible`
     more config attributes tp must divide; `hf_styles` the (pattern, style) entries it came
-    from."""
+    from.
+
+    The fields after `hf_styles` come with plans inferred from the traced blocks
+    (`merak.tensor_parallel.infer`): `fused` may give the sizes themselves, and `head_sharded`
+    a (dim, period) pair: each period of that many elements along the dim is split apart;
+    `split_inputs` block inputs sliced per rank the same way, as (argument path in
+    ``(args, kwargs)``, dim, period) entries per block pattern (BLOOM's ALiBi biases, one per
+    head); `notes` why layers stay replicated; `check` asks for the proof before training (each
+    rank's sharded block against the unsharded one, `merak.tensor_parallel.proof`)."""
 
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
-    fused: dict[str, Callable[[object], tuple[int, ...]]] = field(default_factory=dict)
+    fused: dict[str, Callable[[object], tuple[int, ...]] | tuple[int, ...]] = field(
+        default_factory=dict)
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
     divide_anywhere: tuple[str, ...] = ()
-    head_sharded: dict[str, int] = field(default_factory=dict)
+    head_sharded: dict[str, int | tuple[int, int]] = field(default_factory=dict)
     io_mapping: tuple[tuple[int, int, str], ...] = ()
     partial_grad: tuple[str, ...] = ()
     sp_gather: tuple[str, ...] | None = None
@@ -80,6 +89,9 @@ class TPPlan:
     divide_heads: bool = False
     divisible: tuple[str, ...] = ()
     hf_styles: tuple[tuple[str, str], ...] = ()
+    split_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    check: bool = False
 
     def style(self, name: str, module: nn.Module) -> str | None:
         """'column', 'row' or None for the module `name`."""
@@ -345,8 +357,9 @@ def plan_for(model: nn.Module, ctx: object = None,
              plan: TPPlan | Mapping | None = None) -> TPPlan:
     """The plan to shard `model` with: `plan` when given (see `as_tp_plan`), else the one
     recorded by `merak.set_tp_layer_lists` for the job of `ctx` (`registered_plan`), else the
-    family's table entry, else the config's ``base_model_tp_plan``; otherwise an error naming
-    `merak.set_tp_layer_lists`."""
+    family's table entry, else the config's ``base_model_tp_plan``, else the plan inferred from
+    its blocks for ``ctx.tp`` ranks (`merak.tensor_parallel.infer`); when inference places
+    nothing, an error with its reasons and naming `merak.set_tp_layer_lists`."""
     chosen = as_tp_plan(plan)
     if chosen is None and ctx is not None:
         chosen = registered_plan(ctx)
@@ -357,7 +370,12 @@ def plan_for(model: nn.Module, ctx: object = None,
     found = config_plan(config) if config is not None else None
     if found is not None:
         return found
-    raise ValueError(f"no tensor-parallel plan for {type(model).__name__} (model_type "
-                     f"{model_type!r}; plans exist for {sorted(FAMILY_PLANS)}): describe its "
-                     f"layers with merak.set_tp_layer_lists(col_para_list=[...], "
-                     f"row_para_list=[...], tp_attr_list=[...]) or a tp_plan, or use tp=1")
+    from merak.tensor_parallel.infer import infer_plan
+
+    try:
+        return infer_plan(model, getattr(ctx, "tp", 2), getattr(ctx, "device", "cpu"))
+    except ValueError as error:
+        raise ValueError(
+            f"no tensor-parallel plan for {type(model).__name__} (model_type {model_type!r}; "
+            f"{error}): describe its layers with merak.set_tp_layer_lists(col_para_list=[...],"
+            f" row_para_list=[...], tp_attr_list=[...]) or a tp_plan, or use tp=1") from error

@@ -1,0 +1,229 @@
+"""Where a set of column-parallel linears puts sharded values in one recorded block
+(`merak.tensor_parallel.trace`), op by op, and what else that asks of the plan.
+
+A sharded value holds, along one dim, this rank's part of a tp-way split: a dim index reads
+``hi * (tp * pos) + rank * pos + lo`` (`Shard`: ``pos`` elements of each period of ``tp * pos``).
+A column-parallel linear's output starts sharded along its features (``pos = out / tp``); views
+carry the split into a head dim (``view(b, s, H, d)``: ``pos = H / tp``) and back, element-wise
+ops, norms and reductions over other dims, attention matmuls over sharded batch or head dims
+keep it; a linear reading it whole along its last dim is row-parallel. `propagate` walks the
+block once and returns what it found (`Region`), or raises `Unplaceable` with the reason: a
+reduction or contraction over the sharded dim, a view that splits it across dims, an op it does
+not know, a sharded value the model reads after the block. A replicated value that meets a
+sharded one along the sharded dim must be sharded too: a parameter (split along that dim), a
+block input (sliced per rank), a tensor made from an attribute (the attribute divided), or the
+output of another linear, which then joins the columns (`Region.more_columns`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.utils import _pytree as pytree
+
+from merak.tensor_parallel.op_rules import (
+    ACTIVATIONS,
+    CREATE,
+    RULES,
+    UNARY,
+    Shard,
+    Unplaceable,
+    outputs,
+    tensors,
+)
+from merak.tensor_parallel.trace import BlockTrace, Node, TrackedInt, Value, describe, sources_of
+
+
+@dataclass
+class Region:
+    """What sharding `columns` asks of the plan."""
+
+    columns: set[str]
+    rows: set[str] = field(default_factory=set)
+    bounds: dict[str, set[int]] = field(default_factory=dict)  # fused part boundaries
+    param_shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # (dim, period)
+    partial: set[str] = field(default_factory=set)  # replicated params seeing this rank's part
+    outside: set[str] = field(default_factory=set)  # params read by replicated ops
+    inputs: dict[str, tuple[int, int]] = field(default_factory=dict)  # input path -> (dim, period)
+    divide: list[frozenset] = field(default_factory=list)  # attribute sources, one of each
+    head_sizes: set[int] = field(default_factory=set)  # sizes of the sharded head dims
+    more_columns: set[str] = field(default_factory=set)
+    heads: bool = False  # a linear's features were split into sharded heads
+    activation: bool = False  # a sharded value went through a non-linear activation
+
+
+class _Pass:
+    """One walk of the block for one set of columns (see the module docstring)."""
+
+    def __init__(self, trace: BlockTrace, tp: int, columns: set[str], linears: dict[str, str],
+                 bounds: dict[str, set[int]]):
+        self.trace, self.tp, self.linears = trace, tp, linears
+        self.region = Region(set(columns), bounds={k: set(v) for k, v in bounds.items()})
+        self.shard: dict[int, Shard] = {}
+
+    def fail(self, node: Node, why: str):
+        raise Unplaceable(f"{why} (at {describe(node)})")
+
+    def of(self, v) -> Shard | None:
+        return self.shard.get(id(v)) if isinstance(v, Value) else None
+
+    def set(self, v, s: Shard) -> None:
+        if isinstance(v, Value):
+            self.shard[id(v)] = s
+
+    def run(self) -> Region:
+        for node in self.trace.nodes:
+            self.node(node)
+        for value, read in self.trace.outputs:
+            if read and value is not None and id(value) in self.shard:
+                raise Unplaceable("a sharded value leaves the block and the model reads it")
+        self.region.partial -= set(self.region.param_shards)
+        clash = (self.region.partial | set(self.region.param_shards)) & self.region.outside
+        if clash:
+            raise Unplaceable(f"parameters {sorted(clash)} are read by sharded and by "
+                              f"replicated computations alike")
+        return self.region
+
+    def linear_call(self, node: Node) -> tuple[str, Value] | None:
+        """(module, input) when `node` calls one of the block's linear layers."""
+        if node.name == "linear" and len(node.args) > 1:
+            weight, x = node.args[1], node.args[0]
+        elif node.name == "addmm" and len(node.args) > 2:
+            weight, x = node.args[2], node.args[1]
+        else:
+            return None
+        name = self.trace.params.get(id(weight)) if isinstance(weight, Value) else None
+        module = self.linears.get(name) if name else None
+        return (module, x) if module else None
+
+    def node(self, node: Node) -> None:
+        call = self.linear_call(node)
+        if call is not None:
+            return self.linear(node, *call)
+        found = tensors(node)
+        sharded = [v for v in found if id(v) in self.shard]
+        params = {v.origin[6:] for v in found if v.origin.startswith("param:")}
+        if not sharded:
+            self.region.outside |= params
+            return None
+        if node.name in ("__setitem__", "copy_", "index_put_", "masked_scatter_") \
+                or node.name.endswith("_") and not node.name.endswith("__") \
+                and id(found[0]) not in self.shard:
+            self.fail(node, "sharded values written in place into a replicated tensor")
+        if not outputs(node):
+            return None
+        name = node.name if node.name.endswith("__") else node.name.rstrip("_")
+        self.region.partial |= params
+        self.region.activation |= name in ACTIVATIONS
+        rule = RULES.get(name)
+        if rule is None:
+            self.fail(node, f"plan inference does not know how {node.name!r} treats a sharded "
+                            f"value")
+        rule(self, node, name)
+        for v in found:  # its gradient would be this rank's part: only a split input may
+            if v.origin == "input" and v.requires_grad and id(v) not in self.shard:
+                path = next(p for p, x in self.trace.inputs if x is v)
+                if path not in self.region.inputs:
+                    self.fail(node, f"the block input {path}, which carries a gradient, meets "
+                                    f"sharded values")
+        return None
+
+    def linear(self, node: Node, module: str, x: Value) -> None:
+        out = outputs(node)[0]
+        s = self.of(x)
+        if module in self.region.columns:
+            if s is not None:
+                self.fail(node, f"column {module} reads a sharded value")
+            width = out.shape[-1]
+            if width % self.tp:
+                self.fail(node, f"tp={self.tp} does not divide {module}'s {width} features")
+            self.set(out, Shard(out.ndim - 1, width // self.tp, module))
+        elif s is not None:
+            if s.dim != x.ndim - 1 or s.pos * self.tp != x.shape[-1]:
+                self.fail(node, f"{module} reads a value sharded otherwise than in equal blocks "
+                                f"of its input features")
+            self.region.rows.add(module)
+
+    def parts(self, node: Node, x: Value, s: Shard, spans: list[tuple[int, int]], outs: list,
+              dim: int | None = None) -> None:
+        """`outs` are the parts `spans` of `x` along its sharded dim: `x` must be a column's whole
+        output, whose features are then fused parts, each split apart (part boundaries are
+        collected; a walk that found new ones is repeated with them)."""
+        width = x.shape[s.dim]
+        if s.source is None or s.pos * self.tp != width:
+            self.fail(node, "parts of a sharded dim that is no column's whole output")
+        bounds = self.region.bounds.setdefault(s.source, {0, width})
+        for start, stop in spans:
+            bounds |= {start, stop}
+        edges = sorted(bounds)
+        for (start, stop), out in zip(spans, outs):
+            inside = [b - a for a, b in zip(edges, edges[1:]) if start <= a and b <= stop]
+            if len(set(inside)) != 1 or inside[0] % self.tp:
+                self.fail(node, f"{s.source}'s output parts {inside} cannot each be split "
+                                f"{self.tp} ways")
+            self.set(out, Shard(s.dim if dim is None else dim, inside[0] // self.tp))
+
+    def meet(self, node: Node, v: Value, dim: int, s: Shard) -> None:
+        """Replicated `v` meets a value sharded by `s` along its own dim `dim` (full size)."""
+        period, seen = s.pos * self.tp, set()
+        while True:
+            if v.origin.startswith("param:"):
+                self.region.param_shards[v.origin[6:]] = (dim, period)
+                return
+            if v.origin == "input":
+                path = next(p for p, x in self.trace.inputs if x is v)
+                self.region.inputs[path] = (dim, period)
+                return
+            if v.producer is None or v.producer in seen:
+                break
+            seen.add(v.producer)
+            producer = self.trace.nodes[v.producer]
+            if producer.name in CREATE:
+                sizes = [a for a in pytree.tree_leaves(producer.args) if isinstance(a, int)]
+                at = dim + len(sizes) - v.ndim
+                if 0 <= at < len(sizes) and sources_of(sizes[at]):
+                    self.region.divide.append(sources_of(sizes[at]))
+                    return
+                break
+            src = producer.args[0] if producer.args else None
+            if not isinstance(src, Value) or src.ndim != v.ndim \
+                    or src.shape[dim] != v.shape[dim]:
+                break
+            slices_only = producer.name == "__getitem__" and not any(
+                isinstance(i, (int, Value)) for i in pytree.tree_leaves(producer.args[1:]))
+            if producer.name not in UNARY and not slices_only:
+                break
+            v = src
+        linears = self.linears_before(v)
+        if linears and not linears & (self.region.rows | self.region.columns):
+            self.region.more_columns |= linears
+            return
+        self.fail(node, "a replicated value meets a sharded one along the sharded dim")
+
+    def linears_before(self, v: Value) -> set[str]:
+        """The block's linears whose outputs reach `v` without passing another linear."""
+        found, todo, seen = set(), [v], set()
+        while todo:
+            value = todo.pop()
+            if value.producer is None or value.producer in seen:
+                continue
+            seen.add(value.producer)
+            producer = self.trace.nodes[value.producer]
+            call = self.linear_call(producer)
+            if call is not None:
+                found.add(call[0])
+            else:
+                todo.extend(tensors(producer))
+        return found
+
+    def need_divided(self, size) -> None:
+        if isinstance(size, TrackedInt):
+            self.region.divide.append(size.sources)
+
+
+def propagate(trace: BlockTrace, tp: int, columns: set[str], linears: dict[str, str],
+              bounds: dict[str, set[int]] | None = None) -> Region:
+    """Walk `trace` with `columns` column-parallel (see the module docstring). `linears` maps
+    the block's linear weights (relative names) to their modules; `bounds` the fused part
+    boundaries found by an earlier walk (a split of a column's output along its features)."""
+    return _Pass(trace, tp, columns, linears, bounds or {}).run()
