@@ -30,7 +30,7 @@ def test_every_schedule_and_size_passes_the_nccl_replay(name):
     info = SCHEDULES[name]
     for p, v in _sizes(info):
         for m in range(1, 17):
-            if info.several_stages_per_rank and m % p:
+            if info.several_stages_per_rank and m < p:
                 continue
             schedule = make_schedule(name, p, m, stages_per_rank=v, recompute=True)
             report = validate_schedule(schedule)

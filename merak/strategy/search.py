@@ -43,7 +43,8 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
     """Every layout x sequence parallelism x micro-batch size x schedule x recomputation x
     ZeRO stage that the sizes allow (a global batch divisible by dp x micro-batch size;
     sequence parallelism needs tp > 1 dividing the sequence of `seq` tokens; interleaving
-    needs two blocks per rank; ZeRO needs dp > 1) and that `merak.rules` accepts for the job's
+    needs two blocks per rank and at least pp micro-batches (the registry's
+    `min_microbatches_per_rank`); ZeRO needs dp > 1) and that `merak.rules` accepts for the job's
     other options `job` (ZeRO-2/3 with a schedule that does not split the backward, nor with
     LoRA or torch_compile; Merak's reordering schedules with recomputation: the rules
     `MerakArguments` applies). `sequence_parallel`: the settings to try where tp > 1
@@ -59,7 +60,7 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
             for name in schedules if pp > 1 else ["1f1b"]:
                 info = SCHEDULES[name]
                 chunks = 2 if info.several_stages_per_rank else 1
-                if chunks * pp > shape.layers or (chunks > 1 and m % pp):
+                if chunks * pp > shape.layers or m < info.min_microbatches_per_rank * pp:
                     continue
                 for recompute in RECOMPUTE_CHOICES:
                     for zero in zero_stages if dp > 1 else (0,):
