@@ -30,6 +30,7 @@ class Shard:
 
 ACTIVATIONS = {"gelu", "silu", "relu", "tanh", "sigmoid", "softplus", "elu", "leaky_relu", "mish",
                "hardswish", "relu6", "selu", "celu", "erf", "hardsigmoid", "logsigmoid",
+               "log_sigmoid",
                "softsign", "square", "pow", "glu", "exp", "sin"}
 UNARY = {"contiguous", "clone", "detach", "to", "type", "float", "half", "bfloat16", "double",
          "type_as", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
@@ -47,6 +48,10 @@ NARY = {"add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", 
             "add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv",
             "rfloordiv", "mod", "pow", "rpow", "and", "or", "xor", "eq", "ne", "lt", "gt", "le",
             "ge", "iadd", "isub", "imul", "itruediv")}
+VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "unsqueeze", "squeeze",
+         "expand", "expand_as", "broadcast_to"}
+PERMUTES = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t", "T", "mT",
+            "mH", "H"}
 CREATE = {"zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full",
           "arange"}
 
@@ -172,24 +177,24 @@ def view(p, node: Node, name: str) -> None:
                                                                                  tuple)):
         new = s if out.shape == x.shape else p.fail(node, "a dtype view of a sharded value")
     else:
-        new = map_view(x.shape, out.shape, s, p.tp)
-        if new is None:
-            p.fail(node, "a view spreads the per-rank part of a sharded dim over two dims")
+        new = map_view(x.shape, out.shape, s, p.tp) or p.fused_view(node, x, s, out)
+    if s.dim == x.ndim - 1 and new.dim != out.ndim - 1 and s.source is not None \
+            and s.pos * p.tp == x.shape[s.dim] and out.shape[new.dim] > 1:
+        p.region.fused_guesses.append((s.source, out.shape[new.dim]))
     sizes = _sizes(node) if name in ("view", "reshape", "expand", "broadcast_to") else []
     if name == "unflatten":
         start = int(arg(node, 1, "dim")) % x.ndim
         sizes = [None] * start + list(arg(node, 2, "sizes"))
     if len(sizes) == out.ndim:
-        p.need_divided(sizes[new.dim])
+        p.need_divided(node, sizes[new.dim])
     if s.dim == x.ndim - 1 and new.dim != out.ndim - 1 and out.shape[new.dim] > 1:
         p.region.heads = True
         p.region.head_sizes.add(out.shape[new.dim])
     p.set(out, new)
 
 
-def permute(p, node: Node, name: str) -> None:
-    x, out = node.args[0], outputs(node)[0]
-    s, nd = p.of(x), x.ndim
+def permutation(node: Node, name: str, nd: int) -> list[int]:
+    """The input dim of each output dim of a transpose-like op."""
     order = list(range(nd))
     if name in ("transpose", "swapaxes", "swapdims"):
         a, b = int(node.args[1]) % nd, int(node.args[2]) % nd
@@ -207,7 +212,26 @@ def permute(p, node: Node, name: str) -> None:
         order[-2], order[-1] = order[-1], order[-2]
     else:  # t, T, H
         order.reverse()
-    p.set(out, Shard(order.index(s.dim), s.pos, s.source))
+    return order
+
+
+def permute(p, node: Node, name: str) -> None:
+    x, out = node.args[0], outputs(node)[0]
+    s = p.of(x)
+    p.set(out, Shard(permutation(node, name, x.ndim).index(s.dim), s.pos, s.source))
+
+
+def view_source_dim(src: tuple, out: tuple, dim: int) -> int | None:
+    """The dim of `src` that dim `dim` of its view `out` is, when the view only adds or drops
+    dims of size 1 around it; else None."""
+    for ia, jb in view_groups(src, out):
+        if dim in jb:
+            if any(out[j] != 1 for j in jb if j != dim):
+                return None
+            same = [i for i in ia if src[i] == out[dim]]
+            rest = [i for i in ia if src[i] != 1 and i not in same[:1]]
+            return same[0] if same and not rest else None
+    return None
 
 
 def split(p, node: Node, name: str) -> None:
@@ -222,7 +246,7 @@ def split(p, node: Node, name: str) -> None:
         p.fail(node, "unbinds the sharded dim")
     if name in ("split", "split_with_sizes"):
         for size in pytree.tree_leaves(node.args[1] if len(node.args) > 1 else []):
-            p.need_divided(size)
+            p.need_divided(node, size)
     start, spans = 0, []
     for out in outs:
         spans.append((start, start + out.shape[d]))
@@ -254,8 +278,8 @@ def getitem(p, node: Node, name: str) -> None:
                         p.fail(node, "a strided slice of the sharded dim")
                     if (start, stop) != (0, x.shape[src]):
                         span = (start, stop)
-                        p.need_divided(item.start)
-                        p.need_divided(item.stop)
+                        p.need_divided(node, item.start)
+                        p.need_divided(node, item.stop)
             src += 0 if item is None else 1
             dst += 0 if isinstance(item, int) else 1
     if new is None:
@@ -450,10 +474,7 @@ def nothing(p, node: Node, name: str) -> None:
 
 RULES = {
     **dict.fromkeys(UNARY, unary), **dict.fromkeys(NARY, nary),
-    **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
-                     "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to"), view),
-    **dict.fromkeys(("transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t",
-                     "T", "mT", "mH", "H"), permute),
+    **dict.fromkeys(VIEWS, view), **dict.fromkeys(PERMUTES, permute),
     **dict.fromkeys(("split", "split_with_sizes", "chunk", "tensor_split", "unbind"), split),
     **dict.fromkeys(("sum", "mean", "amax", "amin", "max", "min", "prod", "norm", "var", "std",
                      "logsumexp", "all", "any", "vector_norm", "nansum", "nanmean", "argmax",
