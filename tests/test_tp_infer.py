@@ -84,7 +84,7 @@ def test_the_printed_plan_is_the_plan(capsys):
     assert copied == TPPlan(**{**vars(plan), "notes": ()})
     assert main(["tp-plan", "bloom"]) == 0
     out = capsys.readouterr().out
-    assert "inferred from the traced blocks" in out and "split_inputs=" in out
+    assert "inferred from the blocks" in out and "split_inputs=" in out
     assert main(["tp-plan", "llama"]) == 0
     assert "Merak's hand-written plan" in capsys.readouterr().out
 

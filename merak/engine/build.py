@@ -104,7 +104,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                                       **split_options)
     except RuntimeError as error:  # a plan to prove that does not even trace is refused
         info = getattr(model, "merak_tp", None)
-        cause = explain_tp_failure(model, error) if info is not None and info.plan.check \
+        cause = (str(error) if str(error).startswith("a shape error inside") else
+                 explain_tp_failure(model, error)) if info is not None and info.plan.check \
             else None
         if cause is not None:
             raise refusal(model, "fails its check: " + cause) from error

@@ -29,9 +29,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from merak import lora
-from merak.tensor_parallel.op_rules import Unplaceable
 from merak.tensor_parallel.plans import TPPlan, matches
 from merak.tensor_parallel.propagate import Region, propagate
+from merak.tensor_parallel.shards import Unplaceable
 from merak.tensor_parallel.trace import BlockTrace, signature, trace_model_blocks
 
 # attributes of the converted layers themselves: the layer conversion divides those

@@ -51,8 +51,8 @@ def plan_text(config, tp: int = 2, infer: bool = False) -> str:
     plan = plan or infer_plan(model, tp)
     origin = {"table": "Merak's hand-written plan (FAMILY_PLANS)",
               "base_model_tp_plan": "the config's base_model_tp_plan",
-              "inferred": "inferred from the traced blocks; proven on each rank's blocks before "
-                          "training (check=True)"}.get(plan.source, plan.source)
+              "inferred": "inferred from the blocks, proven on each rank before training"
+              }.get(plan.source, plan.source)
     header = f"# {config.model_type} at tp={tp}: {origin}\nfrom merak import TPPlan\n\n"
     return header + "plan = " + format_plan(plan, config)
 

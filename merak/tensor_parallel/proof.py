@@ -214,7 +214,8 @@ def prove_plan(model: nn.Module, examples: list[Example], ctx) -> None:
     problems = list(dict.fromkeys(p for rank in everyone for p in rank))
     if problems:
         # the parameters' gradients name the modules: those first
-        problems.sort(key=lambda p: not p.startswith("the gradient of"))
+        problems.sort(key=lambda p: not p.startswith("the gradient of")
+                      or p.startswith("the gradient of input"))
         more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
         raise refusal(model, "fails its proof: " + "; ".join(problems[:2]) + more)
 
