@@ -11,6 +11,7 @@ from merak.generation.cli import add_generate
 from merak.inputs import InputError
 from merak.planner.cli import add_plan
 from merak.schedule.simulate_cli import add_simulate
+from merak.tensor_parallel.plan_cli import add_tp_plan
 
 
 def _add_export(subparsers) -> None:
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     add_coverage(subparsers)
     add_generate(subparsers)
     add_plan(subparsers)
+    add_tp_plan(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

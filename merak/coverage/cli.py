@@ -48,6 +48,9 @@ def add_coverage(subparsers) -> None:
                         help="which checks to run after build and single (default: pp,tp,load;"
                              " load = save_pretrained, then per-rank from_pretrained at pp and "
                              "tp against HF's from_pretrained)")
+    parser.add_argument("--plans", action="store_true",
+                        help="print each plan inferred from the blocks (families with neither "
+                             "Merak's plan nor a base_model_tp_plan) as `merak tp-plan` does")
     parser.add_argument("--trainer", default="",
                         help="families to also train through MerakTrainer at dp=2 x tp=2 x "
                              "pp=2 against HF Trainer (8 ranks), e.g. olmo2,mixtral,qwen3_moe")
@@ -125,14 +128,26 @@ def _print_row(row: dict) -> None:
     print(" ".join(cells) + (f"  {failure}" if failure else ""), flush=True)
 
 
+def _of(rows: list[dict], source: str) -> list[dict]:
+    return [r for r in rows if r.get("tp_plan_source") == source]
+
+
+def _ok(rows: list[dict], source: str) -> list[dict]:
+    return [r for r in _of(rows, source) if r.get("tp") == "ok"]
+
+
+def failures(rows: list[dict], check: str) -> list[str]:
+    """``family: reason`` of each family that runs and fails `check`."""
+    return [f"  {r['family']}: {r[check]}" for r in rows
+            if r.get("single") == "ok" and r.get(check) not in (None, "ok")]
+
+
 def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
     """The summary lines: how many families build, run, split and shard at parity."""
     runs = [r for r in rows if r.get("single") == "ok"]
     ran_pp = any("pp" in r for r in runs) or not runs
     ran_tp = any("tp" in r for r in runs) or not runs
     builds = [r for r in rows if r.get("build") == "ok"]
-    planned = [r for r in runs if r.get("tp_plan")]
-    any_plan = [r for r in runs if r.get("tp") not in (None, NO_PLAN)]
     moe = [r for r in runs if r.get("moe")]
 
     def share(part, whole):
@@ -144,11 +159,18 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
         lines.append(f"pp={stages} parity: {share([r for r in runs if r.get('pp') == 'ok'], runs)}"
                      f" of the families that run")
     if tp > 1 and ran_tp:
-        lines.append(f"tp={tp} parity: "
-                     f"{share([r for r in planned if r.get('tp') == 'ok'], planned)}"
-                     f" of those with a base_model_tp_plan; "
-                     f"{share([r for r in any_plan if r.get('tp') == 'ok'], any_plan)} of those "
-                     f"with any plan (Merak's table or the config's)")
+        tried = [r for r in runs if "tp" in r]
+        by = [f"{label} {share(_ok(tried, source), _of(tried, source))}" for source, label in (
+            ("table", "Merak's table"), ("base_model_tp_plan", "the config's base_model_tp_plan"),
+            ("inferred", "inferred from the blocks"))]
+        lines.append(f"tp={tp} parity: {share([r for r in tried if r['tp'] == 'ok'], tried)} of "
+                     f"the families that run (plans: {'; '.join(by)}; no plan: "
+                     f"{sum(r['tp'].startswith(NO_PLAN) for r in tried)})")
+        partial = [r for r in _ok(tried, "inferred") if r.get("tp_replicated")]
+        if _of(tried, "inferred"):
+            lines.append(f"inferred plans at parity that leave some linears replicated: "
+                         f"{len(partial)} ({', '.join(r['family'] for r in partial)})")
+
     if stages > 1 and ran_pp:
         lines.append(f"MoE families at pp={stages} parity: "
                      f"{share([r for r in moe if r.get('pp') == 'ok'], moe)}")
@@ -176,10 +198,17 @@ def run_coverage(args: argparse.Namespace) -> int:
 
         trainer_rows = check_trainer(_families(args.trainer))
     lines = summarize(rows, args.stages, args.tp)
+    if args.tp > 1 and failures(rows, "tp"):
+        lines += [f"tp={args.tp} failures:", *failures(rows, "tp")]
     for row in trainer_rows:
         lines.append(f"MerakTrainer dp=2 x tp=2 x pp=2 vs HF Trainer, {row['family']}: "
                      f"{row['result']}")
     print("\n".join(["", *lines, f"({time.perf_counter() - start:.0f} s)"]))
+    if args.plans:
+        for row in rows:
+            if row.get("inferred_plan"):
+                print(f"\n# {row['family']}: tp plan inferred from its blocks "
+                      f"(tp={args.tp}: {row.get('tp')})\n{row['inferred_plan']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"stages": args.stages, "tp": args.tp,
                                                "summary": lines, "families": rows,

@@ -25,8 +25,9 @@ from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoi
 from merak.partition.auto import AutoSplit, auto_split
 from merak.stages.stage import InterleavedStage, PipelineStage, interleaved_stage
 from merak.tensor_parallel.apply import apply_tensor_parallel
+from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.plans import TPPlan
-from merak.tensor_parallel.proof import prove_plan
+from merak.tensor_parallel.proof import prove_plan, refusal
 
 
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -97,8 +98,18 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                           overlap_level=tp_overlapping_level)
     if num_model_chunks < 1:
         raise ValueError(f"num_model_chunks must be >= 1, got {num_model_chunks}")
-    split: AutoSplit = auto_split(model, example_inputs, ctx.pp * num_model_chunks,
-                                  device=split_options.pop("device", ctx.device), **split_options)
+    try:
+        split: AutoSplit = auto_split(model, example_inputs, ctx.pp * num_model_chunks,
+                                      device=split_options.pop("device", ctx.device),
+                                      **split_options)
+    except RuntimeError as error:  # a plan to prove that does not even trace is refused
+        info = getattr(model, "merak_tp", None)
+        cause = (str(error) if str(error).startswith("a shape error inside") else
+                 explain_tp_failure(model, error)) if info is not None and info.plan.check \
+            else None
+        if cause is not None:
+            raise refusal(model, "fails its check: " + cause) from error
+        raise
     if num_model_chunks > 1:
         stage = interleaved_stage(split, split.container, ctx, num_model_chunks)
     else:

@@ -29,9 +29,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from merak import lora
-from merak.tensor_parallel.op_rules import Unplaceable
 from merak.tensor_parallel.plans import TPPlan, matches
 from merak.tensor_parallel.propagate import Region, propagate
+from merak.tensor_parallel.shards import Unplaceable
 from merak.tensor_parallel.trace import BlockTrace, signature, trace_model_blocks
 
 # attributes of the converted layers themselves: the layer conversion divides those
@@ -64,9 +64,25 @@ def block_linears(block: nn.Module) -> dict[str, str]:
 
 def _grow(trace: BlockTrace, tp: int, seed: str, linears: dict[str, str],
           placed: set[str]) -> Region:
-    columns, bounds = {seed}, {}
-    for _ in range(len(linears) + 8):
-        region = propagate(trace, tp, columns, linears, bounds)
+    """The group `seed` starts: the walk repeated with the columns and fused part boundaries
+    it asks for until they settle. A walk that fails after a view split a column's whole
+    output into k parts along the sharded dim (``view(b, s, 2, I)``: a fused gate and up
+    projection, not two heads) is tried again with that output as k fused parts."""
+    columns, bounds, tried, first = {seed}, {}, set(), None
+    for _ in range(2 * len(linears) + 8):
+        try:
+            region = propagate(trace, tp, columns, linears, bounds)
+        except Unplaceable as error:
+            first = first or error
+            seen = error.region.fused_guesses if hasattr(error, "region") else []
+            guesses = [g for g in seen if g not in tried]
+            if not guesses:
+                raise first from None
+            column, parts = guesses[0]
+            tried.add(guesses[0])
+            width = _widths(trace, linears)[column]
+            bounds = {**bounds, column: set(range(0, width + 1, width // parts))}
+            continue
         if region.more_columns & placed:
             raise Unplaceable(f"its sharded values meet {sorted(region.more_columns & placed)}, "
                               f"placed in another group")
@@ -77,6 +93,18 @@ def _grow(trace: BlockTrace, tp: int, seed: str, linears: dict[str, str],
         else:
             return region
     raise Unplaceable("its group did not settle")
+
+
+def _widths(trace: BlockTrace, linears: dict[str, str]) -> dict[str, int]:
+    """The output width of each linear the block calls."""
+    found = {}
+    for node in trace.nodes:
+        for index in (1, 2):
+            if len(node.args) > index and node.name in ("linear", "addmm"):
+                name = linears.get(trace.params.get(id(node.args[index]), ""))
+                if name and node.outputs:
+                    found[name] = node.outputs[0].shape[-1]
+    return found
 
 
 def _attr_value(block: nn.Module, owner: str, attr: str) -> int | None:

@@ -1,35 +1,31 @@
-"""How each torch op of a recorded block treats a sharded value (`merak.tensor_parallel.propagate`).
+"""How each torch op of a recorded block treats a sharded value, for
+`merak.tensor_parallel.propagate` (the layout, `Shard`, is in `merak.tensor_parallel.shards`).
 
-A value sharded by `Shard(dim, pos)` holds, along `dim`, the elements whose index reads
-``hi * (tp * pos) + rank * pos + lo``: ``pos`` of every period of ``tp * pos``. Each rule gets
-the walk (`propagate._Pass`: ``of``, ``set``, ``meet``, ``fail``, ``parts``, ``need_divided``,
-``region``, ``tp``), the node and the op's name, and sets the shards of the node's outputs, asks
-for what the replicated operands it meets along the sharded dim need (``meet``), or fails with
-the reason. An op without a rule fails when it reads a sharded value.
+Each rule gets the walk (`propagate._Pass`: ``of``, ``set``, ``meet``, ``fail``, ``parts``,
+``need_divided``, ``region``, ``tp``), the node and the op's name, and sets the shards of the
+node's outputs, asks for what the replicated operands it meets along the sharded dim need
+(``meet``), or fails with the reason. An op without a rule fails when it reads a sharded value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch.utils import _pytree as pytree
 
+from merak.tensor_parallel.shards import (
+    Shard,
+    arg,
+    dim_list,
+    map_view,
+    outputs,
+    permutation,
+    size_args,
+    tensors,
+)
 from merak.tensor_parallel.trace import Node, Value
-
-
-class Unplaceable(Exception):
-    """The columns tried cannot be sharded exactly; the message says why."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    dim: int
-    pos: int
-    source: str | None = None  # the column linear whose whole output this still is
-
 
 ACTIVATIONS = {"gelu", "silu", "relu", "tanh", "sigmoid", "softplus", "elu", "leaky_relu", "mish",
                "hardswish", "relu6", "selu", "celu", "erf", "hardsigmoid", "logsigmoid",
+               "log_sigmoid",
                "softsign", "square", "pow", "glu", "exp", "sin"}
 UNARY = {"contiguous", "clone", "detach", "to", "type", "float", "half", "bfloat16", "double",
          "type_as", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
@@ -47,76 +43,12 @@ NARY = {"add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", 
             "add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv",
             "rfloordiv", "mod", "pow", "rpow", "and", "or", "xor", "eq", "ne", "lt", "gt", "le",
             "ge", "iadd", "isub", "imul", "itruediv")}
+VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "unsqueeze", "squeeze",
+         "expand", "expand_as", "broadcast_to"}
+PERMUTES = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t", "T", "mT",
+            "mH", "H"}
 CREATE = {"zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full",
           "arange"}
-
-
-def tensors(node: Node) -> list[Value]:
-    return [v for v in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(v, Value)]
-
-
-def outputs(node: Node) -> list[Value]:
-    return [o for o in node.outputs if isinstance(o, Value)]
-
-
-def arg(node: Node, index: int, name: str, default=None):
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
-
-
-def _dims(value, ndim: int) -> list[int] | None:
-    if value is None:
-        return None
-    return [int(d) % ndim for d in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def _sizes(node: Node, start: int = 1) -> list:
-    rest = node.args[start:]
-    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
-        return list(rest[0])
-    return list(rest)
-
-
-def view_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
-    """The dims of shape `a` and of shape `b` (as many elements) a view maps onto each other."""
-    groups, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        ia, jb, pa, pb = [i], [j], a[i], b[j]
-        i, j = i + 1, j + 1
-        while pa != pb:
-            if pa < pb:
-                ia.append(i)
-                pa *= a[i]
-                i += 1
-            else:
-                jb.append(j)
-                pb *= b[j]
-                j += 1
-        groups.append((ia, jb))
-    if groups:
-        groups[-1][0].extend(range(i, len(a)))
-        groups[-1][1].extend(range(j, len(b)))
-    return groups
-
-
-def map_view(a: tuple, b: tuple, shard: Shard, tp: int) -> Shard | None:
-    """The shard of a view of shape `b` of a value of shape `a` sharded by `shard`, or None
-    when the view spreads the per-rank part over two dims."""
-    for ia, jb in view_groups(a, b):
-        if shard.dim not in ia:
-            continue
-        flat = shard.pos
-        for d in ia:
-            flat *= a[d] if d > shard.dim else 1
-        after = 1
-        for d in reversed(jb):
-            if flat % after == 0 and (after * b[d]) % (flat * tp) == 0:
-                same = b[d] == a[shard.dim] and flat // after == shard.pos
-                return Shard(d, flat // after, shard.source if same else None)
-            after *= b[d]
-        return None
-    return None
 
 
 def unary(p, node: Node, name: str) -> None:
@@ -172,15 +104,16 @@ def view(p, node: Node, name: str) -> None:
                                                                                  tuple)):
         new = s if out.shape == x.shape else p.fail(node, "a dtype view of a sharded value")
     else:
-        new = map_view(x.shape, out.shape, s, p.tp)
-        if new is None:
-            p.fail(node, "a view spreads the per-rank part of a sharded dim over two dims")
-    sizes = _sizes(node) if name in ("view", "reshape", "expand", "broadcast_to") else []
+        new = map_view(x.shape, out.shape, s, p.tp) or p.fused_view(node, x, s, out)
+    if s.dim == x.ndim - 1 and new.dim != out.ndim - 1 and s.source is not None \
+            and s.pos * p.tp == x.shape[s.dim] and out.shape[new.dim] > 1:
+        p.region.fused_guesses.append((s.source, out.shape[new.dim]))
+    sizes = size_args(node) if name in ("view", "reshape", "expand", "broadcast_to") else []
     if name == "unflatten":
         start = int(arg(node, 1, "dim")) % x.ndim
         sizes = [None] * start + list(arg(node, 2, "sizes"))
     if len(sizes) == out.ndim:
-        p.need_divided(sizes[new.dim])
+        p.need_divided(node, sizes[new.dim])
     if s.dim == x.ndim - 1 and new.dim != out.ndim - 1 and out.shape[new.dim] > 1:
         p.region.heads = True
         p.region.head_sizes.add(out.shape[new.dim])
@@ -189,25 +122,8 @@ def view(p, node: Node, name: str) -> None:
 
 def permute(p, node: Node, name: str) -> None:
     x, out = node.args[0], outputs(node)[0]
-    s, nd = p.of(x), x.ndim
-    order = list(range(nd))
-    if name in ("transpose", "swapaxes", "swapdims"):
-        a, b = int(node.args[1]) % nd, int(node.args[2]) % nd
-        order[a], order[b] = order[b], order[a]
-    elif name == "permute":
-        order = [int(d) % nd for d in _sizes(node)]
-    elif name in ("movedim", "moveaxis"):
-        src, dst = _dims(node.args[1], nd), _dims(node.args[2], nd)
-        rest = [d for d in range(nd) if d not in src]
-        order = [None] * nd
-        for a, b in zip(src, dst):
-            order[b] = a
-        order = [d if d is not None else rest.pop(0) for d in order]
-    elif name in ("mT", "mH"):
-        order[-2], order[-1] = order[-1], order[-2]
-    else:  # t, T, H
-        order.reverse()
-    p.set(out, Shard(order.index(s.dim), s.pos, s.source))
+    s = p.of(x)
+    p.set(out, Shard(permutation(node, name, x.ndim).index(s.dim), s.pos, s.source))
 
 
 def split(p, node: Node, name: str) -> None:
@@ -222,7 +138,7 @@ def split(p, node: Node, name: str) -> None:
         p.fail(node, "unbinds the sharded dim")
     if name in ("split", "split_with_sizes"):
         for size in pytree.tree_leaves(node.args[1] if len(node.args) > 1 else []):
-            p.need_divided(size)
+            p.need_divided(node, size)
     start, spans = 0, []
     for out in outs:
         spans.append((start, start + out.shape[d]))
@@ -254,8 +170,8 @@ def getitem(p, node: Node, name: str) -> None:
                         p.fail(node, "a strided slice of the sharded dim")
                     if (start, stop) != (0, x.shape[src]):
                         span = (start, stop)
-                        p.need_divided(item.start)
-                        p.need_divided(item.stop)
+                        p.need_divided(node, item.start)
+                        p.need_divided(node, item.stop)
             src += 0 if item is None else 1
             dst += 0 if isinstance(item, int) else 1
     if new is None:
@@ -272,7 +188,7 @@ def reduce(p, node: Node, name: str) -> None:
         return nary(p, node, name)
     s = p.of(x)
     index = 2 if name in ("norm", "vector_norm") else 1
-    dims = _dims(arg(node, index, "dim"), x.ndim)
+    dims = dim_list(arg(node, index, "dim"), x.ndim)
     if dims is None or s.dim in dims:
         p.fail(node, f"{name} over the sharded dim")
     keep = arg(node, index + 1, "keepdim", False)
@@ -285,7 +201,7 @@ def reduce(p, node: Node, name: str) -> None:
 def along(p, node: Node, name: str) -> None:
     x = node.args[0]
     s = p.of(x)
-    dims = _dims(arg(node, 2 if name == "normalize" else 1, "dim",
+    dims = dim_list(arg(node, 2 if name == "normalize" else 1, "dim",
                      1 if name == "normalize" else None), x.ndim)
     if dims is None or s.dim in dims:
         p.fail(node, f"{name} along the sharded dim")
@@ -408,12 +324,12 @@ def same_unless(p, node: Node, name: str) -> None:
         pad = list(arg(node, 1, "pad"))
         bad = any(pad[i] or pad[i + 1] for i in range(0, len(pad), 2) if nd - 1 - i // 2 == s.dim)
     elif name == "repeat":
-        sizes = _sizes(node)
+        sizes = size_args(node)
         offset = len(sizes) - nd
         bad = sizes[s.dim + offset] != 1
         s = Shard(s.dim + offset, s.pos, s.source)
     else:  # flip, roll, repeat_interleave
-        dims = _dims(arg(node, 1 if name == "flip" else 2, "dims" if name != "repeat_interleave"
+        dims = dim_list(arg(node, 1 if name == "flip" else 2, "dims" if name != "repeat_interleave"
                          else "dim"), nd)
         bad = dims is None or s.dim in dims
     if bad:
@@ -450,10 +366,7 @@ def nothing(p, node: Node, name: str) -> None:
 
 RULES = {
     **dict.fromkeys(UNARY, unary), **dict.fromkeys(NARY, nary),
-    **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
-                     "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to"), view),
-    **dict.fromkeys(("transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t",
-                     "T", "mT", "mH", "H"), permute),
+    **dict.fromkeys(VIEWS, view), **dict.fromkeys(PERMUTES, permute),
     **dict.fromkeys(("split", "split_with_sizes", "chunk", "tensor_split", "unbind"), split),
     **dict.fromkeys(("sum", "mean", "amax", "amin", "max", "min", "prod", "norm", "var", "std",
                      "logsumexp", "all", "any", "vector_norm", "nansum", "nanmean", "argmax",

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from merak.distributed.host_objects import all_gather_objects
+from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.trace import capture_blocks, fake_run, plain, signature
 
 RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}  # else (bf16, fp16): 5e-2
@@ -206,15 +207,23 @@ def prove_plan(model: nn.Module, examples: list[Example], ctx) -> None:
         try:
             found += _prove_block(model, name, example, ctx)
         except Exception as error:  # noqa: BLE001 - a block that cannot run is refused too
-            found.append(f"{name} fails to run sharded: {type(error).__name__}: "
-                         f"{str(error).splitlines()[0][:300] if str(error) else ''}")
+            found.append(f"{name} fails to run sharded: "
+                         + (explain_tp_failure(model, error) or f"{type(error).__name__}: "
+                            f"{str(error).splitlines()[0][:300] if str(error) else ''}"))
     everyone = all_gather_objects(found) if dist.is_initialized() else [found]
     problems = list(dict.fromkeys(p for rank in everyone for p in rank))
     if problems:
-        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise PlanRefused(
-            f"the tensor-parallel plan inferred for {family} fails its proof, so it is not "
-            f"used: {problems[0]}{more}. Print the plan with `merak tp-plan {family}`, correct "
-            f"it and pass it as MerakArguments(tp_plan=...) / merak.parallelize(..., "
-            f"tp_plan=...), or use tp=1")
+        # the parameters' gradients name the modules: those first
+        problems.sort(key=lambda p: not p.startswith("the gradient of")
+                      or p.startswith("the gradient of input"))
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise refusal(model, "fails its proof: " + "; ".join(problems[:2]) + more)
+
+
+def refusal(model: nn.Module, reason: str) -> PlanRefused:
+    """The error refusing `model`'s plan for `reason`, with what to do instead."""
+    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return PlanRefused(
+        f"the tensor-parallel plan inferred for {family} is refused, never used: it {reason}. "
+        f"Print the plan with `merak tp-plan {family}`, correct it and pass it as "
+        f"MerakArguments(tp_plan=...) / merak.parallelize(..., tp_plan=...), or use tp=1")

@@ -24,14 +24,27 @@ from torch.utils import _pytree as pytree
 from merak.tensor_parallel.op_rules import (
     ACTIVATIONS,
     CREATE,
+    PERMUTES,
     RULES,
     UNARY,
+    VIEWS,
+    getitem,
+    narrow,
+    nary,
+    split,
+    unary,
+)
+from merak.tensor_parallel.shards import (
     Shard,
     Unplaceable,
+    map_view,
     outputs,
+    permutation,
     tensors,
+    view_groups,
+    view_source_dim,
 )
-from merak.tensor_parallel.trace import BlockTrace, Node, TrackedInt, Value, describe, sources_of
+from merak.tensor_parallel.trace import SHAPE, BlockTrace, Node, Value, describe, sources_of
 
 
 @dataclass
@@ -48,8 +61,14 @@ class Region:
     divide: list[frozenset] = field(default_factory=list)  # attribute sources, one of each
     head_sizes: set[int] = field(default_factory=set)  # sizes of the sharded head dims
     more_columns: set[str] = field(default_factory=set)
+    # (column, k): a view split a column's whole output into k parts along the sharded dim;
+    # the walk may be tried again with that output as k fused parts
+    fused_guesses: list[tuple[str, int]] = field(default_factory=list)
     heads: bool = False  # a linear's features were split into sharded heads
     activation: bool = False  # a sharded value went through a non-linear activation
+
+
+PART_RULES = (unary, nary, split, getitem, narrow)  # the ops fused parts of several sizes allow
 
 
 class _Pass:
@@ -60,6 +79,8 @@ class _Pass:
         self.trace, self.tp, self.linears = trace, tp, linears
         self.region = Region(set(columns), bounds={k: set(v) for k, v in bounds.items()})
         self.shard: dict[int, Shard] = {}
+        self.replicated_reads: dict[int, set[str]] = {}  # node -> parameters it reads
+        self.companions: set[int] = set()  # nodes that only reshape a value `meet` shards
 
     def fail(self, node: Node, why: str):
         raise Unplaceable(f"{why} (at {describe(node)})")
@@ -72,12 +93,19 @@ class _Pass:
             self.shard[id(v)] = s
 
     def run(self) -> Region:
-        for node in self.trace.nodes:
-            self.node(node)
+        try:
+            for node in self.trace.nodes:
+                self.node(node)
+        except Unplaceable as error:
+            error.region = self.region  # what the walk saw up to there (its fused guesses)
+            raise
         for value, read in self.trace.outputs:
             if read and value is not None and id(value) in self.shard:
                 raise Unplaceable("a sharded value leaves the block and the model reads it")
         self.region.partial -= set(self.region.param_shards)
+        for index, params in self.replicated_reads.items():
+            if index not in self.companions:  # not on the way to a sharded parameter's use
+                self.region.outside |= params
         clash = (self.region.partial | set(self.region.param_shards)) & self.region.outside
         if clash:
             raise Unplaceable(f"parameters {sorted(clash)} are read by sharded and by "
@@ -104,7 +132,8 @@ class _Pass:
         sharded = [v for v in found if id(v) in self.shard]
         params = {v.origin[6:] for v in found if v.origin.startswith("param:")}
         if not sharded:
-            self.region.outside |= params
+            if params:
+                self.replicated_reads[node.index] = params
             return None
         if node.name in ("__setitem__", "copy_", "index_put_", "masked_scatter_") \
                 or node.name.endswith("_") and not node.name.endswith("__") \
@@ -119,6 +148,8 @@ class _Pass:
         if rule is None:
             self.fail(node, f"plan inference does not know how {node.name!r} treats a sharded "
                             f"value")
+        if rule not in PART_RULES and any(self.shard[id(v)].pos == 0 for v in sharded):
+            self.fail(node, "fused parts of several sizes are used before they are split apart")
         rule(self, node, name)
         for v in found:  # its gradient would be this rank's part: only a split input may
             if v.origin == "input" and v.requires_grad and id(v) not in self.shard:
@@ -135,9 +166,15 @@ class _Pass:
             if s is not None:
                 self.fail(node, f"column {module} reads a sharded value")
             width = out.shape[-1]
-            if width % self.tp:
-                self.fail(node, f"tp={self.tp} does not divide {module}'s {width} features")
-            self.set(out, Shard(out.ndim - 1, width // self.tp, module))
+            edges = sorted(self.region.bounds.get(module, {0, width}))
+            chunks = {b - a for a, b in zip(edges, edges[1:])}
+            if any(c % self.tp for c in chunks):
+                self.fail(node, f"tp={self.tp} does not divide {module}'s output parts "
+                                f"{sorted(chunks)}")
+            # fused parts of one size: each split apart; of several sizes (pos 0): only a split
+            # into the parts may follow
+            pos = chunks.pop() // self.tp if len(chunks) == 1 else 0
+            self.set(out, Shard(out.ndim - 1, pos, module))
         elif s is not None:
             if s.dim != x.ndim - 1 or s.pos * self.tp != x.shape[-1]:
                 self.fail(node, f"{module} reads a value sharded otherwise than in equal blocks "
@@ -150,7 +187,7 @@ class _Pass:
         output, whose features are then fused parts, each split apart (part boundaries are
         collected; a walk that found new ones is repeated with them)."""
         width = x.shape[s.dim]
-        if s.source is None or s.pos * self.tp != width:
+        if s.source is None:
             self.fail(node, "parts of a sharded dim that is no column's whole output")
         bounds = self.region.bounds.setdefault(s.source, {0, width})
         for start, stop in spans:
@@ -163,9 +200,32 @@ class _Pass:
                                 f"{self.tp} ways")
             self.set(out, Shard(s.dim if dim is None else dim, inside[0] // self.tp))
 
+    def fused_view(self, node: Node, x: Value, s: Shard, out: Value) -> Shard:
+        """A view of a column's whole output that splits its features as ``(k, N / k)``
+        (``view(b, s, 2, I)`` of a fused gate and up projection): its output is k fused parts,
+        each split apart."""
+        width = x.shape[s.dim]
+        if s.source is not None and s.pos * self.tp == width:
+            for ia, jb in view_groups(x.shape, out.shape):
+                if s.dim not in ia:
+                    continue
+                k = 1
+                for d in jb[:-1]:
+                    k *= out.shape[d]
+                    part = width // k
+                    new = map_view(x.shape, out.shape, Shard(s.dim, part // self.tp), self.tp) \
+                        if width % k == 0 and part % self.tp == 0 else None
+                    if new is not None and new.dim != d:
+                        self.region.bounds.setdefault(s.source, {0, width}).update(
+                            range(0, width + 1, part))
+                        return new
+        self.fail(node, "a view spreads the per-rank part of a sharded dim over two dims")
+
     def meet(self, node: Node, v: Value, dim: int, s: Shard) -> None:
         """Replicated `v` meets a value sharded by `s` along its own dim `dim` (full size)."""
         period, seen = s.pos * self.tp, set()
+        if not period:
+            self.fail(node, "a replicated value meets fused parts of several sizes")
         while True:
             if v.origin.startswith("param:"):
                 self.region.param_shards[v.origin[6:]] = (dim, period)
@@ -177,21 +237,19 @@ class _Pass:
             if v.producer is None or v.producer in seen:
                 break
             seen.add(v.producer)
+            self.companions.add(v.producer)
             producer = self.trace.nodes[v.producer]
             if producer.name in CREATE:
                 sizes = [a for a in pytree.tree_leaves(producer.args) if isinstance(a, int)]
                 at = dim + len(sizes) - v.ndim
-                if 0 <= at < len(sizes) and sources_of(sizes[at]):
-                    self.region.divide.append(sources_of(sizes[at]))
-                    return
+                if 0 <= at < len(sizes):
+                    return self.need_divided(producer, sizes[at])
                 break
             src = producer.args[0] if producer.args else None
-            if not isinstance(src, Value) or src.ndim != v.ndim \
-                    or src.shape[dim] != v.shape[dim]:
+            if not isinstance(src, Value):
                 break
-            slices_only = producer.name == "__getitem__" and not any(
-                isinstance(i, (int, Value)) for i in pytree.tree_leaves(producer.args[1:]))
-            if producer.name not in UNARY and not slices_only:
+            dim = self._source_dim(producer, src, v, dim)
+            if dim is None:
                 break
             v = src
         linears = self.linears_before(v)
@@ -199,6 +257,25 @@ class _Pass:
             self.region.more_columns |= linears
             return
         self.fail(node, "a replicated value meets a sharded one along the sharded dim")
+
+    @staticmethod
+    def _source_dim(producer: Node, src: Value, v: Value, dim: int) -> int | None:
+        """The dim of `src` that dim `dim` of `v` (made from it by `producer`) holds whole."""
+        name = producer.name
+        if name in ("expand", "expand_as", "broadcast_to"):
+            at = dim - (v.ndim - src.ndim)
+            return at if at >= 0 and src.shape[at] == v.shape[dim] else None
+        if name in VIEWS:
+            return view_source_dim(src.shape, v.shape, dim)
+        if name in PERMUTES:
+            at = permutation(producer, name, src.ndim)[dim]
+            return at if src.shape[at] == v.shape[dim] else None
+        slices_only = name == "__getitem__" and not any(
+            isinstance(i, (int, Value)) or i is None for i in pytree.tree_leaves(producer.args[1:]))
+        if (name in UNARY or slices_only) and src.ndim == v.ndim \
+                and src.shape[dim] == v.shape[dim]:
+            return dim
+        return None
 
     def linears_before(self, v: Value) -> set[str]:
         """The block's linears whose outputs reach `v` without passing another linear."""
@@ -216,9 +293,23 @@ class _Pass:
                 todo.extend(tensors(producer))
         return found
 
-    def need_divided(self, size) -> None:
-        if isinstance(size, TrackedInt):
-            self.region.divide.append(size.sources)
+    def need_divided(self, node: Node, size) -> None:
+        """`size` is an argument of `node` along a sharded dim: it must shrink with it (read
+        from a sharded dim of a sharded value, or from attributes, which are divided)."""
+        if not isinstance(size, int) or size in (-1, 0):
+            return
+        sources = sources_of(size)
+        for owner, key in sources:
+            if owner == SHAPE:
+                value, dim = self.trace.shapes[key]
+                shard = self.of(value)
+                if shard is not None and shard.dim == dim:
+                    return
+        attrs = frozenset(s for s in sources if s[0] != SHAPE)
+        if not attrs:
+            self.fail(node, f"the size {int(size)} along the sharded dim is a constant or is "
+                            f"read from a replicated value")
+        self.region.divide.append(attrs)
 
 
 def propagate(trace: BlockTrace, tp: int, columns: set[str], linears: dict[str, str],

@@ -31,6 +31,7 @@ from merak.materialize.fake_weights import FakeWeights, traceable_experts
 from merak.stages.blocks import find_blocks
 
 BATCH, SEQ = 2, 8
+SHAPE = "#shape"  # the owner of a `TrackedInt` source read from a tensor's shape
 
 
 class TrackedInt(int):
@@ -45,7 +46,8 @@ class TrackedInt(int):
         return obj
 
     def __repr__(self) -> str:
-        return f"{int(self)}<{','.join(a for _, a in sorted(self.sources))}>"
+        names = sorted(a for o, a in self.sources if o != SHAPE)
+        return f"{int(self)}<{','.join(names)}>" if names else str(int(self))
 
 
 def _tracked(op, reflected: bool = False):
@@ -106,6 +108,7 @@ class BlockTrace:
     inputs: list[tuple[str, Value]]  # (pytree path of the call's argument, its value)
     outputs: list[tuple[Value | None, bool]]  # flat outputs: (value, read later by the model)
     params: dict[int, str] = field(default_factory=dict)  # id(Value) -> parameter, relative
+    shapes: dict[str, tuple[Value, int]] = field(default_factory=dict)  # (SHAPE, key) sources
 
 
 def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -207,6 +210,17 @@ class _Recorder(TorchFunctionMode):
         self.values, self.stack = values, stack
         self.nodes: list[Node] = []
         self.keep: list = []
+        self.shapes: dict[str, tuple[Value, int]] = {}
+
+    def _sizes(self, tensor: torch.Tensor, shape: torch.Size) -> torch.Size:
+        """``tensor.shape`` as `TrackedInt`s naming the tensor's dims they were read from."""
+        value = self._as_value(tensor)
+
+        def tracked(dim: int, size: int) -> TrackedInt:
+            key = f"{id(value)}:{dim}"
+            self.shapes[key] = (value, dim)
+            return TrackedInt(size, {(SHAPE, key)})
+        return torch.Size(tracked(d, n) for d, n in enumerate(shape))
 
     def _as_value(self, leaf):
         if isinstance(leaf, torch.Tensor):
@@ -223,11 +237,18 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", None) or str(func)
         if name == "__get__":  # a tensor attribute: kept when it is a tensor (x.T, x.data)
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+            if name == "shape" and isinstance(out, torch.Size) and args:
+                return self._sizes(args[0], out)
             if not isinstance(out, torch.Tensor):
                 return out
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
         elif name == "__set__":
             return out
+        elif name == "size" and args and isinstance(args[0], torch.Tensor):
+            if isinstance(out, torch.Size):
+                return self._sizes(args[0], out)
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            return self._sizes(args[0], args[0].shape)[dim]
         rec_args, rec_kwargs = pytree.tree_map(self._as_value, (args, kwargs))
         index = len(self.nodes)
         flat = pytree.tree_leaves(out)
@@ -314,15 +335,25 @@ def trace_block(model: nn.Module, name: str, args: tuple, kwargs: dict,
     flat = pytree.tree_leaves(plain(out))
     outputs = [(values.get(id(t)) if isinstance(t, torch.Tensor) else None,
                 read_later[i] if i < len(read_later) else True) for i, t in enumerate(flat)]
-    return BlockTrace(name, recorder.nodes, inputs, outputs, params)
+    return BlockTrace(name, recorder.nodes, inputs, outputs, params, recorder.shapes)
 
 
 @contextlib.contextmanager
 def fake_run(model: nn.Module, device: torch.device | str = "cpu"):
     """Inside: `model`'s parameters and buffers are fake tensors on `device` (see the module
-    docstring); yields the token ids of the small batch it runs on."""
-    with traceable_experts(model), FakeWeights(model, device) as fake, fake.mode:
-        yield torch.arange(BATCH * SEQ, device=device).remainder(7).add(3).view(BATCH, SEQ)
+    docstring); yields the token ids of the small batch it runs on. What the runs inside set on
+    the modules (caches, recurrent states) is put back as it was."""
+    saved = [(m, dict(vars(m))) for m in model.modules()]
+    try:
+        with traceable_experts(model), FakeWeights(model, device) as fake, fake.mode:
+            yield torch.arange(BATCH * SEQ, device=device).remainder(7).add(3).view(BATCH, SEQ)
+    finally:
+        for module, before in saved:
+            for key in [k for k in vars(module) if k not in before]:
+                delattr(module, key)
+            for key, value in before.items():
+                if vars(module).get(key) is not value:
+                    object.__setattr__(module, key, value)
 
 
 def trace_model_blocks(model: nn.Module, device: torch.device | str = "cpu"
