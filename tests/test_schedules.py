@@ -17,7 +17,9 @@ K = ActionKind
 
 def _sizes(info):
     """Pipeline ranks and stages per rank the schedule runs on (interleaved: 2 and 3 model
-    chunks per rank, at least 2 ranks)."""
+    chunks per rank, at least 2 ranks; the V-shaped: 2 per rank, 1 rank up)."""
+    if info.fixed_stages_per_rank is not None:
+        return [(p, info.fixed_stages_per_rank) for p in range(1, 9)]
     if info.several_stages_per_rank:
         return [(p, v) for p in range(2, 9) for v in (2, 3)]
     return [(p, 1) for p in range(1, 9)]

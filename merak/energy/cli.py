@@ -41,9 +41,10 @@ def add_energy(subparsers) -> None:
                                      sorted(SCHEDULES.items())))
     plan.add_argument("--stages", type=positive_int, required=True, help="pipeline ranks (pp)")
     plan.add_argument("--microbatches", type=positive_int, required=True)
-    plan.add_argument("--interleave", type=positive_int, default=1, metavar="V",
+    plan.add_argument("--interleave", type=positive_int, default=None, metavar="V",
                       help="model chunks per pipeline rank (interleaved_1f1b: "
-                           "MerakArguments.num_model_chunks)")
+                           "MerakArguments.num_model_chunks; zbv and dualpipev: 2, the "
+                           "default; the others: 1)")
     plan.add_argument("--recompute", nargs="?", const="all", default=None, metavar="FLAGS",
                       help="the job checkpoints activations (activation_checkpointing; needed by "
                            "the schedules that reorder recomputation): every stage, or one 0/1 "
@@ -121,6 +122,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise InputError("the profile has no p2p rows: give --p2p-power W")
     try:
         recompute = recompute_flags(args.recompute)
+        if args.interleave is None:
+            args.interleave = SCHEDULES[args.schedule].stages_per_rank(1)
         schedule = make_schedule(args.schedule, args.stages, args.microbatches,
                                  stages_per_rank=args.interleave, recompute=recompute)
         planner = EnergyPlanner(schedule, profiles, p2p_power, unit_time=args.unit_time)

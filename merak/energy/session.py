@@ -86,7 +86,7 @@ class TrainerEnergy:
     def __init__(self, args, ctx, num_microbatches: int | None = None):
         self.args, self.ctx = args, ctx
         info = SCHEDULES[args.train_schedule]
-        chunks = args.num_model_chunks if info.several_stages_per_rank else 1
+        chunks = info.stages_per_rank(args.num_model_chunks)
         # clocks change only to profile them or to follow a plan; else measuring changes none
         self.controls = bool(args.energy_profile or args.energy_plan or args.pfo_server_url)
         self.gpu = make_gpu(args.energy_gpu, args.simulated_gpu, ctx.pp, chunks, self.controls)

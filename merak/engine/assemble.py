@@ -77,7 +77,8 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
     """
     o = options
     stage = parallelize(
-        model, example, ctx, num_model_chunks=o.chunks, autocast_dtype=o.autocast_dtype,
+        model, example, ctx, num_model_chunks=o.chunks, schedule=o.schedule,
+        autocast_dtype=o.autocast_dtype,
         checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix, tp_plan=o.tp_plan,
         parallel_vocab=o.parallel_vocab, sequence_parallel=o.sequence_parallel,
         sequence_dim=o.sequence_dim, tp_overlapping_level=o.tp_overlapping_level,

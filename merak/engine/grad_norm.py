@@ -18,7 +18,7 @@ import torch.distributed as dist
 from merak.data_parallel.shards import is_sharded, local
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
-from merak.stages.stage import InterleavedStage, PipelineStage
+from merak.stages.stage import InterleavedStage, PipelineStage, stage_placement
 
 
 class GradNormClipper(InstructionHook):
@@ -29,8 +29,9 @@ class GradNormClipper(InstructionHook):
                  max_norm: float):
         self.ctx, self.max_norm = ctx, max_norm
         own = set(getattr(stage, "stage_ids", [ctx.pp_rank]))  # an interleaved rank's chunks
+        placement = stage_placement(stage, ctx.pp)
         # a tied weight is one parameter per rank: count the ranks holding it
-        tied = {name: len({s % ctx.pp for s in t.stages}) for t in stage.split.tied_weights
+        tied = {name: len({placement[s] for s in t.stages}) for t in stage.split.tied_weights
                 for s, name in t.names if s in own}
         self.weighted: list[tuple[torch.nn.Parameter, float]] = []
         for name, param in stage.named_parameters():

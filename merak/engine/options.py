@@ -75,17 +75,16 @@ class EngineOptions:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per rank: `num_model_chunks` for a schedule that places several stages
-        on a rank, else 1."""
-        return self.num_model_chunks if SCHEDULES[self.schedule].several_stages_per_rank else 1
+        """Model chunks per rank: the schedule's (2 for ``zbv`` and ``dualpipev``;
+        `num_model_chunks` for interleaved 1F1B; else 1)."""
+        return SCHEDULES[self.schedule].stages_per_rank(self.num_model_chunks)
 
     @classmethod
     def from_arguments(cls, args, *, pp: int, leaf_modules: tuple[str, ...] = (),
                        dp: int = 1) -> EngineOptions:
         """The options `MerakArguments` `args` describe for a job of `pp` pipeline ranks and
         `dp` data-parallel ranks (`leaf_modules`: the modules the split keeps opaque)."""
-        interleaved = SCHEDULES[args.train_schedule].several_stages_per_rank
-        chunks = args.num_model_chunks if interleaved else 1
+        chunks = SCHEDULES[args.train_schedule].stages_per_rank(args.num_model_chunks)
         scaling = LossScaling(args.loss_scale, args.initial_scale_power, args.loss_scale_window,
                               args.hysteresis, args.consecutive_hysteresis,
                               args.min_loss_scale) if args.fp16 else None

@@ -14,7 +14,7 @@ from merak.schedule.actions import Action
 
 class ForwardOnly:
     """Mixed into `PipelineInterpreter` (which provides ctx, split, runners, stage, segments,
-    num_microbatches, stages_per_rank, `_run` and `_install_recomputation`)."""
+    num_microbatches, stages_per_rank, placement, `_run` and `_install_recomputation`)."""
 
     def eval_step(self, batch: dict[str, torch.Tensor] | Sequence[dict] | None,
                   num_microbatches: int | None = None, keep: str | None = None) -> float:
@@ -55,4 +55,4 @@ class ForwardOnly:
 
     def _forward_program(self, num_microbatches: int) -> list[Action]:
         return forward_program(self.split, self.ctx.pp, self.ctx.pp_rank, self.stages_per_rank,
-                               num_microbatches)
+                               num_microbatches, placement=self.placement)

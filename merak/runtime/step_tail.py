@@ -39,14 +39,16 @@ def tied_weight_groups(ctx: ParallelContext,
 
 
 def tied_parameter_groups(ctx: ParallelContext, split: PipelineSplit,
-                          stages: Mapping[int, torch.nn.Module]) -> TiedGroups:
+                          stages: Mapping[int, torch.nn.Module],
+                          placement: Sequence[int]) -> TiedGroups:
     """Weights of `split` tied across pipeline ranks, with this rank's parameters of each, by
-    the ranks sharing them (`tied_weight_groups`); `stages`: this rank's stages by id. Copies
-    on two stages of one rank are one parameter (`InterleavedStage`): autograd sums them."""
-    p = ctx.pp
+    the ranks sharing them (`tied_weight_groups`); `stages`: this rank's stages by id;
+    `placement`: every stage's rank. Copies on two stages of one rank are one parameter
+    (`InterleavedStage`): autograd sums them (a V puts the first and the last stage, GPT-2's
+    tied embedding and head, both on rank 0)."""
     by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
     for tied in split.tied_weights:
-        params = by_ranks.setdefault(tuple(sorted({s % p for s in tied.stages})), [])
+        params = by_ranks.setdefault(tuple(sorted({placement[s] for s in tied.stages})), [])
         mine = {id(q): q for q in (stages[s].get_parameter(n)
                                    for s, n in tied.names if s in stages)}
         if len(mine) > 1:

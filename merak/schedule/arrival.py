@@ -85,9 +85,8 @@ def plan(order: Sequence[Sequence[Action]], num_stages: int
                 if any(n not in done for n in needs):
                     break
                 start = max([clock[rank], *(done[n] for n in needs)])
-                end = start
-                for a in unit:
-                    end += UNIT_TIMES[a.kind]
+                end = start + sum(UNIT_TIMES[a.kind] for a in unit)
+                for a in unit:  # its outputs leave when the unit ends (its sends follow it)
                     if a.kind is K.FORWARD or a.kind in GRAD_KINDS:
                         done[(a.kind is K.FORWARD, a.stage_id, a.microbatch_id)] = end
                 times[rank].append((start, end))

@@ -14,7 +14,8 @@ first backwards of the last stages (extra warm-up forwards on stage p-2, a rerun
 forward); a simulator search of those reorderings (every extra-warm-up vector within the memory
 bound, p in 2..8, with and without p2p latency) found none that shortened the makespan, so
 `shifted_critical_path` keeps 1F1B's order and in-flight bound. `zero_bubble` is ZB-H1 (Qi et
-al., ICLR 2024); `interleaved_1f1b` is Megatron-LM's, for any number of micro-batches m >= p.
+al., ICLR 2024); `interleaved_1f1b` is Megatron-LM's, for any number of micro-batches m >= p;
+`zbv` and `dualpipev` place 2 stages per rank in a V (`merak.schedule.vshape`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from merak.schedule import generators as g
+from merak.schedule import vshape
 from merak.schedule.actions import (
     Action,
     ActionKind,
@@ -31,6 +33,7 @@ from merak.schedule.actions import (
     Schedule,
     chain_edges,
     round_robin,
+    v_shape,
 )
 from merak.schedule.lowering import lower
 
@@ -88,6 +91,12 @@ SCHEDULES: dict[str, ScheduleInfo] = {info.name: info for info in (
     ScheduleInfo("interleaved_1f1b", g.interleaved_1f1b, several_stages_per_rank=True,
                  min_microbatches_per_rank=1,
                  summary="Megatron's interleaved 1F1B over v model chunks per rank"),
+    ScheduleInfo("zbv", vshape.zbv, splits_backward=True, several_stages_per_rank=True,
+                 placement=v_shape, fixed_stages_per_rank=2,
+                 summary="ZB-V: zero-bubble order on 2 stages per rank placed in a V"),
+    ScheduleInfo("dualpipev", vshape.dualpipev, splits_backward=True,
+                 several_stages_per_rank=True, placement=v_shape, fixed_stages_per_rank=2,
+                 summary="DualPipeV: forward-and-backward pairs on a V (not overlapped)"),
 )}
 """Name -> `ScheduleInfo`."""
 

@@ -36,7 +36,7 @@ def add_simulate(subparsers) -> None:
     parser.add_argument("--interleave", type=positive_int, default=None, metavar="V",
                         help="model chunks per rank for interleaved_1f1b (default 2; costs and "
                              "memories stay per rank, each chunk takes 1/V); --compare includes "
-                             "interleaved_1f1b when V > 1")
+                             "interleaved_1f1b when V > 1 (zbv and dualpipev: always 2, in a V)")
     parser.add_argument("--microbatches", type=positive_int, required=True)
     parser.add_argument("--forward-cost", type=non_negative_floats, default=1.0)
     parser.add_argument("--backward-cost", type=non_negative_floats, default=2.0,
@@ -79,9 +79,12 @@ def _models(args: argparse.Namespace) -> tuple[CostModel, MemoryModel]:
     return costs, MemoryModel(full=args.activation_memory, kept=kept)
 
 
+def _stages_per_rank(name: str, args: argparse.Namespace) -> int:
+    return SCHEDULES[name].stages_per_rank(args.interleave or 2)
+
+
 def _schedule(name: str, args: argparse.Namespace):
-    several = SCHEDULES[name].several_stages_per_rank
-    chunks = (args.interleave or 2) if several else 1
+    chunks = _stages_per_rank(name, args)
     check_work("--stages x --microbatches x model chunks", args.stages * args.microbatches
                * chunks, MAX_BLOCKS, "simulate fewer stages or micro-batches")
     try:
@@ -110,6 +113,10 @@ def _events(result: SimulationResult) -> list[TimelineEvent]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    fixed = SCHEDULES[args.schedule].fixed_stages_per_rank
+    if fixed is not None and args.interleave not in (None, fixed):
+        raise SystemExit(f"--schedule {args.schedule} places {fixed} stages on every rank; "
+                         f"--interleave {args.interleave} does not apply")
     if args.programs:
         schedule = _schedule(args.schedule, args)
         validate_schedule(schedule)
@@ -121,8 +128,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_summary(result)))
     else:
-        chunks = f", {args.interleave or 2} model chunks each" \
-            if SCHEDULES[args.schedule].several_stages_per_rank else ""
+        v = _stages_per_rank(args.schedule, args)
+        shape = " in a V" if SCHEDULES[args.schedule].fixed_stages_per_rank else ""
+        chunks = f", {v} model chunks each{shape}" if v > 1 else ""
         print(f"schedule {args.schedule}: {args.stages} stages x {args.microbatches} "
               f"micro-batches{chunks}")
         print(f"makespan            {result.makespan:.4f}")
@@ -147,7 +155,8 @@ def _compare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n, info in SCHEDULES.items()
              if (args.recompute_cost is not None or not info.needs_recompute)
-             and ((args.interleave or 1) > 1 or not info.several_stages_per_rank)]
+             and ((args.interleave or 1) > 1 or not info.several_stages_per_rank
+                  or info.fixed_stages_per_rank is not None)]
     models = _models(args)
     results = {name: _run_one(name, args, *models) for name in names}
     if args.json:

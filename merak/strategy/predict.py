@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from merak.recompute.stage_aware import KeptBytes
-from merak.schedule.registry import make_schedule
+from merak.schedule.registry import make_schedule, placement_of
 from merak.schedule.simulator import CostModel, MemoryModel, simulate
 from merak.strategy.cluster import Cluster
 from merak.strategy.costs import BlockCosts
@@ -41,7 +41,7 @@ class Candidate:
     schedule: str = "1f1b"
     recompute: str = "off"
     zero: int = 0
-    chunks: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    chunks: int = 1  # stages per pipeline rank (interleaved_1f1b, zbv, dualpipev)
     sequence_parallel: bool = False  # the blocks' residual stream split over the TP ranks
 
     @property
@@ -140,8 +140,9 @@ class Predictor:
             ends = 0.0
         forward, backward, recompute = [0.0] * c.pp, [0.0] * c.pp, [0.0] * c.pp
         stages = len(counts)
+        placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, n in enumerate(counts):
-            rank = s % c.pp
+            rank = placement[s]
             forward[rank] += n * (cost.forward_s / tp + tp_comm)
             backward[rank] += n * (cost.backward_s / tp + tp_comm)
             if s == 0:
@@ -188,8 +189,9 @@ class Predictor:
         params = self._stage_params(c)
         largest = self.shape.block_params / c.tp
         states = [0.0] * c.pp
+        placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, p in enumerate(params):
-            states[s % c.pp] += state_bytes(p, c.zero, c.dp, largest)
+            states[placement[s]] += state_bytes(p, c.zero, c.dp, largest)
         if max(states) > self.memory_bytes:  # no activation can fit: nothing to replay
             rank = states.index(max(states))
             result.peak_bytes = max(states)
@@ -285,8 +287,9 @@ class Predictor:
         """The slowest rank's exposed data-parallel traffic (and ZeRO-3's gathers) and its
         optimizer step (over its 1/dp share under ZeRO)."""
         cl, worst = self.cluster, 0.0
+        placement = placement_of(c.schedule, c.pp, c.chunks)
         for rank in range(c.pp):
-            mine = sum(p for s, p in enumerate(params) if s % c.pp == rank)
+            mine = sum(p for s, p in enumerate(params) if placement[s] == rank)
             grads = 4 * mine
             step = cost.optimizer_s_per_param * (mine / c.dp if c.zero >= 1 else mine)
             if c.zero >= 2:
@@ -298,7 +301,7 @@ class Predictor:
             else:
                 sync = cl.all_reduce_s(grads, c.dp, c.tp)
                 # buckets start during the rank's last backward: what outlasts it shows
-                last_backward = sum(counts[s] for s in range(len(counts)) if s % c.pp == rank) \
+                last_backward = sum(n for s, n in enumerate(counts) if placement[s] == rank) \
                     * cost.backward_s / c.tp / c.chunks
                 sync = max(sync - last_backward, 0.1 * sync)
                 if c.zero == 1:  # each rank steps its share, then broadcasts it

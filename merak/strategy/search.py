@@ -59,7 +59,7 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
             m = global_batch // (dp * mb)
             for name in schedules if pp > 1 else ["1f1b"]:
                 info = SCHEDULES[name]
-                chunks = 2 if info.several_stages_per_rank else 1
+                chunks = info.stages_per_rank(2)
                 if chunks * pp > shape.layers or m < info.min_microbatches_per_rank * pp:
                     continue
                 for recompute in RECOMPUTE_CHOICES:

@@ -122,10 +122,12 @@ class ArgumentChecks:
         if len(shaped) > 1:
             raise ValueError("MerakArguments: give activation_checkpoint_ratio (fractions) or "
                              "activation_memory_budget (MiB), not both")
-        interleaved = SCHEDULES[self.train_schedule].several_stages_per_rank
+        info = SCHEDULES[self.train_schedule]
+        interleaved = info.several_stages_per_rank and info.fixed_stages_per_rank is None
         if not interleaved and self.num_model_chunks != 2:
             raise ValueError("MerakArguments.num_model_chunks only applies with "
-                             "train_schedule='interleaved_1f1b'")
+                             "train_schedule='interleaved_1f1b' (zbv and dualpipev place 2 "
+                             "stages on every rank, in a V)")
         if interleaved and self.num_model_chunks < 2:
             raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
                              "(1 chunk per rank is train_schedule='1f1b')")

@@ -58,7 +58,8 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         f"pipeline schedule: {sorted(SCHEDULES)}"))
     num_model_chunks: int = field(default=2, metadata=_help("pipeline",
         "model chunks per pipeline rank for train_schedule='interleaved_1f1b' (the model "
-        "is split into pp x this many virtual stages)"))
+        "is split into pp x this many virtual stages; zbv and dualpipev always place 2 per "
+        "rank, in a V)"))
     partition_method: str = field(default="uniform", metadata=_help("pipeline",
         f"stage assignment: {list(assign.PARTITION_METHODS)}"))
     split_method: str = field(default="farthest_min_deps", metadata=_help("pipeline",

@@ -153,7 +153,7 @@ class EvaluationMixin:
             mine = tuple(t.detach().cpu() for t in mine)
         if ctx.world_size == 1:
             return [torch.cat(column) for column in zip(*[s for s in [mine] if s is not None])]
-        last = (self.engine.split.num_stages - 1) % ctx.pp  # the pipeline rank of the last stage
+        last = self.engine.placement[-1]  # the pipeline rank of the last stage
         senders = [ctx.rank_of(pp_rank=last, dp_rank=d, tp_rank=0) for d in range(ctx.dp)]
         if ctx.rank in senders and mine is None:
             raise RuntimeError(f"rank {ctx.rank} runs the last stage but kept no outputs to "

@@ -71,6 +71,11 @@ def _hf(model_type: str, **overrides):
     return build
 
 
+def moe_model(model_type: str, layers: int):
+    """A small model of an MoE family (router auxiliary loss on) with `layers` layers."""
+    return _hf(model_type, num_hidden_layers=layers)()
+
+
 HF_PLAN_FAMILIES = {
     "olmo2": _hf("olmo2"),
     "mixtral": _hf("mixtral"),
