@@ -235,7 +235,7 @@ def test_errors_name_the_problem():
         search(shape, costs, small, 8, 64, memory_bytes=-1)
     with pytest.raises(ValueError, match="unknown cluster"):
         cluster("tpu-v9")
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match="peak_flops must be a finite number > 0"):
         Cluster(world_size=4, gpus_per_node=4, peak_flops=0, memory_bytes=GIB, intra_bw=1,
                 inter_bw=1)
 
