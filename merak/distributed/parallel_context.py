@@ -19,10 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from merak.distributed import liveness, timeouts
+
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 CP_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")  # with context parallelism (cp > 1)
 
-# The one piece of module-level state Merak keeps: the context built by the last `init()`.
+# The one piece of module-level state Merak keeps here: the context built by the last `init()`
+# (the job's timeout is `merak.distributed.timeouts`').
 _default_context: ParallelContext | None = None
 
 
@@ -130,6 +133,11 @@ class ParallelContext:
                 f"outside the mesh (pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp})")
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
+    @property
+    def timeout_s(self) -> float | None:
+        """The job's timeout: how long any wait for other ranks lasts before it fails."""
+        return liveness.job_timeout_s()
+
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} backend={self.backend} "
                 f"pp={self.pp_rank}/{self.pp} dp={self.dp_rank}/{self.dp} "
@@ -205,8 +213,28 @@ def _destroy_at_exit() -> None:
     """Tear the process group down before the interpreter exits: left to the destructors, a
     backend's threads can outlive it and abort the process ("terminate called without an
     active exception"), which torchrun reports as a failed job."""
+    beacon = liveness.current()
+    if beacon is not None:
+        beacon.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _create_group(backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
+    """The default process group, its creation bounded by `timeout` (every rank must join)."""
+    try:
+        _init_process_group(backend, timeout, device_id=device if _is_nccl(backend) else None)
+    except (RuntimeError, ValueError) as error:
+        if not liveness.is_peer_failure(error):
+            raise
+        world = os.environ.get("WORLD_SIZE", "?")
+        raise liveness.PeerFailureError(
+            f"merak.init: not all {world} ranks joined the process group within "
+            f"{timeout.total_seconds():g} s (rank {os.environ.get('RANK', '?')}, store at "
+            f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}). "
+            f"Check that every rank was started (the launcher's log) and reaches that address, "
+            f"or raise the timeout (merak.init(timeout=), ddp_timeout). "
+            f"({str(error).strip().splitlines()[0][:200]})") from error
 
 
 def _local_device(backend: str) -> torch.device:
@@ -232,7 +260,7 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
 
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
+         backend: str | None = None, *, timeout: datetime.timedelta | float | None = None,
          cp: int | None = None) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh.
 
@@ -248,9 +276,17 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             (`merak.context_parallel`), which hold the same weights. With cp > 1 the mesh is
             (pp, dp, cp, tp), the rank layout is ``((pp_rank * dp + dp_rank) * cp + cp_rank) *
             tp + tp_rank``, and dp x cp is flattened into ``dp_cp`` (`replica_mesh`).
-        timeout: collective timeout (seconds or timedelta) used when this call creates the
-            process group: every wait of the job, collective or point-to-point, ends after it
-            with an error (a group created earlier keeps its own).
+        timeout: the job's timeout (seconds or timedelta): how long creating the process
+            group and every later wait for other ranks (collective, point-to-point, barrier)
+            may last before it fails naming the ranks that did not arrive. Default: the
+            timeout set before (`set_job_timeout`), else that of a group created earlier, else
+            HF's ddp_timeout default, 1800 s. Given while a process group exists (made by HF's
+            TrainingArguments or accelerate, with their own timeout), it replaces that group's
+            timeout, with a warning when they differ. `MerakTrainer` then applies
+            `MerakArguments.ddp_timeout` to every group: pass the same value here (the order:
+            ``args = MerakArguments(...)``, ``merak.init(timeout=args.ddp_timeout)``, or
+            ``merak.init`` first with the timeout you will give ``ddp_timeout``) so that the
+            group's creation is bounded by it too.
 
     With NCCL, this process uses CUDA device ``LOCAL_RANK % torch.cuda.device_count()`` (so a
     process that sees one GPU uses it whatever its local rank), made current before the process
@@ -272,8 +308,9 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             int(os.environ.get("WORLD_SIZE", "1"))
     dp, tp, pp, cp = (1 if d is None else d for d in (dp, tp, pp, cp))
     _check_degrees(dp, tp, pp, cp)
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    explicit = timeout is not None
+    if explicit:
+        timeout = timeouts.given_to_init(timeout)
     if dist.is_initialized():
         if backend is not None and backend != dist.get_backend():
             raise ValueError(f"merak.init: backend={backend!r} was asked for, but "
@@ -287,9 +324,14 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        _init_process_group(backend, timeout, device_id=device if _is_nccl(backend) else None)
-    elif _is_nccl(backend) and _default_context is None:
-        _join_existing(device)
+        _create_group(backend, timeout or timeouts.for_a_new_group(), device)
+    elif explicit:
+        timeouts.replacing_existing(timeout)
+    timeouts.set_job_timeout(timeout)  # (None: the one set before, else the existing group's)
+    liveness.start(dist.get_rank(), dist.get_world_size())
+    if dist.is_initialized() and _is_nccl(backend) and _default_context is None:
+        with liveness.waiting("merak.init's first all-reduce (NCCL's communicator)"):
+            _join_existing(device)
     atexit.unregister(_destroy_at_exit)  # once, however many times init runs
     atexit.register(_destroy_at_exit)
     world_size = dist.get_world_size()
@@ -301,15 +343,18 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             f"merak.init: {shown} = {size} but the world size is {world_size}; choose degrees "
             f"whose product is {world_size} or launch {size} processes "
             f"(torchrun --nproc_per_node {size})")
-    if cp == 1:
-        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
-    else:
-        mesh = init_device_mesh(device.type, (pp, dp, cp, tp),
-                                mesh_dim_names=CP_MESH_DIM_NAMES)
-        mesh["dp", "cp"]._flatten("dp_cp")  # (torch's way to a 1-D mesh of two dimensions)
+    with liveness.waiting("creating the mesh's process groups (merak.init)"):
+        if cp == 1:
+            mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
+        else:
+            mesh = init_device_mesh(device.type, (pp, dp, cp, tp),
+                                    mesh_dim_names=CP_MESH_DIM_NAMES)
+            mesh["dp", "cp"]._flatten("dp_cp")  # (torch's way to a 1-D mesh of two dimensions)
+        host_groups = make_host_groups(mesh, backend)
+    timeouts.set_job_timeout()  # the new groups too
     context = ParallelContext(dp=dp, tp=tp, pp=pp, rank=dist.get_rank(), world_size=world_size,
                               backend=backend, device=device, mesh=mesh,
-                              host_groups=make_host_groups(mesh, backend), cp=cp)
+                              host_groups=host_groups, cp=cp)
     _default_context = context
     return context
 

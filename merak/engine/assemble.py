@@ -23,6 +23,7 @@ from torch import nn
 from merak.data_parallel.zero import ZeroSharding, check_optimizer, shard_stage
 from merak.data_parallel.zero1 import zero1
 from merak.distributed.parallel_context import ParallelContext
+from merak.distributed.timeouts import set_job_timeout
 from merak.engine.build import parallelize
 from merak.engine.compile import compile_blocks
 from merak.engine.grad_norm import GradNormClipper
@@ -112,4 +113,5 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
         dealloc_outputs=o.dealloc_outputs)
     if scaler is not None:
         scaler.bind(interpreter)
+    set_job_timeout()  # the groups made here (tied weights, ZeRO) wait at most the job's timeout
     return Engine(stage, optimizer, interpreter, zero, clipper, scaler, timers)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from merak.data_parallel.shards import is_sharded, local
+from merak.distributed import liveness
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
 from merak.stages.stage import InterleavedStage, PipelineStage, stage_placement
@@ -48,7 +49,8 @@ class GradNormClipper(InstructionHook):
             return
         total = self.local_sum_of_squares()
         if self.ctx.world_size > 1:
-            dist.all_reduce(total)
+            with liveness.waiting("the gradient-norm all-reduce"):
+                dist.all_reduce(total)
         norm = (total / self.ctx.replicas).sqrt().item()
         self.last_norm = norm
         if self.max_norm > 0:

@@ -21,6 +21,7 @@ import torch
 from merak.data_parallel.grad_sync import GradientAverager
 from merak.data_parallel.shards import is_sharded
 from merak.data_parallel.zero import ZeroSharding
+from merak.distributed import liveness
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
 from merak.runtime.cpu_threads import IdleCoreLending
@@ -212,8 +213,9 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         if meter is not None:
             meter.reset_peak()
         self.grad_averager.begin_step()
-        loss = self._run(self.program, batch, self.num_microbatches, self.hooks,
-                         loss_weight=self.loss_weight)
+        with liveness.waiting(f"training step {self.global_step + 1}"):
+            loss = self._run(self.program, batch, self.num_microbatches, self.hooks,
+                             loss_weight=self.loss_weight)
         if meter is not None:
             self.activation_peak = meter.peak
         self.global_step += 1
@@ -229,6 +231,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         index = 0
         while index < len(program):
             action = program[index]
+            liveness.mark(action)  # (two attribute writes: what a peer is told this rank does)
             if action.group is None:
                 self._execute(action, hooks)
                 index += 1
@@ -238,9 +241,11 @@ class PipelineInterpreter(ForwardOnly, StepTail):
                 end += 1
             self._communicate(program[index:end], hooks)
             index = end
+        liveness.mark("the end of the step's sends")
         self.transfers.finish_step()
         losses = [loss for r in self.runners.values() for loss in r.losses]
-        loss = step_loss(self.ctx, losses, loss_weight)
+        with liveness.waiting("the step's loss all-reduce"):
+            loss = step_loss(self.ctx, losses, loss_weight)
         for hook in hooks:
             hook.on_step_end(self.global_step)
         for runner in self.runners.values():

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
 from merak.data_parallel.zero import ZeroSharding
+from merak.distributed import liveness
 from merak.distributed.parallel_context import ParallelContext
 from merak.schedule.actions import Action, ActionKind
 from merak.stages.split import PipelineSplit
@@ -114,16 +115,20 @@ class StepTail:
 
     def _reduce_tied_grads(self, _: None = None) -> None:
         if self.zero is not None:  # the tail's first action: every shard's gradient, once
-            self.zero.reduce_scatter()
+            with liveness.waiting("ZeRO's gradient reduce-scatter", group=self.ctx.dp_group):
+                self.zero.reduce_scatter()
         for group, params in self._tied:
             if params:  # (every rank of the group holds the same frozen weights)
-                finish_all_reduce(params, *launch_all_reduce(params, group))
+                with liveness.waiting("the tied-weight gradient all-reduce", group=group):
+                    finish_all_reduce(params, *launch_all_reduce(params, group))
 
     def _reduce_grads(self, _: None = None) -> None:
         if self._tp_partial and self.ctx.tp > 1:
-            finish_all_reduce(self._tp_partial,
-                              *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
-        self.grad_averager.average()
+            with liveness.waiting("the tp gradient all-reduce", group=self.ctx.tp_group):
+                finish_all_reduce(self._tp_partial,
+                                  *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
+        with liveness.waiting("the dp gradient all-reduce", group=self.ctx.dp_group):
+            self.grad_averager.average()
 
     def _optimizer_step(self, _: None = None) -> None:
         if self.skip_optimizer_step:

@@ -21,7 +21,7 @@ def degrees_from_plan(path: str | Path) -> tuple[int, int, int, int]:
 
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
+         backend: str | None = None, *, timeout: datetime.timedelta | float | None = None,
          plan: str | Path | None = None, cp: int | None = None) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh; see
     `merak.distributed.parallel_context.init` for every argument but `plan` (`cp`: the

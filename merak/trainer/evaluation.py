@@ -25,6 +25,7 @@ from transformers.trainer_utils import (
     denumpify_detensorize,
 )
 
+from merak.distributed import liveness
 from merak.distributed.host_objects import broadcast_object
 from merak.trainer.data import EvalBatches, check_eval_dataset
 
@@ -49,6 +50,7 @@ class EvaluationMixin:
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
                                 metrics=output.metrics)
 
+    @liveness.waiting_in("evaluation")
     def _merak_eval_loop(self, dataset, prefix: str, predictions: bool = False
                          ) -> EvalLoopOutput:
         if dataset is None:

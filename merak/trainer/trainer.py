@@ -23,7 +23,9 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 
 from merak import lora
+from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
+from merak.distributed.timeouts import use_trainer_timeout
 from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions
 from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
@@ -72,6 +74,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         check_overrides(type(self), args)
         check_dpo(type(self), args, model, trainer_kwargs)
         self.ctx = get_context()
+        use_trainer_timeout(args.ddp_timeout)  # every wait of the job: at most ddp_timeout
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)
             model = lora.wrap(model, args.lora_config, args.adapter_name, seed=args.seed)
@@ -169,17 +172,22 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             noise = self.neftune_noise
             return [noise] if noise is not None and noise.attach(stage, embedding) else []
 
-        built = build_engine(
+        with liveness.waiting("building this rank's engine (split, shard load, groups)"):
+            built = self._build(model, traced, optimizer_over, neftune_hooks)
+        self.stage, self.engine, self.optimizer = built.stage, built.interpreter, built.optimizer
+        self.zero, self.clipper, self.scaler = built.zero, built.clipper, built.scaler
+        self.timers = built.timers
+        self._attach_subclass_loss(example)  # and the micro-batch losses' weights
+
+    def _build(self, model, traced, optimizer_over, neftune_hooks):
+        args = self.args
+        return build_engine(
             model, traced, self.ctx, self.engine_options, make_optimizer=optimizer_over,
             checkpoint=pretrained_checkpoint(self._user_model),
             checkpoint_prefix="model." if self._wrapped_loss else "",
             tp_rng=getattr(self._user_model, "merak_tp_rng", None), stage_hooks=neftune_hooks,
             hooks=[self.energy.hook] if self.energy and not args.energy_profile else ())
         # (the profiler brings its own hook)
-        self.stage, self.engine, self.optimizer = built.stage, built.interpreter, built.optimizer
-        self.zero, self.clipper, self.scaler = built.zero, built.clipper, built.scaler
-        self.timers = built.timers
-        self._attach_subclass_loss(example)  # and the micro-batch losses' weights
 
     def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
         """HF's auto_find_batch_size for a pipeline: halve the micro-batch until a step fits in
