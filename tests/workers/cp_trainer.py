@@ -30,7 +30,9 @@ CP_RUNS = {
         # every block rerun inside the backward (the ring's collectives with it)
         "cp-dp1tp1pp2cp2-ring-recompute-in-backward": ((1, 1, 2, 2), "ring", {
             "activation_checkpointing": True, "recompute_in_backward": True})},
-    8: {"cp-dp2tp1pp2cp2-ulysses": ((2, 1, 2, 2), "ulysses", {}),
+    # (the stage's recomputation action reruns the blocks, their all-to-alls with them)
+    8: {"cp-dp2tp1pp2cp2-ulysses-recompute": ((2, 1, 2, 2), "ulysses",
+                                              {"activation_checkpointing": True}),
         "cp-dp2tp1pp2cp2-ring-zero2": ((2, 1, 2, 2), "ring", {"zero_stage": 2})},
 }
 
