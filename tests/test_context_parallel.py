@@ -5,6 +5,8 @@ load-balanced split, its refusals, and the families whose attention cannot be wr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers as tf
@@ -90,3 +92,66 @@ def test_llama_and_qwen2_can_be_wrapped():
         with merak.init_empty_weights():
             model = tf.AutoModelForCausalLM.from_config(config)
         assert unsupported_reason(model, "ulysses") is None
+
+
+# -- the planner (merak/strategy) ---------------------------------------------------------------
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+
+
+def test_the_planner_searches_cp_where_ranks_sequence_and_heads_allow():
+    from merak.strategy.search import candidates, context_parallel_degrees
+    from merak.strategy.shape import ModelShape
+
+    assert context_parallel_degrees(8, 131072) == (1, 2, 4, 8)
+    assert context_parallel_degrees(8, 12) == (1, 2)  # 12 tokens: 2 x cp must divide them
+    shape = ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B))
+    found = list(candidates(shape, 8, 8, 4096, (1,), schedules=("1f1b",),
+                            context_parallel=(1, 2, 4, 8)))
+    assert {c.cp for c in found} == {1, 2, 4, 8}
+    assert all(c.dp * c.tp * c.pp * c.cp == 8 for c in found)
+    # Ulysses only where cp divides a TP rank's 8 key/value heads / tp
+    assert all(c.cp_mode == "ring" or (8 // c.tp) % c.cp == 0 for c in found)
+    assert any(c.cp_mode == "ulysses" for c in found)
+    # ZeRO shards over dp x cp: a cp-only layout may use it
+    assert any(c.dp == 1 and c.cp == 8 and c.zero == 3 for c in found)
+
+
+def test_the_cost_model_divides_activations_and_adds_the_cp_exchange():
+    from merak.strategy.cluster import cluster
+    from merak.strategy.costs import analytic_costs
+    from merak.strategy.predict import Candidate, Predictor
+    from merak.strategy.shape import ModelShape
+
+    shape = ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B))
+    where = cluster("h100", 8)
+    predictor = Predictor(shape, {1: analytic_costs(shape, where, 1, 32768)}, where)
+    base = Candidate(8, 1, 1, 1, 8, "1f1b", "full", 3)
+    split = Candidate(4, 1, 1, 1, 16, "1f1b", "full", 3, cp=2)
+    one, two = predictor.predict(base), predictor.predict(split)
+    # per micro-batch: half the activations (one micro-batch in flight at pp 1)
+    assert two.activation_bytes[0] == pytest.approx(one.activation_bytes[0] / 2, rel=0.01)
+    assert two.state_bytes == pytest.approx(one.state_bytes)  # ZeRO-3 over dp x cp = 8 still
+    forward, backward = predictor.context_parallel_s(split, predictor._rank_cost(
+        split, predictor.costs[1]))
+    assert 0 < forward < backward
+    ulysses = Candidate(4, 1, 1, 1, 16, "1f1b", "full", 3, cp=2, cp_mode="ulysses")
+    assert 0 < predictor.predict(ulysses).step_s < float("inf") and "cp2:ulysses" in ulysses.label
+
+
+def test_merak_plan_fits_llama3_8b_at_128k_tokens_on_8_h100_with_cp(tmp_path, capsys):
+    from merak.cli import main as merak_main
+    from merak.strategy.cluster import cluster
+    from merak.strategy.search import read_strategy_plan
+
+    config_dir = tmp_path / "llama3-8b"
+    tf.LlamaConfig(**LLAMA3_8B).save_pretrained(config_dir)
+    out = tmp_path / "plan.json"
+    assert merak_main(["plan", "--model", str(config_dir), "--cluster", "h100", "--gpus", "8",
+                       "--global-batch", "8", "--seq-len", "131072", "--parallel-vocab",
+                       "--micro-batch-sizes", "1", "--out", str(out)]) == 0
+    chosen = read_strategy_plan(out)[0]
+    assert chosen.cp > 1 and chosen.dp * chosen.tp * chosen.pp * chosen.cp == 8
+    best = json.loads(out.read_text())["ranked"][0]
+    assert best["peak_bytes"] <= cluster("h100").memory_bytes
+    assert "chosen:" in capsys.readouterr().out

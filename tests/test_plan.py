@@ -262,7 +262,7 @@ def test_offline_plan_command_for_llama3_8b_on_8_h100(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "chosen:" in printed and "<==" in printed
     chosen = read_strategy_plan(out)[0]
-    assert chosen.dp * chosen.tp * chosen.pp == 8
+    assert chosen.dp * chosen.tp * chosen.pp * chosen.cp == 8
     data = json.loads(out.read_text())
     assert data["ranked"][0]["peak_bytes"] <= cluster("h100").memory_bytes
     assert data["ranked"][0]["mfu"] > 0.2

@@ -89,7 +89,8 @@ def read_layout(path: str | Path) -> Layout:
         raise CheckpointError(f"{file}: field 'name_prefix' must be a string, got {prefix!r}")
     return Layout(step=_count(file, fields, "step", 0), dp=_count(file, fields, "dp", 1),
                   tp=_count(file, fields, "tp", 1), pp=_count(file, fields, "pp", 1),
-                  name_prefix=prefix, cp=_count(file, fields, "cp", 1))
+                  name_prefix=prefix,
+                  cp=_count(file, fields, "cp", 1) if "cp" in fields else 1)
 
 
 def missing_files(path: str | Path, layout: Layout, *, rank_states: bool = True) -> list[str]:

@@ -102,7 +102,7 @@ class ContextParallelAttention:
         if _traced(query):  # Merak's capture runs blocks on fake tensors and keeps them eager:
             # only the shapes (this rank's tokens) matter here
             inner = _inner_function(module, self.inner)
-            passed = {k: v for k, v in kwargs.items() if k not in _LOCAL_KWARGS}
+            passed = {name: x for name, x in kwargs.items() if name not in _LOCAL_KWARGS}
             return inner(module, query, key, value, None, scaling=scaling, dropout=dropout,
                          **passed)
         self.calls += 1
@@ -138,7 +138,7 @@ class ContextParallelAttention:
                    for t in (query, key, value))
         mask = self._mask(seq_len, q, causal, window)
         inner = _inner_function(module, self.inner)
-        passed = {k: v for k, v in kwargs.items() if k not in _LOCAL_KWARGS}
+        passed = {name: x for name, x in kwargs.items() if name not in _LOCAL_KWARGS}
         if window is not None and self.inner.startswith("flash"):
             passed["sliding_window"] = window
         else:

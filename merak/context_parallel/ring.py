@@ -66,6 +66,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, causal):
         """q (B, H, 2c, D), k (B, Hkv, 2c, D), v (B, Hkv, 2c, Dv) -> (out (B, H, 2c, Dv))."""
+        with torch.autocast(q.device.type, enabled=False):  # fp32 math under mixed precision
+            return _RingAttention._forward(ctx, q, k, v, group, scale, causal)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group, scale, causal):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         groups = q.shape[1] // k.shape[1]
         c = q.shape[2] // 2
@@ -103,6 +108,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale, causal = ctx.group, ctx.scale, ctx.causal
         cp, rank = dist.get_world_size(group), dist.get_rank(group)

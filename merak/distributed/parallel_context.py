@@ -52,6 +52,8 @@ class ParallelContext:
     host_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False,
                                                        repr=False)
     cp: int = 1  # context-parallel degree: each row's sequence split over cp ranks
+    # dp x cp flattened (cp > 1), kept here: torch deprecates slicing it from the root mesh
+    dp_cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     @property
     def cp_rank(self) -> int:
@@ -71,7 +73,7 @@ class ParallelContext:
     def replica_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the `replicas` (the dp dimension, or dp x cp flattened): where
         gradients are averaged and ZeRO shards."""
-        return self.mesh["dp_cp"] if self.cp > 1 else self.mesh["dp"]
+        return self.dp_cp_mesh if self.cp > 1 else self.mesh["dp"]
 
     @property
     def replica_group(self) -> dist.ProcessGroup:
@@ -343,18 +345,19 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             f"merak.init: {shown} = {size} but the world size is {world_size}; choose degrees "
             f"whose product is {world_size} or launch {size} processes "
             f"(torchrun --nproc_per_node {size})")
+    flat = None
     with liveness.waiting("creating the mesh's process groups (merak.init)"):
         if cp == 1:
             mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
         else:
             mesh = init_device_mesh(device.type, (pp, dp, cp, tp),
                                     mesh_dim_names=CP_MESH_DIM_NAMES)
-            mesh["dp", "cp"]._flatten("dp_cp")  # (torch's way to a 1-D mesh of two dimensions)
+            flat = mesh["dp", "cp"]._flatten("dp_cp")  # (torch's 1-D mesh of two dimensions)
         host_groups = make_host_groups(mesh, backend)
     timeouts.set_job_timeout()  # the new groups too
     context = ParallelContext(dp=dp, tp=tp, pp=pp, rank=dist.get_rank(), world_size=world_size,
                               backend=backend, device=device, mesh=mesh,
-                              host_groups=host_groups, cp=cp)
+                              host_groups=host_groups, cp=cp, dp_cp_mesh=flat)
     _default_context = context
     return context
 

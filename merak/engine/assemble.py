@@ -110,7 +110,7 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
         recompute_ratio=list(o.recompute_ratio) if isinstance(o.recompute_ratio, tuple)
         else o.recompute_ratio, segment_size=o.segment_size,
         measure_activations=o.measure_activations, tp_rng=tp_rng, zero=zero,
-        dealloc_outputs=o.dealloc_outputs)
+        dealloc_outputs=o.dealloc_outputs, recompute_in_backward=o.recompute_in_backward)
     if scaler is not None:
         scaler.bind(interpreter)
     set_job_timeout()  # the groups made here (tied weights, ZeRO) wait at most the job's timeout

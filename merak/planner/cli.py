@@ -1,6 +1,7 @@
-"""`merak plan`: choose dp x tp x pp, micro-batching, schedule, recomputation and ZeRO.
+"""`merak plan`: choose dp x tp x pp (x cp), micro-batching, schedule, recomputation and ZeRO.
 
-Offline, for a described cluster (no process group, nothing run):
+Offline, for a described cluster (no process group, nothing run), context parallelism included
+(cp of 1, 2, 4, 8 where they divide the ranks and the sequence; ``--no-context-parallel``):
 
     merak plan --model CONFIG_DIR --cluster h100 --world-size 64 --global-batch 512 \\
         --seq-len 8192 [--memory-gib 70] [--out plan.json]
@@ -28,7 +29,8 @@ def add_plan(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="an HF config directory or config.json (or a model directory)")
-    parser.add_argument("--world-size", type=positive_int, default=None,
+    parser.add_argument("--world-size", "--gpus", type=positive_int, default=None,
+                        dest="world_size",
                         help="ranks to plan for (default: the torchrun world size)")
     parser.add_argument("--global-batch", type=positive_int, required=True,
                         help="sequences per optimizer step")
@@ -45,6 +47,9 @@ def add_plan(subparsers) -> None:
     parser.add_argument("--no-sequence-parallel", action="store_true",
                         help="plan without sequence parallelism (a job with LoRA adapters, "
                              "text generation or TP overlap cannot split the sequence)")
+    parser.add_argument("--no-context-parallel", action="store_true",
+                        help="offline: plan without context parallelism (cp = 1); online plans "
+                             "never search it (their dry runs build dp x tp x pp jobs)")
     parser.add_argument("--dry-runs", type=positive_int, default=5,
                         help="online: candidates to run")
     parser.add_argument("--dry-run-steps", type=positive_int, default=3)
@@ -76,7 +81,12 @@ def _cluster(spec: str, world_size: int | None):
 def _plan(args: argparse.Namespace) -> int:
     from merak.strategy.cluster import GIB
     from merak.strategy.costs import analytic_costs
-    from merak.strategy.search import search, sequence_parallel_choices
+    from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES
+    from merak.strategy.search import (
+        context_parallel_degrees,
+        search,
+        sequence_parallel_choices,
+    )
     from merak.strategy.shape import ModelShape
 
     config = _config(args.model)
@@ -89,8 +99,11 @@ def _plan(args: argparse.Namespace) -> int:
         described = _cluster(args.cluster, world)
         shape = ModelShape.from_config(config)
         costs = {m: analytic_costs(shape, described, m, args.seq_len) for m in sizes}
+        degrees = (1,) if args.no_context_parallel else \
+            context_parallel_degrees(described.world_size, args.seq_len)
         plan = search(shape, costs, described, args.global_batch, args.seq_len, memory,
-                      args.parallel_vocab, sequence_parallel=sequence_parallel)
+                      args.parallel_vocab, sequence_parallel=sequence_parallel,
+                      context_parallel=degrees, recompute_choices=(*RECOMPUTE_CHOICES, BLOCK))
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
               f"{described.world_size} x {described.name}")
     else:

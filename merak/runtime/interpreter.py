@@ -75,6 +75,8 @@ class PipelineInterpreter(ForwardOnly, StepTail):
             built): its gradients are reduce-scattered by FSDP instead of all-reduced.
         dealloc_outputs: free each sent activation's data once its sends ended, keeping its
             autograd graph for the backward (`PipelineStage.freeable_outputs` says which).
+        recompute_in_backward: recomputed blocks rerun one at a time inside the backward
+            (`BlockRecomputation`'s ``in_backward``), not all in the ``recompute`` action.
     """
 
     def __init__(self, stage: PipelineStage | InterleavedStage | Sequence[PipelineStage],
@@ -85,7 +87,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
                  grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
                  segment_size: int = 1, measure_activations: bool = False,
                  tp_rng: object = None, zero: ZeroSharding | None = None,
-                 dealloc_outputs: bool = False):
+                 dealloc_outputs: bool = False, recompute_in_backward: bool = False):
         if not isinstance(stage, (PipelineStage, InterleavedStage)):
             stage = InterleavedStage(list(stage))
         self.stage = stage
@@ -121,6 +123,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == str(ctx.world_size)
         self._lend = lend_idle_cores and ctx.device.type == "cpu" and single_host and p > 1
         self._measure = measure_activations
+        self.recompute_in_backward = recompute_in_backward
         self._blocks = {s.stage_id: [s.get_submodule(n) for n in block_names(split, s.stage_id)]
                         for s in stages}
         self.runners = {s.stage_id: StageRunner(s, BlockRecomputation([], [], ctx.device))
@@ -177,7 +180,8 @@ class PipelineInterpreter(ForwardOnly, StepTail):
             runner.recompute.remove()
             runner.meter = ActivationMeter(excluded) if measure == "stage" else shared
             runner.recompute = BlockRecomputation(self._blocks[stage_id], segments[stage_id],
-                                                  self.ctx.device, self.tp_rng, runner.meter)
+                                                  self.ctx.device, self.tp_rng, runner.meter,
+                                                  self.recompute_in_backward)
 
     def remove_recomputation(self) -> None:
         """Give every checkpointed block its own forward back."""

@@ -115,13 +115,17 @@ class ArgumentChecks:
         shaped = [n for n in ("activation_checkpoint_ratio", "activation_memory_budget")
                   if getattr(self, n) is not None]
         if not self.activation_checkpointing:
-            extra = shaped + ["checkpoint_num_layers"] * (self.checkpoint_num_layers != 1)
+            extra = shaped + ["checkpoint_num_layers"] * (self.checkpoint_num_layers != 1) \
+                + ["recompute_in_backward"] * self.recompute_in_backward
             if extra:
                 raise ValueError(f"MerakArguments.{extra[0]} only applies with "
                                  f"activation_checkpointing=True")
         if len(shaped) > 1:
             raise ValueError("MerakArguments: give activation_checkpoint_ratio (fractions) or "
                              "activation_memory_budget (MiB), not both")
+        if self.recompute_in_backward and self.checkpoint_num_layers != 1:
+            raise ValueError("MerakArguments.recompute_in_backward reruns each block on its own "
+                             "kept inputs: leave checkpoint_num_layers at 1")
         info = SCHEDULES[self.train_schedule]
         interleaved = info.several_stages_per_rank and info.fixed_stages_per_rank is None
         if not interleaved and self.num_model_chunks != 2:

@@ -81,6 +81,10 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "says otherwise)"))
     checkpoint_num_layers: int = field(default=1, metadata=_help("recomputation",
         "consecutive blocks per checkpointed chunk (only its input is kept)"))
+    recompute_in_backward: bool = field(default=False, metadata=_help("recomputation",
+        "rerun each recomputed block inside the backward, one at a time (as "
+        "torch.utils.checkpoint), instead of a stage's blocks all at once before it: "
+        "less memory, no schedulable recomputation; needs checkpoint_num_layers=1"))
     activation_checkpoint_ratio: list[float] | None = field(
         default=None, metadata=_help("recomputation",
         "fraction of each stage's blocks recomputed: one value per stage, or one value "
@@ -214,7 +218,8 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
 
     # what a plan chooses: the user leaves these at their defaults
     PLANNED = ("train_schedule", "num_model_chunks", "zero_stage", "activation_checkpointing",
-               "activation_checkpoint_ratio", "activation_memory_budget", "sequence_parallel")
+               "activation_checkpoint_ratio", "activation_memory_budget", "sequence_parallel",
+               "recompute_in_backward", "cp_mode")
 
     def to_dict(self) -> dict[str, Any]:
         serialized = super().to_dict()

@@ -246,6 +246,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         if (args.auto_parallel or args.plan) and self.engine is None:  # before building
             self.ctx = apply_strategy_plan(self, self._example(self.train_dataset, 1))
+            self._check_context_parallel(self.model)  # (the plan may choose cp)
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._assemble(self._example(self.train_dataset, mbs))
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)

@@ -21,8 +21,18 @@ CP_RUNS = {
     4: {"cp-dp1tp1pp2cp2-ring": ((1, 1, 2, 2), "ring", {"save_strategy": "steps",
                                                       "save_steps": 5}),
         "cp-dp1tp2pp1cp2-ulysses": ((1, 2, 1, 2), "ulysses", {}),
-        "cp-dp1tp2pp1cp2-ring-sp": ((1, 2, 1, 2), "ring", {"sequence_parallel": True})},
-    8: {"cp-dp2tp1pp2cp2-ulysses": ((2, 1, 2, 2), "ulysses", {}),
+        "cp-dp1tp2pp1cp2-ring-sp": ((1, 2, 1, 2), "ring", {"sequence_parallel": True}),
+        # the split backward of zero-bubble schedules; model chunks of interleaved 1F1B
+        "cp-dp1tp1pp2cp2-ulysses-zero-bubble": ((1, 1, 2, 2), "ulysses",
+                                                {"train_schedule": "zero_bubble"}),
+        "cp-dp1tp1pp2cp2-ring-interleaved": ((1, 1, 2, 2), "ring", {
+            "train_schedule": "interleaved_1f1b", "num_model_chunks": 2}),
+        # every block rerun inside the backward (the ring's collectives with it)
+        "cp-dp1tp1pp2cp2-ring-recompute-in-backward": ((1, 1, 2, 2), "ring", {
+            "activation_checkpointing": True, "recompute_in_backward": True})},
+    # (the stage's recomputation action reruns the blocks, their all-to-alls with them)
+    8: {"cp-dp2tp1pp2cp2-ulysses-recompute": ((2, 1, 2, 2), "ulysses",
+                                              {"activation_checkpointing": True}),
         "cp-dp2tp1pp2cp2-ring-zero2": ((2, 1, 2, 2), "ring", {"zero_stage": 2})},
 }
 
