@@ -114,7 +114,7 @@ class Beacon:
         try:
             store = _client(self.host, self.port, timeout_s)
             keys = [self.key(r) for r in range(self.world_size)]
-            present = [k for k in keys if store.check([k])]
+            present = keys if store.check(keys) else [k for k in keys if store.check([k])]
             values = store.multi_get(present) if present else []
         except Exception as error:  # noqa: BLE001 - a stopped or dead store host
             host = "rank 0's process" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != \
@@ -243,15 +243,19 @@ def job_timeout_s() -> float | None:
 def diagnose(action: str, waited_s: float, error: BaseException | None,
              peers: Sequence[int] | None = None) -> str:
     """The message of a failed wait (see the module doc); this rank publishes it."""
-    from merak.distributed.peer_report import describe  # (the wording, apart)
+    from merak.distributed.peer_report import describe, local_state  # (the wording, apart)
 
     beacon, rank = _beacon, dist.get_rank() if dist.is_initialized() else 0
     first = second = "no beacons: a one-rank job, or a store that is not a TCPStore"
     if beacon is not None:
-        first = beacon.read_all()
-        time.sleep(2.0 * beacon.interval_s)  # a live rank beats at least once meanwhile
-        second = beacon.read_all() if isinstance(first, dict) else first
-    text = describe(rank, action, waited_s, job_timeout_s(), error, peers, first, second)
+        first = second = beacon.read_all()
+        states = [local_state(v) for r, v in first.items() if r != rank] \
+            if isinstance(first, dict) else []
+        if None in states or (states and not {"stopped", "dead"} & set(states)):
+            time.sleep(2.0 * beacon.interval_s)  # a live rank beats meanwhile; a hung one not
+            second = beacon.read_all()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    text = describe(rank, action, waited_s, job_timeout_s(), error, peers, first, second, world)
     if beacon is not None:
         beacon.publish("failed", text)
     return text
