@@ -1,7 +1,9 @@
 """Issue 32's grid: 1F1B, interleaved 1F1B, zero-bubble and Merak's shifted critical path
-(with recomputation) through MerakTrainer at (dp, tp, pp) = (1,1,2), (2,1,2), (1,2,4) and
-(2,2,2) train at loss parity with single-process HF Trainer, on the NCCL-contract backend (the
-very path NCCL takes: one Work per group, rendezvous sends, one stream) and on plain gloo.
+(with recomputation), and issue 37's ZB-V and DualPipeV (2 stages per rank in a V; also on a
+Mixtral, whose router loss makes its reference step in Merak's micro-batches) through
+MerakTrainer at (dp, tp, pp) = (1,1,2), (2,1,2), (1,2,4) and (2,2,2) train at loss parity with
+single-process HF Trainer, on the NCCL-contract backend (the very path NCCL takes: one Work per
+group, rendezvous sends, one stream) and on plain gloo.
 Each world size and backend is one pooled launch (workers/trainer_matrix.py). The suite runs the
 2-rank layout on the NCCL contract (every other multi-rank test runs on it too; Merak has one
 p2p path, so plain gloo differs only below it; dp > 1 on padded rows is test_trainer's); the
