@@ -52,5 +52,7 @@ def test_schedule_and_layout_match_hf_trainer(launches, worker_pool, references,
     assert len(ours["loss"]) == len(theirs["loss"]) == MATRIX_STEPS
     for key in ("loss", "grad_norm", "learning_rate"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
-    # padded evaluation rows, HF's token-weighted loss per evaluation batch
-    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    # padded evaluation rows, HF's token-weighted loss per evaluation batch (not for an MoE at
+    # dp > 1: each dp rank's share of a batch has its own router loss, see trainer_common)
+    if ours["reference"] != "matrix-moe-dp2":
+        assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
