@@ -1,7 +1,8 @@
 """Perseus energy planning: the planner on the reference synthetic GPU (FINDINGS.md), its DAG
 against the simulator for every registered schedule, plan-file validation, the GPU backends
 (simulated; NVML mocked), and profile -> plan -> deploy end to end on 4 gloo ranks with
-simulated GPUs for 1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path. (The
+simulated GPUs for 1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path; the
+planner also plans ZB-V and DualPipeV (2 stages per rank in a V). (The
 precise measured-vs-predicted figures of the end-to-end run: bench/energy_e2e.py.)"""
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def test_planner_dag_replays_the_simulator_for_every_schedule(name):
         assert planner.evaluate(plan)[0] == pytest.approx(planner.simulated(plan), rel=1e-12)
 
 
-@pytest.mark.parametrize("name", ["zero_bubble", "interleaved_1f1b", "shifted_critical_path"])
+@pytest.mark.parametrize("name", ["zero_bubble", "interleaved_1f1b", "shifted_critical_path",
+                                  "zbv", "dualpipev"])
 def test_every_schedule_gets_a_plan_in_its_program_order(name):
     schedule = _schedule(name)
     planner = _planner(schedule, gpus_per_rank=2, unit_time=2e-3)
@@ -330,6 +332,12 @@ def test_plan_command_interleave_and_recompute(tmp_path, capsys):
                  "--out", str(out)]) == 0
     names = {n for s in json.loads(out.read_text())["schedules"] for n, _ in s["frequencies"]}
     assert names == {"forward", "recompute", "backward"}
+    for name in ("zbv", "dualpipev"):  # 2 stages per rank in a V, without --interleave
+        assert main(["energy", "plan", str(profile), "--schedule", name, "--stages", "2",
+                     "--microbatches", "4", "--out", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        assert [n for n, _ in plan["schedules"][0]["frequencies"]] == expected_instructions(
+            make_schedule(name, 2, 4, stages_per_rank=2), 0)
 
 
 def test_plan_arguments_rebuild_the_interpreters_schedule():
@@ -338,6 +346,7 @@ def test_plan_arguments_rebuild_the_interpreters_schedule():
     from merak.energy.session import plan_arguments
 
     for schedule in (_schedule("interleaved_1f1b"), _schedule("shifted_critical_path"),
+                     _schedule("zbv"), _schedule("dualpipev"),
                      make_schedule("1f1b", 4, 4, recompute=[True, False, True, False]),
                      make_schedule("zero_bubble", 2, 3)):
         args = plan_arguments(schedule)

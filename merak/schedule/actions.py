@@ -107,6 +107,11 @@ class Action:
         return {"stage": self.stage_id, "action": self.name, "microbatch": self.microbatch_id,
                 "peer": self.peer, "peer_stage": self.peer_stage, "group": self.group}
 
+    @classmethod
+    def from_json(cls, data: dict) -> Action:
+        return cls(ActionKind(data["action"]), data["stage"], data["microbatch"], data["peer"],
+                   data["peer_stage"], data["group"])
+
 
 Program = tuple[Action, ...]
 Edge = tuple[int, int]
@@ -203,8 +208,18 @@ class Schedule:
     def to_json(self) -> dict:
         return {"schedule": self.name, "ranks": self.num_ranks,
                 "stages_per_rank": self.stages_per_rank, "microbatches": self.num_microbatches,
-                "placement": list(self.placement),
+                "placement": list(self.placement), "edges": sorted(map(list, self.edges)),
                 "programs": [[a.to_json() for a in program] for program in self.programs]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Schedule:
+        """The schedule `to_json` wrote (what ``merak simulate --programs`` prints), to
+        validate or simulate it again."""
+        return cls(data["schedule"], data["ranks"], data["stages_per_rank"],
+                   data["microbatches"],
+                   tuple(tuple(Action.from_json(a) for a in program)
+                         for program in data["programs"]),
+                   frozenset(tuple(e) for e in data["edges"]), tuple(data["placement"]))
 
     def format(self) -> str:
         """One line per rank; a posting group in brackets."""

@@ -88,9 +88,9 @@ class _Planner:
         their outputs leave at the pair's end); weight gradients follow the sends."""
         blocks, made, weights = [], [], []
         for op, chunk in unit:
-            if op == W:  # the oldest weight gradient of `chunk` (of any chunk: None)
+            if op == W:  # the oldest weight gradient of `chunk` (else, or None: of any chunk)
                 pending = self.weights[rank]
-                index = next(i for i, (c, _) in enumerate(pending) if chunk in (None, c))
+                index = next((i for i, (c, _) in enumerate(pending) if chunk in (None, c)), 0)
                 chunk, mb = pending.pop(index)
                 self.in_flight[rank] -= 1
                 weights.append(Action(K.BACKWARD_WEIGHT, self.stage(rank, chunk), mb))

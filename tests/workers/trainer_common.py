@@ -97,13 +97,20 @@ MATRIX_REFERENCES = {"matrix": ("llama-deep", {"max_steps": MATRIX_STEPS}, {}),
                      "matrix8": ("llama-deep8", {"max_steps": MATRIX_STEPS}, {}),
                      # a Mixtral (router auxiliary loss on): its loss depends on the
                      # micro-batches, so its reference steps in Merak's, dp x m of them, each
-                     # of 8 / (dp m) rows (sequential: dp rank d's are rows 4d..4d+3)
+                     # of 8 / (dp m) rows (sequential: dp rank d's are rows 4d..4d+3); at dp 2
+                     # each dp rank's share of an evaluation batch has its own router loss,
+                     # so only the training is compared there (test_trainer_matrix)
+                     # 6 sequences a step, so interleaved 1F1B runs m = 3 (pp 2) or 6 (pp 4)
+                     # micro-batches, no multiple of pp
+                     "matrix6": ("llama-deep", {"max_steps": MATRIX_STEPS,
+                                                "per_device_train_batch_size": 3}, {}),
+                     "matrix6-8": ("llama-deep8", {"max_steps": MATRIX_STEPS,
+                                                   "per_device_train_batch_size": 3}, {}),
                      "matrix-moe": ("mixtral-deep", {"max_steps": MATRIX_STEPS}, {}),
                      "matrix-moe8": ("mixtral-deep8", {"max_steps": MATRIX_STEPS}, {}),
                      "matrix-moe-dp2": ("mixtral-deep", {
                          "max_steps": MATRIX_STEPS, "gradient_accumulation_steps": 4,
-                         "per_device_train_batch_size": MICRO_BATCH,
-                         "per_device_eval_batch_size": MICRO_BATCH}, {})}
+                         "per_device_train_batch_size": MICRO_BATCH}, {})}
 MATRIX_SCHEDULES = {"1f1b": {}, "interleaved_1f1b": {"num_model_chunks": 2},
                     "zero_bubble": {},
                     "shifted_critical_path": {"activation_checkpointing": True},
@@ -131,6 +138,11 @@ def matrix_runs(world_size: int) -> dict[str, tuple[str, tuple[int, int, int], d
                 reference = "matrix8"
             runs[f"matrix-dp{dp}tp{tp}pp{pp}-{schedule}"] = (
                 reference, (dp, tp, pp), {"train_schedule": schedule, **fields, **extra})
+        m = 3 if pp == 2 else 6  # interleaved 1F1B with m not a multiple of pp (issue 37)
+        runs[f"matrix-dp{dp}tp{tp}pp{pp}-interleaved_1f1b-m{m}"] = (
+            "matrix6" if pp == 2 else "matrix6-8", (dp, tp, pp),
+            {"train_schedule": "interleaved_1f1b", "num_model_chunks": 2,
+             "gradient_accumulation_steps": m})
         for schedule in MATRIX_MOE_SCHEDULES:
             reference = "matrix-moe8" if pp == 4 else "matrix-moe-dp2" if dp == 2 \
                 else "matrix-moe"
