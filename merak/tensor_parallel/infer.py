@@ -99,11 +99,11 @@ def _widths(trace: BlockTrace, linears: dict[str, str]) -> dict[str, int]:
     """The output width of each linear the block calls."""
     found = {}
     for node in trace.nodes:
-        for index in (1, 2):
-            if len(node.args) > index and node.name in ("linear", "addmm"):
-                name = linears.get(trace.params.get(id(node.args[index]), ""))
-                if name and node.outputs:
-                    found[name] = node.outputs[0].shape[-1]
+        for leaf in node.args[:3]:
+            name = linears.get(trace.params.get(id(leaf), ""))
+            if name and name not in found:  # its weight's output dim
+                found[name] = leaf.shape[0 if len(leaf.shape) == 2 and node.name != "addmm"
+                                         else -1]
     return found
 
 
@@ -142,9 +142,10 @@ def infer_block(trace: BlockTrace, block: nn.Module, tp: int) -> BlockPlan:
     linears = block_linears(block)
     order = []
     for node in trace.nodes:
-        for leaf in node.args[1:3]:
+        for leaf in node.args[:3]:
             name = linears.get(trace.params.get(id(leaf), ""))
-            if name and name not in order and node.name in ("linear", "addmm"):
+            if name and name not in order and (node.module == name
+                                               or node.module.startswith(name + ".")):
                 order.append(name)
     placed: set[str] = set()
     groups, divide, replicated = [], {}, {}

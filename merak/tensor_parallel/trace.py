@@ -82,7 +82,7 @@ class Value:
     producer: int | None
     origin: str
     index: int = 0  # which output of the producer (flat)
-    requires_grad: bool = False  # an input that carries a gradient in training
+    requires_grad: bool = False  # a gradient flows through it in training
 
     @property
     def ndim(self) -> int:
@@ -255,7 +255,8 @@ class _Recorder(TorchFunctionMode):
         outputs = []
         for i, leaf in enumerate(flat):
             if isinstance(leaf, torch.Tensor):
-                value = Value(tuple(leaf.shape), leaf.is_floating_point(), index, "op", i)
+                value = Value(tuple(leaf.shape), leaf.is_floating_point(), index, "op", i,
+                              leaf.requires_grad)
                 self.values[id(leaf)] = value
                 self.keep.append(leaf)
                 outputs.append(value)
@@ -326,8 +327,9 @@ def trace_block(model: nn.Module, name: str, args: tuple, kwargs: dict,
     pre = nn.modules.module.register_module_forward_pre_hook(enter)
     post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), _tracked_attributes(block), \
-                recorder:
+        # with grad, as in training: each value says whether a gradient flows through it
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), \
+                _tracked_attributes(block), recorder:
             out = block(*args, **kwargs)
     finally:
         pre.remove()
