@@ -42,12 +42,12 @@ def config_plan(config) -> TPPlan | None:
 
 def plan_refusal(config, plan: TPPlan, tp: int, parallel_vocab: bool = False) -> str | None:
     """Why `plan` cannot shard a model of `config` over `tp` ranks: a size of the config tp
-    does not divide (`DIVISIBLE_CONFIG_ATTRS` unless the plan is proven before use, which
-    checks what it divides itself; ``plan.divisible``; the vocabulary with `parallel_vocab`),
+    does not divide (`DIVISIBLE_CONFIG_ATTRS` unless the plan is inferred or proven before use,
+    which checks what it divides itself; ``plan.divisible``; the vocabulary with `parallel_vocab`),
     or a variant the plan does not support (``plan.unsupported``); None when it can."""
     if config is None:
         return None
-    common = DIVISIBLE_CONFIG_ATTRS if not plan.check else ()
+    common = DIVISIBLE_CONFIG_ATTRS if not (plan.check or plan.source == "inferred") else ()
     for attr in common + plan.divisible + (("vocab_size",) if parallel_vocab else ()):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value % tp:

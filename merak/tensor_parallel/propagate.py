@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from merak.tensor_parallel.op_rules import (
     ACTIVATIONS,
     CREATE,
+    NARY,
     PERMUTES,
     RULES,
     UNARY,
@@ -42,7 +43,6 @@ from merak.tensor_parallel.shards import (
     permutation,
     tensors,
     view_groups,
-    view_source_dim,
 )
 from merak.tensor_parallel.trace import SHAPE, BlockTrace, Node, Value, describe, sources_of
 
@@ -249,20 +249,23 @@ class _Pass:
         self.fail(node, "a view spreads the per-rank part of a sharded dim over two dims")
 
     def meet(self, node: Node, v: Value, dim: int, s: Shard) -> None:
-        """Replicated `v` meets a value sharded by `s` along its own dim `dim` (full size)."""
-        period, seen = s.pos * self.tp, set()
+        """Replicated `v` meets a value sharded by `s` along its own dim `dim` (full size): what
+        made it, walked back through views, permutes and element-wise copies, is sharded the
+        same way (a parameter, a block input, a size from an attribute), or the linears whose
+        outputs it comes from join the columns."""
+        seen, want = set(), Shard(dim, s.pos)
         self.met.add(id(v))
-        if not period:
+        if not s.pos:
             self.fail(node, "a replicated value meets fused parts of several sizes")
         while True:
             if self.of_column(v):  # a column's bias added by its own forward: split with it
                 return
             if v.origin.startswith("param:"):
-                self.region.param_shards[v.origin[6:]] = (dim, period)
+                self.region.param_shards[v.origin[6:]] = (want.dim, want.pos * self.tp)
                 return
             if v.origin == "input":
                 path = next(p for p, x in self.trace.inputs if x is v)
-                self.region.inputs[path] = (dim, period)
+                self.region.inputs[path] = (want.dim, want.pos * self.tp)
                 return
             if v.producer is None or v.producer in seen:
                 break
@@ -271,15 +274,14 @@ class _Pass:
             producer = self.trace.nodes[v.producer]
             if producer.name in CREATE:
                 sizes = [a for a in pytree.tree_leaves(producer.args) if isinstance(a, int)]
-                at = dim + len(sizes) - v.ndim
+                at = want.dim + len(sizes) - v.ndim
                 if 0 <= at < len(sizes):
                     return self.need_divided(producer, sizes[at])
                 break
             src = producer.args[0] if producer.args else None
-            if not isinstance(src, Value):
-                break
-            dim = self._source_dim(producer, src, v, dim)
-            if dim is None:
+            want = self._source_shard(producer, src, v, want) if isinstance(src, Value) \
+                else None
+            if want is None:
                 break
             v = src
         linears = self.linears_before(v)
@@ -288,23 +290,23 @@ class _Pass:
             return
         self.fail(node, "a replicated value meets a sharded one along the sharded dim")
 
-    @staticmethod
-    def _source_dim(producer: Node, src: Value, v: Value, dim: int) -> int | None:
-        """The dim of `src` that dim `dim` of `v` (made from it by `producer`) holds whole."""
-        name = producer.name
+    def _source_shard(self, producer: Node, src: Value, v: Value, want: Shard) -> Shard | None:
+        """How `src` must be sharded for `v` (made from it by `producer`) to be sharded as
+        `want`; None when `producer` mixes the elements otherwise."""
+        name, dim = producer.name, want.dim
         if name in ("expand", "expand_as", "broadcast_to"):
             at = dim - (v.ndim - src.ndim)
-            return at if at >= 0 and src.shape[at] == v.shape[dim] else None
+            return Shard(at, want.pos) if at >= 0 and src.shape[at] == v.shape[dim] else None
         if name in VIEWS:
-            return view_source_dim(src.shape, v.shape, dim)
+            return map_view(v.shape, src.shape, want, self.tp)
         if name in PERMUTES:
-            at = permutation(producer, name, src.ndim)[dim]
-            return at if src.shape[at] == v.shape[dim] else None
+            return Shard(permutation(producer, name, src.ndim)[dim], want.pos)
         slices_only = name == "__getitem__" and not any(
             isinstance(i, (int, Value)) or i is None for i in pytree.tree_leaves(producer.args[1:]))
-        if (name in UNARY or slices_only) and src.ndim == v.ndim \
+        scalar_op = name in NARY and len(tensors(producer)) == 1  # p * 2.0
+        if (name in UNARY or scalar_op or slices_only) and src.ndim == v.ndim \
                 and src.shape[dim] == v.shape[dim]:
-            return dim
+            return want
         return None
 
     def of_column(self, v: Value) -> bool:

@@ -128,6 +128,18 @@ def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     return named
 
 
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose parameters and buffers are new tensors on the meta device
+    (what else the originals carry, such as a meta build's record, is not copied)."""
+    memo: dict[int, object] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                   p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(module, memo)
+
+
 def signature(block: nn.Module) -> tuple:
     """A block's structure: its class and its submodules' names and classes."""
     return (type(block).__name__,
