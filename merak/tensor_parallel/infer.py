@@ -1,5 +1,6 @@
 """Tensor-parallel plans inferred from what a family's blocks do, for families with neither a
-hand-written plan (`FAMILY_PLANS`) nor a config ``base_model_tp_plan``.
+hand-written plan (`FAMILY_PLANS`) nor a config ``base_model_tp_plan``, or whose plan does not
+support the config (`merak.tensor_parallel.plan_choice`).
 
 The first block of each structure is recorded op by op on fake weights
 (`merak.tensor_parallel.trace`). Each of its linear layers, in the order they run, is tried as
@@ -13,7 +14,9 @@ parts of an output (q/k/v or gate/up, each split apart), parameters and block in
 sharded dim (per-head biases, BLOOM's and MPT's ALiBi), replicated parameters that see only this
 rank's part (their gradient is summed over TP), and the attributes of the block's modules or
 configs that hold the sizes the views use (divided). No name is read. A linear no group places
-stays replicated, which is exact, only less sharded, and the plan's ``notes`` say why.
+stays replicated, which is exact, only less sharded, and the plan's ``notes`` say why; so does
+a group the sharded model cannot run with (tried on a meta copy at rank 0's shapes: a shape
+check the model makes in Python is not in the trace).
 
 An inferred plan has ``check=True``: before training, `merak.tensor_parallel.proof` runs each
 rank's sharded block against the unsharded one and refuses a plan that does not match.
@@ -309,7 +312,8 @@ def _trial(model: nn.Module, plan: TPPlan, tp: int, device) -> str | None:
     ctx = SimpleNamespace(tp=tp, tp_rank=0, tp_group=None, device=device)
     try:
         apply_tensor_parallel(copy, ctx, plan=dataclasses.replace(plan, check=False, notes=()))
-        with fake_run(copy, device) as ids, torch.no_grad():
+        with fake_run(copy, device) as ids, torch.no_grad(), \
+                torch.random.fork_rng(devices=[]):
             extra = {"use_cache": False} \
                 if "use_cache" in inspect.signature(copy.forward).parameters else {}
             copy(input_ids=ids, **extra)

@@ -195,7 +195,8 @@ def prove_plan(model: nn.Module, examples: list[Example], ctx) -> None:
         if name is None:
             continue
         try:
-            found += _prove_block(model, name, example, ctx)
+            with torch.random.fork_rng(devices=[]):  # training's random stream untouched
+                found += _prove_block(model, name, example, ctx)
         except Exception as error:  # noqa: BLE001 - a block that cannot run is refused too
             found.append(f"{name} fails to run sharded: "
                          + (explain_tp_failure(model, error) or f"{type(error).__name__}: "
