@@ -1,7 +1,7 @@
 """`merak coverage`: which Hugging Face causal-LM families Merak splits and shards at parity.
 
     python -m merak coverage [--stages 2] [--tp 2] [--families a,b] [--json out.json]
-                             [--trainer olmo2,mixtral]
+                             [--trainer olmo2,mixtral] [--plans]
 
 Every causal-LM model type of the installed transformers is shrunk (`shrink`), built, and checked on
 a small gloo job of `--tp` ranks (`worker`): a single-process forward/backward; the automatic split
@@ -9,7 +9,11 @@ into `--stages` stages, run stage after stage in one process (the ranks take tur
 step at tp=`--tp` through `merak.parallelize` and the interpreter; each with its loss and every
 gradient compared with the single-process model; and the load check: the model written by
 `save_pretrained` (the Hub layout) and loaded per rank at pp=`--stages` and tp=`--tp` against HF's
-own `from_pretrained` of the same directory. `--trainer` also trains the named families through
+own `from_pretrained` of the same directory. Every family that runs counts in the tp column,
+whatever its plan (Merak's table, the config's ``base_model_tp_plan``, or inferred from its
+blocks and proven before use; a family inference places nothing of counts as a failure), and
+the tp failures are listed with their reasons; `--plans` prints each inferred plan as
+`merak tp-plan` does. `--trainer` also trains the named families through
 MerakTrainer at dp x tp x pp = 2 x 2 x 2 against single-process HF Trainer (`trainer_check`). A
 family that crashes its worker is recorded as such and the sweep goes on with the next one.
 """

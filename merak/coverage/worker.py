@@ -83,7 +83,7 @@ def plan_row(small, tp: int) -> dict:
     import transformers as tf
 
     from merak.tensor_parallel.infer import format_plan
-    from merak.tensor_parallel.plans import plan_for
+    from merak.tensor_parallel.plan_choice import plan_for
 
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(small.config)

@@ -168,7 +168,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
             raise ValueError(f"input_names {unknown} are not in example_inputs "
                              f"({sorted(example_inputs)})")
         example_inputs = {n: example_inputs[n] for n in input_names}
-    blocks = _blocks_that_run(model, example_inputs, find_blocks(model), device)
+    every_block = find_blocks(model)
+    blocks = _blocks_that_run(model, example_inputs, every_block, device)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of "
                          f"layers that hold parameters) to split between stages; split it by hand "
@@ -176,7 +177,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     if num_stages > len(blocks):
         raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
                          f"most {len(blocks)} stages")
-    leaf_modules = list(dict.fromkeys([*leaf_modules, *_tp_glue_modules(model, blocks)]))
+    leaf_modules = list(dict.fromkeys([*leaf_modules, *_tp_glue_modules(model, every_block)]))
     weights = _block_weights(model, blocks, partition_method, example_inputs)
     stage_of = _stage_of_block(blocks, num_stages, partition_method, custom_partition,
                                custom_split_points if split_method == "layer_split" else None,
@@ -267,7 +268,9 @@ def _sequence_parallel(model: nn.Module) -> bool:
 
 def _tp_glue_modules(model: nn.Module, blocks: list[str]) -> list[str]:
     """Tensor-parallel modules outside the blocks (vocab-parallel embedding, LM head): kept
-    opaque, since their collectives only happen when they run eagerly."""
+    opaque, since their collectives only happen when they run eagerly. `blocks` are all the
+    model's blocks, those the inputs never run included: a multimodal model's vision layers,
+    sharded by its plan, do not run on text and are in no stage."""
     from merak.tensor_parallel.layers import is_tensor_parallel
 
     return [name for name, m in model.named_modules() if is_tensor_parallel(m)

@@ -9,6 +9,7 @@ repeated blocks (embedding, LM head) as opaque eager calls.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -20,14 +21,8 @@ from merak.stages.blocks import find_blocks, within
 from merak.tensor_parallel import layers, lora_adapters, proof, wrappers
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS
 from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
-from merak.tensor_parallel.plans import (
-    DIVISIBLE_CONFIG_ATTRS,
-    HEAD_ATTRS,
-    TPPlan,
-    as_tp_plan,
-    matches,
-    plan_for,
-)
+from merak.tensor_parallel.plan_choice import plan_for, plan_refusal
+from merak.tensor_parallel.plans import HEAD_ATTRS, TPPlan, as_tp_plan, matches
 from merak.tensor_parallel.rng import install_tp_rng
 from merak.tensor_parallel.sequence import enable_sequence_parallel
 
@@ -52,21 +47,6 @@ class TPInfo:
         return f"{self.styles.get(name, 'tensor-parallel')} (plan: {self.plan.source})"
 
 
-def _check_divisible(model: nn.Module, tp: int, parallel_vocab: bool, plan: TPPlan) -> None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return
-    # a plan proven before use divides what it shards itself (and checks it can)
-    common = DIVISIBLE_CONFIG_ATTRS if not plan.check else ()
-    names = common + plan.divisible + (("vocab_size",) if parallel_vocab else ())
-    for attr in names:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value % tp:
-            raise ValueError(f"tp={tp} must divide {attr}, but {type(config).__name__}.{attr} = "
-                             f"{value}; choose a tp that divides it"
-                             + ("" if attr != "vocab_size" else " or parallel_vocab=False"))
-
-
 def _divide_attr(module: nn.Module, name: str, attr: str, tp: int) -> None:
     value = getattr(module, attr)
     if not isinstance(value, int) or value % tp:
@@ -82,7 +62,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
 
     The plan is `plan` when given (a `TPPlan`, or a dict of `merak.set_tp_layer_lists`'
     arguments), else the one `set_tp_layer_lists` recorded for the job (``ctx.tp_plan``), else
-    the family's, else the config's ``base_model_tp_plan`` (`plans.plan_for`).
+    the family's, else the config's ``base_model_tp_plan`` (`plan_choice.plan_for`).
 
     `overlap_level` and `overlap_sub_batches` (sub-pipelined TP, ``tp_overlapping_level``) are
     passed to `merak.tensor_parallel.overlap.set_tp_overlap` once the model is converted.
@@ -109,11 +89,15 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
                              "tp > 1; set overlap_level=0")
         return model  # parallel_vocab over one rank is the plain vocabulary
     plan = plan_for(model, ctx, plan)
-    _check_divisible(model, tp, parallel_vocab, plan)
     config = getattr(model, "config", None)
-    reason = plan.unsupported(config) if plan.unsupported else None
+    reason = plan_refusal(config, plan, tp, parallel_vocab)
     if reason:
         raise ValueError(reason)
+    if plan.source == "inferred" and plan.notes:
+        family = getattr(config, "model_type", type(model).__name__)
+        warnings.warn(f"tensor parallelism of {family} uses the plan inferred from its blocks, "
+                      f"which leaves some layers replicated: {'; '.join(plan.notes)[:600]} "
+                      f"(`merak tp-plan {family}` prints it)", stacklevel=2)
     if sequence_parallel and plan.sp_gather is None:
         raise ValueError(f"sequence_parallel is not supported yet for {type(model).__name__} "
                          f"(its TP plan has no sp_gather modules); set sequence_parallel=False")

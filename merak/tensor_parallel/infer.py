@@ -1,5 +1,6 @@
 """Tensor-parallel plans inferred from what a family's blocks do, for families with neither a
-hand-written plan (`FAMILY_PLANS`) nor a config ``base_model_tp_plan``.
+hand-written plan (`FAMILY_PLANS`) nor a config ``base_model_tp_plan``, or whose plan does not
+support the config (`merak.tensor_parallel.plan_choice`).
 
 The first block of each structure is recorded op by op on fake weights
 (`merak.tensor_parallel.trace`). Each of its linear layers, in the order they run, is tried as
@@ -13,7 +14,9 @@ parts of an output (q/k/v or gate/up, each split apart), parameters and block in
 sharded dim (per-head biases, BLOOM's and MPT's ALiBi), replicated parameters that see only this
 rank's part (their gradient is summed over TP), and the attributes of the block's modules or
 configs that hold the sizes the views use (divided). No name is read. A linear no group places
-stays replicated, which is exact, only less sharded, and the plan's ``notes`` say why.
+stays replicated, which is exact, only less sharded, and the plan's ``notes`` say why; so does
+a group the sharded model cannot run with (tried on a meta copy at rank 0's shapes: a shape
+check the model makes in Python is not in the trace).
 
 An inferred plan has ``check=True``: before training, `merak.tensor_parallel.proof` runs each
 rank's sharded block against the unsharded one and refuses a plan that does not match.
@@ -21,10 +24,14 @@ rank's sharded block against the unsharded one and refuses a plan that does not 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import pprint
 import re
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
+import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -32,7 +39,13 @@ from merak import lora
 from merak.tensor_parallel.plans import TPPlan, matches
 from merak.tensor_parallel.propagate import Region, propagate
 from merak.tensor_parallel.shards import Unplaceable
-from merak.tensor_parallel.trace import BlockTrace, signature, trace_model_blocks
+from merak.tensor_parallel.trace import (
+    BlockTrace,
+    fake_run,
+    meta_copy,
+    signature,
+    trace_model_blocks,
+)
 
 # attributes of the converted layers themselves: the layer conversion divides those
 _LAYER_ATTRS = ("in_features", "out_features", "nf", "nx")
@@ -43,8 +56,8 @@ class BlockPlan:
     """The groups placed in one traced block, and why the other linears stay replicated."""
 
     order: list[str]  # the block's linears in the order they run
-    groups: list[Region]
-    divide: dict[tuple[str, str], int]  # (owner path, attribute) -> its value, to divide
+    groups: list[tuple[Region, dict[tuple[str, str], int]]]  # and the attributes to divide:
+    # (owner path, attribute) -> its value
     replicated: dict[str, str]  # linear (relative name) -> why
 
 
@@ -99,11 +112,11 @@ def _widths(trace: BlockTrace, linears: dict[str, str]) -> dict[str, int]:
     """The output width of each linear the block calls."""
     found = {}
     for node in trace.nodes:
-        for index in (1, 2):
-            if len(node.args) > index and node.name in ("linear", "addmm"):
-                name = linears.get(trace.params.get(id(node.args[index]), ""))
-                if name and node.outputs:
-                    found[name] = node.outputs[0].shape[-1]
+        for leaf in node.args[:3]:
+            name = linears.get(trace.params.get(id(leaf), ""))
+            if name and name not in found:  # its weight's output dim
+                found[name] = leaf.shape[0 if len(leaf.shape) == 2 and node.name != "addmm"
+                                         else -1]
     return found
 
 
@@ -142,12 +155,13 @@ def infer_block(trace: BlockTrace, block: nn.Module, tp: int) -> BlockPlan:
     linears = block_linears(block)
     order = []
     for node in trace.nodes:
-        for leaf in node.args[1:3]:
+        for leaf in node.args[:3]:
             name = linears.get(trace.params.get(id(leaf), ""))
-            if name and name not in order and node.name in ("linear", "addmm"):
+            if name and name not in order and (node.module == name
+                                               or node.module.startswith(name + ".")):
                 order.append(name)
     placed: set[str] = set()
-    groups, divide, replicated = [], {}, {}
+    groups, replicated = [], {}
     for seed in order:
         if seed in placed:
             continue
@@ -160,14 +174,14 @@ def infer_block(trace: BlockTrace, block: nn.Module, tp: int) -> BlockPlan:
                                   "activation before the next linear")
             if (region.columns | region.rows) & placed:
                 raise Unplaceable("its row-parallel linear is placed in another group")
-            divide.update(_divisions(region, block, tp))
+            divide = _divisions(region, block, tp)
         except Unplaceable as error:
             replicated[seed] = str(error)
             continue
-        groups.append(region)
+        groups.append((region, divide))
         placed |= region.columns | region.rows
     replicated = {k: v for k, v in replicated.items() if k not in placed}
-    return BlockPlan(order, groups, divide, replicated)
+    return BlockPlan(order, groups, replicated)
 
 
 def _natural(name: str) -> list:
@@ -201,7 +215,9 @@ def _module_name(model: nn.Module, module: nn.Module | None, kind: type) -> tupl
 
 def infer_plan(model: nn.Module, tp: int, device="cpu") -> TPPlan:
     """The plan inferred from `model`'s blocks for `tp` ranks, run as if on `device` (see the
-    module docstring).
+    module docstring). The model sharded by it must run on fake weights (rank 0's shapes, no
+    communication): a group it fails with is left replicated too (a model's own shape check in
+    Python, which the trace does not see).
 
     Raises:
         ValueError: the model has no blocks, a block cannot run on fake weights, or no linear
@@ -216,53 +232,94 @@ def infer_plan(model: nn.Module, tp: int, device="cpu") -> TPPlan:
                          ) from error
     if not traces:
         raise ValueError(f"plan inference found no repeated blocks in {type(model).__name__}")
-    out: dict = {k: [] for k in ("column", "row", "partial_grad", "notes")}
-    out.update({k: {} for k in ("fused", "divide", "own_config", "head_sharded",
-                                "split_inputs")})
+    groups, notes = [], []
     signatures = {b: signature(model.get_submodule(b)) for b in blocks}
     for name, trace in traces.items():
-        block = model.get_submodule(name)
         pattern = _Patterns(model, [b for b in blocks if signatures[b] == signatures[name]])
-        found = infer_block(trace, block, tp)
+        found = infer_block(trace, model.get_submodule(name), tp)
         rank = {n: i for i, n in enumerate(found.order)}
-        for region in found.groups:
-            for col in sorted(region.columns, key=rank.get):
-                out["column"] += pattern(col)
-                edges = sorted(region.bounds.get(col, ()))
-                if len(edges) > 2:
-                    for p in pattern(col):
-                        out["fused"][p] = tuple(b - a for a, b in zip(edges, edges[1:]))
-            for row in sorted(region.rows, key=rank.get):
-                out["row"] += pattern(row)
-            for param, spec in sorted(region.param_shards.items()):
-                for p in pattern(param):
-                    out["head_sharded"][p] = spec
-            for param in sorted(region.partial):
-                out["partial_grad"] += pattern(param.rpartition(".")[0])
-            for path, (dim, period) in sorted(region.inputs.items()):
-                for p in pattern("", whole_blocks=True):
-                    out["split_inputs"].setdefault(p, ())
-                    out["split_inputs"][p] += ((path, dim, period),)
-        for (owner, attr) in sorted(found.divide):
+        groups += [(pattern, rank, region, divide) for region, divide in found.groups]
+        notes += [f"{pattern(linear)[0]} stays replicated (tried as a column: {why})"
+                  for linear, why in found.replicated.items()]
+    plan = _assemble(model, groups, notes)
+    if groups and _trial(model, plan, tp, device):
+        kept = []
+        for group in groups:
+            failure = _trial(model, _assemble(model, [group], []), tp, device)
+            if failure is None:
+                kept.append(group)
+            else:
+                notes.append(f"{', '.join(group[0](c)[0] for c in sorted(group[2].columns))} "
+                             f"stay replicated (the model sharded by them does not run: "
+                             f"{failure})")
+        groups, plan = kept, _assemble(model, kept, notes)
+    if not groups:
+        raise ValueError(f"plan inference placed no layer of {family} for tp={tp}: "
+                         + "; ".join(notes or ["its blocks hold no linear layer"]))
+    return plan
+
+
+def _assemble(model: nn.Module, groups: list, notes: list[str]) -> TPPlan:
+    """The plan of `groups`: (patterns of their blocks, linears' order, region, attributes)."""
+    out: dict = {k: [] for k in ("column", "row", "partial_grad")}
+    out.update({k: {} for k in ("fused", "divide", "own_config", "head_sharded",
+                                "split_inputs")})
+    for pattern, rank, region, divide in groups:
+        for col in sorted(region.columns, key=rank.get):
+            out["column"] += pattern(col)
+            edges = sorted(region.bounds.get(col, ()))
+            if len(edges) > 2:
+                for p in pattern(col):
+                    out["fused"][p] = tuple(b - a for a, b in zip(edges, edges[1:]))
+        for row in sorted(region.rows, key=rank.get):
+            out["row"] += pattern(row)
+        for param, spec in sorted(region.param_shards.items()):
+            for p in pattern(param):
+                out["head_sharded"][p] = spec
+        for param in sorted(region.partial):
+            out["partial_grad"] += pattern(param.rpartition(".")[0])
+        for path, (dim, period) in sorted(region.inputs.items()):
+            for p in pattern("", whole_blocks=True):
+                if (path, dim, period) not in out["split_inputs"].get(p, ()):
+                    out["split_inputs"][p] = out["split_inputs"].get(p, ()) + ((path, dim,
+                                                                                period),)
+        for owner, attr in sorted(divide):
             key = "own_config" if owner.startswith("config@") else "divide"
             for p in pattern(owner.removeprefix("config@")):
-                out[key][p] = out[key].get(p, ()) + (attr,)
-        for linear, why in found.replicated.items():
-            out["notes"].append(f"{pattern(linear)[0]} stays replicated (tried as a column: "
-                                f"{why})")
-    if not out["column"]:
-        raise ValueError(f"plan inference placed no layer of {family} for tp={tp}: "
-                         + "; ".join(out["notes"] or ["its blocks hold no linear layer"]))
+                if attr not in out[key].get(p, ()):
+                    out[key][p] = out[key].get(p, ()) + (attr,)
     return TPPlan(
         column=tuple(out["column"]), row=tuple(out["row"]), fused=out["fused"],
         divide=out["divide"], own_config=out["own_config"], head_sharded=out["head_sharded"],
         partial_grad=tuple(dict.fromkeys(out["partial_grad"])),
-        split_inputs=out["split_inputs"], notes=tuple(out["notes"]),
+        split_inputs=out["split_inputs"], notes=tuple(notes),
         embeddings=_module_name(model, model.get_input_embeddings(), nn.Embedding)
         if hasattr(model, "get_input_embeddings") else (),
         lm_head=_module_name(model, model.get_output_embeddings(), nn.Linear)
         if hasattr(model, "get_output_embeddings") else (),
         source="inferred", check=True)
+
+
+def _trial(model: nn.Module, plan: TPPlan, tp: int, device) -> str | None:
+    """Why a meta copy of `model` sharded by `plan` (rank 0's part, no process group) does not
+    run on fake weights; None when it runs."""
+    from merak.tensor_parallel.apply import apply_tensor_parallel
+
+    try:
+        copy = meta_copy(model)
+    except Exception:  # noqa: BLE001 - a model that cannot be copied is not tried
+        return None
+    ctx = SimpleNamespace(tp=tp, tp_rank=0, tp_group=None, device=device)
+    try:
+        apply_tensor_parallel(copy, ctx, plan=dataclasses.replace(plan, check=False, notes=()))
+        with fake_run(copy, device) as ids, torch.no_grad(), \
+                torch.random.fork_rng(devices=[]):
+            extra = {"use_cache": False} \
+                if "use_cache" in inspect.signature(copy.forward).parameters else {}
+            copy(input_ids=ids, **extra)
+    except Exception as error:  # noqa: BLE001 - any failure is the reason
+        return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    return None
 
 
 def format_plan(plan: TPPlan, config=None) -> str:

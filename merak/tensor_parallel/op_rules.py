@@ -352,6 +352,21 @@ def narrow(p, node: Node, name: str) -> None:
     return p.parts(node, x, s, [(start, start + length)], outputs(node))
 
 
+def conv(p, node: Node, name: str) -> None:
+    """A depthwise convolution (one group per channel) over channels sharded along dim 1: each
+    rank convolves its channels with its slice of the weight (Mamba's mixer)."""
+    x, out = node.args[0], outputs(node)[0]
+    s = p.of(x)
+    groups = arg(node, 6, "groups", 1)
+    if s is None or s.dim != 1 or int(groups) != x.shape[1] or out.shape[1] != x.shape[1]:
+        p.fail(node, f"{name} mixes the sharded channels")
+    p.need_divided(node, groups)
+    for t in (arg(node, 1, "weight"), arg(node, 2, "bias")):
+        if isinstance(t, Value) and p.of(t) is None:
+            p.meet(node, t, 0, s)
+    p.set(out, Shard(1, s.pos))
+
+
 def generic_linear(p, node: Node, name: str) -> None:
     x = node.args[0]
     s = p.of(x)
@@ -381,5 +396,5 @@ RULES = {
     **dict.fromkeys(("narrow", "select"), narrow),
     **dict.fromkeys(CREATE, nothing),
     "__getitem__": getitem, "scaled_dot_product_attention": sdpa, "einsum": einsum,
-    "linear": generic_linear,
+    "linear": generic_linear, "conv1d": conv, "conv2d": conv,
 }

@@ -43,7 +43,7 @@ def plan_text(config, tp: int = 2, infer: bool = False) -> str:
 
     from merak.materialize.meta import init_empty_weights
     from merak.tensor_parallel.infer import format_plan, infer_plan
-    from merak.tensor_parallel.plans import config_plan
+    from merak.tensor_parallel.plan_choice import config_plan
 
     with init_empty_weights():
         model = tf.AutoModelForCausalLM.from_config(config)

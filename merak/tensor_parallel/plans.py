@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from merak.distributed.parallel_context import get_context
-from merak.tensor_parallel.hf_styles import plan_fields_from_hf
 
 # The plan `set_tp_layer_lists` recorded, with the device mesh of the job it was recorded for
 # (the default context's then): part of the state `merak.init()` sets up, keyed to its mesh.
@@ -329,53 +328,3 @@ def clear_registered_plan() -> None:
     """Forget the plan `set_tp_layer_lists` recorded (tests; a script that changes its mind)."""
     global _recorded
     _recorded = None
-
-
-def _from_config_plan(config) -> TPPlan | None:
-    """A plan from the config's own ``base_model_tp_plan`` (every transformers style, see
-    `merak.tensor_parallel.hf_styles`); None when it has none or it splits nothing."""
-    table = getattr(config, "base_model_tp_plan", None) or {}
-    if not table and hasattr(config, "get_text_config"):
-        try:
-            table = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
-        except ValueError:  # several text configs: ambiguous
-            table = {}
-    fields = plan_fields_from_hf(table, getattr(config, "model_type", "?")) if table else None
-    return TPPlan(**fields) if fields else None
-
-
-def config_plan(config) -> TPPlan | None:
-    """The plan of the family `config` describes (Merak's table entry, else the config's
-    ``base_model_tp_plan``), or None."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in FAMILY_PLANS:
-        return FAMILY_PLANS[model_type]
-    return _from_config_plan(config)
-
-
-def plan_for(model: nn.Module, ctx: object = None,
-             plan: TPPlan | Mapping | None = None) -> TPPlan:
-    """The plan to shard `model` with: `plan` when given (see `as_tp_plan`), else the one
-    recorded by `merak.set_tp_layer_lists` for the job of `ctx` (`registered_plan`), else the
-    family's table entry, else the config's ``base_model_tp_plan``, else the plan inferred from
-    its blocks for ``ctx.tp`` ranks (`merak.tensor_parallel.infer`); when inference places
-    nothing, an error with its reasons and naming `merak.set_tp_layer_lists`."""
-    chosen = as_tp_plan(plan)
-    if chosen is None and ctx is not None:
-        chosen = registered_plan(ctx)
-    if chosen is not None:
-        return chosen
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    found = config_plan(config) if config is not None else None
-    if found is not None:
-        return found
-    from merak.tensor_parallel.infer import infer_plan
-
-    try:
-        return infer_plan(model, getattr(ctx, "tp", 2), getattr(ctx, "device", "cpu"))
-    except ValueError as error:
-        raise ValueError(
-            f"no tensor-parallel plan for {type(model).__name__} (model_type {model_type!r}; "
-            f"{error}): describe its layers with merak.set_tp_layer_lists(col_para_list=[...],"
-            f" row_para_list=[...], tp_attr_list=[...]) or a tp_plan, or use tp=1") from error

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from merak.distributed.host_objects import all_gather_objects
 from merak.tensor_parallel.diagnose import explain_tp_failure
-from merak.tensor_parallel.trace import capture_blocks, fake_run, plain, signature
+from merak.tensor_parallel.trace import capture_blocks, fake_run, meta_copy, plain, signature
 
 RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}  # else (bf16, fp16): 5e-2
 ATOL = 1e-5
@@ -55,16 +55,6 @@ class Example:
     read: list[bool]
 
 
-def _meta_copy(block: nn.Module) -> nn.Module:
-    memo: dict[int, Any] = {}
-    for p in block.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                   p.requires_grad)
-    for b in block.buffers():
-        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    return copy.deepcopy(block, memo)
-
-
 def collect(model: nn.Module, blocks: list[str], device="cpu") -> list[Example]:
     """What `prove_plan` needs, taken from `model` before it is sharded."""
     with fake_run(model, device) as ids:
@@ -75,7 +65,7 @@ def collect(model: nn.Module, blocks: list[str], device="cpu") -> list[Example]:
             (args, kwargs)) for name, (args, kwargs, _) in captured.items()}
     kinds = {b: signature(model.get_submodule(b)) for b in blocks}
     return [Example([b for b in blocks if kinds[b] == kinds[name]],
-                    _meta_copy(model.get_submodule(name)), specs[name], read)
+                    meta_copy(model.get_submodule(name)), specs[name], read)
             for name, (_, _, read) in captured.items()]
 
 
@@ -205,7 +195,8 @@ def prove_plan(model: nn.Module, examples: list[Example], ctx) -> None:
         if name is None:
             continue
         try:
-            found += _prove_block(model, name, example, ctx)
+            with torch.random.fork_rng(devices=[]):  # training's random stream untouched
+                found += _prove_block(model, name, example, ctx)
         except Exception as error:  # noqa: BLE001 - a block that cannot run is refused too
             found.append(f"{name} fails to run sharded: "
                          + (explain_tp_failure(model, error) or f"{type(error).__name__}: "

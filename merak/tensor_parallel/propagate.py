@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from merak.tensor_parallel.op_rules import (
     ACTIVATIONS,
     CREATE,
+    NARY,
     PERMUTES,
     RULES,
     UNARY,
@@ -42,7 +43,6 @@ from merak.tensor_parallel.shards import (
     permutation,
     tensors,
     view_groups,
-    view_source_dim,
 )
 from merak.tensor_parallel.trace import SHAPE, BlockTrace, Node, Value, describe, sources_of
 
@@ -81,6 +81,7 @@ class _Pass:
         self.shard: dict[int, Shard] = {}
         self.replicated_reads: dict[int, set[str]] = {}  # node -> parameters it reads
         self.companions: set[int] = set()  # nodes that only reshape a value `meet` shards
+        self.met: set[int] = set()  # replicated values `meet` made sharded
 
     def fail(self, node: Node, why: str):
         raise Unplaceable(f"{why} (at {describe(node)})")
@@ -118,11 +119,18 @@ class _Pass:
             weight, x = node.args[1], node.args[0]
         elif node.name == "addmm" and len(node.args) > 2:
             weight, x = node.args[2], node.args[1]
+        elif node.name in ("matmul", "__matmul__") and len(node.args) > 1 \
+                and isinstance(node.args[1], Value) and node.args[1].producer is not None \
+                and self.trace.nodes[node.args[1].producer].name in ("T", "t", "mT"):
+            weight, x = self.trace.nodes[node.args[1].producer].args[0], node.args[0]
         else:
             return None
         name = self.trace.params.get(id(weight)) if isinstance(weight, Value) else None
         module = self.linears.get(name) if name else None
-        return (module, x) if module else None
+        # the layer's own forward only: a weight read elsewhere bypasses the layer's collectives
+        inside = module is not None and (node.module == module
+                                         or node.module.startswith(module + "."))
+        return (module, x) if inside else None
 
     def node(self, node: Node) -> None:
         call = self.linear_call(node)
@@ -130,7 +138,8 @@ class _Pass:
             return self.linear(node, *call)
         found = tensors(node)
         sharded = [v for v in found if id(v) in self.shard]
-        params = {v.origin[6:] for v in found if v.origin.startswith("param:")}
+        params = {v.origin[6:] for v in found if v.origin.startswith("param:")
+                  and not self.of_column(v)}
         if not sharded:
             if params:
                 self.replicated_reads[node.index] = params
@@ -151,13 +160,31 @@ class _Pass:
         if rule not in PART_RULES and any(self.shard[id(v)].pos == 0 for v in sharded):
             self.fail(node, "fused parts of several sizes are used before they are split apart")
         rule(self, node, name)
-        for v in found:  # its gradient would be this rank's part: only a split input may
-            if v.origin == "input" and v.requires_grad and id(v) not in self.shard:
-                path = next(p for p, x in self.trace.inputs if x is v)
-                if path not in self.region.inputs:
-                    self.fail(node, f"the block input {path}, which carries a gradient, meets "
-                                    f"sharded values")
+        for v in found:  # a replicated value read with sharded ones gets this rank's part of
+            # its gradient: fine for parameters only (summed over tp, `partial`), unless `meet`
+            # shards it
+            if v.requires_grad and id(v) not in self.shard and id(v) not in self.met \
+                    and not v.origin.startswith("param:"):
+                roots = self.grad_roots(v)
+                if "" in roots:
+                    self.fail(node, "a replicated value computed from the block's inputs meets "
+                                    "sharded values (its gradient would be this rank's part)")
+                self.region.partial |= roots
         return None
+
+    def grad_roots(self, v: Value) -> set[str]:
+        """The parameters a gradient through `v` reaches; "" for the block's inputs."""
+        roots, todo, seen = set(), [v], set()
+        while todo:
+            value = todo.pop()
+            if value.origin.startswith("param:"):
+                roots.add(value.origin[6:])
+            elif value.origin == "input" and value.requires_grad:
+                roots.add("")
+            elif value.producer is not None and value.producer not in seen:
+                seen.add(value.producer)
+                todo += [t for t in tensors(self.trace.nodes[value.producer]) if t.requires_grad]
+        return roots
 
     def linear(self, node: Node, module: str, x: Value) -> None:
         out = outputs(node)[0]
@@ -222,17 +249,23 @@ class _Pass:
         self.fail(node, "a view spreads the per-rank part of a sharded dim over two dims")
 
     def meet(self, node: Node, v: Value, dim: int, s: Shard) -> None:
-        """Replicated `v` meets a value sharded by `s` along its own dim `dim` (full size)."""
-        period, seen = s.pos * self.tp, set()
-        if not period:
+        """Replicated `v` meets a value sharded by `s` along its own dim `dim` (full size): what
+        made it, walked back through views, permutes and element-wise copies, is sharded the
+        same way (a parameter, a block input, a size from an attribute), or the linears whose
+        outputs it comes from join the columns."""
+        seen, want = set(), Shard(dim, s.pos)
+        self.met.add(id(v))
+        if not s.pos:
             self.fail(node, "a replicated value meets fused parts of several sizes")
         while True:
+            if self.of_column(v):  # a column's bias added by its own forward: split with it
+                return
             if v.origin.startswith("param:"):
-                self.region.param_shards[v.origin[6:]] = (dim, period)
+                self.region.param_shards[v.origin[6:]] = (want.dim, want.pos * self.tp)
                 return
             if v.origin == "input":
                 path = next(p for p, x in self.trace.inputs if x is v)
-                self.region.inputs[path] = (dim, period)
+                self.region.inputs[path] = (want.dim, want.pos * self.tp)
                 return
             if v.producer is None or v.producer in seen:
                 break
@@ -241,15 +274,14 @@ class _Pass:
             producer = self.trace.nodes[v.producer]
             if producer.name in CREATE:
                 sizes = [a for a in pytree.tree_leaves(producer.args) if isinstance(a, int)]
-                at = dim + len(sizes) - v.ndim
+                at = want.dim + len(sizes) - v.ndim
                 if 0 <= at < len(sizes):
                     return self.need_divided(producer, sizes[at])
                 break
             src = producer.args[0] if producer.args else None
-            if not isinstance(src, Value):
-                break
-            dim = self._source_dim(producer, src, v, dim)
-            if dim is None:
+            want = self._source_shard(producer, src, v, want) if isinstance(src, Value) \
+                else None
+            if want is None:
                 break
             v = src
         linears = self.linears_before(v)
@@ -258,24 +290,29 @@ class _Pass:
             return
         self.fail(node, "a replicated value meets a sharded one along the sharded dim")
 
-    @staticmethod
-    def _source_dim(producer: Node, src: Value, v: Value, dim: int) -> int | None:
-        """The dim of `src` that dim `dim` of `v` (made from it by `producer`) holds whole."""
-        name = producer.name
+    def _source_shard(self, producer: Node, src: Value, v: Value, want: Shard) -> Shard | None:
+        """How `src` must be sharded for `v` (made from it by `producer`) to be sharded as
+        `want`; None when `producer` mixes the elements otherwise."""
+        name, dim = producer.name, want.dim
         if name in ("expand", "expand_as", "broadcast_to"):
             at = dim - (v.ndim - src.ndim)
-            return at if at >= 0 and src.shape[at] == v.shape[dim] else None
+            return Shard(at, want.pos) if at >= 0 and src.shape[at] == v.shape[dim] else None
         if name in VIEWS:
-            return view_source_dim(src.shape, v.shape, dim)
+            return map_view(v.shape, src.shape, want, self.tp)
         if name in PERMUTES:
-            at = permutation(producer, name, src.ndim)[dim]
-            return at if src.shape[at] == v.shape[dim] else None
+            return Shard(permutation(producer, name, src.ndim)[dim], want.pos)
         slices_only = name == "__getitem__" and not any(
             isinstance(i, (int, Value)) or i is None for i in pytree.tree_leaves(producer.args[1:]))
-        if (name in UNARY or slices_only) and src.ndim == v.ndim \
+        scalar_op = name in NARY and len(tensors(producer)) == 1  # p * 2.0
+        if (name in UNARY or scalar_op or slices_only) and src.ndim == v.ndim \
                 and src.shape[dim] == v.shape[dim]:
-            return dim
+            return want
         return None
+
+    def of_column(self, v: Value) -> bool:
+        """Whether `v` is a parameter of a column (its conversion splits it)."""
+        return v.origin.startswith("param:") \
+            and v.origin[6:].rpartition(".")[0] in self.region.columns
 
     def linears_before(self, v: Value) -> set[str]:
         """The block's linears whose outputs reach `v` without passing another linear."""

@@ -116,16 +116,3 @@ def permutation(node: Node, name: str, nd: int) -> list[int]:
     else:  # t, T, H
         order.reverse()
     return order
-
-
-def view_source_dim(src: tuple, out: tuple, dim: int) -> int | None:
-    """The dim of `src` that dim `dim` of its view `out` is, when the view only adds or drops
-    dims of size 1 around it; else None."""
-    for ia, jb in view_groups(src, out):
-        if dim in jb:
-            if any(out[j] != 1 for j in jb if j != dim):
-                return None
-            same = [i for i in ia if src[i] == out[dim]]
-            rest = [i for i in ia if src[i] != 1 and i not in same[:1]]
-            return same[0] if same and not rest else None
-    return None

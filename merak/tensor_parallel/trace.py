@@ -82,7 +82,7 @@ class Value:
     producer: int | None
     origin: str
     index: int = 0  # which output of the producer (flat)
-    requires_grad: bool = False  # an input that carries a gradient in training
+    requires_grad: bool = False  # a gradient flows through it in training
 
     @property
     def ndim(self) -> int:
@@ -126,6 +126,18 @@ def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict:
         else:
             named[name] = value
     return named
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose parameters and buffers are new tensors on the meta device
+    (what else the originals carry, such as a meta build's record, is not copied)."""
+    memo: dict[int, object] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                   p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(module, memo)
 
 
 def signature(block: nn.Module) -> tuple:
@@ -255,7 +267,8 @@ class _Recorder(TorchFunctionMode):
         outputs = []
         for i, leaf in enumerate(flat):
             if isinstance(leaf, torch.Tensor):
-                value = Value(tuple(leaf.shape), leaf.is_floating_point(), index, "op", i)
+                value = Value(tuple(leaf.shape), leaf.is_floating_point(), index, "op", i,
+                              leaf.requires_grad)
                 self.values[id(leaf)] = value
                 self.keep.append(leaf)
                 outputs.append(value)
@@ -326,8 +339,9 @@ def trace_block(model: nn.Module, name: str, args: tuple, kwargs: dict,
     pre = nn.modules.module.register_module_forward_pre_hook(enter)
     post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), _tracked_attributes(block), \
-                recorder:
+        # with grad, as in training: each value says whether a gradient flows through it
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), \
+                _tracked_attributes(block), recorder:
             out = block(*args, **kwargs)
     finally:
         pre.remove()

@@ -252,13 +252,14 @@ def inferred_parity(name: str, tp: int):
 
 def planted_wrong_plans(tp: int) -> None:
     """Wrong plans marked to be proven (check=True) are refused, naming the module: BioGPT's
-    row-parallel fc2 marked column (refused when the sharded model is traced), and OpenAI-GPT's
-    fused q/k/v c_attn split as one part, which runs but mixes q, k and v (refused by the
-    proof: the sharded block against the unsharded one)."""
+    row-parallel fc2 marked column (by merak.parallelize when the sharded model is traced, and
+    by the proof itself: the sharded block does not run), and OpenAI-GPT's fused q/k/v c_attn
+    split as one part, which runs but mixes q, k and v (the sharded block against the
+    unsharded one)."""
     import dataclasses
 
     from merak.tensor_parallel.infer import infer_plan
-    from merak.tensor_parallel.proof import PlanRefused
+    from merak.tensor_parallel.proof import PlanRefused, prove_plan
 
     ctx = merak.init(dp=1, tp=tp, pp=1)
     for name, wrong, module in (
@@ -278,6 +279,17 @@ def planted_wrong_plans(tp: int) -> None:
             assert "never used" in str(error), str(error)
         else:
             raise AssertionError(f"{name}'s wrong plan was not refused")
+        # the proof itself, on the materialized sharded model (no split traced first)
+        with merak.init_empty_weights():
+            model = build()
+        merak.apply_tensor_parallel(model, ctx, plan=wrong(plan))
+        materialize_(model)
+        try:
+            prove_plan(model, list(model.merak_tp.examples), ctx)
+        except PlanRefused as error:
+            assert f"{module} " in str(error) or f"{module}." in str(error), str(error)
+        else:
+            raise AssertionError(f"the proof let {name}'s wrong plan through")
 
 
 TP4_FAMILIES = ("llama", "gpt2")
