@@ -13,7 +13,9 @@ collective at a step boundary, over the gloo host group, `ParallelContext.host_g
    all-reduce rank 0's flag "the planner has exited" (a host-side collective of one integer;
    nothing waits for the planner). Once it has, rank 0 broadcasts the plan, every rank checks it
    against the job (`check_clock_plan`, as any plan) and, if every rank accepts it, all follow
-   it from the next step on. A planner that fails leaves the run at maximum clocks.
+   it after `BASELINE_STEPS` more steps at maximum clocks (the all-max reference the plan is
+   measured against, with the planner no longer competing for the host's cores). A planner
+   that fails leaves the run at maximum clocks.
 3. **planned**: `ClockPlanHook` sets each instruction's clock. Every `DRIFT_WINDOW` steps the
    slowest rank's median step time is compared with the plan's predicted time (scaled by the
    measured over the predicted all-max time); past ``energy_replan_margin`` the run re-profiles
@@ -45,6 +47,7 @@ from merak.schedule.actions import Action
 PROFILE_CLOCKS = 8  # clocks profiled, spread over the GPU's range
 WARMUP_STEPS = 1
 PATIENCE = 2        # clocks of rising energy that end profiling
+BASELINE_STEPS = 5  # all-max steps measured once the plan is ready, before it is deployed
 DRIFT_WINDOW = 5    # planned steps per drift check
 MAX_REPLANS = 2
 # the background planner: `merak energy plan` in a process that imports merak.energy (and the
@@ -138,8 +141,9 @@ class AutoEnergy:
         if self.phase == "profile":
             self._profiled(step)
         elif self.phase == "planning":
-            self._base.append(self.session.hook.steps[-1].time_s)
             self._poll(step)
+        elif self.phase == "baseline":
+            self._baseline(step)
         elif self.phase == "planned":
             self._watch(step)
 
@@ -172,7 +176,7 @@ class AutoEnergy:
         if ctx.world_size > 1:
             rows = [row for part in all_gather_objects(rows, ctx.host_group()) for row in part]
         clocks = len({r.frequency for r in rows if r.instruction != "p2p"})
-        self.phase, self._planning, self._base = "planning", step, []
+        self.phase, self._planning = "planning", step
         self._path = self.directory / f"plan-{self.rounds}.json"
         if ctx.rank != 0:
             return
@@ -220,19 +224,29 @@ class AutoEnergy:
             print(f"energy auto: rank {self.ctx.rank} refuses the plan: {refusal}", flush=True)
         if not self._reduce(int(refusal is None), dist.ReduceOp.MIN):
             return self._fail(step, "a rank refused the plan")
+        self.phase, self._pending, self._base = "baseline", (mine, body), []
+        self._say(f"plan {self._path} ready after {step - self._planning} steps at max clocks; "
+                  f"{BASELINE_STEPS} more measure the all-max step it is compared with")
+
+    def _baseline(self, step: int) -> None:
+        """All-max steps with the planner gone (it shares the host's cores), then the plan."""
+        self._base.append(self.session.hook.steps[-1].time_s)
+        if len(self._base) < BASELINE_STEPS:
+            return
         base = self._reduce(statistics.median(self._base), dist.ReduceOp.MAX, torch.float64)
+        (mine, body), self._pending = self._pending, None
         self.session.hook.frequencies = mine
         self.phase, self._window = "planned", []
         plan = {"step": step + 1, "path": str(self._path), "predicted": body["predicted"],
                 "baseline": body["baseline"], "measured_base_s": base,
-                "all_max_steps": (self._planning + 1, step)}
+                "all_max_steps": (step - BASELINE_STEPS + 1, step)}
         self.plans.append(plan)
         self.events.append((step + 1, f"plan {self.rounds} deployed"))
         saved = 1 - plan["predicted"]["energy_j"] / plan["baseline"]["energy_j"]
         slower = plan["predicted"]["time_s"] / plan["baseline"]["time_s"] - 1
         self._say(f"plan {self._path} deployed from step {step + 1} on every rank: predicted "
-                  f"{saved:.2%} energy saved per step at {slower:+.2%} time "
-                  f"({step - self._planning} all-max steps while planning, median {base:.4f} s)")
+                  f"{saved:.2%} energy saved per step at {slower:+.2%} time (all-max step: "
+                  f"median {base:.4f} s)")
 
     def _fail(self, step: int, reason: str) -> None:
         self.phase = "failed"
