@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from merak.inputs import (
     InputError,
@@ -103,7 +102,17 @@ def add_energy(subparsers) -> None:
     report.set_defaults(run=_report)
 
 
+def plan_main(argv: list[str]) -> int:
+    """``merak energy plan ARGV``, for a process that imports only `merak.energy` (the
+    background planner of ``energy_mode="auto"``, `merak.energy.auto`)."""
+    parser = argparse.ArgumentParser(prog="merak")
+    add_energy(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["energy", "plan", *argv])
+    return args.run(args)
+
+
 def _plan(args: argparse.Namespace) -> int:
+    from merak.energy.figures import save_frontier_png
     from merak.energy.plan_file import save_clock_plan
     from merak.energy.planner import EnergyPlanner
     from merak.energy.profile_data import aggregate, read_profile
@@ -141,7 +150,8 @@ def _plan(args: argparse.Namespace) -> int:
                           {"schedule": args.schedule, "stages": args.stages,
                            "microbatches": args.microbatches, "interleave": args.interleave,
                            "recompute": recompute, "p2p_power_w": p2p_power})
-    png = save_frontier_png(points, chosen, (base_time, base_energy), out.with_suffix(".png"))
+    png = save_frontier_png(points, chosen, (base_time, base_energy), out.with_suffix(".png"),
+                            limit_s=limit)
     print(f"all max clocks   {base_time:.4f} s  {base_energy:.1f} J")
     print(f"chosen plan      {chosen.time_s:.4f} s  {chosen.energy_j:.1f} J  "
           f"({chosen.time_s / base_time - 1:+.2%} time, {1 - chosen.energy_j / base_energy:.2%} "
@@ -189,23 +199,3 @@ def _report(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     print("\n".join(lines))
     return 0
-
-
-def save_frontier_png(points, chosen, baseline: tuple[float, float], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.time_s for p in points], [p.energy_j for p in points], ".", ms=3,
-            label="frontier")
-    ax.plot(*baseline, "s", color="gray", label="all max clocks")
-    ax.plot(chosen.time_s, chosen.energy_j, "*", color="red", ms=12, label="chosen")
-    ax.set_xlabel("iteration time (s)")
-    ax.set_ylabel("energy per iteration (J)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

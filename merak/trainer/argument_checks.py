@@ -99,14 +99,24 @@ class ArgumentChecks:
         if self.energy_gpu not in (None, "nvml", "simulated"):
             raise ValueError(f"MerakArguments.energy_gpu={self.energy_gpu!r} is not one of "
                              f"[None, 'nvml', 'simulated']")
-        wanted = [name for name in ("energy_profile", "energy_plan", "pfo_server_url")
-                  if getattr(self, name)]
+        if self.energy_mode not in (None, "auto"):
+            raise ValueError(f"MerakArguments.energy_mode={self.energy_mode!r} is not one of "
+                             f"[None, 'auto']")
+        if not 0.0 <= self.energy_max_slowdown < 1.0:
+            raise ValueError(f"MerakArguments.energy_max_slowdown must lie in [0, 1), got "
+                             f"{self.energy_max_slowdown}")
+        if self.energy_replan_margin <= 0:
+            raise ValueError(f"MerakArguments.energy_replan_margin must be positive, got "
+                             f"{self.energy_replan_margin}")
+        wanted = [name for name in ("energy_mode", "energy_profile", "energy_plan",
+                                    "pfo_server_url") if getattr(self, name)]
         if wanted and self.energy_gpu is None:
             raise ValueError(f"MerakArguments.{wanted[0]} needs a GPU to control: set "
                              f"energy_gpu='nvml' (NVIDIA GPUs) or 'simulated' (CPU machines)")
         if len(wanted) > 1:
-            raise ValueError(f"MerakArguments: choose one of {wanted} (profile first, then train "
-                             f"with a plan from a file or from a Perseus server)")
+            raise ValueError(f"MerakArguments: choose one of {wanted} (energy_mode='auto' does "
+                             f"all in one run; or profile first, then train with a plan from a "
+                             f"file or from a Perseus server)")
         if self.simulated_gpu is not None and self.energy_gpu != "simulated":
             raise ValueError("MerakArguments.simulated_gpu only applies with "
                              "energy_gpu='simulated'")

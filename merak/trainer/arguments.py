@@ -193,6 +193,16 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
     pfo_server_url: str | None = field(default=None, metadata=_help("energy",
         "a Perseus (Zeus PFO) server to fetch the energy plan from, e.g. "
         "http://127.0.0.1:7787 (`merak energy serve`)"))
+    energy_mode: str | None = field(default=None, metadata=_help("energy",
+        "'auto': profile, plan and deploy inside the training run: the first steps profile "
+        "a few clocks, the plan is computed in the background while training goes on at "
+        "maximum clocks and deployed on every rank at once (output_dir/energy/)"))
+    energy_max_slowdown: float = field(default=0.01, metadata=_help("energy",
+        "energy_mode='auto': the step time the plan may add, a fraction of the all-max "
+        "step (0.01: one percent)"))
+    energy_replan_margin: float = field(default=0.1, metadata=_help("energy",
+        "energy_mode='auto': re-profile and re-plan when the measured step time drifts past "
+        "the plan's prediction by more than this fraction"))
 
     def __init_subclass__(cls, **kwargs):
         """A config combining MerakArguments with another TrainingArguments subclass keeps

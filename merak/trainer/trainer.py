@@ -186,7 +186,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             checkpoint=pretrained_checkpoint(self._user_model),
             checkpoint_prefix="model." if self._wrapped_loss else "",
             tp_rng=getattr(self._user_model, "merak_tp_rng", None), stage_hooks=neftune_hooks,
-            hooks=[self.energy.hook] if self.energy and not args.energy_profile else ())
+            hooks=[self.energy.engine_hook] if self.energy and not args.energy_profile else ())
         # (the profiler brings its own hook)
 
     def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
@@ -292,6 +292,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                 if tokens_per_step is None and batch is not None and "input_ids" in batch[0]:
                     tokens_per_step = sum(mb["input_ids"].numel() for mb in batch) * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
+                if self.energy is not None:
+                    self.energy.step_begin(self.state.global_step + 1)
                 with self._running_loss():
                     loss = self.engine.train_step(self._counted(batch, m, step=True))
                 self._count_input_tokens(batch)
@@ -340,10 +342,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                    "train_steps_per_second": round(steps_run / runtime, 3),
                    "train_loss": total_loss / max(steps_run, 1)}
         if self.energy is not None:
-            self.energy.close()
-            path = self.energy.write_steps(args.output_dir)
-            if path is not None:
-                print(f"energy per step: {path} (compare runs with `merak energy report`)")
+            self._energy_metrics(metrics)
         self._load_best_merak_checkpoint()
         if args.text_generation:
             self._generate_after_training()
@@ -351,6 +350,25 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # HF's: wait for the uploads of the saves
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _energy_metrics(self, metrics: dict) -> None:
+        """The energy figures of the run into the final `metrics` (and the steps' file and
+        plot, on rank 0)."""
+        self.energy.close()
+        path = self.energy.write_steps(self.args.output_dir)
+        figures = self.energy.metrics()
+        metrics.update(figures)
+        if path is None:
+            return
+        print(f"energy per step: {path} and {path.with_suffix('.png')} (compare runs with "
+              f"`merak energy report`)")
+        if "energy_saved" in figures:
+            print(f"energy: {figures['energy_saved']:.2%} saved per step at "
+                  f"{figures['energy_step_time_change']:+.2%} step time from step "
+                  f"{figures['energy_plan_step']} (the plan predicted "
+                  f"{figures['energy_predicted_saved']:.2%} at "
+                  f"{figures['energy_predicted_time_change']:+.2%}), against the all-max steps "
+                  f"of this run")
 
     def _profile_energy(self, data: StageBatches) -> TrainOutput:
         """Profile mode (`energy_profile`): training steps at each GPU clock, then the CSV."""
