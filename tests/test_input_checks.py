@@ -73,7 +73,7 @@ def test_datasets_are_checked_before_anything_is_built(trainer_of):
     (["plan", "--model", "{cfg}", "--global-batch", "8", "--seq-len", "-5", "--cluster", "h100"],
      "argument --seq-len: must be an integer >= 1, got '-5'"),
     (["plan", "--model", "{cfg}", "--global-batch", "8", "--seq-len", "8", "--cluster", "h100",
-      "--world-size", "0"], "argument --world-size: must be an integer >= 1, got '0'"),
+      "--world-size", "0"], "argument --world-size/--gpus: must be an integer >= 1, got '0'"),
     (["plan", "--model", "{cfg}", "--global-batch", "8", "--seq-len", "8", "--cluster",
       "{tmp}/bad.json"], "the cluster file .*bad.json is not JSON: Expecting"),
     (["plan", "--model", "{cfg}", "--global-batch", "8", "--seq-len", "8", "--cluster",

@@ -117,6 +117,8 @@ def _plan(args: argparse.Namespace) -> int:
     from merak.energy.planner import EnergyPlanner
     from merak.energy.profile_data import aggregate, read_profile
 
+    if args.interleave is None:  # the schedule's own chunks per rank (2 for the V schedules)
+        args.interleave = SCHEDULES[args.schedule].stages_per_rank(1)
     check_work("--stages x --microbatches x --interleave", args.stages * args.microbatches
                * args.interleave, MAX_BLOCKS, "plan fewer stages or micro-batches")
     try:
@@ -131,8 +133,6 @@ def _plan(args: argparse.Namespace) -> int:
         raise InputError("the profile has no p2p rows: give --p2p-power W")
     try:
         recompute = recompute_flags(args.recompute)
-        if args.interleave is None:
-            args.interleave = SCHEDULES[args.schedule].stages_per_rank(1)
         schedule = make_schedule(args.schedule, args.stages, args.microbatches,
                                  stages_per_rank=args.interleave, recompute=recompute)
         planner = EnergyPlanner(schedule, profiles, p2p_power, unit_time=args.unit_time)
