@@ -20,11 +20,12 @@ grid candidate without recomputation (the grid holds none: the planner searches 
 prints its predicted and measured memory and time next to the twin without.
 
 For Llama-3 8B on 8 H100s and Llama-3 70B on 64 H100s (8192-token sequences), the layout
-`merak plan --cluster h100` chooses, with its predicted step time, tokens/s and MFU, next to
-the layouts the anchors publish for the same jobs, each predicted by the same model (where
-Merak can express it: no context parallelism, and ZeRO-3 as Merak runs it), all with the
-vocabulary split over TP ranks (``parallel_vocab``, as the anchors split it) and sequence
-parallelism where they run TP (both anchors do).
+`merak plan --cluster h100` chooses (context parallelism searched), with its predicted step
+time, tokens/s and MFU, next to the layouts the anchors publish for the same jobs, each
+predicted by the same model (ZeRO-3 as Merak runs it; Megatron/NeMo's CP as Merak's ring
+attention), all with the vocabulary split over TP ranks (``parallel_vocab``, as the anchors
+split it) and sequence parallelism where they run TP (both anchors do). ``--long`` adds
+Llama-3 8B at 131072 tokens: on 8 H100s, and on 32 (NeMo's 128k recipe: TP 4, CP 8).
 
 Published layouts (the anchors' configuration files):
 - torchtitan ``llama3_8b.toml``: FSDP over all 8 GPUs (tp 1), local batch 1;
@@ -47,8 +48,8 @@ from transformers import LlamaConfig
 
 from merak.strategy.cluster import cluster
 from merak.strategy.costs import analytic_costs
-from merak.strategy.predict import Candidate, Predictor
-from merak.strategy.search import search
+from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES, Candidate, Predictor
+from merak.strategy.search import context_parallel_degrees, search
 from merak.strategy.shape import ModelShape
 
 LLAMA3 = {
@@ -57,56 +58,70 @@ LLAMA3 = {
     "70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
 }
-# Why a published layout with one stage of every block (pp 1) and full recomputation needs
-# more memory as Merak runs it than as its anchor does (printed under each that does not fit)
-STAGE_RECOMPUTE = ("Merak recomputes a stage in one action before its backward, so all of "
-                   "its blocks' activations\nare live at once; the anchors recompute each "
-                   "block inside the backward and peak far lower")
+# The anchors' full recomputation reruns each block inside the backward: Merak's
+# recompute_in_backward ("block"), which the offline plans search too
 # job -> (world size, global batch in sequences, published layouts as Merak candidates with
 # what Merak cannot express)
 JOBS = {
     "8B": (8, 64, {
-        "torchtitan (FSDP 8)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 3), ""),
-        "Megatron/NeMo (TP1 PP1 CP2)": (Candidate(8, 1, 1, 1, 8, "1f1b", "full", 1),
-                                        "CP2 not expressible: shown as dp 8"),
+        "torchtitan (FSDP 8)": (Candidate(8, 1, 1, 1, 8, "1f1b", "block", 3), ""),
+        "Megatron/NeMo (TP1 PP1 CP2)": (
+            Candidate(4, 1, 1, 1, 16, "1f1b", "block", 1, cp=2), ""),
     }),
     "70B": (64, 512, {
         "torchtitan (FSDP 8 x TP 8 + SP)": (
-            Candidate(8, 8, 1, 8, 8, "1f1b", "full", 3, sequence_parallel=True), ""),
+            Candidate(8, 8, 1, 8, 8, "1f1b", "block", 3, sequence_parallel=True), ""),
         "Megatron/NeMo (TP4 + SP PP4 CP2 VP5)": (
-            Candidate(4, 4, 4, 1, 128, "interleaved_1f1b", "full", 1, 2, True),
-            "CP2 not expressible: shown as dp 4 (half the ranks), 2 chunks not 5"),
+            Candidate(2, 4, 4, 1, 256, "interleaved_1f1b", "block", 1, 5, True, cp=2), ""),
     }),
 }
 
 
-def offline(seq: int) -> None:
+# Llama-3 8B at 131072 tokens (--long): world size -> (global batch, published layouts)
+LONG = {8: (8, {}),
+        32: (32, {"NeMo llama3_8b_128k (TP4 + SP CP8)": (
+            Candidate(1, 4, 1, 1, 32, "1f1b", "off", 0, 1, True, cp=8),
+            "shown without recomputation and ZeRO")})}
+
+
+def offline(seq: int, long: bool = False) -> None:
+    jobs = [(size, seq, *job) for size, job in JOBS.items()]
+    if long:
+        jobs += [("8B", 131072, world, *job) for world, job in LONG.items()]
+    for size, seq, world, batch, published in jobs:
+        _offline_job(size, seq, world, batch, published)
+
+
+def _offline_job(size: str, seq: int, world: int, batch: int, published: dict) -> None:
     h100 = cluster("h100")
-    for size, (world, batch, published) in JOBS.items():
-        shape = ModelShape.from_config(LlamaConfig(**LLAMA3[size]))
-        where = cluster("h100", world)
-        costs = {m: analytic_costs(shape, where, m, seq) for m in (1, 2, 4, 8)}
-        start = time.perf_counter()
-        plan = search(shape, costs, where, batch, seq, parallel_vocab=True)
-        took = time.perf_counter() - start
-        best = plan.ranked[0]
-        print(f"\nLlama-3 {size} ({shape.params / 1e9:.2f} B) on {world} x H100, global batch "
-              f"{batch} x {seq} tokens, {h100.memory_bytes / 2**30:.0f} GiB per GPU; planned in "
-              f"{took:.1f} s ({len(plan.ranked)} candidates fit, {len(plan.dropped)} dropped)")
-        print(f"  {'':38}{'layout':56}{'step s':>8}{'MFU':>7}{'GiB':>6}")
-        print(f"  {'merak plan':38}{best.candidate.label:56}{best.step_s:8.2f}"
-              f"{plan.mfu(best.step_s):7.1%}{best.peak_bytes / 2**30:6.1f}")
-        predict = Predictor(shape, costs, where, parallel_vocab=True).predict
-        for name, (candidate, note) in published.items():
-            p = predict(candidate)
-            fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"
-            if not p.fits and candidate.pp * candidate.chunks == 1 \
-                    and candidate.recompute == "full":
-                note = "\n".join(filter(None, (note, STAGE_RECOMPUTE)))
-            print(f"  {name:38}{candidate.label:56}{p.step_s:8.2f}{plan.mfu(p.step_s):7.1%}"
-                  f"{p.peak_bytes / 2**30:6.1f}{fits}"
-                  + "".join(f"\n  {'':38}{line}" for line in note.splitlines()))
-        print("  why: " + plan.why.replace("\n", "\n  "))
+    shape = ModelShape.from_config(LlamaConfig(**LLAMA3[size]))
+    where = cluster("h100", world)
+    costs = {m: analytic_costs(shape, where, m, seq) for m in (1, 2, 4, 8)}
+    start = time.perf_counter()
+    try:
+        plan = search(shape, costs, where, batch, seq, parallel_vocab=True,
+                      context_parallel=context_parallel_degrees(world, seq),
+                      recompute_choices=(*RECOMPUTE_CHOICES, BLOCK))
+    except ValueError as error:  # nothing fits
+        print(f"\nLlama-3 {size} on {world} x H100, global batch {batch} x {seq} tokens: "
+              f"{error}")
+        return
+    took = time.perf_counter() - start
+    best = plan.ranked[0]
+    print(f"\nLlama-3 {size} ({shape.params / 1e9:.2f} B) on {world} x H100, global batch "
+          f"{batch} x {seq} tokens, {h100.memory_bytes / 2**30:.0f} GiB per GPU; planned in "
+          f"{took:.1f} s ({len(plan.ranked)} candidates fit, {len(plan.dropped)} dropped)")
+    print(f"  {'':38}{'layout':56}{'step s':>8}{'MFU':>7}{'GiB':>6}")
+    print(f"  {'merak plan':38}{best.candidate.label:56}{best.step_s:8.2f}"
+          f"{plan.mfu(best.step_s):7.1%}{best.peak_bytes / 2**30:6.1f}")
+    predict = Predictor(shape, costs, where, parallel_vocab=True).predict
+    for name, (candidate, note) in published.items():
+        p = predict(candidate)
+        fits = "" if p.fits else "  (over memory: " + (p.error or "") + ")"
+        print(f"  {name:38}{candidate.label:56}{p.step_s:8.2f}{plan.mfu(p.step_s):7.1%}"
+              f"{p.peak_bytes / 2**30:6.1f}{fits}"
+              + "".join(f"\n  {'':38}{line}" for line in note.splitlines()))
+    print("  why: " + plan.why.replace("\n", "\n  "))
 
 
 HEAD_TO_HEAD_ROUNDS = 3
@@ -264,6 +279,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None,
                         help="default 8192 offline, 128 for the grid")
     parser.add_argument("--global-batch", type=int, default=16, help="the grid's")
+    parser.add_argument("--long", action="store_true",
+                        help="offline: also Llama-3 8B at 131072 tokens on 8 and 32 H100s")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per dry run")
     parser.add_argument("--models", default=",".join(GRID_MODELS),
                         help=f"the grid's models, of {list(GRID_MODELS)}")
@@ -276,7 +293,7 @@ def main() -> None:
                              "candidates without recomputation")
     cli = parser.parse_args()
     if cli.offline:
-        offline(cli.seq_len or 8192)
+        offline(cli.seq_len or 8192, cli.long)
     else:
         grid(cli.seq_len or 128, cli.global_batch, cli.steps, cli.models.split(","),
              Path(cli.out), cli.reuse_grid, cli.sequence_parallel)

@@ -1,5 +1,6 @@
 """Merak: automatic 3D parallelism (data x tensor x pipeline) for PyTorch and HF models."""
 
+from merak.distributed.liveness import PeerFailureError
 from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.engine.build import parallelize
 from merak.generation import generate
@@ -38,6 +39,7 @@ __all__ = [
     "NotSupportedYetError",
     "P2PTimeoutError",
     "ParallelContext",
+    "PeerFailureError",
     "Piece",
     "PipelineInterpreter",
     "PipelineSplit",

@@ -8,8 +8,10 @@ import sys
 from merak.coverage.cli import add_coverage
 from merak.energy.cli import add_energy
 from merak.generation.cli import add_generate
+from merak.inputs import InputError
 from merak.planner.cli import add_plan
 from merak.schedule.simulate_cli import add_simulate
+from merak.tensor_parallel.plan_cli import add_tp_plan
 
 
 def _add_export(subparsers) -> None:
@@ -38,8 +40,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses bad arguments in one line (its subcommands' parsers are of this class too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="merak", description=__doc__)
+    """Runs one command; exit status 2, with a one-line reason, for invalid arguments or
+    input files (`merak.inputs`)."""
+    parser = _Parser(prog="merak", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_simulate(subparsers)
     _add_export(subparsers)
@@ -47,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     add_coverage(subparsers)
     add_generate(subparsers)
     add_plan(subparsers)
+    add_tp_plan(subparsers)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except InputError as error:
+        command = " ".join(x for x in ("merak", args.command, getattr(args, "energy_command", None))
+                           if x)
+        print(f"{command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from merak.distributed.parallel_context import default_context
 from merak.schedule.registry import SCHEDULES
 
 
@@ -33,14 +34,26 @@ class Choices:
     divides_gradients: bool = False    # prescale_gradients or gradient_predivide_factor != 1
     text_generation: bool = False
     tp_overlapping_level: int = 0
+    cp: int = 1                        # context parallelism (merak.init's cp)
+    cp_mode: str = "ring"
+    packing: bool = False              # packed / padding-free rows (TRL's packing, padding_free)
 
     @classmethod
-    def from_arguments(cls, args, *, lora: bool | None = None) -> Choices:
+    def from_arguments(cls, args, *, lora: bool | None = None, cp: int | None = None
+                       ) -> Choices:
         """The choices of `MerakArguments` `args` (read by field name); `lora`: whether the
-        model carries adapters (default: whether `args.lora_config` asks for them)."""
+        model carries adapters (default: whether `args.lora_config` asks for them); `cp`: the
+        context-parallel degree (default: the one of the last `merak.init`, else 1)."""
         values = {f.name: getattr(args, f.name) for f in fields(cls)
-                  if f.name not in ("lora", "divides_gradients") and hasattr(args, f.name)}
+                  if f.name not in ("lora", "divides_gradients", "cp", "packing")
+                  and hasattr(args, f.name)}
         values["lora"] = args.lora_config is not None if lora is None else lora
+        if cp is None:
+            context = default_context()
+            cp = context.cp if context is not None else 1
+        values["cp"] = cp
+        values["packing"] = bool(getattr(args, "packing", False)
+                                 or getattr(args, "padding_free", False))
         values["divides_gradients"] = bool(args.prescale_gradients) \
             or args.gradient_predivide_factor != 1.0
         return cls(**values)
@@ -50,7 +63,8 @@ class Choices:
         sequence parallelism."""
         return replace(self, train_schedule=candidate.schedule, zero_stage=candidate.zero,
                        activation_checkpointing=candidate.recompute != "off",
-                       sequence_parallel=candidate.sequence_parallel)
+                       sequence_parallel=candidate.sequence_parallel,
+                       cp=getattr(candidate, "cp", self.cp))
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,33 @@ def refusal(c: Choices, owner: str = "MerakArguments") -> Refusal | None:
                        f"work without sequence parallelism and TP overlap; set "
                        f"sequence_parallel=False and tp_overlapping_level=0",
                        not_supported_yet=False)
+    return _context_parallel_refusal(c, owner)
+
+
+def _context_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
+    """What context parallelism (cp > 1) runs without, and why."""
+    if c.cp_mode not in ("ring", "ulysses"):
+        return Refusal("cp_mode", f"{owner}.cp_mode must be 'ring' or 'ulysses', got "
+                       f"{c.cp_mode!r}", not_supported_yet=False)
+    if c.cp == 1:
+        return None
+    if c.text_generation:
+        return Refusal("text_generation", f"{owner}.text_generation with context parallelism "
+                       f"(cp={c.cp}) is refused: a decode step has one position, nothing to "
+                       f"split over the cp ranks; generate in a job without cp",
+                       not_supported_yet=False)
+    if c.packing:
+        return Refusal("packing", f"{owner}: context parallelism (cp={c.cp}) splits one "
+                       f"sequence per row; packed or padding-free rows (packing, padding_free) "
+                       f"are refused", not_supported_yet=False)
+    for other, why in (("tp_overlapping_level", "TP overlap's sub-batches are untested with "
+                        "the cp collectives"),
+                       ("lora", "adapters with a split sequence are untested"),
+                       ("auto_find_batch_size", "its memory probe is untested with cp")):
+        if getattr(c, other):
+            shown = "lora_config" if other == "lora" else other
+            return Refusal(other, f"{owner}.{shown} with context parallelism (cp={c.cp}) is not "
+                           f"supported yet ({why})")
     return None
 
 

@@ -72,7 +72,7 @@ class Stage(torch.nn.Module):
 def ctx(rank: int, pp: int = PP) -> SimpleNamespace:
     """rank `rank` of a dp1 x tp1 x pp`pp` job."""
     return SimpleNamespace(rank=rank, dp_rank=0, tp_rank=0, pp_rank=rank, dp=1, tp=1, pp=pp,
-                           world_size=pp)
+                           world_size=pp, cp=1, cp_rank=0)
 
 
 def state(step: int, version: int) -> dict:

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from merak.coverage.cli import summarize
+from merak.coverage.cli import failures, summarize
 from merak.coverage.shrink import LAYERS, TooLargeError, _representative, build_small, small_config
+from merak.coverage.worker import NO_PLAN
 
 # an MoE family (router logits leave its blocks for the auxiliary loss) and OLMo2 (its
 # base_model_tp_plan gathers q/k/v for a full-width q_norm); tests/test_tensor_parallel.py runs
@@ -44,19 +45,28 @@ def test_the_handful_splits_and_shards_at_parity(sweep):
 
 
 def test_the_summary_counts_failures_with_their_reasons():
+    """Every family that runs counts in the tp column, by where its plan comes from; inferred
+    plans that leave linears replicated are named, and each tp failure is listed with its
+    reason."""
     rows = [{"family": "a", "build": "ok", "single": "ok", "pp": "ok", "tp": "ok",
-             "tp_plan": True, "moe": True},
+             "tp_plan_source": "base_model_tp_plan", "moe": True},
             {"family": "b", "build": "ok", "single": "ok", "pp": "RuntimeError: x", "tp": "ok",
-             "tp_plan": False, "moe": False},
+             "tp_plan_source": "inferred", "tp_replicated": 2, "moe": False},
+            {"family": "d", "build": "ok", "single": "ok", "pp": "ok", "moe": False,
+             "tp": f"{NO_PLAN}: ValueError: plan inference placed no layer of d"},
             {"family": "c", "build": "too large: 9 M parameters"}]
     lines = summarize(rows, 2, 2)
-    assert lines[0] == "families: 3; build: 2; single-process forward/backward: 2"
-    assert lines[1].startswith("pp=2 parity: 1/2 (50%)")
-    assert lines[2].startswith("tp=2 parity: 1/1 (100%) of those with a base_model_tp_plan")
-    assert lines[2].endswith("2/2 (100%) of those with any plan (Merak's table or the config's)")
-    assert lines[3] == "MoE families at pp=2 parity: 1/1 (100%)"
+    assert lines[0] == "families: 4; build: 3; single-process forward/backward: 3"
+    assert lines[1].startswith("pp=2 parity: 2/3 (67%)")
+    assert lines[2] == ("tp=2 parity: 2/3 (67%) of the families that run (plans: Merak's table "
+                        "0/0 (0%); the config's base_model_tp_plan 1/1 (100%); inferred from the "
+                        "blocks 1/1 (100%); no plan: 1)")
+    assert lines[3] == "inferred plans at parity that leave some linears replicated: 1 (b)"
+    assert lines[4] == "MoE families at pp=2 parity: 1/1 (100%)"
+    assert failures(rows, "tp") == ["  d: no plan: ValueError: plan inference placed no layer "
+                                    "of d"]
     rows[0]["load"], rows[1]["load"] = "ok", "ParityError: loss 1 != single-process 2"
-    assert summarize(rows, 2, 2)[4] == (
+    assert summarize(rows, 2, 2)[5] == (
         "save_pretrained -> per-rank load (pp=2, tp=2 where planned) parity: 1/2 (50%); MoE "
         "families: 1/1 (100%) (of the families HF's from_pretrained loads back)")
 

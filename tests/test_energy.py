@@ -1,13 +1,15 @@
 """Perseus energy planning: the planner on the reference synthetic GPU (FINDINGS.md), its DAG
 against the simulator for every registered schedule, plan-file validation, the GPU backends
 (simulated; NVML mocked), and profile -> plan -> deploy end to end on 4 gloo ranks with
-simulated GPUs for 1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path. (The
+simulated GPUs for 1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path; the
+planner also plans ZB-V and DualPipeV (2 stages per rank in a V). (The
 precise measured-vs-predicted figures of the end-to-end run: bench/energy_e2e.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import subprocess
 import sys
@@ -103,7 +105,8 @@ def test_planner_dag_replays_the_simulator_for_every_schedule(name):
         assert planner.evaluate(plan)[0] == pytest.approx(planner.simulated(plan), rel=1e-12)
 
 
-@pytest.mark.parametrize("name", ["zero_bubble", "interleaved_1f1b", "shifted_critical_path"])
+@pytest.mark.parametrize("name", ["zero_bubble", "interleaved_1f1b", "shifted_critical_path",
+                                  "zbv", "dualpipev"])
 def test_every_schedule_gets_a_plan_in_its_program_order(name):
     schedule = _schedule(name)
     planner = _planner(schedule, gpus_per_rank=2, unit_time=2e-3)
@@ -322,14 +325,20 @@ def test_plan_command_interleave_and_recompute(tmp_path, capsys):
     assert [n for n, _ in plan["schedules"][1]["frequencies"]] == expected_instructions(
         make_schedule("interleaved_1f1b", 2, 4, stages_per_rank=2), 1)
     assert plan["meta"]["interleave"] == 2 and "energy saved" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="turn on activation checkpointing"):
-        main(["energy", "plan", str(profile), "--schedule", "shifted_critical_path",
-              "--stages", "2", "--microbatches", "4", "--out", str(out)])
+    assert main(["energy", "plan", str(profile), "--schedule", "shifted_critical_path",
+                 "--stages", "2", "--microbatches", "4", "--out", str(out)]) == 2
+    assert "turn on activation checkpointing" in capsys.readouterr().err
     assert main(["energy", "plan", str(profile), "--schedule", "shifted_critical_path",
                  "--recompute", "1,0", "--stages", "2", "--microbatches", "4",
                  "--out", str(out)]) == 0
     names = {n for s in json.loads(out.read_text())["schedules"] for n, _ in s["frequencies"]}
     assert names == {"forward", "recompute", "backward"}
+    for name in ("zbv", "dualpipev"):  # 2 stages per rank in a V, without --interleave
+        assert main(["energy", "plan", str(profile), "--schedule", name, "--stages", "2",
+                     "--microbatches", "4", "--out", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        assert [n for n, _ in plan["schedules"][0]["frequencies"]] == expected_instructions(
+            make_schedule(name, 2, 4, stages_per_rank=2), 0)
 
 
 def test_plan_arguments_rebuild_the_interpreters_schedule():
@@ -338,6 +347,7 @@ def test_plan_arguments_rebuild_the_interpreters_schedule():
     from merak.energy.session import plan_arguments
 
     for schedule in (_schedule("interleaved_1f1b"), _schedule("shifted_critical_path"),
+                     _schedule("zbv"), _schedule("dualpipev"),
                      make_schedule("1f1b", 4, 4, recompute=[True, False, True, False]),
                      make_schedule("zero_bubble", 2, 3)):
         args = plan_arguments(schedule)
@@ -378,7 +388,7 @@ from merak.energy.profile_data import aggregate, synthetic_profile
 from merak.schedule.registry import make_schedule
 profiles, p2p = aggregate(synthetic_profile(SyntheticGPUModel(clock_step=90), 2))
 planner = EnergyPlanner(make_schedule("1f1b", 2, 3), profiles, p2p)
-planner.fast = sys.argv[1] != "lowtime"  # lowtime's own critical DAGs
+planner.fast = sys.argv[1] != "lowtime"  # lowtime's own PhillipsDessouky.run
 points = planner.frontier()
 import lowtime.solver
 print(json.dumps([lowtime.solver._lowtime_rs.PhillipsDessouky.__module__,
@@ -386,12 +396,65 @@ print(json.dumps([lowtime.solver._lowtime_rs.PhillipsDessouky.__module__,
 """
 
 
-def test_fallbacks_and_fast_critical_dags_give_the_same_frontier():
+def test_fallbacks_and_the_fast_solver_give_the_same_frontier():
     run = lambda mode: json.loads(subprocess.run(
-        [sys.executable, "-c", _FRONTIER, mode], capture_output=True, text=True,
-        check=True).stdout)
+        [sys.executable, "-c", _FRONTIER, mode], capture_output=True, text=True, check=True,
+        env={**os.environ, "MERAK_ENERGY_CHECK_CUTS": "1"}).stdout)
     (compiled_kind, compiled), (python_kind, python) = run("compiled"), run("python")
     assert python_kind == "merak.energy.solver" != compiled_kind
     assert python == compiled and len(python) > 10
-    _, lowtime_own = run("lowtime")  # our CriticalDAG changes the speed, not the frontier
+    _, lowtime_own = run("lowtime")  # our walk changes the speed, not the frontier
     assert lowtime_own == compiled
+
+
+def _bounded_flow_problem(rnd: random.Random):
+    """A layered DAG from node 0 to the sink with flow bounds around a feasible flow (lowtime's
+    units, 1e-6): unbounded edges, tight ones, and one- and two-unit slacks (the ties)."""
+    layers = [list(range(i * 3 + 1, i * 3 + 4)) for i in range(rnd.randint(2, 5))]
+    sink = layers[-1][-1] + 1
+    flow: dict[tuple[int, int], int] = {}
+    for _ in range(rnd.randint(2, 6)):
+        path = [0] + [rnd.choice(layer) for layer in layers] + [sink]
+        amount = rnd.choice([2, 3, 5, 8]) * 1000
+        for edge in zip(path, path[1:]):
+            flow[edge] = flow.get(edge, 0) + amount
+    edges = list(flow) + [(u, v) for upper, lower in zip(layers, layers[1:]) for u in upper
+                          for v in lower if (u, v) not in flow and rnd.random() < 0.3]
+    bounds = []
+    for edge in edges:
+        f = flow.get(edge, 0)
+        if rnd.random() < 0.25:
+            bounds.append((0.0, 10000.0))
+        else:
+            bounds.append((max(0, f - rnd.choice([0, 0, 1, 500, 3000])) * 1e-6 // 1e-6 * 1e-6,
+                           (f + rnd.choice([0, 1, 2, 700, 4000])) * 1e-6 // 1e-6 * 1e-6))
+    return edges, bounds, sink
+
+
+def test_exact_min_cuts_are_lowtimes():
+    """Where `minimal_min_cut` answers, its cut is lowtime's compiled min cut exactly; where
+    lowtime's floating point could break a one-unit tie either way, it declines."""
+    lowtime_solver = pytest.importorskip("lowtime.solver")
+    import numpy as np
+
+    from merak.energy.min_cut import minimal_min_cut
+
+    rnd = random.Random(7)
+    answered = declined = 0
+    for _ in range(150):
+        edges, bounds, sink = _bounded_flow_problem(rnd)
+        nodes = sorted({n for e in edges for n in e})
+        index = {n: i for i, n in enumerate(nodes)}
+        lb, ub = (np.array(column) for column in zip(*bounds))
+        cut = minimal_min_cut(len(nodes), index[0], index[sink],
+                              np.array([index[u] for u, _ in edges]),
+                              np.array([index[v] for _, v in edges]), lb, ub, 1e-6, 10000.0)
+        if cut is None:
+            declined += 1
+            continue
+        runner = lowtime_solver._lowtime_rs.PhillipsDessouky(
+            1e-6, nodes, 0, sink, [(e, (0, 0, b, a)) for e, (a, b) in zip(edges, bounds)])
+        s_set, _ = runner.find_min_cut()
+        assert {n for n, inside in zip(nodes, cut) if inside} == s_set
+        answered += 1
+    assert answered >= 20 and declined >= 20, (answered, declined)

@@ -33,9 +33,9 @@ def _clipper(num_params: int, tp: int = 1, max_norm: float = 0.0, seed: int = 0)
         if i % 2:
             param.tp_shard = 0
         named.append((f"p{i}", param))
-    stage = SimpleNamespace(split=SimpleNamespace(tied_weights=[]),
+    stage = SimpleNamespace(split=SimpleNamespace(tied_weights=[], num_stages=1),
                             named_parameters=lambda: iter(named))
-    ctx = SimpleNamespace(pp_rank=0, pp=1, tp=tp, dp=1, world_size=1,
+    ctx = SimpleNamespace(pp_rank=0, pp=1, tp=tp, dp=1, replicas=1, world_size=1,
                           device=torch.device("cpu"))
     return GradNormClipper(stage, ctx, max_norm), [p for _, p in named]
 

@@ -63,6 +63,36 @@ def test_every_size_validates(p, v):
             [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
 
 
+@pytest.mark.parametrize("p", range(2, 9))
+def test_any_number_of_microbatches_validates(p):
+    """Any m in p..4p, not only multiples of p, in micro-batch groups of any size g in p..m
+    (Megatron's microbatch_group_size_per_vp_stage; the last group takes the remainder): every
+    rank's program passes the NCCL replay, and holds its warm-up plus one micro-batch,
+    2 (p - r - 1) + (v - 1) G + 1 with G the largest group."""
+    for v in (2, 3):
+        for m in range(p, 4 * p + 1):
+            for g in sorted({p, (p + m) // 2, m}):
+                schedule = make_schedule("interleaved_1f1b", p, m, stages_per_rank=v,
+                                         recompute=m % 2 == 1, group_size=g)
+                validate_schedule(schedule)
+                largest = g + m % g if m >= 2 * g else m if m % g else g
+                assert simulate(schedule).peak_activations == \
+                    [min(2 * (p - r - 1) + (v - 1) * largest + 1, m * v) for r in range(p)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 5), (4, 7), (4, 9), (4, 13), (8, 9)])
+def test_microbatches_not_a_multiple_of_the_ranks_keep_the_bubble(p, m):
+    """Each rank idles 1F1B's (p - 1)(f + b), halved by the two chunks."""
+    result = simulate(interleaved(p, m, 2), CostModel(forward=1.0, backward=2.0))
+    assert result.idle_per_stage == pytest.approx([(p - 1) * 3.0 / 2] * p)
+
+
+def test_bad_group_sizes_are_rejected():
+    for g in (3, 9):
+        with pytest.raises(ValueError, match="group size must lie in"):
+            make_schedule("interleaved_1f1b", 4, 8, stages_per_rank=2, group_size=g)
+
+
 def test_programs_are_the_virtual_stages_merged():
     schedule = interleaved(2, 4, 2)
     assert (schedule.num_ranks, schedule.stages_per_rank, schedule.num_stages) == (2, 2, 4)
@@ -85,7 +115,7 @@ def test_programs_are_the_virtual_stages_merged():
     assert "forward[0]@2" in schedule.format()
 
 
-@pytest.mark.parametrize("p,m,v,match", [(4, 6, 2, "multiple of the pipeline ranks"),
+@pytest.mark.parametrize("p,m,v,match", [(4, 3, 2, "at least as many micro-batches"),
                                          (4, 8, 1, "use 1f1b"), (2, 4, 0, ">= 2"),
                                          (0, 4, 2, "num_stages"),
                                          (1, 4, 2, ">= 2 pipeline ranks")])
@@ -232,9 +262,9 @@ def test_cli_interleave(tmp_path, capsys):
     every = json.loads(capsys.readouterr().out)
     assert every["interleaved_1f1b"] == one and every["1f1b"]["idle"] == [9.0] * 4
     assert (tmp_path / "interleaved_1f1b.png").stat().st_size > 1000
-    with pytest.raises(SystemExit, match="multiple of the pipeline ranks"):
-        cli_main([*ARGS, "--schedule", "interleaved_1f1b", "--interleave", "2",
-                  "--microbatches", "6"])
+    assert cli_main([*ARGS, "--schedule", "interleaved_1f1b", "--interleave", "2",
+                     "--microbatches", "3"]) == 2
+    assert "at least as many micro-batches" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("world_size,scenario",

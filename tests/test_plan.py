@@ -235,7 +235,7 @@ def test_errors_name_the_problem():
         search(shape, costs, small, 8, 64, memory_bytes=-1)
     with pytest.raises(ValueError, match="unknown cluster"):
         cluster("tpu-v9")
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match="peak_flops must be a finite number > 0"):
         Cluster(world_size=4, gpus_per_node=4, peak_flops=0, memory_bytes=GIB, intra_bw=1,
                 inter_bw=1)
 
@@ -262,7 +262,7 @@ def test_offline_plan_command_for_llama3_8b_on_8_h100(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "chosen:" in printed and "<==" in printed
     chosen = read_strategy_plan(out)[0]
-    assert chosen.dp * chosen.tp * chosen.pp == 8
+    assert chosen.dp * chosen.tp * chosen.pp * chosen.cp == 8
     data = json.loads(out.read_text())
     assert data["ranked"][0]["peak_bytes"] <= cluster("h100").memory_bytes
     assert data["ranked"][0]["mfu"] > 0.2
@@ -274,7 +274,7 @@ def test_plan_json_round_trips_into_init_degrees(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"chosen": Candidate(2, 1, 2, 1, 4).__dict__,
                                 "chosen_ratios": [0.0, 0.0]}))
-    assert degrees_from_plan(path) == (2, 1, 2)
+    assert degrees_from_plan(path) == (2, 1, 2, 1)
     path.write_text(json.dumps({"chosen": None}))
     with pytest.raises(ValueError, match="no chosen plan"):
         degrees_from_plan(path)
@@ -294,7 +294,7 @@ def test_merak_arguments_of_the_planner_refuse_what_they_cannot_do(tmp_path):
     bad("sequence_parallel is chosen by the plan", auto_parallel=True, sequence_parallel=True)
     bad("plan_memory_gib only applies with auto_parallel", plan_memory_gib=2.0)
     bad("plan_dry_runs only applies", plan_dry_runs=5)
-    bad("plan_dry_runs must be >= 1", auto_parallel=True, plan_dry_runs=0)
+    bad("plan_dry_runs=0: .* must be an integer >= 1", auto_parallel=True, plan_dry_runs=0)
     args = MerakArguments(output_dir=str(tmp_path), auto_parallel=True, plan_dry_runs=2,
                           plan_memory_gib=1.5)
     assert args.auto_parallel and args.plan_dry_runs == 2

@@ -21,12 +21,11 @@ from merak.distributed.parallel_context import get_context
 from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
 from merak.tensor_parallel.layers import ShardSpec, shard_parameter
+from merak.tensor_parallel.plan_choice import _from_config_plan, plan_for
 from merak.tensor_parallel.plans import (
     FAMILY_PLANS,
     TPPlan,
-    _from_config_plan,
     clear_registered_plan,
-    plan_for,
     registered_plan,
 )
 from merak.tensor_parallel.wrappers import PartialSum, RopeGradReduce
@@ -87,8 +86,12 @@ def test_unsupported_variants_say_so():
         falcon = tf.AutoModelForCausalLM.from_config(tf.FalconConfig(
             hidden_size=64, num_attention_heads=8, num_hidden_layers=2, vocab_size=128,
             multi_query=True, new_decoder_architecture=False))
-    with pytest.raises(ValueError, match="multi_query Falcon .* not supported yet"):
-        merak.apply_tensor_parallel(falcon, _ctx(2))
+    with pytest.warns(UserWarning, match="multi_query Falcon .* not supported yet"):
+        merak.apply_tensor_parallel(falcon, _ctx(2))  # the inferred plan instead (issue 36)
+    assert falcon.merak_tp.plan.source == "inferred" and \
+        falcon.merak_tp.plan.notes[0].startswith("the family's plan (table) cannot shard")
+    assert "transformer.h.0.mlp.dense_h_to_4h" in falcon.merak_tp.converted  # one K/V head:
+    assert "transformer.h.0.self_attention.query_key_value" not in falcon.merak_tp.converted
     with merak.init_empty_weights():
         gpt2 = TP_FAMILIES["gpt2"]()
     with pytest.raises(ValueError, match="sequence_parallel is not supported yet"):

@@ -1,7 +1,9 @@
 """Issue 32's grid: 1F1B, interleaved 1F1B, zero-bubble and Merak's shifted critical path
-(with recomputation) through MerakTrainer at (dp, tp, pp) = (1,1,2), (2,1,2), (1,2,4) and
-(2,2,2) train at loss parity with single-process HF Trainer, on the NCCL-contract backend (the
-very path NCCL takes: one Work per group, rendezvous sends, one stream) and on plain gloo.
+(with recomputation), and issue 37's ZB-V and DualPipeV (2 stages per rank in a V; also on a
+Mixtral, whose router loss makes its reference step in Merak's micro-batches) through
+MerakTrainer at (dp, tp, pp) = (1,1,2), (2,1,2), (1,2,4) and (2,2,2) train at loss parity with
+single-process HF Trainer, on the NCCL-contract backend (the very path NCCL takes: one Work per
+group, rendezvous sends, one stream) and on plain gloo.
 Each world size and backend is one pooled launch (workers/trainer_matrix.py). The suite runs the
 2-rank layout on the NCCL contract (every other multi-rank test runs on it too; Merak has one
 p2p path, so plain gloo differs only below it; dp > 1 on padded rows is test_trainer's); the
@@ -50,5 +52,7 @@ def test_schedule_and_layout_match_hf_trainer(launches, worker_pool, references,
     assert len(ours["loss"]) == len(theirs["loss"]) == MATRIX_STEPS
     for key in ("loss", "grad_norm", "learning_rate"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
-    # padded evaluation rows, HF's token-weighted loss per evaluation batch
-    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    # padded evaluation rows, HF's token-weighted loss per evaluation batch (not for an MoE at
+    # dp > 1: each dp rank's share of a batch has its own router loss, see trainer_common)
+    if ours["reference"] != "matrix-moe-dp2":
+        assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)

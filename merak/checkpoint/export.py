@@ -79,7 +79,7 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     buffers = persistent_buffers(stage)  # (what save_pretrained writes besides parameters)
     params += list(buffers.items())
     tensors += list(buffers.values())
-    if ctx.dp_rank == 0:
+    if ctx.dp_rank == 0 and ctx.cp_rank == 0:
         mine = [(name, getattr(p, "tp_shard", None), t.detach().cpu())
                 for (name, p), t in zip(params, tensors)]
     shards: dict[str, dict] = {}

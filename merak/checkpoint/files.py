@@ -36,19 +36,21 @@ class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
 
 @dataclass(frozen=True)
 class Layout:
-    """The contents of ``merak.json``: the step and the (dp, tp, pp) layout it was saved in."""
+    """The contents of ``merak.json``: the step and the (dp, tp, pp) layout it was saved in, and
+    its cp (the weight files do not depend on it: cp ranks hold the same weights)."""
 
     step: int
     dp: int
     tp: int
     pp: int
     name_prefix: str = ""
+    cp: int = 1
 
     def model_files(self) -> list[str]:
         return [f"model-pp{p}-tp{t}.safetensors" for p in range(self.pp) for t in range(self.tp)]
 
     def rank_files(self) -> list[str]:
-        return [f"rank{r}.pt" for r in range(self.dp * self.tp * self.pp)]
+        return [f"rank{r}.pt" for r in range(self.dp * self.cp * self.tp * self.pp)]
 
 
 def step_of(name: str) -> int | None:
@@ -87,7 +89,8 @@ def read_layout(path: str | Path) -> Layout:
         raise CheckpointError(f"{file}: field 'name_prefix' must be a string, got {prefix!r}")
     return Layout(step=_count(file, fields, "step", 0), dp=_count(file, fields, "dp", 1),
                   tp=_count(file, fields, "tp", 1), pp=_count(file, fields, "pp", 1),
-                  name_prefix=prefix)
+                  name_prefix=prefix,
+                  cp=_count(file, fields, "cp", 1) if "cp" in fields else 1)
 
 
 def missing_files(path: str | Path, layout: Layout, *, rank_states: bool = True) -> list[str]:

@@ -104,8 +104,8 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
     write_rank_files(final.with_name(final.name + PARTIAL), ctx, stage, state)
     _barrier()
     if ctx.rank == 0:
-        finish_save(final, Layout(step, ctx.dp, ctx.tp, ctx.pp, name_prefix), config=config,
-                    before_marker=before_marker)
+        finish_save(final, Layout(step, ctx.dp, ctx.tp, ctx.pp, name_prefix, ctx.cp),
+                    config=config, before_marker=before_marker)
         rotate(output_dir, save_total_limit, keep)
     _barrier()
     return final
@@ -134,7 +134,7 @@ def write_rank_files(partial: Path, ctx: ParallelContext, stage, state: dict) ->
     if any(is_sharded(p) for p in params.values()):  # ZeRO-2/3: every dp rank gathers
         params = {n: whole(p) for n, p in params.items()}
     params.update(persistent_buffers(stage))
-    if ctx.dp_rank == 0:
+    if ctx.dp_rank == 0 and ctx.cp_rank == 0:  # (one copy of each (pp, tp) shard)
         tensors = {n: p.detach().contiguous().cpu() for n, p in params.items()}
         specs = {n: json.dumps(asdict(p.tp_shard)) for n, p in stage.named_parameters()
                  if getattr(p, "tp_shard", None) is not None}
@@ -153,7 +153,7 @@ def finish_save(final: Path, layout: Layout, *, config=None,
         before_marker(partial)
     check_files(partial, layout)  # every rank's file is there before it may count as complete
     fields = {"step": layout.step, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-              "name_prefix": layout.name_prefix}
+              "name_prefix": layout.name_prefix, **({"cp": layout.cp} if layout.cp > 1 else {})}
     (partial / (MARKER + ".tmp")).write_text(json.dumps(fields))
     os.replace(partial / (MARKER + ".tmp"), partial / MARKER)
     install(partial, final)
@@ -221,7 +221,7 @@ def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool
     weight file and the state file it reads must be there (errors name the missing ones)."""
     path = Path(path)
     layout = check_files(path, rank_states=False)
-    same = (layout.dp, layout.tp, layout.pp) == (ctx.dp, ctx.tp, ctx.pp)
+    same = (layout.dp, layout.tp, layout.pp, layout.cp) == (ctx.dp, ctx.tp, ctx.pp, ctx.cp)
     state_file = state_file_of(path, ctx, same)
     if not state_file.is_file():
         raise IncompleteCheckpointError(f"{path} is incomplete: it has no {state_file.name}")

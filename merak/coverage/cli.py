@@ -1,7 +1,7 @@
 """`merak coverage`: which Hugging Face causal-LM families Merak splits and shards at parity.
 
     python -m merak coverage [--stages 2] [--tp 2] [--families a,b] [--json out.json]
-                             [--trainer olmo2,mixtral]
+                             [--trainer olmo2,mixtral] [--plans]
 
 Every causal-LM model type of the installed transformers is shrunk (`shrink`), built, and checked on
 a small gloo job of `--tp` ranks (`worker`): a single-process forward/backward; the automatic split
@@ -9,7 +9,11 @@ into `--stages` stages, run stage after stage in one process (the ranks take tur
 step at tp=`--tp` through `merak.parallelize` and the interpreter; each with its loss and every
 gradient compared with the single-process model; and the load check: the model written by
 `save_pretrained` (the Hub layout) and loaded per rank at pp=`--stages` and tp=`--tp` against HF's
-own `from_pretrained` of the same directory. `--trainer` also trains the named families through
+own `from_pretrained` of the same directory. Every family that runs counts in the tp column,
+whatever its plan (Merak's table, the config's ``base_model_tp_plan``, or inferred from its
+blocks and proven before use; a family inference places nothing of counts as a failure), and
+the tp failures are listed with their reasons; `--plans` prints each inferred plan as
+`merak tp-plan` does. `--trainer` also trains the named families through
 MerakTrainer at dp x tp x pp = 2 x 2 x 2 against single-process HF Trainer (`trainer_check`). A
 family that crashes its worker is recorded as such and the sweep goes on with the next one.
 """
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 from merak.coverage.worker import HF_CANNOT_LOAD, NO_PLAN
+from merak.inputs import InputError, positive_float, positive_int
 
 CHECKS = ("build", "single", "pp", "tp", "load")
 OPTIONAL = ("pp", "tp", "load")  # what --checks can choose
@@ -34,17 +39,22 @@ OPTIONAL = ("pp", "tp", "load")  # what --checks can choose
 def add_coverage(subparsers) -> None:
     parser = subparsers.add_parser(
         "coverage", help="check every HF causal-LM family: split at pp, shard at tp, at parity")
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--stages", type=positive_int, default=2,
+                        help="pipeline stages (default 2)")
+    parser.add_argument("--tp", type=positive_int, default=2,
+                        help="tensor-parallel degree (default 2)")
     parser.add_argument("--families", default="",
                         help="comma-separated model types (default: every causal-LM family)")
     parser.add_argument("--json", default=None, help="write the per-family results here")
-    parser.add_argument("--timeout", type=float, default=180.0,
+    parser.add_argument("--timeout", type=positive_float, default=180.0,
                         help="seconds per family and check before it counts as a failure")
     parser.add_argument("--checks", default=",".join(OPTIONAL),
                         help="which checks to run after build and single (default: pp,tp,load;"
                              " load = save_pretrained, then per-rank from_pretrained at pp and "
                              "tp against HF's from_pretrained)")
+    parser.add_argument("--plans", action="store_true",
+                        help="print each plan inferred from the blocks (families with neither "
+                             "Merak's plan nor a base_model_tp_plan) as `merak tp-plan` does")
     parser.add_argument("--trainer", default="",
                         help="families to also train through MerakTrainer at dp=2 x tp=2 x "
                              "pp=2 against HF Trainer (8 ranks), e.g. olmo2,mixtral,qwen3_moe")
@@ -60,8 +70,8 @@ def _families(text: str) -> list[str]:
     chosen = [f.strip() for f in text.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in known]
     if unknown:
-        raise SystemExit(f"merak coverage: {unknown} are not causal-LM model types of this "
-                         f"transformers; choose from {', '.join(known)}")
+        raise InputError(f"{unknown} are not causal-LM model types of this transformers; "
+                         f"choose from {', '.join(known)}")
     return chosen
 
 
@@ -122,14 +132,26 @@ def _print_row(row: dict) -> None:
     print(" ".join(cells) + (f"  {failure}" if failure else ""), flush=True)
 
 
+def _of(rows: list[dict], source: str) -> list[dict]:
+    return [r for r in rows if r.get("tp_plan_source") == source]
+
+
+def _ok(rows: list[dict], source: str) -> list[dict]:
+    return [r for r in _of(rows, source) if r.get("tp") == "ok"]
+
+
+def failures(rows: list[dict], check: str) -> list[str]:
+    """``family: reason`` of each family that runs and fails `check`."""
+    return [f"  {r['family']}: {r[check]}" for r in rows
+            if r.get("single") == "ok" and r.get(check) not in (None, "ok")]
+
+
 def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
     """The summary lines: how many families build, run, split and shard at parity."""
     runs = [r for r in rows if r.get("single") == "ok"]
     ran_pp = any("pp" in r for r in runs) or not runs
     ran_tp = any("tp" in r for r in runs) or not runs
     builds = [r for r in rows if r.get("build") == "ok"]
-    planned = [r for r in runs if r.get("tp_plan")]
-    any_plan = [r for r in runs if r.get("tp") not in (None, NO_PLAN)]
     moe = [r for r in runs if r.get("moe")]
 
     def share(part, whole):
@@ -141,11 +163,18 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
         lines.append(f"pp={stages} parity: {share([r for r in runs if r.get('pp') == 'ok'], runs)}"
                      f" of the families that run")
     if tp > 1 and ran_tp:
-        lines.append(f"tp={tp} parity: "
-                     f"{share([r for r in planned if r.get('tp') == 'ok'], planned)}"
-                     f" of those with a base_model_tp_plan; "
-                     f"{share([r for r in any_plan if r.get('tp') == 'ok'], any_plan)} of those "
-                     f"with any plan (Merak's table or the config's)")
+        tried = [r for r in runs if "tp" in r]
+        by = [f"{label} {share(_ok(tried, source), _of(tried, source))}" for source, label in (
+            ("table", "Merak's table"), ("base_model_tp_plan", "the config's base_model_tp_plan"),
+            ("inferred", "inferred from the blocks"))]
+        lines.append(f"tp={tp} parity: {share([r for r in tried if r['tp'] == 'ok'], tried)} of "
+                     f"the families that run (plans: {'; '.join(by)}; no plan: "
+                     f"{sum(r['tp'].startswith(NO_PLAN) for r in tried)})")
+        partial = [r for r in _ok(tried, "inferred") if r.get("tp_replicated")]
+        if _of(tried, "inferred"):
+            lines.append(f"inferred plans at parity that leave some linears replicated: "
+                         f"{len(partial)} ({', '.join(r['family'] for r in partial)})")
+
     if stages > 1 and ran_pp:
         lines.append(f"MoE families at pp={stages} parity: "
                      f"{share([r for r in moe if r.get('pp') == 'ok'], moe)}")
@@ -163,8 +192,7 @@ def run_coverage(args: argparse.Namespace) -> int:
     families = _families(args.families)
     unknown = sorted(set(args.checks.split(",")) - set(OPTIONAL))
     if unknown:
-        raise SystemExit(f"merak coverage: --checks {unknown} unknown; choose from "
-                         f"{', '.join(OPTIONAL)}")
+        raise InputError(f"--checks {unknown} unknown; choose from {', '.join(OPTIONAL)}")
     start = time.perf_counter()
     print(f"merak coverage: {len(families)} families, pp={args.stages}, tp={args.tp}", flush=True)
     rows = sweep(families, args) if families else []
@@ -174,10 +202,17 @@ def run_coverage(args: argparse.Namespace) -> int:
 
         trainer_rows = check_trainer(_families(args.trainer))
     lines = summarize(rows, args.stages, args.tp)
+    if args.tp > 1 and failures(rows, "tp"):
+        lines += [f"tp={args.tp} failures:", *failures(rows, "tp")]
     for row in trainer_rows:
         lines.append(f"MerakTrainer dp=2 x tp=2 x pp=2 vs HF Trainer, {row['family']}: "
                      f"{row['result']}")
     print("\n".join(["", *lines, f"({time.perf_counter() - start:.0f} s)"]))
+    if args.plans:
+        for row in rows:
+            if row.get("inferred_plan"):
+                print(f"\n# {row['family']}: tp plan inferred from its blocks "
+                      f"(tp={args.tp}: {row.get('tp')})\n{row['inferred_plan']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"stages": args.stages, "tp": args.tp,
                                                "summary": lines, "families": rows,

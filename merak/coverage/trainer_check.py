@@ -25,7 +25,7 @@ COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed":
 LOSS_ATOL = 2e-4  # both trainers log losses rounded to 4 digits
 
 
-def _train_set() -> list[dict[str, torch.Tensor]]:
+def train_set() -> list[dict[str, torch.Tensor]]:
     from merak.coverage.shrink import VOCAB
 
     g = torch.Generator().manual_seed(7)
@@ -33,19 +33,48 @@ def _train_set() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def _small_model(family: str):
+def _small_model(family: str, checkpoint: str | None = None):
+    """The family's shrunken model, seeded; or, with `checkpoint` (a directory `save_small`
+    wrote), loaded from it as a user's model is (`from_pretrained`)."""
+    if checkpoint is not None:
+        import transformers as tf
+
+        return tf.AutoModelForCausalLM.from_pretrained(checkpoint)
     from merak.coverage.shrink import build_small
 
     return build_small(family, seed=SEED).build()
 
 
-def _losses(trainer) -> list[float]:
+def save_small(family: str, directory: str) -> str:
+    """The family's shrunken seeded model written by `save_pretrained` into `directory`."""
+    _small_model(family).save_pretrained(directory)
+    return directory
+
+
+def losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def reference(family: str, out_dir: str) -> list[float]:
+def merak_losses(family: str, checkpoint: str | None = None) -> list[float]:
+    """The losses MerakTrainer logs on the layout of `merak.init`'s context (call on every
+    rank), the model built under `merak.init_empty_weights` (from `checkpoint` when given)."""
+    import merak
+
+    with merak.init_empty_weights():
+        model = _small_model(family, checkpoint)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = merak.MerakArguments(output_dir=tmp, per_device_train_batch_size=MICRO_BATCH,
+                                    **COMMON)
+        trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+        trainer.train()
+    return losses(trainer)
+
+
+def reference(family: str, out_dir: str, dp: int = DP, checkpoint: str | None = None
+              ) -> list[float]:
     """HF Trainer on one process, stepping on the same global batch in the same micro-batches
-    (one per Merak micro-batch: dp x gradient accumulation of them).
+    (one per Merak micro-batch: dp x gradient accumulation of them); the model seeded, or
+    loaded from `checkpoint`.
 
     A mixture-of-experts loss is not linear in the batch (its auxiliary load-balancing term is
     computed per forward), so the micro-batches must be the same ones: HF Trainer, for a model
@@ -53,12 +82,13 @@ def reference(family: str, out_dir: str) -> list[float]:
     step's count, plus each micro-batch's auxiliary term), and so does MerakTrainer."""
     import transformers as tf
 
-    options = {**COMMON, "gradient_accumulation_steps": MICROBATCHES * DP}
+    options = {**COMMON, "gradient_accumulation_steps": MICROBATCHES * dp}
     args = tf.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO_BATCH,
                                 **options)
-    trainer = tf.Trainer(model=_small_model(family), args=args, train_dataset=_train_set())
+    trainer = tf.Trainer(model=_small_model(family, checkpoint), args=args,
+                         train_dataset=train_set())
     trainer.train()
-    return _losses(trainer)
+    return losses(trainer)
 
 
 def worker(families: list[str], out: Path) -> None:
@@ -69,15 +99,7 @@ def worker(families: list[str], out: Path) -> None:
         result: dict = {"family": family}
         try:
             ctx = merak.init(dp=2, tp=2, pp=2)
-            with merak.init_empty_weights():
-                model = _small_model(family)
-            with tempfile.TemporaryDirectory() as tmp:
-                args = merak.MerakArguments(output_dir=tmp,
-                                            per_device_train_batch_size=MICRO_BATCH, **COMMON)
-                trainer = merak.MerakTrainer(model=model, args=args,
-                                             train_dataset=_train_set())
-                trainer.train()
-            result["loss"] = _losses(trainer)
+            result["loss"] = merak_losses(family)
         except Exception as error:  # a family's failure is its result
             result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         gathered = all_gather_objects(result)

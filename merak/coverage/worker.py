@@ -20,6 +20,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -71,21 +72,30 @@ def _check(name: str, fn, timeout_s: float) -> tuple[bool, str]:
     return _agree(ok, reason)
 
 
-NO_PLAN = "no plan"  # neither Merak's table nor the config's base_model_tp_plan
+NO_PLAN = "no plan"  # a row's prefix: not even plan inference places a layer of the family
 
 
-def _has_plan(small) -> bool:
+def plan_row(small, tp: int) -> dict:
+    """Where the family's tp plan comes from (``tp_plan_source``: table, base_model_tp_plan,
+    inferred), and for an inferred one its table (``inferred_plan``, as `merak tp-plan` prints
+    it) and how many linear patterns it shards and leaves replicated; ``no_plan``: why there
+    is none."""
     import transformers as tf
 
-    from merak.tensor_parallel.plans import plan_for
+    from merak.tensor_parallel.infer import format_plan
+    from merak.tensor_parallel.plan_choice import plan_for
 
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(small.config)
     try:
-        plan_for(model)
-    except ValueError:
-        return False
-    return True
+        plan = plan_for(model, SimpleNamespace(tp=tp, device="cpu"))
+    except Exception as error:  # noqa: BLE001 - a family without a plan is a result
+        return {"no_plan": _reason(error)}
+    row = {"tp_plan_source": plan.source}
+    if plan.source == "inferred":
+        row.update(inferred_plan=format_plan(plan, small.config),
+                   tp_sharded=len(plan.column) + len(plan.row), tp_replicated=len(plan.notes))
+    return row
 
 
 HF_CANNOT_LOAD = "HF's from_pretrained fails"  # a load row's prefix: not Merak's result
@@ -183,9 +193,11 @@ def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float,
 
         ok, reason = _check("pp", split, timeout_s)
         row["pp"] = "ok" if ok else reason
-    plan = tp > 1 and _has_plan(small)
+    if tp > 1 and "tp" in checks:
+        row.update(plan_row(small, tp))
+    plan = tp > 1 and "no_plan" not in row
     if tp > 1 and not plan and "tp" in checks:
-        row["tp"] = NO_PLAN
+        row["tp"] = f"{NO_PLAN}: {row['no_plan']}"
     elif tp > 1 and "tp" in checks:  # the user's path on every rank: parallelize + 1F1B interpreter
         def step():
             loss, grads, stage = parallel_step(small, world // tp, tp, 1)

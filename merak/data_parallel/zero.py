@@ -84,7 +84,7 @@ class ZeroSharding:
         policy = precision_policy(param_dtype)
         chunks = stage.stages if isinstance(stage, InterleavedStage) else [stage]
         attributes = _merak_attributes(stage)
-        mesh = ctx.mesh["dp"]
+        mesh = ctx.replica_mesh  # dp, or dp x cp (cp ranks hold the same weights)
         reshard = zero_stage == 3
         self.roots: list[FSDPModule] = []
         for chunk in chunks:
@@ -178,7 +178,7 @@ def shard_stage(stage: PipelineStage | InterleavedStage, ctx: ParallelContext,
                 ) -> ZeroSharding | None:
     """ZeRO-2/3 for `stage` (`param_dtype`: see `ZeroSharding`), or None with a warning where
     there is nothing to shard over."""
-    if ctx.dp == 1:
+    if ctx.replicas == 1:
         warnings.warn(f"zero_stage={zero_stage} with dp=1 shards nothing (ZeRO shards over the "
                       f"data-parallel ranks); training runs unsharded", stacklevel=2)
         return None

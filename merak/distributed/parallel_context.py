@@ -1,4 +1,5 @@
-"""The parallel context: one validated object describing the (pp, dp, tp) layout of this job.
+"""The parallel context: one validated object describing the (pp, dp, cp, tp) layout of this job
+(cp, context parallelism, is 1 unless asked for; the mesh then has no cp dimension).
 
 `init()` is the only place that touches process-global state: it initializes torch.distributed
 when needed and remembers the context it built as the default for `get_context()`, so that old
@@ -18,18 +19,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIM_NAMES = ("pp", "dp", "tp")
+from merak.distributed import liveness, timeouts
 
-# The one piece of module-level state Merak keeps: the context built by the last `init()`.
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+CP_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")  # with context parallelism (cp > 1)
+
+# The one piece of module-level state Merak keeps here: the context built by the last `init()`
+# (the job's timeout is `merak.distributed.timeouts`').
 _default_context: ParallelContext | None = None
 
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Ranks, sizes and process groups of a (pp, dp, tp) job.
+    """Ranks, sizes and process groups of a (pp, dp, cp, tp) job.
 
-    Global ranks are laid out with tp innermost and pp outermost:
-    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
+    Global ranks are laid out with tp innermost, then cp, dp, and pp outermost:
+    ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`` (with cp = 1, the
+    (pp, dp, tp) layout ``(pp_rank * dp + dp_rank) * tp + tp_rank``). The cp ranks of a group
+    read the same rows and hold the same weights: gradients are reduced over dp x cp (the
+    `replica_group`).
     """
 
     dp: int
@@ -43,10 +51,37 @@ class ParallelContext:
     # this rank's groups for host (CPU) tensors, by mesh dimension and "world" (`host_group`)
     host_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False,
                                                        repr=False)
+    cp: int = 1  # context-parallel degree: each row's sequence split over cp ranks
+    # dp x cp flattened (cp > 1), kept here: torch deprecates slicing it from the root mesh
+    dp_cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights of a stage (and TP shard): dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks splitting this rank's rows (None when cp == 1)."""
+        return self.mesh.get_group("cp") if self.cp > 1 else None
+
+    @property
+    def replica_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the `replicas` (the dp dimension, or dp x cp flattened): where
+        gradients are averaged and ZeRO shards."""
+        return self.dp_cp_mesh if self.cp > 1 else self.mesh["dp"]
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        return self.replica_mesh.get_group()
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // (self.tp * self.cp)) % self.dp
 
     @property
     def tp_rank(self) -> int:
@@ -54,7 +89,7 @@ class ParallelContext:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
 
     @property
     def is_first_pp_rank(self) -> bool:
@@ -87,25 +122,33 @@ class ParallelContext:
         return self.host_groups[dim]
 
     def rank_of(self, *, pp_rank: int | None = None, dp_rank: int | None = None,
-                tp_rank: int | None = None) -> int:
+                tp_rank: int | None = None, cp_rank: int | None = None) -> int:
         """Global rank at the given coordinates; omitted coordinates are this rank's own."""
         pp_rank = self.pp_rank if pp_rank is None else pp_rank
         dp_rank = self.dp_rank if dp_rank is None else dp_rank
         tp_rank = self.tp_rank if tp_rank is None else tp_rank
-        if not (0 <= pp_rank < self.pp and 0 <= dp_rank < self.dp and 0 <= tp_rank < self.tp):
+        cp_rank = self.cp_rank if cp_rank is None else cp_rank
+        if not (0 <= pp_rank < self.pp and 0 <= dp_rank < self.dp and 0 <= tp_rank < self.tp
+                and 0 <= cp_rank < self.cp):
             raise ValueError(
-                f"coordinates (pp={pp_rank}, dp={dp_rank}, tp={tp_rank}) are outside the "
-                f"mesh (pp={self.pp}, dp={self.dp}, tp={self.tp})")
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+                f"coordinates (pp={pp_rank}, dp={dp_rank}, cp={cp_rank}, tp={tp_rank}) are "
+                f"outside the mesh (pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp})")
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The job's timeout: how long any wait for other ranks lasts before it fails."""
+        return liveness.job_timeout_s()
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} backend={self.backend} "
                 f"pp={self.pp_rank}/{self.pp} dp={self.dp_rank}/{self.dp} "
-                f"tp={self.tp_rank}/{self.tp}")
+                + (f"cp={self.cp_rank}/{self.cp} " if self.cp > 1 else "")
+                + f"tp={self.tp_rank}/{self.tp}")
 
 
-def _check_degrees(dp: int, tp: int, pp: int) -> None:
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+def _check_degrees(dp: int, tp: int, pp: int, cp: int = 1) -> None:
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"merak.init: {name} must be a positive int, got {value!r}")
         if value <= 0:
@@ -142,9 +185,9 @@ def make_host_groups(mesh: DeviceMesh, backend: str) -> dict[str, dist.ProcessGr
     dimension, in one order, as `new_group` requires)."""
     if handles_cpu_tensors(backend):
         return {"world": dist.group.WORLD,
-                **{dim: mesh.get_group(dim) for dim in MESH_DIM_NAMES}}
+                **{dim: mesh.get_group(dim) for dim in mesh.mesh_dim_names}}
     groups = {"world": dist.new_group(backend="gloo")}
-    for index, dim in enumerate(MESH_DIM_NAMES):
+    for index, dim in enumerate(mesh.mesh_dim_names):
         lines = mesh.mesh.movedim(index, -1).reshape(-1, mesh.size(index))
         groups[dim], _ = dist.new_subgroups_by_enumeration([row.tolist() for row in lines],
                                                            backend="gloo")
@@ -172,8 +215,28 @@ def _destroy_at_exit() -> None:
     """Tear the process group down before the interpreter exits: left to the destructors, a
     backend's threads can outlive it and abort the process ("terminate called without an
     active exception"), which torchrun reports as a failed job."""
+    beacon = liveness.current()
+    if beacon is not None:
+        beacon.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _create_group(backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
+    """The default process group, its creation bounded by `timeout` (every rank must join)."""
+    try:
+        _init_process_group(backend, timeout, device_id=device if _is_nccl(backend) else None)
+    except (RuntimeError, ValueError) as error:
+        if not liveness.is_peer_failure(error):
+            raise
+        world = os.environ.get("WORLD_SIZE", "?")
+        raise liveness.PeerFailureError(
+            f"merak.init: not all {world} ranks joined the process group within "
+            f"{timeout.total_seconds():g} s (rank {os.environ.get('RANK', '?')}, store at "
+            f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}). "
+            f"Check that every rank was started (the launcher's log) and reaches that address, "
+            f"or raise the timeout (merak.init(timeout=), ddp_timeout). "
+            f"({str(error).strip().splitlines()[0][:200]})") from error
 
 
 def _local_device(backend: str) -> torch.device:
@@ -199,9 +262,9 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
 
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0
-         ) -> ParallelContext:
-    """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh.
+         backend: str | None = None, *, timeout: datetime.timedelta | float | None = None,
+         cp: int | None = None) -> ParallelContext:
+    """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh.
 
     Args:
         dp: data-parallel degree. With no degree at all, every rank is data-parallel (dp =
@@ -211,9 +274,21 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         pp: pipeline-parallel degree (number of stages; default 1 when any degree is given).
         backend: torch.distributed backend; default ``nccl`` when CUDA is available, else ``gloo``.
             An explicit value is always honoured.
-        timeout: collective timeout (seconds or timedelta) used when this call creates the
-            process group: every wait of the job, collective or point-to-point, ends after it
-            with an error (a group created earlier keeps its own).
+        cp: context-parallel degree (default 1): each row's sequence is split over cp ranks
+            (`merak.context_parallel`), which hold the same weights. With cp > 1 the mesh is
+            (pp, dp, cp, tp), the rank layout is ``((pp_rank * dp + dp_rank) * cp + cp_rank) *
+            tp + tp_rank``, and dp x cp is flattened into ``dp_cp`` (`replica_mesh`).
+        timeout: the job's timeout (seconds or timedelta): how long creating the process
+            group and every later wait for other ranks (collective, point-to-point, barrier)
+            may last before it fails naming the ranks that did not arrive. Default: the
+            timeout set before (`set_job_timeout`), else that of a group created earlier, else
+            HF's ddp_timeout default, 1800 s. Given while a process group exists (made by HF's
+            TrainingArguments or accelerate, with their own timeout), it replaces that group's
+            timeout, with a warning when they differ. `MerakTrainer` then applies
+            `MerakArguments.ddp_timeout` to every group: pass the same value here (the order:
+            ``args = MerakArguments(...)``, ``merak.init(timeout=args.ddp_timeout)``, or
+            ``merak.init`` first with the timeout you will give ``ddp_timeout``) so that the
+            group's creation is bounded by it too.
 
     With NCCL, this process uses CUDA device ``LOCAL_RANK % torch.cuda.device_count()`` (so a
     process that sees one GPU uses it whatever its local rank), made current before the process
@@ -226,16 +301,18 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         The `ParallelContext`; it also becomes the default returned by `get_context()`.
 
     Raises:
-        ValueError: a degree is not a positive int, or dp * tp * pp differs from the world size.
+        ValueError: a degree is not a positive int, or dp * cp * tp * pp differs from the world
+            size.
     """
     global _default_context
-    if dp is None and tp is None and pp is None:
+    if dp is None and tp is None and pp is None and cp is None:
         dp = dist.get_world_size() if dist.is_initialized() else \
             int(os.environ.get("WORLD_SIZE", "1"))
-    dp, tp, pp = (1 if d is None else d for d in (dp, tp, pp))
-    _check_degrees(dp, tp, pp)
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    dp, tp, pp, cp = (1 if d is None else d for d in (dp, tp, pp, cp))
+    _check_degrees(dp, tp, pp, cp)
+    explicit = timeout is not None
+    if explicit:
+        timeout = timeouts.given_to_init(timeout)
     if dist.is_initialized():
         if backend is not None and backend != dist.get_backend():
             raise ValueError(f"merak.init: backend={backend!r} was asked for, but "
@@ -249,21 +326,38 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        _init_process_group(backend, timeout, device_id=device if _is_nccl(backend) else None)
-    elif _is_nccl(backend) and _default_context is None:
-        _join_existing(device)
+        _create_group(backend, timeout or timeouts.for_a_new_group(), device)
+    elif explicit:
+        timeouts.replacing_existing(timeout)
+    timeouts.set_job_timeout(timeout)  # (None: the one set before, else the existing group's)
+    liveness.start(dist.get_rank(), dist.get_world_size())
+    if dist.is_initialized() and _is_nccl(backend) and _default_context is None:
+        with liveness.waiting("merak.init's first all-reduce (NCCL's communicator)"):
+            _join_existing(device)
     atexit.unregister(_destroy_at_exit)  # once, however many times init runs
     atexit.register(_destroy_at_exit)
     world_size = dist.get_world_size()
-    if dp * tp * pp != world_size:
+    size = dp * cp * tp * pp
+    if size != world_size:
+        shown = f"dp * tp * pp = {dp} * {tp} * {pp}" if cp == 1 else \
+            f"dp * cp * tp * pp = {dp} * {cp} * {tp} * {pp}"
         raise ValueError(
-            f"merak.init: dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} but the world size "
-            f"is {world_size}; choose degrees whose product is {world_size} or launch "
-            f"{dp * tp * pp} processes (torchrun --nproc_per_node {dp * tp * pp})")
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
+            f"merak.init: {shown} = {size} but the world size is {world_size}; choose degrees "
+            f"whose product is {world_size} or launch {size} processes "
+            f"(torchrun --nproc_per_node {size})")
+    flat = None
+    with liveness.waiting("creating the mesh's process groups (merak.init)"):
+        if cp == 1:
+            mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
+        else:
+            mesh = init_device_mesh(device.type, (pp, dp, cp, tp),
+                                    mesh_dim_names=CP_MESH_DIM_NAMES)
+            flat = mesh["dp", "cp"]._flatten("dp_cp")  # (torch's 1-D mesh of two dimensions)
+        host_groups = make_host_groups(mesh, backend)
+    timeouts.set_job_timeout()  # the new groups too
     context = ParallelContext(dp=dp, tp=tp, pp=pp, rank=dist.get_rank(), world_size=world_size,
                               backend=backend, device=device, mesh=mesh,
-                              host_groups=make_host_groups(mesh, backend))
+                              host_groups=host_groups, cp=cp, dp_cp_mesh=flat)
     _default_context = context
     return context
 

@@ -6,9 +6,24 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
+from merak.inputs import (
+    InputError,
+    check_work,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from merak.schedule.registry import SCHEDULES, make_schedule
+from merak.schedule.simulate_cli import MAX_BLOCKS
+
+
+def port_number(text: str) -> int:
+    port = non_negative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0 .. 65535, got {text!r}")
+    return port
 
 
 def add_energy(subparsers) -> None:
@@ -23,29 +38,30 @@ def add_energy(subparsers) -> None:
     plan.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
                       help="; ".join(f"{name}: {info.summary}" for name, info in
                                      sorted(SCHEDULES.items())))
-    plan.add_argument("--stages", type=int, required=True, help="pipeline ranks (pp)")
-    plan.add_argument("--microbatches", type=int, required=True)
-    plan.add_argument("--interleave", type=int, default=1, metavar="V",
+    plan.add_argument("--stages", type=positive_int, required=True, help="pipeline ranks (pp)")
+    plan.add_argument("--microbatches", type=positive_int, required=True)
+    plan.add_argument("--interleave", type=positive_int, default=None, metavar="V",
                       help="model chunks per pipeline rank (interleaved_1f1b: "
-                           "MerakArguments.num_model_chunks)")
+                           "MerakArguments.num_model_chunks; zbv and dualpipev: 2, the "
+                           "default; the others: 1)")
     plan.add_argument("--recompute", nargs="?", const="all", default=None, metavar="FLAGS",
                       help="the job checkpoints activations (activation_checkpointing; needed by "
                            "the schedules that reorder recomputation): every stage, or one 0/1 "
                            "flag per stage, comma-separated (stages x interleave values)")
-    plan.add_argument("--p2p-power", type=float, default=None,
+    plan.add_argument("--p2p-power", type=non_negative_float, default=None,
                       help="watts a GPU draws blocked on p2p (default: the profile's p2p rows)")
     choice = plan.add_mutually_exclusive_group()
-    choice.add_argument("--target-time", type=float, default=None,
+    choice.add_argument("--target-time", type=positive_float, default=None,
                         help="iteration time to meet, seconds (e.g. set by a straggler)")
-    choice.add_argument("--max-slowdown", type=float, default=None,
+    choice.add_argument("--max-slowdown", type=non_negative_float, default=None,
                         help="minimum energy within this fractional slowdown, e.g. 0.05")
-    plan.add_argument("--unit-time", type=float, default=None,
+    plan.add_argument("--unit-time", type=positive_float, default=None,
                       help="the solver's time quantum, seconds (default 1 ms or finer)")
-    plan.add_argument("--coarse", type=int, default=4,
+    plan.add_argument("--coarse", type=positive_int, default=4,
                       help="coarse to fine: walk the frontier at this many time units per step, "
                            "then at one unit around the chosen point (1: the whole frontier at "
                            "one unit, slowest)")
-    plan.add_argument("--window", type=int, default=6,
+    plan.add_argument("--window", type=non_negative_int, default=6,
                       help="clocks either side of the coarse plan's the fine walk may use")
     plan.add_argument("--out", default="plan.json")
     plan.set_defaults(run=_plan)
@@ -58,9 +74,20 @@ def add_energy(subparsers) -> None:
     serve.add_argument("--plan", action="append", required=True,
                        help="a `merak energy plan` JSON (repeat for several job shapes)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=7787)
+    serve.add_argument("--port", type=port_number, default=7787)
     serve.add_argument("--results-dir", default=None,
-                       help="append every reported step window here, one JSON line per report")
+                       help="append every reported step window here, one JSON line per report "
+                            "(16 MiB per job file, then rotated; 1 GiB in all)")
+    serve.add_argument("--max-body-bytes", type=positive_int, default=256 * 2**10,
+                       help="larger requests are refused with 413 (default 256 KiB)")
+    serve.add_argument("--readers", type=positive_int, default=128,
+                       help="request bodies received at once; the others wait (default 128)")
+    serve.add_argument("--concurrency", type=positive_int, default=8,
+                       help="requests parsed and handled at once; the others wait (default 8)")
+    serve.add_argument("--body-timeout", type=positive_float, default=30.0,
+                       help="seconds a request's body may take to arrive (then 408)")
+    serve.add_argument("--max-jobs", type=positive_int, default=1024,
+                       help="jobs kept; past it the one idle longest is forgotten")
     serve.set_defaults(run=_serve)
 
     report = commands.add_parser(
@@ -70,29 +97,47 @@ def add_energy(subparsers) -> None:
     report.add_argument("run_steps", metavar="run", help="the run's energy_steps.csv")
     report.add_argument("--baseline", help="an all-max-clock run's energy_steps.csv")
     report.add_argument("--plan", help="the plan the run used (adds its prediction)")
-    report.add_argument("--skip", type=int, default=1, help="warm-up steps to leave out")
+    report.add_argument("--skip", type=non_negative_int, default=1,
+                        help="warm-up steps to leave out")
     report.set_defaults(run=_report)
 
 
+def plan_main(argv: list[str]) -> int:
+    """``merak energy plan ARGV``, for a process that imports only `merak.energy` (the
+    background planner of ``energy_mode="auto"``, `merak.energy.auto`)."""
+    parser = argparse.ArgumentParser(prog="merak")
+    add_energy(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["energy", "plan", *argv])
+    return args.run(args)
+
+
 def _plan(args: argparse.Namespace) -> int:
+    from merak.energy.figures import save_frontier_png
     from merak.energy.plan_file import save_clock_plan
     from merak.energy.planner import EnergyPlanner
     from merak.energy.profile_data import aggregate, read_profile
 
-    profiles, measured_p2p = aggregate(read_profile(args.profile))
+    if args.interleave is None:  # the schedule's own chunks per rank (2 for the V schedules)
+        args.interleave = SCHEDULES[args.schedule].stages_per_rank(1)
+    check_work("--stages x --microbatches x --interleave", args.stages * args.microbatches
+               * args.interleave, MAX_BLOCKS, "plan fewer stages or micro-batches")
+    try:
+        profiles, measured_p2p = aggregate(read_profile(args.profile))
+    except (OSError, KeyError, ValueError) as error:
+        raise InputError(f"cannot read the profile {args.profile}: {error}") from None
     if len(profiles) != args.stages:
-        raise SystemExit(f"{args.profile} profiles {len(profiles)} pipeline ranks, not --stages "
+        raise InputError(f"{args.profile} profiles {len(profiles)} pipeline ranks, not --stages "
                          f"{args.stages}")
     p2p_power = args.p2p_power if args.p2p_power is not None else measured_p2p
     if p2p_power is None:
-        raise SystemExit("the profile has no p2p rows: give --p2p-power W")
+        raise InputError("the profile has no p2p rows: give --p2p-power W")
     try:
         recompute = recompute_flags(args.recompute)
         schedule = make_schedule(args.schedule, args.stages, args.microbatches,
                                  stages_per_rank=args.interleave, recompute=recompute)
         planner = EnergyPlanner(schedule, profiles, p2p_power, unit_time=args.unit_time)
     except ValueError as error:
-        raise SystemExit(f"merak energy plan: {error}") from None
+        raise InputError(str(error)) from None
     start = time.perf_counter()
     base_time, base_energy = planner.evaluate(planner.max_clock_plan())
     limit = planner.time_limit(base_time, args.target_time, args.max_slowdown)
@@ -105,7 +150,8 @@ def _plan(args: argparse.Namespace) -> int:
                           {"schedule": args.schedule, "stages": args.stages,
                            "microbatches": args.microbatches, "interleave": args.interleave,
                            "recompute": recompute, "p2p_power_w": p2p_power})
-    png = save_frontier_png(points, chosen, (base_time, base_energy), out.with_suffix(".png"))
+    png = save_frontier_png(points, chosen, (base_time, base_energy), out.with_suffix(".png"),
+                            limit_s=limit)
     print(f"all max clocks   {base_time:.4f} s  {base_energy:.1f} J")
     print(f"chosen plan      {chosen.time_s:.4f} s  {chosen.energy_j:.1f} J  "
           f"({chosen.time_s / base_time - 1:+.2%} time, {1 - chosen.energy_j / base_energy:.2%} "
@@ -128,8 +174,16 @@ def recompute_flags(value: str | None) -> bool | list[bool]:
 
 def _serve(args: argparse.Namespace) -> int:
     from merak.energy.pfo_server import serve
+    from merak.energy.plan_file import ClockPlanError
 
-    serve(args.plan, args.host, args.port, args.results_dir)
+    try:
+        serve(args.plan, args.host, args.port, args.results_dir,
+              {"max_body_bytes": args.max_body_bytes, "concurrency": args.concurrency,
+               "readers": args.readers,
+               "body_timeout_s": args.body_timeout},
+              max_jobs=args.max_jobs)
+    except ClockPlanError as error:  # a plan that is not one, refused before serving
+        raise InputError(str(error)) from None
     return 0
 
 
@@ -142,26 +196,6 @@ def _report(args: argparse.Namespace) -> int:
                        summarize(args.baseline, args.skip) if args.baseline else None,
                        load_clock_plan(args.plan) if args.plan else None)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"merak energy report: {error}") from None
+        raise InputError(str(error)) from None
     print("\n".join(lines))
     return 0
-
-
-def save_frontier_png(points, chosen, baseline: tuple[float, float], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.time_s for p in points], [p.energy_j for p in points], ".", ms=3,
-            label="frontier")
-    ax.plot(*baseline, "s", color="gray", label="all max clocks")
-    ax.plot(chosen.time_s, chosen.energy_j, "*", color="red", ms=12, label="chosen")
-    ax.set_xlabel("iteration time (s)")
-    ax.set_ylabel("energy per iteration (J)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -12,7 +12,20 @@ our client talks to a Zeus PFO server and Zeus's client talks to ``merak energy 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, Field, model_validator
+
+# what one request may hold (a server that trusts its clients can be flooded): list lengths and
+# names; `merak energy serve` also caps each request's bytes
+MAX_VALUES = 4096  # steps of a reported window, values of one breakdown row, clocks of a GPU
+MAX_NAMES = 64  # instruction kinds of a breakdown
+MAX_TEXT = 256  # job metadata, instruction names
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Values = Annotated[list[Seconds], Field(max_length=MAX_VALUES)]
+Breakdown = Annotated[dict[Annotated[str, Field(max_length=MAX_TEXT)],
+                           Annotated[list[Values], Field(max_length=MAX_VALUES)]],
+                      Field(max_length=MAX_NAMES)]
 
 REGISTER_JOB_URL = "/register_job"
 REGISTER_RANK_URL = "/register_rank/{job_id}"
@@ -29,7 +42,7 @@ class JobInfo(BaseModel):
     dp_degree: int = Field(ge=1)
     tp_degree: int = Field(ge=1)
     world_size: int = Field(ge=1)
-    job_metadata: str | None = None
+    job_metadata: str | None = Field(default=None, max_length=MAX_TEXT)
 
     @model_validator(mode="after")
     def _layout(self) -> JobInfo:
@@ -48,7 +61,7 @@ class RankInfo(BaseModel):
     dp_rank: int = Field(ge=0)
     pp_rank: int = Field(ge=0)
     tp_rank: int = Field(ge=0)
-    available_frequencies: list[int]
+    available_frequencies: list[Annotated[int, Field(gt=0)]] = Field(max_length=MAX_VALUES)
 
 
 class FrequencySchedule(BaseModel):
@@ -62,7 +75,14 @@ class ProfilingResult(BaseModel):
     """What a rank measured running the schedules of a window of steps."""
 
     rank: int = Field(ge=0)
-    iter_time: list[float]
-    iter_energy: list[float]
-    time_breakdown: dict[str, list[list[float]]] = {}
-    energy_breakdown: dict[str, list[list[float]]] = {}
+    iter_time: Values
+    iter_energy: Values
+    time_breakdown: Breakdown = {}
+    energy_breakdown: Breakdown = {}
+
+    @model_validator(mode="after")
+    def _window(self) -> ProfilingResult:
+        if len(self.iter_time) != len(self.iter_energy):
+            raise ValueError(f"iter_time has {len(self.iter_time)} steps, iter_energy "
+                             f"{len(self.iter_energy)}: one time and one energy per step")
+        return self

@@ -10,6 +10,7 @@ fit the job before training starts.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from merak.schedule.actions import Schedule
@@ -33,13 +34,62 @@ def save_clock_plan(path: str | Path, schedules: list[dict], predicted: dict,
 
 
 def load_clock_plan(path: str | Path) -> dict:
+    """The plan in file `path`, its structure checked (`validate_clock_plan`)."""
     try:
         body = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ClockPlanError(f"cannot read the energy plan {path}: {error}") from None
-    if not isinstance(body, dict) or not isinstance(body.get("schedules"), list):
-        raise ClockPlanError(f"{path} is not an energy plan: it needs a 'schedules' list "
-                             f"(write one with `merak energy plan`)")
+    return validate_clock_plan(body, str(path))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def validate_clock_plan(body, where: str = "the plan") -> dict:
+    """`body` if it is a whole plan (whatever job it is for): one schedule per rank 0..n-1,
+    each a list of [instruction name, MHz > 0]; ``meta.stages`` dividing n; finite predicted
+    and baseline figures. Raises `ClockPlanError` naming the first fault (before a server
+    serves it or a trainer reads it)."""
+    def fault(what: str) -> ClockPlanError:
+        return ClockPlanError(f"{where} is not a valid energy plan: {what} (write one with "
+                              f"`merak energy plan`)")
+
+    if not isinstance(body, dict) or not isinstance(body.get("schedules"), list) \
+            or not body["schedules"]:
+        raise fault("it needs a non-empty 'schedules' list")
+    ranks = []
+    for index, entry in enumerate(body["schedules"]):
+        if not isinstance(entry, dict) or not _is_int(entry.get("rank")) or entry["rank"] < 0 \
+                or not isinstance(entry.get("frequencies"), list):
+            raise fault(f"schedule {index} must be {{'rank': r >= 0, 'frequencies': "
+                        f"[[instruction, MHz], ...]}}, got {str(entry)[:80]}")
+        for pair in entry["frequencies"]:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2
+                    and isinstance(pair[0], str) and _is_int(pair[1]) and pair[1] > 0):
+                raise fault(f"rank {entry['rank']}'s frequencies must be [instruction, MHz > 0] "
+                            f"pairs, got {str(pair)[:60]}")
+        ranks.append(entry["rank"])
+    if sorted(ranks) != list(range(len(ranks))):
+        raise fault(f"its schedules are for ranks {sorted(ranks)[:16]}, not each of "
+                    f"0..{len(ranks) - 1} once")
+    meta = body.get("meta", {})
+    stages = meta.get("stages") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or (stages is not None and not (
+            _is_int(stages) and stages >= 1 and len(ranks) % stages == 0)):
+        raise fault(f"meta.stages must be a pipeline degree dividing its {len(ranks)} ranks, "
+                    f"got {str(meta)[:80]}")
+    for name in ("predicted", "baseline"):
+        figures = body.get(name)
+        if figures is not None and not (isinstance(figures, dict) and all(
+                _is_number(figures.get(k)) and figures[k] >= 0 for k in ("time_s", "energy_j"))):
+            raise fault(f"{name} must hold finite time_s and energy_j >= 0, got "
+                        f"{str(figures)[:80]}")
     return body
 
 

@@ -22,7 +22,6 @@ solver minimizes that total (a GPU computing draws its instruction's energy inst
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from lowtime.graph_utils import add_sink_node, add_source_node
 from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operation, OperationSpec
 
 from merak.energy.profile_data import RankProfile
-from merak.energy.solver import fast_critical_dag, phillips_dessouky
+from merak.energy.solver import fast_phillips_dessouky, phillips_dessouky
 from merak.schedule.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Schedule
 from merak.schedule.simulator import simulate
 
@@ -179,7 +178,7 @@ class EnergyPlanner:
                               for mhz in self.clocks(r, a))
         self.unit_time = unit_time or min(1e-3, self.shortest_s / 20)
         self._order: list[tuple[Key, list[int]]] | None = None
-        self.fast = True  # lowtime's solver with `CriticalDAG` (False: lowtime's own, to check)
+        self.fast = True  # `FastPhillipsDessouky` (False: lowtime's own loop, to check it)
 
     # -- exact scoring ------------------------------------------------------------------------
     def option(self, rank: int, action: Action, mhz: int) -> tuple[float, float]:
@@ -193,17 +192,23 @@ class EnergyPlanner:
         """(iteration time, total energy) of `plan`: the longest path through the instruction
         DAG (what the simulator replays, without its per-action overhead: the planner scores
         thousands of points), idle time charged at the p2p power."""
+        return self._evaluate(tuple(plan[key] for key in self.compute))
+
+    def _evaluate(self, clocks: tuple[int, ...]) -> tuple[float, float]:
+        """`evaluate` of the plan giving ``clocks[i]`` to ``self.compute[i]``."""
         if self._order is None:
             dag, key_of = self._dag()
             nodes = [n for n in nx.topological_sort(dag) if n in key_of]
             index = {n: i for i, n in enumerate(nodes)}
-            self._order = [(key_of[n], [index[p] for p in dag.predecessors(n) if p in index])
+            position = {key: i for i, key in enumerate(self.compute)}
+            self._order = [(position[key_of[n]], key_of[n][0], self.clocks(*key_of[n]),
+                            [index[p] for p in dag.predecessors(n) if p in index])
                            for n in nodes]
         finish, busy, compute = [], [0.0] * self.schedule.num_ranks, 0.0
-        for key, preds in self._order:
-            time_s, energy_j = self.option(*key, plan[key])
-            finish.append(max((finish[p] for p in preds), default=0.0) + time_s)
-            busy[key[0]] += time_s
+        for i, rank, options, preds in self._order:
+            time_s, energy_j = options[clocks[i]]
+            finish.append(max([finish[p] for p in preds], default=0.0) + time_s)
+            busy[rank] += time_s
             compute += energy_j
         makespan = max(finish)
         idle = sum(g * (makespan - b) for g, b in zip(self.gpus, busy))
@@ -266,9 +271,10 @@ class EnergyPlanner:
         return dag, {node: key for key, node in node_of.items()}
 
     def _walk(self, unit_time: float, windows: dict[tuple[int, Action], tuple[int, ...]] | None
-              = None) -> list[ClockPlan]:
+              = None) -> list[tuple[int, ...]]:
         """The plans lowtime's solver visits, slowest to fastest, with time quantum `unit_time`
-        and each instruction's clocks restricted to `windows` (default: all its clocks)."""
+        and each instruction's clocks restricted to `windows` (default: all its clocks); each
+        as the clocks of ``self.compute`` in order."""
         dag, key_of = self._dag()
         specs: dict[tuple, OperationSpec] = {}
         for node, (rank, action) in key_of.items():
@@ -277,23 +283,29 @@ class EnergyPlanner:
             if key not in specs:
                 specs[key] = self._spec(rank, action.kind.value, clocks, unit_time)
             dag.nodes[node]["op"] = Operation(spec=specs[key])
-        read = lambda: {key_of[n]: dag.nodes[n]["op"].assigned_knob for n in key_of}
+        node_of = {key: node for node, key in key_of.items()}
+        ops = [dag.nodes[node_of[key]]["op"] for key in self.compute]
+        read = lambda: tuple(op.assigned_knob for op in ops)
         plans = [read()]
         logging.getLogger("lowtime").setLevel(logging.WARNING)
-        solver = phillips_dessouky()(dag)
-        with fast_critical_dag() if self.fast else contextlib.nullcontext():
-            for _ in solver.run():
-                plans.append(read())
+        solver = (fast_phillips_dessouky() if self.fast else phillips_dessouky())(dag)
+        for _ in solver.run():
+            plans.append(read())
         return plans
 
-    def _points(self, plans: list[ClockPlan], scored: dict[tuple, FrontierPoint]
-                ) -> list[FrontierPoint]:
-        """Every distinct plan of `scored` and `plans`, scored once (`scored` keeps them)."""
+    def _points(self, plans: list[tuple[int, ...] | ClockPlan],
+                scored: dict[tuple, FrontierPoint]) -> list[FrontierPoint]:
+        """Every distinct plan of `scored` and `plans` (clock tuples as `_walk` gives them, or
+        plans), scored once (`scored` keeps them)."""
         for plan in plans:
-            signature = tuple(sorted((r, str(a), f) for (r, a), f in plan.items()))
-            if signature not in scored:
-                scored[signature] = FrontierPoint(*self.evaluate(plan), plan)
+            clocks = plan if isinstance(plan, tuple) else tuple(plan[k] for k in self.compute)
+            if clocks not in scored:
+                scored[clocks] = FrontierPoint(*self._evaluate(clocks),
+                                               dict(zip(self.compute, clocks)))
         return sorted(scored.values(), key=lambda p: (p.time_s, p.energy_j))
+
+    def _plan(self, clocks: tuple[int, ...]) -> ClockPlan:
+        return dict(zip(self.compute, clocks))
 
     def frontier(self, focus_time: float | None = None, coarse: int = 1,
                  window: int = 3) -> list[FrontierPoint]:
@@ -312,8 +324,8 @@ class EnergyPlanner:
         coarse = self.coarse_factor(coarse)
         coarse_plans = self._walk(self.unit_time * coarse)
         scored: dict[tuple, FrontierPoint] = {}
-        points = self._points(coarse_plans + [max_plan, self.fit(coarse_plans[-1], base_time)],
-                              scored)
+        points = self._points(
+            coarse_plans + [max_plan, self.fit(self._plan(coarse_plans[-1]), base_time)], scored)
         if coarse > 1:
             rough = self.choose(points, base_time,
                                 target_time=focus_time if focus_time is not None else base_time)
@@ -323,7 +335,7 @@ class EnergyPlanner:
                 at = clocks.index(rough.plan[key])
                 windows[key] = tuple(clocks[max(0, at - window):at + window + 1])
             fine = self._walk(self.unit_time, windows)
-            points = self._points(fine + [self.fit(fine[-1], base_time)], scored)
+            points = self._points(fine + [self.fit(self._plan(fine[-1]), base_time)], scored)
         return points
 
     def coarse_factor(self, wanted: int) -> int:

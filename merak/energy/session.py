@@ -12,7 +12,13 @@ once its schedule is final (after the recomputation planning), before the first 
 - `energy_plan` / `pfo_server_url`: the hook follows the plan, checked against the programs the
   interpreter runs (``engine.schedule``: any registered schedule, recomputation, split backward
   and model chunks included) before the first step; with a Perseus server each window of logged
-  steps is reported back and the next schedule fetched (a Zeus server may hand out a new one).
+  steps is reported back and the next schedule fetched (a Zeus server may hand out a new one);
+- ``energy_mode="auto"``: `merak.energy.auto.AutoEnergy` profiles, plans in the background and
+  deploys within the run (its `AutoHook` is the interpreter's energy hook: `engine_hook`).
+
+Rank 0 also draws the steps (``energy_steps.png``) and `metrics` gives the run's figures for the
+trainer's final metrics (with a plan: the saving, measured against the all-max steps of the same
+run in auto mode, as predicted by the plan file otherwise).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,16 +93,19 @@ class TrainerEnergy:
     def __init__(self, args, ctx, num_microbatches: int | None = None):
         self.args, self.ctx = args, ctx
         info = SCHEDULES[args.train_schedule]
-        chunks = args.num_model_chunks if info.several_stages_per_rank else 1
+        chunks = info.stages_per_rank(args.num_model_chunks)
         # clocks change only to profile them or to follow a plan; else measuring changes none
-        self.controls = bool(args.energy_profile or args.energy_plan or args.pfo_server_url)
+        self.controls = bool(args.energy_profile or args.energy_plan or args.pfo_server_url
+                             or args.energy_mode)
         self.gpu = make_gpu(args.energy_gpu, args.simulated_gpu, ctx.pp, chunks, self.controls)
         self.schedule: Schedule | None = None  # the interpreter's, from `attach`
         self.source = "all-max"
         self.client = self.job_id = None
         self._plan: list[dict] | None = None
+        self.plan_file: dict | None = None
         if args.energy_plan:
-            self._plan = load_clock_plan(args.energy_plan)["schedules"]  # unreadable: fail early
+            self.plan_file = load_clock_plan(args.energy_plan)  # unreadable: fail early
+            self._plan = self.plan_file["schedules"]
             self.source = args.energy_plan
         elif args.pfo_server_url:
             from merak.energy.pfo_client import PFOClient, join_job
@@ -105,7 +115,14 @@ class TrainerEnergy:
                                    metadata=Path(args.output_dir).name)
             self.source = f"{args.pfo_server_url} job {self.job_id}"
         self.hook = ClockPlanHook(self.gpu, None, ctx.pp_rank)
+        self.auto = None
+        if args.energy_mode == "auto":
+            from merak.energy.auto import AutoEnergy
+
+            self.auto = AutoEnergy(self)
+        self.engine_hook = self.auto.hook if self.auto is not None else self.hook
         self.steps: list[tuple[int, float, float]] = []  # (step, time of the slowest, all GPUs)
+        self.phases: dict[int, str] = {}  # step -> profile, all-max or plan
         self._window: list[tuple[int, float, float]] = []  # this rank's own, not yet gathered
 
     def attach(self, engine) -> None:
@@ -153,13 +170,24 @@ class TrainerEnergy:
         return " ".join(["merak energy plan", str(profile), *plan_arguments(self.schedule)])
 
     # ---------------------------------------------------------------- training
+    def step_begin(self, step: int) -> None:
+        """Before training step `step` (auto mode: the profiler's clock for it)."""
+        if self.auto is not None:
+            self.auto.before_step(step)
+
     def step_done(self, step: int) -> None:
-        """Keep the step the hook just measured (this rank's own, until the next gather)."""
+        """Keep the step the hook just measured (this rank's own, until the next gather); in
+        auto mode, the collectives that move the run between phases (every rank, every
+        step)."""
         if self.schedule is None:
             raise RuntimeError("TrainerEnergy.attach(engine) must run before the first step "
                                "(it checks the clock plan against the interpreter's schedule)")
         mine = self.hook.steps[-1]
         self._window.append((step, mine.time_s, mine.energy_j))
+        self.phases[step] = self.auto.label() if self.auto is not None else \
+            "all-max" if self.hook.frequencies is None else "plan"
+        if self.auto is not None:
+            self.auto.after_step(step)
 
     def _gather(self) -> list[tuple[int, float, float]]:
         """Every rank's steps since the last gather, combined into `self.steps` (a collective:
@@ -198,8 +226,11 @@ class TrainerEnergy:
         return logs
 
     def write_steps(self, output_dir: str) -> Path | None:
-        """Rank 0 writes every measured step as ``output_dir/energy_steps.csv`` (a collective:
-        the steps since the last log are gathered first)."""
+        """Rank 0 writes every measured step as ``output_dir/energy_steps.csv`` and draws them
+        as ``energy_steps.png`` (a collective: the steps since the last log are gathered
+        first)."""
+        from merak.energy.figures import save_steps_png
+
         self._gather()
         if self.ctx.rank != 0:
             return None
@@ -207,11 +238,61 @@ class TrainerEnergy:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["step", "time_s", "energy_j", "clocks"])
+            writer.writerow(["step", "time_s", "energy_j", "phase", "clocks"])
             for step, time_s, energy_j in self.steps:
-                writer.writerow([step, f"{time_s:.6f}", f"{energy_j:.4f}", self.source])
+                writer.writerow([step, f"{time_s:.6f}", f"{energy_j:.4f}", self.phases[step],
+                                 self._clocks_of(step)])
+        if self.steps:
+            figures = self.metrics()
+            title = "energy and time per step" + (
+                f"\nthe plan: {figures['energy_saved']:.2%} energy saved at "
+                f"{figures['energy_step_time_change']:+.2%} time (medians, against the all-max "
+                f"steps before it)" if "energy_saved" in figures else "")
+            save_steps_png([(s, t, e, self.phases[s]) for s, t, e in self.steps],
+                           path.with_suffix(".png"), self.auto.events if self.auto else (),
+                           title)
         return path
 
+    def _clocks_of(self, step: int) -> str:
+        if self.auto is None:
+            return self.source
+        plan = next((p for p in reversed(self.auto.plans) if p["step"] <= step), None)
+        return plan["path"] if self.phases[step] == "plan" else self.phases[step]
+
+    def metrics(self) -> dict[str, float]:
+        """The run's energy figures for the trainer's final metrics, from the gathered steps
+        (after `write_steps`): medians of energy and time per step; with a plan, the energy
+        saved and the step time change of the last plan, measured against the all-max steps
+        of this run that preceded it (auto mode) and as predicted."""
+        if not self.steps:
+            return {}
+        median = lambda values: statistics.median(values) if values else float("nan")
+        figures = {"energy_per_step_j": round(median([e for _, _, e in self.steps]), 4),
+                   "step_time_s": round(median([t for _, t, _ in self.steps]), 6)}
+        predicted = self.plan_file
+        if self.auto is not None:
+            figures["energy_profile_steps"] = self.auto.profile_steps
+            if self.auto.plans:
+                plan = predicted = self.auto.plans[-1]
+                first, last = plan["all_max_steps"]
+                until = plan.get("until", self.steps[-1][0])
+                base = [(t, e) for s, t, e in self.steps if first <= s <= last]
+                after = [(t, e) for s, t, e in self.steps if plan["step"] <= s <= until]
+                if base and after:
+                    figures["energy_plan_step"] = plan["step"]
+                    figures["energy_saved"] = round(
+                        1 - median([e for _, e in after]) / median([e for _, e in base]), 6)
+                    figures["energy_step_time_change"] = round(
+                        median([t for t, _ in after]) / median([t for t, _ in base]) - 1, 6)
+        if predicted is not None and "baseline" in predicted:
+            figures["energy_predicted_saved"] = round(
+                1 - predicted["predicted"]["energy_j"] / predicted["baseline"]["energy_j"], 6)
+            figures["energy_predicted_time_change"] = round(
+                predicted["predicted"]["time_s"] / predicted["baseline"]["time_s"] - 1, 6)
+        return figures
+
     def close(self) -> None:
+        if self.auto is not None:
+            self.auto.close()
         if self.controls:
             self.gpu.reset_clock()

@@ -23,6 +23,7 @@ from torch import nn
 from merak.data_parallel.zero import ZeroSharding, check_optimizer, shard_stage
 from merak.data_parallel.zero1 import zero1
 from merak.distributed.parallel_context import ParallelContext
+from merak.distributed.timeouts import set_job_timeout
 from merak.engine.build import parallelize
 from merak.engine.compile import compile_blocks
 from merak.engine.grad_norm import GradNormClipper
@@ -77,7 +78,8 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
     """
     o = options
     stage = parallelize(
-        model, example, ctx, num_model_chunks=o.chunks, autocast_dtype=o.autocast_dtype,
+        model, example, ctx, num_model_chunks=o.chunks, schedule=o.schedule,
+        autocast_dtype=o.autocast_dtype,
         checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix, tp_plan=o.tp_plan,
         parallel_vocab=o.parallel_vocab, sequence_parallel=o.sequence_parallel,
         sequence_dim=o.sequence_dim, tp_overlapping_level=o.tp_overlapping_level,
@@ -108,7 +110,8 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
         recompute_ratio=list(o.recompute_ratio) if isinstance(o.recompute_ratio, tuple)
         else o.recompute_ratio, segment_size=o.segment_size,
         measure_activations=o.measure_activations, tp_rng=tp_rng, zero=zero,
-        dealloc_outputs=o.dealloc_outputs)
+        dealloc_outputs=o.dealloc_outputs, recompute_in_backward=o.recompute_in_backward)
     if scaler is not None:
         scaler.bind(interpreter)
+    set_job_timeout()  # the groups made here (tied weights, ZeRO) wait at most the job's timeout
     return Engine(stage, optimizer, interpreter, zero, clipper, scaler, timers)

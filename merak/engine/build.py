@@ -2,6 +2,7 @@
 
     meta model -> tensor parallelism -> pipeline split -> materialize own stage (initialize
     exactly as the full model would, or load its shard from an HF safetensors checkpoint)
+    -> the proof of an inferred tensor-parallel plan on this rank's blocks
     -> data parallelism (the interpreter averages gradients over the dp group)
 
 Tensor parallelism comes before the split so the split traces per-rank shapes and keeps the
@@ -22,9 +23,12 @@ from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoint
 from merak.partition.auto import AutoSplit, auto_split
+from merak.schedule.registry import placement_of, schedule_info
 from merak.stages.stage import InterleavedStage, PipelineStage, interleaved_stage
 from merak.tensor_parallel.apply import apply_tensor_parallel
+from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.plans import TPPlan
+from merak.tensor_parallel.proof import prove_plan, refusal
 
 
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -40,8 +44,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                 ctx: ParallelContext | None = None, *, tp_plan: TPPlan | dict | None = None,
                 parallel_vocab: bool = False, sequence_parallel: bool = False,
                 sequence_dim: int = 1, tp_overlapping_level: int = 0, num_model_chunks: int = 1,
-                checkpoint: str | Path | None = None, checkpoint_prefix: str = "",
-                **split_options) -> PipelineStage | InterleavedStage:
+                schedule: str | None = None, checkpoint: str | Path | None = None,
+                checkpoint_prefix: str = "", **split_options) -> PipelineStage | InterleavedStage:
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
 
     Args:
@@ -58,6 +62,10 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         num_model_chunks: above 1, for interleaved schedules: the model is split into
             ``ctx.pp * num_model_chunks`` virtual stages and this rank's chunks are built and
             materialized together (tied weights within the rank stay one parameter).
+        schedule: the training schedule the stage is built for (a `merak.SCHEDULES` name):
+            it decides how many stages a rank holds (``zbv`` and ``dualpipev``: 2, whatever
+            `num_model_chunks` says) and which (round-robin, or a V); default round-robin
+            chunks.
         checkpoint: an HF safetensors file or directory to load this rank's shard from (in the
             layout `save_pretrained` writes: tensors transformers converts on load, such as a
             Mixtral's per-expert weights, are converted the same way); default: the directory
@@ -70,6 +78,11 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     Returns:
         The `PipelineStage` (its ``split`` is the `AutoSplit`), ready for `PipelineInterpreter`;
         with model chunks, the `InterleavedStage`; either is ready for `PipelineInterpreter`.
+
+    Raises:
+        merak.tensor_parallel.proof.PlanRefused: on every rank, when the tensor-parallel plan
+            was inferred from the blocks (the model's family has no other) and a rank's sharded
+            block does not compute what the unsharded one does.
     """
     ctx = ctx or get_context()
     if lora.is_peft_model(model):  # LoRA: the peft layers live in the model peft wraps,
@@ -90,10 +103,24 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
                           overlap_level=tp_overlapping_level)
     if num_model_chunks < 1:
         raise ValueError(f"num_model_chunks must be >= 1, got {num_model_chunks}")
-    split: AutoSplit = auto_split(model, example_inputs, ctx.pp * num_model_chunks,
-                                  device=split_options.pop("device", ctx.device), **split_options)
+    placement = None
+    if schedule is not None:
+        num_model_chunks = schedule_info(schedule).stages_per_rank(num_model_chunks)
+        placement = placement_of(schedule, ctx.pp, num_model_chunks)
+    try:
+        split: AutoSplit = auto_split(model, example_inputs, ctx.pp * num_model_chunks,
+                                      device=split_options.pop("device", ctx.device),
+                                      **split_options)
+    except RuntimeError as error:  # a plan to prove that does not even trace is refused
+        info = getattr(model, "merak_tp", None)
+        cause = (str(error) if str(error).startswith("a shape error inside") else
+                 explain_tp_failure(model, error)) if info is not None and info.plan.check \
+            else None
+        if cause is not None:
+            raise refusal(model, "fails its check: " + cause) from error
+        raise
     if num_model_chunks > 1:
-        stage = interleaved_stage(split, split.container, ctx, num_model_chunks)
+        stage = interleaved_stage(split, split.container, ctx, num_model_chunks, placement)
     else:
         stage = PipelineStage(split.container, split, ctx.pp_rank)
     if checkpoint is None:
@@ -105,4 +132,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     else:
         materialize_(stage, ctx.device, initialize=False)
         load_safetensors_(stage, checkpoint, aliases=aliases, layout=layout)
+    info = getattr(model, "merak_tp", None)
+    if info is not None and info.examples:  # an inferred plan, proven on this rank's blocks
+        prove_plan(model, list(info.examples), ctx)
     return stage

@@ -4,8 +4,8 @@ compute on the whole model in one process.
 Each logical parameter is counted once: a tensor-parallel shard contributes its own squares;
 a parameter replicated over the tp ranks contributes 1/tp on each; a weight tied across k
 ranks contributes 1/k on each; dp replicas hold identical (already averaged) gradients, so the
-world-wide sum is divided by dp, except for a ZeRO-2/3 shard, which each dp rank holds a
-different part of.
+world-wide sum is divided by dp (times cp: context-parallel ranks hold the same weights too),
+except for a ZeRO-2/3 shard, which each of those ranks holds a different part of.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from merak.data_parallel.shards import is_sharded, local
+from merak.distributed import liveness
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
-from merak.stages.stage import InterleavedStage, PipelineStage
+from merak.stages.stage import InterleavedStage, PipelineStage, stage_placement
 
 
 class GradNormClipper(InstructionHook):
@@ -29,8 +30,9 @@ class GradNormClipper(InstructionHook):
                  max_norm: float):
         self.ctx, self.max_norm = ctx, max_norm
         own = set(getattr(stage, "stage_ids", [ctx.pp_rank]))  # an interleaved rank's chunks
+        placement = stage_placement(stage, ctx.pp)
         # a tied weight is one parameter per rank: count the ranks holding it
-        tied = {name: len({s % ctx.pp for s in t.stages}) for t in stage.split.tied_weights
+        tied = {name: len({placement[s] for s in t.stages}) for t in stage.split.tied_weights
                 for s, name in t.names if s in own}
         self.weighted: list[tuple[torch.nn.Parameter, float]] = []
         for name, param in stage.named_parameters():
@@ -38,7 +40,7 @@ class GradNormClipper(InstructionHook):
             if getattr(param, "tp_shard", None) is None:
                 weight /= ctx.tp
             if is_sharded(param):
-                weight *= ctx.dp
+                weight *= ctx.replicas
             self.weighted.append((param, weight))
         self.last_norm: float | None = None
 
@@ -47,8 +49,9 @@ class GradNormClipper(InstructionHook):
             return
         total = self.local_sum_of_squares()
         if self.ctx.world_size > 1:
-            dist.all_reduce(total)
-        norm = (total / self.ctx.dp).sqrt().item()
+            with liveness.waiting("the gradient-norm all-reduce"):
+                dist.all_reduce(total)
+        norm = (total / self.ctx.replicas).sqrt().item()
         self.last_norm = norm
         if self.max_norm > 0:
             coef = min(1.0, self.max_norm / (norm + 1e-6))

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from merak.data_parallel.shards import local
+from merak.distributed import liveness
 from merak.distributed.parallel_context import ParallelContext
 from merak.runtime.hooks import InstructionHook
 
@@ -76,7 +77,8 @@ class LossScaler(InstructionHook):
         grads = [local(p.grad) for p in self.engine.stage.parameters() if p.grad is not None]
         bad = unscale_and_check(grads, self.scale, self.ctx.device)
         if self.ctx.world_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            with liveness.waiting("the fp16 overflow all-reduce"):
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.overflowed = bool(bad.item())
         self.engine.skip_optimizer_step = self.overflowed
         self.update(self.overflowed)

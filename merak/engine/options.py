@@ -62,6 +62,7 @@ class EngineOptions:
     # recomputation: per-stage ratios (or one for all) and blocks per segment
     recompute_ratio: float | tuple[float, ...] = 0.0
     segment_size: int = 1
+    recompute_in_backward: bool = False  # one block at a time, inside the backward
     # runtime
     torch_compile: bool = False
     torch_compile_backend: str | None = None
@@ -75,17 +76,16 @@ class EngineOptions:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per rank: `num_model_chunks` for a schedule that places several stages
-        on a rank, else 1."""
-        return self.num_model_chunks if SCHEDULES[self.schedule].several_stages_per_rank else 1
+        """Model chunks per rank: the schedule's (2 for ``zbv`` and ``dualpipev``;
+        `num_model_chunks` for interleaved 1F1B; else 1)."""
+        return SCHEDULES[self.schedule].stages_per_rank(self.num_model_chunks)
 
     @classmethod
     def from_arguments(cls, args, *, pp: int, leaf_modules: tuple[str, ...] = (),
                        dp: int = 1) -> EngineOptions:
         """The options `MerakArguments` `args` describe for a job of `pp` pipeline ranks and
         `dp` data-parallel ranks (`leaf_modules`: the modules the split keeps opaque)."""
-        interleaved = SCHEDULES[args.train_schedule].several_stages_per_rank
-        chunks = args.num_model_chunks if interleaved else 1
+        chunks = SCHEDULES[args.train_schedule].stages_per_rank(args.num_model_chunks)
         scaling = LossScaling(args.loss_scale, args.initial_scale_power, args.loss_scale_window,
                               args.hysteresis, args.consecutive_hysteresis,
                               args.min_loss_scale) if args.fp16 else None
@@ -106,7 +106,9 @@ class EngineOptions:
             bucket_bytes=args.gradient_bucket_bytes,
             grad_predivide=dp if args.prescale_gradients else args.gradient_predivide_factor,
             recompute_ratio=initial_recompute_ratio(args, pp * chunks),
-            segment_size=args.checkpoint_num_layers, torch_compile=args.torch_compile,
+            segment_size=args.checkpoint_num_layers,
+            recompute_in_backward=args.recompute_in_backward,
+            torch_compile=args.torch_compile,
             torch_compile_backend=args.torch_compile_backend,
             torch_compile_mode=args.torch_compile_mode,
             dealloc_outputs=args.dealloc_pipeoutput, max_grad_norm=args.max_grad_norm or 0.0,
@@ -117,16 +119,19 @@ class EngineOptions:
         chunks, ZeRO stage, sequence parallelism and recomputation (`recompute_ratios`: the
         per-stage ratios of a ``budget`` candidate)."""
         c = candidate
+        in_backward = c.recompute == "block"
         if c.recompute == "budget":
             if recompute_ratios is None:
                 raise ValueError(f"{c.label}: a budget recomputation needs its per-stage ratios "
                                  f"(the prediction's recompute_ratios)")
             ratio = tuple(recompute_ratios)
         else:
-            ratio = 1.0 if c.recompute == "full" else 0.0
+            ratio = 1.0 if c.recompute in ("full", "block") else 0.0
         return replace(self, schedule=c.schedule, num_microbatches=c.microbatches,
                        num_model_chunks=c.chunks, zero_stage=c.zero,
-                       sequence_parallel=c.sequence_parallel, recompute_ratio=ratio)
+                       sequence_parallel=c.sequence_parallel, recompute_ratio=ratio,
+                       recompute_in_backward=in_backward,
+                       segment_size=1 if in_backward else self.segment_size)
 
 
 def autocast_dtype(bf16: bool, fp16: bool) -> torch.dtype | None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from merak.inputs import non_negative_float, non_negative_int, positive_float, positive_int
+
 
 def add_generate(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -28,16 +30,16 @@ def add_generate(subparsers) -> None:
                         help="a prompt as comma-separated token ids (repeatable)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory (default: the checkpoint's, if it has one)")
-    parser.add_argument("--dp", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=None,
+    parser.add_argument("--dp", type=positive_int, default=1)
+    parser.add_argument("--tp", type=positive_int, default=1)
+    parser.add_argument("--pp", type=positive_int, default=None,
                         help="pipeline stages (default: world size / (dp x tp))")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
     parser.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=non_negative_float, default=1.0)
+    parser.add_argument("--top-k", type=non_negative_int, default=None)
+    parser.add_argument("--top-p", type=positive_float, default=None)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.set_defaults(run=_generate)
 
 

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from merak.runtime.p2p import StageTransfers
 from merak.schedule.actions import Action, ActionKind
+from merak.stages.stage import stage_placement
 
 
 def _held(module: nn.Module) -> bool | None:
@@ -108,7 +109,8 @@ class StageView:
                              "before generating")
         self.model, self.stage, self.ctx, self.prefix = model, stage, ctx, prefix
         # (block name in `model`, pipeline rank owning it, stage), in model order
-        self.blocks = [(b.removeprefix(prefix), s % ctx.pp, s) for s in range(split.num_stages)
+        placement = stage_placement(stage, ctx.pp)  # round-robin, or a V
+        self.blocks = [(b.removeprefix(prefix), placement[s], s) for s in range(split.num_stages)
                        for b in blocks[s]]
         self.end_rank = self.blocks[-1][1]
         self.transfers = StageTransfers(ctx, split)

@@ -3,7 +3,6 @@ object a manual split gives (plus the stage graphs), ready for `PipelineStage`."
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,8 +12,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from merak.materialize.fake_weights import FakeWeights, traceable_experts
 from merak.materialize.meta import has_meta_parameters
-from merak.partition.fake_weights import FakeWeights
 from merak.partition.graph_rewrite import prepare_inputs, set_graph_device
 from merak.partition.graph_split import split_model
 from merak.stages import assign
@@ -169,7 +168,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
             raise ValueError(f"input_names {unknown} are not in example_inputs "
                              f"({sorted(example_inputs)})")
         example_inputs = {n: example_inputs[n] for n in input_names}
-    blocks = _blocks_that_run(model, example_inputs, find_blocks(model), device)
+    every_block = find_blocks(model)
+    blocks = _blocks_that_run(model, example_inputs, every_block, device)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of "
                          f"layers that hold parameters) to split between stages; split it by hand "
@@ -177,7 +177,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     if num_stages > len(blocks):
         raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
                          f"most {len(blocks)} stages")
-    leaf_modules = list(dict.fromkeys([*leaf_modules, *_tp_glue_modules(model, blocks)]))
+    leaf_modules = list(dict.fromkeys([*leaf_modules, *_tp_glue_modules(model, every_block)]))
     weights = _block_weights(model, blocks, partition_method, example_inputs)
     stage_of = _stage_of_block(blocks, num_stages, partition_method, custom_partition,
                                custom_split_points if split_method == "layer_split" else None,
@@ -218,7 +218,7 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
     autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype,
                               enabled=autocast_dtype is not None)
     try:
-        with _traceable_experts(model), autocast:
+        with traceable_experts(model), autocast:
             return split_model(model, example_inputs, stage_of_block, num_stages, blocks=blocks,
                                leaf_modules=leaf_modules, nearest=nearest,
                                restore=fake.restore if fake else None,
@@ -231,24 +231,6 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
     finally:
         if fake is not None:
             fake.restore()
-
-
-@contextlib.contextmanager
-def _traceable_experts(model: nn.Module):
-    """transformers' ``grouped_mm`` experts as ``batched_mm`` while tracing: torch's
-    fake-tensor rule for ``_grouped_mm`` accepts bf16 only, though the CPU kernel computes fp32
-    (Inkling-2 picks it by default). The trace of a block is replaced by the eager block, which
-    keeps the model's own choice; only shapes come from the batched experts (which have no
-    data-dependent sizes)."""
-    configs = [m.config for m in model.modules() if getattr(getattr(m, "config", None),
-               "_experts_implementation_internal", None) == "grouped_mm"]
-    for config in configs:
-        config._experts_implementation_internal = "batched_mm"
-    try:
-        yield
-    finally:
-        for config in configs:
-            config._experts_implementation_internal = "grouped_mm"
 
 
 def _blocks_that_run(model: nn.Module, example_inputs: dict, blocks: list[str], device
@@ -265,7 +247,7 @@ def _blocks_that_run(model: nn.Module, example_inputs: dict, blocks: list[str], 
     hooks = [model.get_submodule(b).register_forward_pre_hook(
         lambda module, args, name=b: ran.add(name)) for b in blocks]
     try:
-        with torch.no_grad(), _traceable_experts(model):
+        with torch.no_grad(), traceable_experts(model):
             if has_meta_parameters(model):
                 with FakeWeights(model, device) as fake, fake.mode:
                     model(**prepare_inputs(model, fake.inputs(example_inputs)))
@@ -286,7 +268,9 @@ def _sequence_parallel(model: nn.Module) -> bool:
 
 def _tp_glue_modules(model: nn.Module, blocks: list[str]) -> list[str]:
     """Tensor-parallel modules outside the blocks (vocab-parallel embedding, LM head): kept
-    opaque, since their collectives only happen when they run eagerly."""
+    opaque, since their collectives only happen when they run eagerly. `blocks` are all the
+    model's blocks, those the inputs never run included: a multimodal model's vision layers,
+    sharded by its plan, do not run on text and are in no stage."""
     from merak.tensor_parallel.layers import is_tensor_parallel
 
     return [name for name, m in model.named_modules() if is_tensor_parallel(m)

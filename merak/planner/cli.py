@@ -1,6 +1,7 @@
-"""`merak plan`: choose dp x tp x pp, micro-batching, schedule, recomputation and ZeRO.
+"""`merak plan`: choose dp x tp x pp (x cp), micro-batching, schedule, recomputation and ZeRO.
 
-Offline, for a described cluster (no process group, nothing run):
+Offline, for a described cluster (no process group, nothing run), context parallelism included
+(cp of 1, 2, 4, 8 where they divide the ranks and the sequence; ``--no-context-parallel``):
 
     merak plan --model CONFIG_DIR --cluster h100 --world-size 64 --global-batch 512 \\
         --seq-len 8192 [--memory-gib 70] [--out plan.json]
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from merak.inputs import InputError, positive_float, positive_int, positive_ints
+
 
 def add_plan(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -26,25 +29,31 @@ def add_plan(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="an HF config directory or config.json (or a model directory)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", "--gpus", type=positive_int, default=None,
+                        dest="world_size",
                         help="ranks to plan for (default: the torchrun world size)")
-    parser.add_argument("--global-batch", type=int, required=True,
+    parser.add_argument("--global-batch", type=positive_int, required=True,
                         help="sequences per optimizer step")
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--memory-gib", type=float, default=None,
+    parser.add_argument("--seq-len", type=positive_int, required=True)
+    parser.add_argument("--memory-gib", type=positive_float, default=None,
                         help="per-rank memory limit (default: the cluster's or the device's)")
     parser.add_argument("--cluster", default=None,
                         help="offline: a preset (h100, h200, a100) or a cluster JSON file")
-    parser.add_argument("--micro-batch-sizes", default="1,2,4,8")
+    parser.add_argument("--micro-batch-sizes", type=positive_ints, default=[1, 2, 4, 8],
+                        help="comma-separated, e.g. 1,2,4,8")
     parser.add_argument("--parallel-vocab", action="store_true",
                         help="the job splits the embedding and LM head over TP ranks "
                              "(MerakArguments.parallel_vocab)")
     parser.add_argument("--no-sequence-parallel", action="store_true",
                         help="plan without sequence parallelism (a job with LoRA adapters, "
                              "text generation or TP overlap cannot split the sequence)")
-    parser.add_argument("--dry-runs", type=int, default=5, help="online: candidates to run")
-    parser.add_argument("--dry-run-steps", type=int, default=3)
-    parser.add_argument("--top", type=int, default=12, help="rows of the printed table")
+    parser.add_argument("--no-context-parallel", action="store_true",
+                        help="offline: plan without context parallelism (cp = 1); online plans "
+                             "never search it (their dry runs build dp x tp x pp jobs)")
+    parser.add_argument("--dry-runs", type=positive_int, default=5,
+                        help="online: candidates to run")
+    parser.add_argument("--dry-run-steps", type=positive_int, default=3)
+    parser.add_argument("--top", type=positive_int, default=12, help="rows of the printed table")
     parser.add_argument("--out", default="plan.json")
     parser.set_defaults(run=_plan)
 
@@ -52,27 +61,49 @@ def add_plan(subparsers) -> None:
 def _config(path: str):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        raise InputError(f"--model {path}: no HF config there ({reason})") from None
+
+
+def _cluster(spec: str, world_size: int | None):
+    """A preset or a cluster JSON file (`merak.strategy.cluster`), or `InputError`."""
+    from merak.strategy.cluster import cluster
+
+    try:
+        return cluster(spec, world_size)
+    except (TypeError, ValueError) as error:
+        raise InputError(f"--cluster {spec}: {error}") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from merak.strategy.cluster import GIB, cluster
+    from merak.strategy.cluster import GIB
     from merak.strategy.costs import analytic_costs
-    from merak.strategy.search import search, sequence_parallel_choices
+    from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES
+    from merak.strategy.search import (
+        context_parallel_degrees,
+        search,
+        sequence_parallel_choices,
+    )
     from merak.strategy.shape import ModelShape
 
     config = _config(args.model)
     sequence_parallel = (False,) if args.no_sequence_parallel else \
         sequence_parallel_choices(config)
-    sizes = [int(m) for m in args.micro_batch_sizes.split(",")]
+    sizes = args.micro_batch_sizes
     memory = args.memory_gib * GIB if args.memory_gib else None
     if args.cluster:
         world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or None
-        described = cluster(args.cluster, world)
+        described = _cluster(args.cluster, world)
         shape = ModelShape.from_config(config)
         costs = {m: analytic_costs(shape, described, m, args.seq_len) for m in sizes}
+        degrees = (1,) if args.no_context_parallel else \
+            context_parallel_degrees(described.world_size, args.seq_len)
         plan = search(shape, costs, described, args.global_batch, args.seq_len, memory,
-                      args.parallel_vocab, sequence_parallel=sequence_parallel)
+                      args.parallel_vocab, sequence_parallel=sequence_parallel,
+                      context_parallel=degrees, recompute_choices=(*RECOMPUTE_CHOICES, BLOCK))
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
               f"{described.world_size} x {described.name}")
     else:

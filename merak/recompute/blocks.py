@@ -10,6 +10,12 @@ through the one original graph, so results equal those without recomputation.
 
 A segment of `checkpoint_num_layers` consecutive blocks keeps only the first block's inputs: later
 blocks of the segment read the (recomputed) output of the block before them.
+
+`in_backward=True` (``recompute_in_backward``) reruns each block inside the backward instead,
+when the backward first unpacks one of its handles, and frees the rerun's tensors once the
+backward unpacked them all: the stage then holds one recomputed block at a time (as
+`torch.utils.checkpoint` does) rather than all of them, and the `recompute` action only marks
+the micro-batch. Each block keeps its own inputs (segments of one block).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class _BlockCall:
     num_saved: int = 0             # tensors the forward saved for backward (handles handed out)
     saved: list[torch.Tensor] | None = None  # the rerun's saved tensors, once recomputed
     outputs: Any = None            # the rerun's outputs (for the next block of the segment)
+    unpacked: int = 0              # in-backward mode: handles the backward took from `saved`
+    tokens: list = field(default_factory=list)  # in-backward mode: the meter's holds of `saved`
 
 
 def _rerun_unpack(_: int) -> torch.Tensor:
@@ -58,6 +66,7 @@ class _MicroBatchRecord:
     calls: list[_BlockCall] = field(default_factory=list)
     tokens: list[Any] = field(default_factory=list)  # meter tokens of the kept inputs
     recomputed: bool = False
+    autocast: Any = None           # in-backward mode: the recompute action's autocast
 
 
 def recomputed_count(num_blocks: int, ratio: float) -> int:
@@ -84,11 +93,17 @@ class BlockRecomputation:
         device: the stage's device (its RNG state is saved with the CPU one).
         tp_rng: the model's `TPRandomState`, whose per-rank stream is also replayed.
         meter: counts the kept inputs and recomputed tensors as activations.
+        in_backward: rerun each block inside the backward (see the module's docstring).
     """
 
     def __init__(self, blocks: Sequence[nn.Module], segments: Sequence[Sequence[int]],
-                 device: torch.device, tp_rng: Any = None, meter: ActivationMeter | None = None):
+                 device: torch.device, tp_rng: Any = None, meter: ActivationMeter | None = None,
+                 in_backward: bool = False):
+        if in_backward and any(len(s) > 1 for s in segments):
+            raise ValueError("recomputation in the backward keeps each block's own inputs: "
+                             "segments of one block (checkpoint_num_layers=1)")
         self.device, self.tp_rng, self.meter = device, tp_rng, meter
+        self.in_backward = in_backward
         self.current: int | None = None         # micro-batch whose forward is running
         self._records: dict[int, _MicroBatchRecord] = {}
         self._outputs: list[Any] = []           # outputs of the segment's calls in this forward
@@ -175,7 +190,22 @@ class BlockRecomputation:
             raise RuntimeError(f"micro-batch {mb}: backward reached a checkpointed block that "
                                f"was not recomputed; the schedule must place 'recompute' of "
                                f"this micro-batch before its backward")
-        return record.calls[index].saved[position]
+        call = record.calls[index]
+        if not self.in_backward:
+            return call.saved[position]
+        if call.saved is None:  # the first handle of this block the backward asks for
+            self._rerun(mb, call, record.autocast)
+            call.unpacked = 0
+            if self.meter is not None:
+                call.tokens = [self.meter.hold(t) for t in call.saved]
+        tensor = call.saved[position]
+        call.unpacked += 1
+        if call.unpacked >= call.num_saved:  # the backward holds what it still needs
+            call.saved = None
+            for token in call.tokens if self.meter is not None else ():
+                self.meter.release(token)
+            call.tokens = []
+        return tensor
 
     # -- recompute ------------------------------------------------------------------------------
     def recompute(self, mb: int, autocast: Any = None) -> None:
@@ -185,6 +215,9 @@ class BlockRecomputation:
         if record is None:
             raise RuntimeError(f"recompute of micro-batch {mb}, whose forward did not run with "
                                f"recomputation")
+        if self.in_backward:  # each block reruns when the backward reaches it
+            record.autocast, record.recomputed = autocast, True
+            return
         segment_outputs: list[Any] = []
         current = self.rng_state()
         try:
@@ -214,6 +247,26 @@ class BlockRecomputation:
             self.set_rng_state(current)
         record.recomputed = True
 
+    def _rerun(self, mb: int, call: _BlockCall, autocast: Any) -> None:
+        """In-backward mode: rerun one block call (its own kept inputs) for its saved tensors,
+        under the call's RNG state (the backward's own is restored after)."""
+        leaves, spec = pytree.tree_flatten(call.args)
+        args, kwargs = pytree.tree_unflatten([self._detached([], x) for x in leaves], spec)
+        current = self.rng_state()
+        self.set_rng_state(call.rng)
+        call.saved = []
+        self._recomputing = call.saved
+        try:
+            with torch.enable_grad(), (autocast or nullcontext()):
+                call.block(*args, **kwargs)
+        finally:
+            self._recomputing = None
+            self.set_rng_state(current)
+        if len(call.saved) != call.num_saved:
+            raise RuntimeError(f"micro-batch {mb}: the recomputed block saved {len(call.saved)} "
+                               f"tensors for backward, its forward {call.num_saved}; the block's "
+                               f"forward must not depend on state that changes between calls")
+
     @staticmethod
     def _detached(segment_outputs: list[Any], x: Any) -> Any:
         if isinstance(x, _FromBlock):
@@ -226,7 +279,7 @@ class BlockRecomputation:
         """Forget micro-batch `mb` (after its backward)."""
         record = self._records.pop(mb, None)
         if record is not None and self.meter is not None:
-            for token in record.tokens:
+            for token in [*record.tokens, *(t for call in record.calls for t in call.tokens)]:
                 self.meter.release(token)
 
     # -- RNG ------------------------------------------------------------------------------------

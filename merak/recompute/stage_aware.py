@@ -9,8 +9,9 @@ tensors blocks share, such as rotary tables, are counted once, as at run time); 
 replayed with those bytes (`MemoryModel`) and each stage takes the smallest k whose rank's
 predicted peak fits the rank's budget. The budget is either given (``activation_memory_budget``)
 or the first rank's own peak at its given ratio, so no rank peaks above the first. A rank
-hosting several stages (interleaved schedules) fits them together: stages are settled in order,
-the later ones of the rank still recomputing everything, so each choice leaves room for them.
+hosting several stages (interleaved and V-shaped schedules, wherever the schedule places them)
+fits them together: stages are settled in order, the later ones of the rank still recomputing
+everything, so each choice leaves room for them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from merak.recompute.blocks import checkpointed_blocks, recomputed_count
 from merak.schedule.actions import Edge
-from merak.schedule.registry import make_schedule
+from merak.schedule.registry import make_schedule, placement_of
 from merak.schedule.simulator import MemoryModel, simulate
 from merak.stages.split import PipelineSplit
 from merak.stages.stage import block_names
@@ -112,11 +113,12 @@ def _least_counts(schedule_name: str, num_ranks: int, num_microbatches: int,
     keep their count."""
     fixed = fixed or {}
     counts = [fixed.get(s, k.num_blocks) for s, k in enumerate(kept)]
+    placement = placement_of(schedule_name, num_ranks, len(kept) // num_ranks)
     over = []
     for s, stage in enumerate(kept):
         if s in fixed:
             continue
-        rank = s % num_ranks
+        rank = placement[s]
         for k in range(stage.num_blocks + 1):
             counts[s] = k
             if _peaks(schedule_name, num_ranks, num_microbatches, kept, counts,
@@ -139,9 +141,10 @@ def choose_ratios(schedule_name: str, num_ranks: int, num_microbatches: int,
     """
     counts, over = _least_counts(schedule_name, num_ranks, num_microbatches, kept, budget, edges)
     if over:
-        rank = over[0] % num_ranks
+        placement = placement_of(schedule_name, num_ranks, len(kept) // num_ranks)
+        rank = placement[over[0]]
         least = _peaks(schedule_name, num_ranks, num_microbatches, kept, counts, edges)[rank]
-        blocks = sum(k.num_blocks for s, k in enumerate(kept) if s % num_ranks == rank)
+        blocks = sum(k.num_blocks for s, k in enumerate(kept) if placement[s] == rank)
         raise ValueError(f"stage {rank} needs {least / 2**20:.2f} MiB of activations even "
                          f"recomputing all its {blocks} blocks, above its budget of "
                          f"{budget[rank] / 2**20:.2f} MiB; raise activation_memory_budget, or "
@@ -156,8 +159,9 @@ def stage_aware_ratios(schedule_name: str, num_ranks: int, num_microbatches: int
     least that keeps its rank's predicted peak at or below the first rank's (all its blocks
     where even that does not: a last stage whose head outweighs the first stage's in-flight
     micro-batches)."""
+    placement = placement_of(schedule_name, num_ranks, len(kept) // num_ranks)
     first = {s: recomputed_count(k.num_blocks, first_ratio) for s, k in enumerate(kept)
-             if s % num_ranks == 0}
+             if placement[s] == 0}
     counts = [first.get(s, k.num_blocks) for s, k in enumerate(kept)]
     first_peak = _peaks(schedule_name, num_ranks, num_microbatches, kept, counts, edges)[0]
     counts, _ = _least_counts(schedule_name, num_ranks, num_microbatches, kept,

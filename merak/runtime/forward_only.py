@@ -8,13 +8,14 @@ from collections.abc import Sequence
 
 import torch
 
+from merak.distributed import liveness
 from merak.runtime.program import forward_program
 from merak.schedule.actions import Action
 
 
 class ForwardOnly:
     """Mixed into `PipelineInterpreter` (which provides ctx, split, runners, stage, segments,
-    num_microbatches, stages_per_rank, `_run` and `_install_recomputation`)."""
+    num_microbatches, stages_per_rank, placement, `_run` and `_install_recomputation`)."""
 
     def eval_step(self, batch: dict[str, torch.Tensor] | Sequence[dict] | None,
                   num_microbatches: int | None = None, keep: str | None = None) -> float:
@@ -30,7 +31,7 @@ class ForwardOnly:
         was_training = self.stage.training
         self.stage.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), liveness.waiting("a forward-only (evaluation) step"):
                 loss = self._run(program, batch, m, hooks=())
             self.kept = torch.cat(last.kept) if last is not None and last.kept else None
             return loss
@@ -47,12 +48,13 @@ class ForwardOnly:
         does."""
         self._install_recomputation(segments, measure="stage")
         try:
-            self._run(self._forward_program(1), batch, self.num_microbatches, hooks=(),
-                      microbatches_used=1)
+            with liveness.waiting("the activation measurement (recomputation planning)"):
+                self._run(self._forward_program(1), batch, self.num_microbatches, hooks=(),
+                          microbatches_used=1)
             return {s: r.meter.peak for s, r in self.runners.items()}
         finally:
             self._install_recomputation({s: self.segments[s] for s in self.runners})
 
     def _forward_program(self, num_microbatches: int) -> list[Action]:
         return forward_program(self.split, self.ctx.pp, self.ctx.pp_rank, self.stages_per_rank,
-                               num_microbatches)
+                               num_microbatches, placement=self.placement)

@@ -1,12 +1,13 @@
 """The one pipeline interpreter: walks this rank's program of a `Schedule`, whatever stages the
 rank hosts (one for GPipe, 1F1B, Merak's and zero-bubble schedules; v model chunks for
-interleaved 1F1B).
+interleaved 1F1B, two in a V for ZB-V and DualPipeV), wherever the schedule places them.
 
 Each local stage has a `StageRunner` (its micro-batch values and compute handlers). The
 interpreter dispatches every compute action to its stage's runner, posts every group of sends
 and receives through `StageTransfers` (NCCL's rules), calls the instruction hooks around each
 action, and runs the per-step tail once: tied weights summed across ranks, one data-parallel
-all-reduce over all its stages' gradients, one optimizer step.
+all-reduce over all its stages' gradients, one optimizer step. A transfer between two of its
+own stages (the turn of a V) is a local hand-off (`_hand_off`): no process group sees it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from merak.data_parallel.grad_sync import GradientAverager
 from merak.data_parallel.shards import is_sharded
 from merak.data_parallel.zero import ZeroSharding
+from merak.distributed import liveness
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
 from merak.runtime.cpu_threads import IdleCoreLending
@@ -36,7 +38,8 @@ from merak.runtime.step_tail import (
     step_loss,
     tied_parameter_groups,
 )
-from merak.schedule.actions import Action, ActionKind, Schedule
+from merak.schedule.actions import Action, ActionKind, Schedule, stages_of
+from merak.schedule.registry import placement_of
 from merak.stages.stage import InterleavedStage, PipelineStage, block_names
 
 K = ActionKind
@@ -47,8 +50,8 @@ class PipelineInterpreter(ForwardOnly, StepTail):
 
     Args:
         stage: this rank's stage (`PipelineStage`), or its model chunks (`InterleavedStage`,
-            or the `PipelineStage`s of stages ``c * pp + pp_rank`` in order) for schedules that
-            place several stages on a rank.
+            or the `PipelineStage`s of the stages the schedule places on this rank, in model
+            order) for schedules that place several stages on a rank.
         ctx: the parallel context.
         optimizer: built over ``stage.parameters()``.
         num_microbatches: micro-batches per step (gradient accumulation steps).
@@ -72,6 +75,8 @@ class PipelineInterpreter(ForwardOnly, StepTail):
             built): its gradients are reduce-scattered by FSDP instead of all-reduced.
         dealloc_outputs: free each sent activation's data once its sends ended, keeping its
             autograd graph for the backward (`PipelineStage.freeable_outputs` says which).
+        recompute_in_backward: recomputed blocks rerun one at a time inside the backward
+            (`BlockRecomputation`'s ``in_backward``), not all in the ``recompute`` action.
     """
 
     def __init__(self, stage: PipelineStage | InterleavedStage | Sequence[PipelineStage],
@@ -82,23 +87,28 @@ class PipelineInterpreter(ForwardOnly, StepTail):
                  grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
                  segment_size: int = 1, measure_activations: bool = False,
                  tp_rng: object = None, zero: ZeroSharding | None = None,
-                 dealloc_outputs: bool = False):
+                 dealloc_outputs: bool = False, recompute_in_backward: bool = False):
         if not isinstance(stage, (PipelineStage, InterleavedStage)):
             stage = InterleavedStage(list(stage))
         self.stage = stage
         stages = stage.stages if isinstance(stage, InterleavedStage) else [stage]
         split, p = stages[0].split, ctx.pp
         v = len(stages)
-        expected = list(range(ctx.pp_rank, p * v, p))
+        self.placement = placement_of(schedule, p, v)
+        built_for = getattr(stage, "placement", None)
+        if built_for is not None and tuple(built_for) != self.placement:
+            raise ValueError(f"the stages were built for ranks {list(built_for)}, but schedule "
+                             f"{getattr(schedule, 'name', schedule)!r} places them on "
+                             f"{list(self.placement)}; build the stage with "
+                             f"merak.parallelize(..., schedule=...)")
+        expected = stages_of(self.placement, ctx.pp_rank)
         if split.num_stages != p * v or [s.stage_id for s in stages] != expected:
             raise ValueError(f"rank {ctx.rank} (pp rank {ctx.pp_rank}) must hold stages "
                              f"{expected} of a split into pp * model chunks = {p * v} stages; "
                              f"got stages {[s.stage_id for s in stages]} of {split.num_stages}")
-        if v > 1 and p < 2:
-            raise ValueError(f"several model chunks per rank need pp >= 2 pipeline ranks (a "
-                             f"rank cannot send to itself), got pp={p}")
         self.ctx, self.optimizer, self.split = ctx, optimizer, split
         self.stages_per_rank = v
+        self._handed: dict[tuple, dict] = {}  # local hand-offs sent, not yet received
         self.num_microbatches = num_microbatches
         self.hooks = list(hooks)
         self.autocast_dtype, self.tp_rng = autocast_dtype, tp_rng
@@ -113,6 +123,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == str(ctx.world_size)
         self._lend = lend_idle_cores and ctx.device.type == "cpu" and single_host and p > 1
         self._measure = measure_activations
+        self.recompute_in_backward = recompute_in_backward
         self._blocks = {s.stage_id: [s.get_submodule(n) for n in block_names(split, s.stage_id)]
                         for s in stages}
         self.runners = {s.stage_id: StageRunner(s, BlockRecomputation([], [], ctx.device))
@@ -128,13 +139,14 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self._tp_partial = [q for q in params
                             if q.requires_grad and getattr(q, "tp_partial_grad", False)]
         self._tied = tied_parameter_groups(ctx, split, {i: r.stage for i, r in
-                                                        self.runners.items()})
+                                                        self.runners.items()}, self.placement)
         self.grad_averager = GradientAverager(
-            [q for q in params if not is_sharded(q)], ctx.dp_group, bucket_bytes,
+            [q for q in params if not is_sharded(q)], ctx.replica_group, bucket_bytes,
             grad_predivide, late=self._tp_partial + [q for _, g in self._tied for q in g],
             stages={s: list(r.stage.parameters()) for s, r in self.runners.items()})
         self._discovery_program = forward_program(split, p, ctx.pp_rank, v, 1,
-                                                  single_transfers=True)
+                                                  single_transfers=True,
+                                                  placement=self.placement)
         self._schedule_spec = schedule
         self.set_recomputation(recompute_ratio, segment_size)
 
@@ -146,7 +158,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self._schedule_spec = schedule = schedule or self._schedule_spec
         schedule, segments = training_schedule(schedule, self.split, self.ctx.pp,
                                                self.stages_per_rank, self.num_microbatches,
-                                               ratio, segment_size)
+                                               ratio, segment_size, self.placement)
         self.segments, self.schedule = segments, schedule
         self.program: list[Action] = list(schedule.programs[self.ctx.pp_rank])
         self._closing = last_weight_backwards(self.program)  # gradients final after these
@@ -154,7 +166,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self.hooks = [h for h in self.hooks if not isinstance(h, IdleCoreLending)]
         if self._lend:  # (the interpreter's own hook: it follows the schedule)
             ctx = self.ctx
-            self.hooks.insert(0, IdleCoreLending(schedule, ctx.pp_rank, ctx.dp * ctx.tp))
+            self.hooks.insert(0, IdleCoreLending(schedule, ctx.pp_rank, ctx.replicas * ctx.tp))
 
     def _install_recomputation(self, segments: dict[int, Sequence[Sequence[int]]],
                                measure: str | None = None) -> None:
@@ -168,7 +180,8 @@ class PipelineInterpreter(ForwardOnly, StepTail):
             runner.recompute.remove()
             runner.meter = ActivationMeter(excluded) if measure == "stage" else shared
             runner.recompute = BlockRecomputation(self._blocks[stage_id], segments[stage_id],
-                                                  self.ctx.device, self.tp_rng, runner.meter)
+                                                  self.ctx.device, self.tp_rng, runner.meter,
+                                                  self.recompute_in_backward)
 
     def remove_recomputation(self) -> None:
         """Give every checkpointed block its own forward back."""
@@ -204,8 +217,9 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         if meter is not None:
             meter.reset_peak()
         self.grad_averager.begin_step()
-        loss = self._run(self.program, batch, self.num_microbatches, self.hooks,
-                         loss_weight=self.loss_weight)
+        with liveness.waiting(f"training step {self.global_step + 1}"):
+            loss = self._run(self.program, batch, self.num_microbatches, self.hooks,
+                             loss_weight=self.loss_weight)
         if meter is not None:
             self.activation_peak = meter.peak
         self.global_step += 1
@@ -221,6 +235,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         index = 0
         while index < len(program):
             action = program[index]
+            liveness.mark(action)  # (two attribute writes: what a peer is told this rank does)
             if action.group is None:
                 self._execute(action, hooks)
                 index += 1
@@ -230,9 +245,11 @@ class PipelineInterpreter(ForwardOnly, StepTail):
                 end += 1
             self._communicate(program[index:end], hooks)
             index = end
+        liveness.mark("the end of the step's sends")
         self.transfers.finish_step()
         losses = [loss for r in self.runners.values() for loss in r.losses]
-        loss = step_loss(self.ctx, losses, loss_weight)
+        with liveness.waiting("the step's loss all-reduce"):
+            loss = step_loss(self.ctx, losses, loss_weight)
         for hook in hooks:
             hook.on_step_end(self.global_step)
         for runner in self.runners.values():
@@ -251,7 +268,10 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         used = microbatches_used or num_microbatches
         for runner in self.runners.values():
             runner.device, runner.autocast_dtype = self.ctx.device, self.autocast_dtype
-            runner.loss_scale, runner.loss_weight = self.loss_scale, loss_weight
+            # cp ranks' losses are shares of their rows' loss: times cp, the average over
+            # the dp x cp replicas sums over cp (and averages over dp)
+            runner.loss_scale = self.loss_scale * self.ctx.cp
+            runner.loss_weight = loss_weight
             runner.begin([{k: part[k] for k in runner.batch_keys} for part in parts], used)
         if self.split.edges:
             key, classes = batch_shape_key(self, parts, used)
@@ -273,6 +293,8 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         if action.stage_id is None:
             {K.REDUCE_TIED_GRADS: self._reduce_tied_grads, K.REDUCE_GRADS: self._reduce_grads,
              K.OPTIMIZER_STEP: self._optimizer_step}[action.kind]()
+        elif action.local:
+            self._hand_off(action, action.microbatch_id)
         else:
             runner, mb = self.runners[action.stage_id], action.microbatch_id
             closing = self._closing.get(action.stage_id) == action  # gradient sums may start
@@ -282,6 +304,29 @@ class PipelineInterpreter(ForwardOnly, StepTail):
                  K.BACKWARD_WEIGHT: runner.backward_weight}[action.kind](mb)
         for hook in hooks:
             hook.on_instruction_end(action.name, action)
+
+    def _hand_off(self, action: Action, mb: int) -> None:
+        """A transfer between two of this rank's stages: the values of the edge move in memory
+        (for micro-batch `mb`), activations detached with the sender's requires-grad flags as a
+        receive makes them, so each stage's backward stays its own and the gradient comes back
+        the same way. The sender keeps its outputs (the receiver shares their storage)."""
+        _, src, dst, _ = action.message
+        keys = self.split.transfers[(src, dst)]
+        runner = self.runners[action.stage_id]
+        key = (action.message[:3], mb)
+        if action.kind is K.SEND_ACT:
+            outputs = runner.outputs(mb)
+            self._handed[key] = {k: outputs[k].detach().requires_grad_(outputs[k].requires_grad)
+                                 for k in keys}
+            if not torch.is_grad_enabled():  # evaluation: nothing waits for a backward
+                runner.sent(mb, False, dst)
+        elif action.kind is K.SEND_GRAD:
+            grads = runner.input_grads(mb)
+            self._handed[key] = {k: grads.pop(k) for k in keys if k in grads}
+        elif action.kind is K.RECV_ACT:
+            runner.receive(mb, self._handed.pop(key))
+        else:
+            runner.receive_grads(mb, self._handed.pop(key))
 
     def _communicate(self, group: Sequence[Action], hooks: Sequence[InstructionHook]) -> None:
         """Post one group of sends and receives and hand what arrived to the runners."""

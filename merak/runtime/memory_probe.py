@@ -22,6 +22,8 @@ import torch.distributed as dist
 from accelerate.utils.memory import should_reduce_batch_size
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from merak.distributed import liveness
+
 
 def _tensors_per_param(optimizer: torch.optim.Optimizer, group: dict) -> int:
     """How many tensors shaped like each parameter `optimizer` allocates at its first step for
@@ -87,7 +89,8 @@ def fits_in_memory(engine, batch: dict[str, torch.Tensor] | None,
             torch.cuda.empty_cache()
     answer = torch.tensor([int(fits)], device=engine.ctx.device)
     if engine.ctx.world_size > 1:
-        dist.all_reduce(answer, op=dist.ReduceOp.MIN)
+        with liveness.waiting("auto_find_batch_size's agreement (every rank's probe)"):
+            dist.all_reduce(answer, op=dist.ReduceOp.MIN)
     return bool(answer.item())
 
 

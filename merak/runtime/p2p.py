@@ -11,10 +11,11 @@ NCCL (its coalescing manager) and one per operation on gloo; this module never p
 with an operation: before any received tensor of a group is read, every `Work` the group
 returned is waited, whatever their number. A group of sends only is waited later (its tensors
 are kept alive until then): at the end of the step, or once it reports completion. On NCCL a
-wait makes the compute stream wait, it does not block the host; waits end after the process
-group's timeout (`merak.init(timeout=)`), and the error names the rank, the peer, the action and
-the micro-batch. The test suite runs this module over a test backend with NCCL's contract
-(tests/nccl_contract), and plain gloo.
+wait makes the compute stream wait, it does not block the host; waits end after the job's
+timeout (`ddp_timeout`, `merak.init(timeout=)`), and the error names the rank, the peer, the
+action, the micro-batch, the time waited and which rank did not arrive
+(`merak.distributed.liveness`). The test suite runs this module over a test backend with
+NCCL's contract (tests/nccl_contract), and plain gloo.
 
 Shapes: a receiver must size its buffers before it posts a receive, and any extra message posted
 outside the schedule's groups changes who waits on whom. So shapes are found apart from the
@@ -33,6 +34,8 @@ metadata (host-side attributes, no device sync).
 
 from __future__ import annotations
 
+import datetime
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from merak.distributed import liveness
+from merak.distributed.liveness import PeerFailureError
 from merak.distributed.parallel_context import process_group_timeout_s
 from merak.schedule.actions import Action, ActionKind
 from merak.stages.split import PipelineSplit, ValueKey
@@ -54,8 +59,9 @@ Edge = tuple[int, int]
 _KEPT_SHAPES = 256  # batch shapes whose metadata is kept (packed batches bring new ones often)
 
 
-class P2PTimeoutError(RuntimeError):
-    """A point-to-point wait failed: the process group's timeout passed, or a peer died."""
+class P2PTimeoutError(PeerFailureError):
+    """A point-to-point wait failed: the job's timeout passed, or a peer died; the message
+    names the peer ranks, the actions and micro-batches, the time waited and what to check."""
 
 
 @dataclass(frozen=True)
@@ -281,27 +287,32 @@ class StageTransfers:
         self._wait(work, None, what)
 
     def _wait(self, work, ops: Sequence[_Op] | None, what: str) -> None:
+        """Wait for `work` at most the job's timeout: gloo's point-to-point waits are given it
+        (a receive's own default is the timeout the group was created with, not the job's);
+        on NCCL a wait only orders the stream, and the watchdog applies the group's timeout."""
+        start = time.monotonic()
         try:
-            ok = work.wait()
+            if self.ctx.device.type == "cpu":
+                seconds = process_group_timeout_s(self.ctx.device)
+                ok = work.wait(datetime.timedelta(seconds=seconds)) if seconds else work.wait()
+            else:
+                ok = work.wait()
         except RuntimeError as error:
-            raise P2PTimeoutError(self._message(ops, what, error)) from error
+            raise P2PTimeoutError(self._message(ops, what, error, start)) from error
         if ok is False:
-            raise P2PTimeoutError(self._message(ops, what, None))
+            raise P2PTimeoutError(self._message(ops, what, None, start))
 
-    def _message(self, ops: Sequence[_Op] | None, what: str, error: Exception | None) -> str:
-        cause = f" ({error})" if error is not None else ""
-        seconds = process_group_timeout_s(self.ctx.device)
-        limit = "up to the process group's timeout" + (f" ({seconds:g}s)" if seconds else "")
+    def _message(self, ops: Sequence[_Op] | None, what: str, error: Exception | None,
+                 start: float) -> str:
+        waited = time.monotonic() - start
         if not ops:
-            return (f"rank {self.ctx.rank} waited {limit} for {what} and gave up{cause}. Check "
-                    f"that every rank of its pipeline is alive and runs the same step.")
+            return liveness.diagnose(f"{what} (the pipeline's point-to-point sends)", waited,
+                                     error, None)
         peers = sorted({op.peer_rank for op in ops})
         actions = ", ".join(f"{op.action.name} of micro-batch {op.action.microbatch_id} "
                             f"(stage {op.action.stage_id} <-> rank {op.peer_rank}, stage "
                             f"{op.action.peer_stage})" for op in ops)
-        return (f"rank {self.ctx.rank} waited {limit} on rank(s) {peers} in {actions}{what} "
-                f"and gave up{cause}. Check that rank(s) {peers} are alive and run the same "
-                f"schedule and split.")
+        return liveness.diagnose(f"{actions}{what}", waited, error, peers)
 
 
 def _copy(by_class: dict[int, dict[Edge, list[TensorMeta]]]

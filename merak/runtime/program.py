@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from merak.recompute.stage_aware import stage_segments
-from merak.schedule.actions import Action, ActionKind, Schedule
+from merak.schedule.actions import Action, ActionKind, Placement, Schedule
 from merak.schedule.registry import forward_schedule, make_schedule
 from merak.schedule.validate import validate_schedule
 from merak.stages.split import PipelineSplit
@@ -18,12 +18,14 @@ from merak.stages.split import PipelineSplit
 
 def training_schedule(spec: str | Schedule, split: PipelineSplit, pp: int,
                       stages_per_rank: int, num_microbatches: int,
-                      ratio: float | Sequence[float], segment_size: int = 1
+                      ratio: float | Sequence[float], segment_size: int = 1,
+                      placement: Placement | None = None
                       ) -> tuple[Schedule, list[list[list[int]]]]:
     """The validated training schedule `spec` (a registry name, or a `Schedule` checked to
-    match) for a split of `pp` x `stages_per_rank` stages, and each stage's recomputed block
-    segments for per-stage `ratio` (`stage_segments`), emptied where the schedule keeps the
-    stage's activations. Every rank computes the same: an error is the same on every rank."""
+    match, `placement` included when given) for a split of `pp` x `stages_per_rank` stages,
+    and each stage's recomputed block segments for per-stage `ratio` (`stage_segments`),
+    emptied where the schedule keeps the stage's activations. Every rank computes the same: an
+    error is the same on every rank."""
     segments = stage_segments(split, ratio, segment_size)
     if isinstance(spec, str):
         schedule = make_schedule(spec, pp, num_microbatches, stages_per_rank=stages_per_rank,
@@ -37,6 +39,9 @@ def training_schedule(spec: str | Schedule, split: PipelineSplit, pp: int,
                          f"{schedule.stages_per_rank} stages per rank x "
                          f"{schedule.num_microbatches} micro-batches, not {pp} x "
                          f"{stages_per_rank} x {num_microbatches}")
+    if placement is not None and schedule.placement != tuple(placement):
+        raise ValueError(f"the schedule places the stages on ranks {list(schedule.placement)}, "
+                         f"the stages were built for {list(placement)}")
     validate_schedule(schedule)
     for s in range(split.num_stages):
         if not any(a.kind is ActionKind.RECOMPUTE for a in schedule.stage_actions(s)):
@@ -48,12 +53,14 @@ def training_schedule(spec: str | Schedule, split: PipelineSplit, pp: int,
 
 
 def forward_program(split: PipelineSplit, pp: int, pp_rank: int, stages_per_rank: int,
-                    num_microbatches: int, single_transfers: bool = False) -> list[Action]:
+                    num_microbatches: int, single_transfers: bool = False,
+                    placement: Placement | None = None) -> list[Action]:
     """This rank's forward-only program over `num_microbatches` micro-batches (evaluation,
-    activation measurement; with `single_transfers`, one value per message: shape
-    discovery)."""
+    activation measurement; with `single_transfers`, one value per message: shape discovery),
+    the stages placed as the training schedule places them (default round-robin)."""
     schedule = forward_schedule(pp, num_microbatches, stages_per_rank=stages_per_rank,
-                                edges=split.edges or None, single_transfers=single_transfers)
+                                edges=split.edges or None, single_transfers=single_transfers,
+                                placement=placement)
     if single_transfers:
         validate_schedule(schedule, training=False)
     return list(schedule.programs[pp_rank])

@@ -57,7 +57,13 @@ def discover_shapes(engine, classes: Sequence[int]) -> None:
             for mb in sorted(set(classes)):
                 for action in engine._discovery_program:
                     runner = engine.runners[action.stage_id]
-                    if action.kind is K.SEND_ACT:
+                    if action.local:  # between two of this rank's stages: no metadata
+                        if action.kind is K.RECV_ACT:
+                            values = engine._handed[(action.message[:3], mb)]
+                            received.setdefault(action.stage_id, {}).setdefault(mb, {}).update(
+                                {k: (v.shape, v.dtype) for k, v in values.items()})
+                        engine._hand_off(action, mb)
+                    elif action.kind is K.SEND_ACT:
                         engine.transfers.send_shapes(action, runner.outputs(mb), mb)
                     elif action.kind is K.RECV_ACT:
                         values = engine.transfers.recv_shapes(action, mb)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from merak.data_parallel.grad_sync import GradientAverager, finish_all_reduce, launch_all_reduce
 from merak.data_parallel.zero import ZeroSharding
+from merak.distributed import liveness
 from merak.distributed.parallel_context import ParallelContext
 from merak.schedule.actions import Action, ActionKind
 from merak.stages.split import PipelineSplit
@@ -22,30 +23,33 @@ TiedGroups = list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]
 def tied_weight_groups(ctx: ParallelContext,
                        params_by_pp_ranks: Mapping[tuple[int, ...], list[torch.nn.Parameter]],
                        ) -> TiedGroups:
-    """One process group per set of pipeline ranks sharing weights, per (dp, tp) coordinate,
+    """One process group per set of pipeline ranks sharing weights, per (dp, cp, tp) coordinate,
     with this rank's parameters of that set. Every rank creates every group in the same order
     (torch.distributed requires it), so every rank passes the same keys in the same order."""
     groups = []
     for pp_ranks, params in params_by_pp_ranks.items():
         for dp_rank in range(ctx.dp):
-            for tp_rank in range(ctx.tp):
-                ranks = [ctx.rank_of(pp_rank=r, dp_rank=dp_rank, tp_rank=tp_rank)
-                         for r in pp_ranks]
-                group = dist.new_group(ranks)
-                if ctx.rank in ranks:
-                    groups.append((group, params))
+            for cp_rank in range(ctx.cp):
+                for tp_rank in range(ctx.tp):
+                    ranks = [ctx.rank_of(pp_rank=r, dp_rank=dp_rank, tp_rank=tp_rank,
+                                         cp_rank=cp_rank) for r in pp_ranks]
+                    group = dist.new_group(ranks)
+                    if ctx.rank in ranks:
+                        groups.append((group, params))
     return groups
 
 
 def tied_parameter_groups(ctx: ParallelContext, split: PipelineSplit,
-                          stages: Mapping[int, torch.nn.Module]) -> TiedGroups:
+                          stages: Mapping[int, torch.nn.Module],
+                          placement: Sequence[int]) -> TiedGroups:
     """Weights of `split` tied across pipeline ranks, with this rank's parameters of each, by
-    the ranks sharing them (`tied_weight_groups`); `stages`: this rank's stages by id. Copies
-    on two stages of one rank are one parameter (`InterleavedStage`): autograd sums them."""
-    p = ctx.pp
+    the ranks sharing them (`tied_weight_groups`); `stages`: this rank's stages by id;
+    `placement`: every stage's rank. Copies on two stages of one rank are one parameter
+    (`InterleavedStage`): autograd sums them (a V puts the first and the last stage, GPT-2's
+    tied embedding and head, both on rank 0)."""
     by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
     for tied in split.tied_weights:
-        params = by_ranks.setdefault(tuple(sorted({s % p for s in tied.stages})), [])
+        params = by_ranks.setdefault(tuple(sorted({placement[s] for s in tied.stages})), [])
         mine = {id(q): q for q in (stages[s].get_parameter(n)
                                    for s, n in tied.names if s in stages)}
         if len(mine) > 1:
@@ -111,16 +115,20 @@ class StepTail:
 
     def _reduce_tied_grads(self, _: None = None) -> None:
         if self.zero is not None:  # the tail's first action: every shard's gradient, once
-            self.zero.reduce_scatter()
+            with liveness.waiting("ZeRO's gradient reduce-scatter", group=self.ctx.dp_group):
+                self.zero.reduce_scatter()
         for group, params in self._tied:
             if params:  # (every rank of the group holds the same frozen weights)
-                finish_all_reduce(params, *launch_all_reduce(params, group))
+                with liveness.waiting("the tied-weight gradient all-reduce", group=group):
+                    finish_all_reduce(params, *launch_all_reduce(params, group))
 
     def _reduce_grads(self, _: None = None) -> None:
         if self._tp_partial and self.ctx.tp > 1:
-            finish_all_reduce(self._tp_partial,
-                              *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
-        self.grad_averager.average()
+            with liveness.waiting("the tp gradient all-reduce", group=self.ctx.tp_group):
+                finish_all_reduce(self._tp_partial,
+                                  *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
+        with liveness.waiting("the dp gradient all-reduce", group=self.ctx.dp_group):
+            self.grad_averager.average()
 
     def _optimizer_step(self, _: None = None) -> None:
         if self.skip_optimizer_step:

@@ -1,12 +1,16 @@
 """The schedule vocabulary: one instruction of one pipeline rank, and a whole schedule.
 
 A schedule is, per pipeline rank, an ordered program of `Action`s over the rank's stages (one
-stage per rank for GPipe, 1F1B and Merak's schedules; several for interleaved 1F1B, where
-virtual stage k lives on rank ``k % num_ranks``). Communication is explicit: every send and
-receive names its peer rank and stage, and the actions a rank posts together in one
-``batch_isend_irecv`` share a `group` number. The interpreter executes the programs, the
-validator proves them runnable under NCCL's point-to-point rules, the simulator times them, the
-timeline draws them and the energy planner plans clocks over them: all read this one object.
+stage per rank for GPipe, 1F1B and Merak's schedules; several for interleaved 1F1B, ZB-V and
+DualPipeV). Which rank holds which stage is the schedule's `placement`, data like the rest:
+`round_robin` (virtual stage k on rank ``k % num_ranks``, Megatron's) or `v_shape` (ZB-V's and
+DualPipeV's: stages 0..p-1 down the ranks, p..2p-1 back up, so rank r holds r and 2p-1-r).
+Communication is explicit: every send and receive names its peer rank and stage, and the actions
+a rank posts together in one ``batch_isend_irecv`` share a `group` number. A send or receive
+between two stages of one rank (the turn of a V) has no group: it is a local hand-off that no
+process group sees (`Action.local`). The interpreter executes the programs, the validator
+proves them runnable under NCCL's point-to-point rules, the simulator times them, the timeline
+draws them and the energy planner plans clocks over them: all read this one object.
 """
 
 from __future__ import annotations
@@ -72,6 +76,12 @@ class Action:
         return self.kind.value
 
     @property
+    def local(self) -> bool:
+        """In a lowered program: a hand-off between two stages of this rank (a send or receive
+        outside any posting group)."""
+        return self.kind in P2P_KINDS and self.group is None
+
+    @property
     def message(self) -> tuple[str, int, int, int] | None:
         """What a send or receive carries: ``("act" | "grad", src_stage, dst_stage, mb)`` with
         (src, dst) the activation's edge, the same tuple on both sides of the transfer (None for
@@ -97,6 +107,11 @@ class Action:
         return {"stage": self.stage_id, "action": self.name, "microbatch": self.microbatch_id,
                 "peer": self.peer, "peer_stage": self.peer_stage, "group": self.group}
 
+    @classmethod
+    def from_json(cls, data: dict) -> Action:
+        return cls(ActionKind(data["action"]), data["stage"], data["microbatch"], data["peer"],
+                   data["peer_stage"], data["group"])
+
 
 Program = tuple[Action, ...]
 Edge = tuple[int, int]
@@ -106,6 +121,29 @@ def chain_edges(num_stages: int) -> frozenset[Edge]:
     return frozenset((s, s + 1) for s in range(num_stages - 1))
 
 
+Placement = tuple[int, ...]  # the pipeline rank of each stage
+
+
+def round_robin(num_ranks: int, stages_per_rank: int) -> Placement:
+    """Stage k on rank ``k % num_ranks`` (Megatron's virtual stages: rank r holds r, r + p,
+    r + 2p, ...)."""
+    return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
+
+
+def v_shape(num_ranks: int, stages_per_rank: int) -> Placement:
+    """The stages down the ranks, then back up (a zigzag for more than two per rank): with two,
+    rank r holds stages r and ``2p - 1 - r``, and rank p - 1 the two at the turn, p - 1 and p,
+    which hand off locally. Rank 0 holds the first and the last stage."""
+    p = num_ranks
+    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p
+                 for s in range(p * stages_per_rank))
+
+
+def stages_of(placement: Placement, rank: int) -> list[int]:
+    """The stages `placement` puts on `rank`, in model order."""
+    return [s for s, r in enumerate(placement) if r == rank]
+
+
 @dataclass(frozen=True)
 class Schedule:
     """What every pipeline rank runs in one training step (or one evaluation).
@@ -113,11 +151,11 @@ class Schedule:
     Attributes:
         name: the registry name (`merak.schedule.registry.SCHEDULES`), or a description.
         num_ranks: pipeline ranks p.
-        stages_per_rank: stages each rank hosts, v (p * v stages in all; stage k on rank
-            ``k % p``, as Megatron places virtual stages).
+        stages_per_rank: stages each rank hosts, v (p * v stages in all).
         num_microbatches: micro-batches per step.
         programs: one program per rank.
         edges: activation edges ``(src_stage, dst_stage)`` (gradients flow back along them).
+        placement: the rank of each stage; default `round_robin`.
     """
 
     name: str
@@ -126,17 +164,26 @@ class Schedule:
     num_microbatches: int
     programs: tuple[Program, ...]
     edges: frozenset[Edge]
+    placement: Placement = ()
+
+    def __post_init__(self):
+        if not self.placement:
+            object.__setattr__(self, "placement",
+                               round_robin(self.num_ranks, self.stages_per_rank))
+        if len(self.placement) != self.num_stages:
+            raise ValueError(f"placement names {len(self.placement)} stages' ranks, not "
+                             f"{self.num_stages}")
 
     @property
     def num_stages(self) -> int:
         return self.num_ranks * self.stages_per_rank
 
     def rank_of(self, stage_id: int) -> int:
-        return stage_id % self.num_ranks
+        return self.placement[stage_id]
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages rank `rank` hosts, in model order."""
-        return [c * self.num_ranks + rank for c in range(self.stages_per_rank)]
+        return stages_of(self.placement, rank)
 
     def stage_actions(self, stage_id: int) -> list[Action]:
         """Stage `stage_id`'s own actions in execution order (per-step actions excluded)."""
@@ -161,7 +208,18 @@ class Schedule:
     def to_json(self) -> dict:
         return {"schedule": self.name, "ranks": self.num_ranks,
                 "stages_per_rank": self.stages_per_rank, "microbatches": self.num_microbatches,
+                "placement": list(self.placement), "edges": sorted(map(list, self.edges)),
                 "programs": [[a.to_json() for a in program] for program in self.programs]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Schedule:
+        """The schedule `to_json` wrote (what ``merak simulate --programs`` prints), to
+        validate or simulate it again."""
+        return cls(data["schedule"], data["ranks"], data["stages_per_rank"],
+                   data["microbatches"],
+                   tuple(tuple(Action.from_json(a) for a in program)
+                         for program in data["programs"]),
+                   frozenset(tuple(e) for e in data["edges"]), tuple(data["placement"]))
 
     def format(self) -> str:
         """One line per rank; a posting group in brackets."""

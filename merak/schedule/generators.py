@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from merak.schedule.actions import Action, ActionKind
+from merak.schedule.arrival import receive_on_arrival
 
 K = ActionKind
 Order = list[list[Action]]
@@ -120,58 +121,79 @@ def zero_bubble(num_ranks: int, num_microbatches: int, stages_per_rank: int,
     return order
 
 
-def interleaved_units(rank: int, num_ranks: int, num_microbatches: int,
-                      stages_per_rank: int) -> list[tuple[bool, int, int]]:
-    """Rank `rank`'s Megatron order of interleaved 1F1B: ``(is_forward, model chunk,
-    microbatch_id)`` per compute block. ``2 (p - r - 1) + (v - 1) p`` warm-up forwards; forwards
-    walk the model chunks up (p micro-batches through chunk 0, the same p through chunk 1, ...)
-    and backwards walk them down."""
+def interleaved_groups(num_microbatches: int, group_size: int) -> list[range]:
+    """The micro-batches in groups of `group_size` (Megatron-LM's
+    ``microbatch_group_size_per_vp_stage``), the last group taking the remainder (g to 2g - 1
+    micro-batches). Megatron leaves the remainder a short group of its own; with fewer than p
+    micro-batches in it, a rank's forward of the group's next chunk waits for a forward the
+    last rank only runs after a backward that waits for it (p=8, v=3, m=17: rank 7's backward of
+    micro-batch 8 on chunk 1 needs rank 0's on chunk 2, which follows rank 0's forward of
+    micro-batch 16 on chunk 2, which needs rank 7's on chunk 1, which follows that backward)."""
+    count = max(num_microbatches // group_size, 1)
+    bounds = [i * group_size for i in range(count)] + [num_microbatches]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def interleaved_units(rank: int, num_ranks: int, num_microbatches: int, stages_per_rank: int,
+                      group_size: int) -> tuple[list[tuple[bool, int, int]], int]:
+    """Rank `rank`'s order of interleaved 1F1B, ``(is_forward, model chunk, microbatch_id)`` per
+    compute block, and its number of warm-up forwards, ``2 (p - r - 1) + (v - 1) G`` with G the
+    largest group (Megatron's count when the groups are equal). Forwards take each group through
+    chunk 0, then the same group through chunk 1, ...; backwards walk the same order with the
+    chunks walked down."""
     p, v = num_ranks, stages_per_rank
-    total = num_microbatches * v
+    groups = interleaved_groups(num_microbatches, group_size)
+    table = [(chunk, mb) for group in groups for chunk in range(v) for mb in group]
+    total = len(table)
 
     def unit(k: int, forward: bool) -> tuple[bool, int, int]:
-        chunk = (k % (p * v)) // p
-        return forward, chunk if forward else v - 1 - chunk, (k // (p * v)) * p + k % p
+        chunk, mb = table[k]
+        return forward, chunk if forward else v - 1 - chunk, mb
 
-    num_warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    num_warmup = min(2 * (p - rank - 1) + (v - 1) * max(len(g) for g in groups), total)
     order = [unit(k, True) for k in range(num_warmup)]
     for k in range(total - num_warmup):
         order += [unit(num_warmup + k, True), unit(k, False)]
-    return order + [unit(k, False) for k in range(total - num_warmup, total)]
+    return order + [unit(k, False) for k in range(total - num_warmup, total)], num_warmup
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int,
-                     recompute: Sequence[bool]) -> Order:
+                     recompute: Sequence[bool], group_size: int | None = None) -> Order:
     """Interleaved 1F1B (Megatron-LM; Narayanan et al., SC 2021): v model chunks per rank, the
-    bubble v-fold smaller than 1F1B's at the price of v times the messages."""
-    if stages_per_rank < 2:
+    bubble v-fold smaller than 1F1B's at the price of v times the messages. Any number of
+    micro-batches m >= p, in groups of `group_size` (default p; p <= g <= m) through the
+    chunks (`interleaved_groups`). With m a multiple of p and g = p (Megatron's original
+    schedule) each receive is posted right before its computation; otherwise a rank computes
+    between a message's arrival and its use, and receives are posted where they arrive
+    (`merak.schedule.arrival`)."""
+    p, m, v = num_ranks, num_microbatches, stages_per_rank
+    if v < 2:
         raise ValueError(f"interleaved_1f1b needs >= 2 model chunks per rank (num_model_chunks, "
-                         f"--interleave), got {stages_per_rank}; with one chunk per rank use "
-                         f"1f1b")
-    if num_microbatches % num_ranks:
-        raise ValueError(f"interleaved_1f1b needs the number of micro-batches "
-                         f"({num_microbatches}) to be a multiple of the pipeline ranks "
-                         f"({num_ranks}), as in Megatron-LM; use "
-                         f"{(num_microbatches // num_ranks + 1) * num_ranks}")
-    if num_ranks < 2:
+                         f"--interleave), got {v}; with one chunk per rank use 1f1b")
+    if p < 2:
         raise ValueError("interleaved_1f1b needs >= 2 pipeline ranks (a rank cannot send to "
                          "itself); with one rank use 1f1b")
+    if m < p:
+        raise ValueError(f"interleaved_1f1b needs at least as many micro-batches ({m}) as "
+                         f"pipeline ranks ({p}), as in Megatron-LM")
+    g = p if group_size is None else group_size
+    if not p <= g <= m:
+        raise ValueError(f"interleaved_1f1b's micro-batch group size must lie in [pipeline "
+                         f"ranks, micro-batches] = [{p}, {m}], got {g}")
     order = []
-    for rank in range(num_ranks):
-        units = interleaved_units(rank, num_ranks, num_microbatches, stages_per_rank)
-        total = num_microbatches * stages_per_rank
-        num_warmup = min(2 * (num_ranks - rank - 1) + (stages_per_rank - 1) * num_ranks, total)
+    for rank in range(p):
+        units, num_warmup = interleaved_units(rank, p, m, v, g)
         blocks: list[list[Action]] = []
         for forward, chunk, mb in units:
-            s = chunk * num_ranks + rank
+            s = chunk * p + rank
             blocks.append(forward_block(s, mb) if forward else backward_block(s, mb, recompute[s]))
-        pairs_end = num_warmup + 2 * (total - num_warmup)
+        pairs_end = num_warmup + 2 * (m * v - num_warmup)
         actions = [a for block in blocks[:num_warmup] for a in block]
         for k in range(num_warmup, pairs_end, 2):  # the steady state: forward, backward
             actions += fused_pair(blocks[k], blocks[k + 1])
         actions += [a for block in blocks[pairs_end:] for a in block]
         order.append(actions)
-    return order
+    return order if m % p == 0 and g == p else receive_on_arrival(order, p * v)
 
 
 def fused_pair(forward: list[Action], backward: list[Action]) -> list[Action]:
@@ -184,9 +206,10 @@ def fused_pair(forward: list[Action], backward: list[Action]) -> list[Action]:
     return comm_in + work + comm_out
 
 
-def forward_only(num_ranks: int, num_microbatches: int, stages_per_rank: int,
-                 recompute: Sequence[bool] = ()) -> Order:
-    """Evaluation: each micro-batch through the rank's stages in model order."""
+def forward_only(placement: Sequence[int], num_microbatches: int) -> Order:
+    """Evaluation: each micro-batch through the rank's stages in model order (`placement`: the
+    rank of each stage)."""
+    ranks = range(max(placement) + 1)
     return [[a for mb in range(num_microbatches)
-             for c in range(stages_per_rank) for a in forward_block(c * num_ranks + rank, mb)]
-            for rank in range(num_ranks)]
+             for s, r in enumerate(placement) if r == rank for a in forward_block(s, mb)]
+            for rank in ranks]

@@ -1,15 +1,11 @@
-"""The schedule registry and `make_schedule`: a generator's block order, lowered to the
-per-rank programs every tool reads.
+"""The schedule registry and `make_schedule`: a generator's block order, placed on the ranks
+and lowered (`merak.schedule.lowering`) to the per-rank programs every tool reads.
 
-Lowering places the communication the way NCCL needs it (`lower`): every abstract send and
-receive becomes one action per peer stage of the split's edges, and the sends and receives a
-rank meets between two of its computations are one posting group (one ``batch_isend_irecv``).
-Between a forward and the next backward that puts a rank's send of activations and its receive
-of output gradients in one group, and the neighbour's matching receive and send in one group of
-its own: Megatron-LM's pairing, which keeps two ranks that each wait on the other from
-deadlocking. Within a group, sends and receives are ordered by the message they carry, so on
-every rank pair both sides post the messages of a channel in the same order (NCCL ignores tags).
-`merak.schedule.validate` proves the result for every program.
+Each registered schedule names its generator, its placement of stages on ranks (round-robin,
+or the V of ZB-V and DualPipeV), how many stages a rank holds, and whether it needs
+recomputation or splits the backward: every tool (simulator, validator, timeline, energy
+planner, stage-aware recomputation, strategy planner, the runtime) reads these, so a new
+schedule is one entry here and its generator.
 
 Merak's schedules (TPDS 2023) move recomputation off 1F1B's critical path:
 `pre_recompute_1f1b` reruns before the wait for the output gradient, `last_no_recompute_1f1b`
@@ -18,26 +14,28 @@ first backwards of the last stages (extra warm-up forwards on stage p-2, a rerun
 forward); a simulator search of those reorderings (every extra-warm-up vector within the memory
 bound, p in 2..8, with and without p2p latency) found none that shortened the makespan, so
 `shifted_critical_path` keeps 1F1B's order and in-flight bound. `zero_bubble` is ZB-H1 (Qi et
-al., ICLR 2024); `interleaved_1f1b` is Megatron-LM's.
+al., ICLR 2024); `interleaved_1f1b` is Megatron-LM's, for any number of micro-batches m >= p;
+`zbv` and `dualpipev` place 2 stages per rank in a V (`merak.schedule.vshape`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from merak.schedule import generators as g
+from merak.schedule import vshape
 from merak.schedule.actions import (
-    COMPUTE_KINDS,
-    P2P_KINDS,
-    SEND_KINDS,
     Action,
     ActionKind,
     Edge,
+    Placement,
     Schedule,
     chain_edges,
+    round_robin,
+    v_shape,
 )
+from merak.schedule.lowering import lower
 
 K = ActionKind
 Recompute = bool | Sequence[bool]
@@ -52,7 +50,12 @@ class ScheduleInfo:
         generator: ``(num_ranks, num_microbatches, stages_per_rank, recompute) -> order``.
         needs_recompute: meaningless without activation recomputation (Merak's schedules).
         splits_backward: backwards run as `backward_input` + `backward_weight`.
-        several_stages_per_rank: runs v >= 2 model chunks per rank (interleaved).
+        several_stages_per_rank: runs v >= 2 stages (model chunks) per rank.
+        placement: ``(num_ranks, stages_per_rank) -> the rank of each stage``.
+        fixed_stages_per_rank: the number of stages per rank the schedule is made for (2 for
+            the V-shaped ones); None: the job's `num_model_chunks` (interleaved) or 1.
+        min_microbatches_per_rank: it needs at least this many micro-batches per pipeline rank
+            (interleaved 1F1B: 1).
         summary: one line for `--help` and error messages.
     """
 
@@ -61,7 +64,17 @@ class ScheduleInfo:
     needs_recompute: bool = False
     splits_backward: bool = False
     several_stages_per_rank: bool = False
+    placement: Callable[[int, int], Placement] = round_robin
+    fixed_stages_per_rank: int | None = None
+    min_microbatches_per_rank: int = 0
     summary: str = ""
+
+    def stages_per_rank(self, num_model_chunks: int = 2) -> int:
+        """Stages per rank this schedule runs with a job's `num_model_chunks` (which only
+        interleaved 1F1B reads)."""
+        if self.fixed_stages_per_rank is not None:
+            return self.fixed_stages_per_rank
+        return num_model_chunks if self.several_stages_per_rank else 1
 
 
 SCHEDULES: dict[str, ScheduleInfo] = {info.name: info for info in (
@@ -76,7 +89,14 @@ SCHEDULES: dict[str, ScheduleInfo] = {info.name: info for info in (
     ScheduleInfo("zero_bubble", g.zero_bubble, splits_backward=True,
                  summary="ZB-H1: input gradients first, weight gradients fill the bubbles"),
     ScheduleInfo("interleaved_1f1b", g.interleaved_1f1b, several_stages_per_rank=True,
+                 min_microbatches_per_rank=1,
                  summary="Megatron's interleaved 1F1B over v model chunks per rank"),
+    ScheduleInfo("zbv", vshape.zbv, splits_backward=True, several_stages_per_rank=True,
+                 placement=v_shape, fixed_stages_per_rank=2,
+                 summary="ZB-V: zero-bubble order on 2 stages per rank placed in a V"),
+    ScheduleInfo("dualpipev", vshape.dualpipev, splits_backward=True,
+                 several_stages_per_rank=True, placement=v_shape, fixed_stages_per_rank=2,
+                 summary="DualPipeV: forward-and-backward pairs on a V (not overlapped)"),
 )}
 """Name -> `ScheduleInfo`."""
 
@@ -87,6 +107,13 @@ def schedule_info(name: str) -> ScheduleInfo:
     except KeyError:
         raise ValueError(f"unknown train_schedule {name!r}; choose one of "
                          f"{sorted(SCHEDULES)}") from None
+
+
+def placement_of(schedule: str | Schedule, num_ranks: int, stages_per_rank: int) -> Placement:
+    """The rank of each stage under `schedule` (a registry name, or a `Schedule`)."""
+    if isinstance(schedule, Schedule):
+        return schedule.placement
+    return schedule_info(schedule).placement(num_ranks, stages_per_rank)
 
 
 def step_tail() -> list[Action]:
@@ -104,64 +131,9 @@ def recompute_flags(recompute: Recompute, num_stages: int) -> list[bool]:
     return flags
 
 
-def _message_order(action: Action) -> tuple:
-    return (action.kind not in SEND_KINDS, action.message)
-
-
-def _flush(program: list[Action], pending: list[Action], group: int) -> int:
-    """Append the `pending` sends and receives to `program` as posting group `group`, ordered
-    by message, and empty `pending`. Returns the next group number (`group` if none pended)."""
-    if not pending:
-        return group
-    program.extend(Action(a.kind, a.stage_id, a.microbatch_id, a.peer, a.peer_stage, group)
-                   for a in sorted(pending, key=_message_order))
-    pending.clear()
-    return group + 1
-
-
-def lower(order: Sequence[Sequence[Action]], num_ranks: int, stages_per_rank: int,
-          edges: Iterable[Edge], tail: Sequence[Action] = (),
-          single_transfers: bool = False) -> tuple[tuple[Action, ...], ...]:
-    """Per-rank programs from block orders: sends and receives expanded over `edges` (one
-    action per peer stage), grouped between computations (or, with `single_transfers`, one
-    transfer per group), ordered by message within a group, and `tail` appended to every
-    rank."""
-    upstream: dict[int, list[int]] = {}
-    downstream: dict[int, list[int]] = {}
-    for src, dst in sorted(edges):
-        downstream.setdefault(src, []).append(dst)
-        upstream.setdefault(dst, []).append(src)
-    programs = []
-    for actions in order:
-        program: list[Action] = []
-        pending: list[Action] = []  # this run of sends and receives
-        group = 0
-        for action in actions:
-            if action.kind in P2P_KINDS:
-                s = action.stage_id
-                peers = upstream.get(s, []) if action.kind in (K.RECV_ACT, K.SEND_GRAD) \
-                    else downstream.get(s, [])
-                pending += [Action(action.kind, s, action.microbatch_id, peer % num_ranks, peer)
-                            for peer in peers]
-                if single_transfers:
-                    for transfer in pending[:-1]:
-                        program.append(dataclasses.replace(transfer, group=group))
-                        group += 1
-                    del pending[:-1]
-                    group = _flush(program, pending, group)
-            elif action.kind in COMPUTE_KINDS:
-                group = _flush(program, pending, group)
-                program.append(action)
-            else:
-                program.append(action)  # a load does not end a group: it needs no peer
-        group = _flush(program, pending, group)
-        programs.append(tuple(program) + tuple(tail))
-    return tuple(programs)
-
-
 def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
                   stages_per_rank: int = 1, recompute: Recompute = False,
-                  edges: Iterable[Edge] | None = None) -> Schedule:
+                  edges: Iterable[Edge] | None = None, **options) -> Schedule:
     """The programs of schedule `name` on `num_stages` pipeline ranks.
 
     Args:
@@ -169,6 +141,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
         recompute: which stages checkpoint activations (True: all; or one flag per stage, of
             ``num_stages * stages_per_rank``).
         edges: activation edges between stages; default the chain.
+        options: the generator's own (`interleaved_1f1b`: ``group_size``).
 
     Raises:
         ValueError: an unknown name, bad sizes, or a schedule that needs what is not given.
@@ -178,6 +151,10 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
     if not info.several_stages_per_rank and stages_per_rank != 1:
         raise ValueError(f"train_schedule {name!r} runs one stage per rank; num_model_chunks "
                          f"(--interleave) > 1 needs interleaved_1f1b")
+    fixed = info.fixed_stages_per_rank
+    if fixed is not None and stages_per_rank != fixed:
+        raise ValueError(f"train_schedule {name!r} places {fixed} stages on every rank, not "
+                         f"{stages_per_rank}")
     total = num_stages * stages_per_rank
     flags = recompute_flags(recompute, total)
     if info.needs_recompute and not any(flags):
@@ -185,21 +162,24 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
                          f"activation checkpointing (activation_checkpointing=True, or "
                          f"--recompute-cost in the simulator)")
     edges = chain_edges(total) if edges is None else frozenset(edges)
-    order = info.generator(num_stages, num_microbatches, stages_per_rank, flags)
+    order = info.generator(num_stages, num_microbatches, stages_per_rank, flags, **options)
+    placement = info.placement(num_stages, stages_per_rank)
     return Schedule(name, num_stages, stages_per_rank, num_microbatches,
-                    lower(order, num_stages, stages_per_rank, edges, step_tail()), edges)
+                    lower(order, placement, edges, step_tail()), edges, placement)
 
 
 def forward_schedule(num_stages: int, num_microbatches: int, *, stages_per_rank: int = 1,
-                     edges: Iterable[Edge] | None = None,
-                     single_transfers: bool = False) -> Schedule:
-    """Forwards only (evaluation, activation measurement): no backward, no step tail. With
-    `single_transfers` every transfer is a group of its own (the runtime's shape discovery,
-    which must finish one message before it can size the next)."""
+                     edges: Iterable[Edge] | None = None, single_transfers: bool = False,
+                     placement: Placement | None = None) -> Schedule:
+    """Forwards only (evaluation, activation measurement): no backward, no step tail, the
+    stages placed as the training schedule places them (`placement`, default round-robin).
+    With `single_transfers` every transfer is a group of its own (the runtime's shape
+    discovery, which must finish one message before it can size the next)."""
     g.check_sizes(num_stages, num_microbatches)
     total = num_stages * stages_per_rank
     edges = chain_edges(total) if edges is None else frozenset(edges)
-    order = g.forward_only(num_stages, num_microbatches, stages_per_rank)
+    placement = placement or round_robin(num_stages, stages_per_rank)
+    order = g.forward_only(placement, num_microbatches)
     return Schedule("forward", num_stages, stages_per_rank, num_microbatches,
-                    lower(order, num_stages, stages_per_rank, edges,
-                          single_transfers=single_transfers), edges)
+                    lower(order, placement, edges, single_transfers=single_transfers), edges,
+                    placement)

@@ -6,6 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
+from merak.inputs import (
+    InputError,
+    check_work,
+    non_negative_float,
+    non_negative_floats,
+    positive_int,
+)
 from merak.schedule.registry import SCHEDULES, make_schedule
 from merak.schedule.simulator import CostModel, MemoryModel, SimulationResult, simulate
 from merak.schedule.timeline import TimelineEvent, save_chrome_trace, save_png
@@ -13,12 +20,9 @@ from merak.schedule.validate import validate_schedule
 
 PER_STAGE = ("forward_cost", "backward_cost", "recompute_cost", "weight_grad_cost",
              "activation_memory", "kept_memory")
-
-
-def _values(text: str) -> float | list[float]:
-    """One number for every stage, or a comma-separated number per stage."""
-    values = [float(v) for v in text.split(",")]
-    return values[0] if len(values) == 1 else values
+# compute blocks (stages x micro-batches x chunks) one simulation handles: 8,192 take about
+# 2 s and 40 MiB; time and memory grow with them (a million would take GBs and minutes)
+MAX_BLOCKS = 16_384
 
 
 def add_simulate(subparsers) -> None:
@@ -28,24 +32,24 @@ def add_simulate(subparsers) -> None:
                     "bubble per stage, peak in-flight micro-batches and peak activation memory. "
                     "Costs and memories take one value or one per stage (comma-separated).")
     parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
-    parser.add_argument("--stages", type=int, required=True)
-    parser.add_argument("--interleave", type=int, default=None, metavar="V",
+    parser.add_argument("--stages", type=positive_int, required=True)
+    parser.add_argument("--interleave", type=positive_int, default=None, metavar="V",
                         help="model chunks per rank for interleaved_1f1b (default 2; costs and "
                              "memories stay per rank, each chunk takes 1/V); --compare includes "
-                             "interleaved_1f1b when V > 1")
-    parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--forward-cost", type=_values, default=1.0)
-    parser.add_argument("--backward-cost", type=_values, default=2.0,
+                             "interleaved_1f1b when V > 1 (zbv and dualpipev: always 2, in a V)")
+    parser.add_argument("--microbatches", type=positive_int, required=True)
+    parser.add_argument("--forward-cost", type=non_negative_floats, default=1.0)
+    parser.add_argument("--backward-cost", type=non_negative_floats, default=2.0,
                         help="input- plus weight-gradient time")
-    parser.add_argument("--recompute-cost", type=_values, default=None,
+    parser.add_argument("--recompute-cost", type=non_negative_floats, default=None,
                         help="turns recomputation on (every stage) with this rerun time")
-    parser.add_argument("--weight-grad-cost", type=_values, default=None,
+    parser.add_argument("--weight-grad-cost", type=non_negative_floats, default=None,
                         help="the weight-gradient part of the backward, for zero_bubble "
                              "(default: half the backward)")
-    parser.add_argument("--p2p-cost", type=float, default=0.0)
-    parser.add_argument("--activation-memory", type=_values, default=1.0,
+    parser.add_argument("--p2p-cost", type=non_negative_float, default=0.0)
+    parser.add_argument("--activation-memory", type=non_negative_floats, default=1.0,
                         help="activation memory one micro-batch keeps for backward")
-    parser.add_argument("--kept-memory", type=_values, default=None,
+    parser.add_argument("--kept-memory", type=non_negative_floats, default=None,
                         help="what it keeps when recomputed (default: a quarter of "
                              "--activation-memory)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -63,8 +67,8 @@ def _models(args: argparse.Namespace) -> tuple[CostModel, MemoryModel]:
     for name in PER_STAGE:
         value = getattr(args, name)
         if isinstance(value, list) and len(value) != args.stages:
-            raise SystemExit(f"--{name.replace('_', '-')} has {len(value)} values for "
-                             f"{args.stages} stages")
+            raise InputError(f"--{name.replace('_', '-')} has {len(value)} values for "
+                             f"{args.stages} stages; give one value, or one per stage")
     kept = args.kept_memory
     if kept is None:
         full = args.activation_memory
@@ -75,14 +79,19 @@ def _models(args: argparse.Namespace) -> tuple[CostModel, MemoryModel]:
     return costs, MemoryModel(full=args.activation_memory, kept=kept)
 
 
+def _stages_per_rank(name: str, args: argparse.Namespace) -> int:
+    return SCHEDULES[name].stages_per_rank(args.interleave or 2)
+
+
 def _schedule(name: str, args: argparse.Namespace):
-    several = SCHEDULES[name].several_stages_per_rank
+    chunks = _stages_per_rank(name, args)
+    check_work("--stages x --microbatches x model chunks", args.stages * args.microbatches
+               * chunks, MAX_BLOCKS, "simulate fewer stages or micro-batches")
     try:
-        return make_schedule(name, args.stages, args.microbatches,
-                             stages_per_rank=(args.interleave or 2) if several else 1,
+        return make_schedule(name, args.stages, args.microbatches, stages_per_rank=chunks,
                              recompute=args.recompute_cost is not None)
     except ValueError as error:
-        raise SystemExit(str(error)) from None
+        raise InputError(str(error)) from None
 
 
 def _run_one(name: str, args: argparse.Namespace, costs: CostModel,
@@ -104,6 +113,10 @@ def _events(result: SimulationResult) -> list[TimelineEvent]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    fixed = SCHEDULES[args.schedule].fixed_stages_per_rank
+    if fixed is not None and args.interleave not in (None, fixed):
+        raise SystemExit(f"--schedule {args.schedule} places {fixed} stages on every rank; "
+                         f"--interleave {args.interleave} does not apply")
     if args.programs:
         schedule = _schedule(args.schedule, args)
         validate_schedule(schedule)
@@ -115,8 +128,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_summary(result)))
     else:
-        chunks = f", {args.interleave or 2} model chunks each" \
-            if SCHEDULES[args.schedule].several_stages_per_rank else ""
+        v = _stages_per_rank(args.schedule, args)
+        shape = " in a V" if SCHEDULES[args.schedule].fixed_stages_per_rank else ""
+        chunks = f", {v} model chunks each{shape}" if v > 1 else ""
         print(f"schedule {args.schedule}: {args.stages} stages x {args.microbatches} "
               f"micro-batches{chunks}")
         print(f"makespan            {result.makespan:.4f}")
@@ -141,7 +155,8 @@ def _compare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n, info in SCHEDULES.items()
              if (args.recompute_cost is not None or not info.needs_recompute)
-             and ((args.interleave or 1) > 1 or not info.several_stages_per_rank)]
+             and ((args.interleave or 1) > 1 or not info.several_stages_per_rank
+                  or info.fixed_stages_per_rank is not None)]
     models = _models(args)
     results = {name: _run_one(name, args, *models) for name in names}
     if args.json:

@@ -99,6 +99,7 @@ def _check_rank(schedule: Schedule, rank: int, training: bool) -> int:
     elif tail:
         raise ScheduleError(f"rank {rank}: a forward-only program has per-step actions")
     seen_groups: list[int] = []
+    handed: set[tuple] = set()  # local hand-offs sent so far
     for action in program:
         if action.kind in STEP_KINDS:
             if action.stage_id is not None or action.microbatch_id is not None:
@@ -115,9 +116,16 @@ def _check_rank(schedule: Schedule, rank: int, training: bool) -> int:
                 raise ScheduleError(f"rank {rank}: {action} (peer rank {action.peer}) is not "
                                     f"a transfer of the split's edges")
             if action.peer == rank:
-                raise ScheduleError(f"rank {rank}: {action} would send to itself (stages "
-                                    f"{action.stage_id} and {action.peer_stage} share the "
-                                    f"rank); choose a split without that edge, or more ranks")
+                if action.group is not None:
+                    raise ScheduleError(f"rank {rank}: {action} would send to itself in a "
+                                        f"posting group (stages {action.stage_id} and "
+                                        f"{action.peer_stage} share the rank: a local "
+                                        f"hand-off belongs to no group)")
+                if action.kind in RECV_KINDS and action.message not in handed:
+                    raise ScheduleError(f"rank {rank}: {action} takes a local hand-off "
+                                        f"before it is handed over")
+                handed.add(action.message)
+                continue
             if action.group is None:
                 raise ScheduleError(f"rank {rank}: {action} belongs to no posting group")
             if not seen_groups or seen_groups[-1] != action.group:

@@ -1,10 +1,12 @@
 """Pipeline stages: the pieces one stage owns, under their original parameter names; and the
-model chunks (stages) one rank hosts under an interleaved schedule, as one module.
+model chunks (stages) one rank hosts under an interleaved or V-shaped schedule, as one module.
 
-With v model chunks per rank the split has ``p * v`` stages; rank r runs stages
-``r, r + p, ..., r + (v - 1) p``, one `PipelineStage` each. `InterleavedStage` holds them and
-presents their pieces under the original parameter names (``model.layers.5.mlp...``), so the
-optimizer, gradient clipping and checkpoints see one module, as with one stage per rank.
+With v model chunks per rank the split has ``p * v`` stages; the schedule's placement says
+which a rank runs (round-robin: rank r runs ``r, r + p, ..., r + (v - 1) p``; a V: r and
+``2p - 1 - r``), one `PipelineStage` each. `InterleavedStage` holds them, with the placement it
+was built for, and presents their pieces under the original parameter names
+(``model.layers.5.mlp...``), so the optimizer, gradient clipping and checkpoints see one
+module, as with one stage per rank.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import fx, nn
 
+from merak.schedule.actions import Placement, round_robin, stages_of
 from merak.stages.split import PipelineSplit, ValueKey
 
 
@@ -134,10 +137,22 @@ def _is_container(module: nn.Module) -> bool:
     return not module._parameters and not module._buffers and bool(module._modules)
 
 
+def _same_tensors(modules: Sequence[nn.Module]) -> bool:
+    """Whether `modules` hold the very same parameters and buffers under the same names (one
+    tied weight, which two chunks' pieces each reach through a module of their own)."""
+    def tensors(m: nn.Module) -> list[tuple[str, int]]:
+        return [(n, id(t)) for n, t in (*m.named_parameters(remove_duplicate=False),
+                                        *m.named_buffers(remove_duplicate=False))]
+    return all(tensors(m) == tensors(modules[0]) for m in modules[1:])
+
+
 def _merge(into: nn.Module, sources: Sequence[nn.Module], prefix: str) -> None:
     """Attach the children of `sources` under `into`: a module found under one name in one
     chunk only is shared as is; where chunks hold different containers under one name (each
-    chunk's ``model``), a fresh container gathers their children (the chunks stay untouched)."""
+    chunk's ``model``), a fresh container gathers their children (the chunks stay untouched).
+    Where they hold different modules of the same tensors (a V puts GPT-2's embedding, stage 0,
+    and its tied head, the last stage, on rank 0), the later chunks take the first one's
+    module, so the rank holds one parameter that materializing and loading replace once."""
     names = dict.fromkeys(n for s in sources for n, c in s._modules.items() if c is not None)
     for name in names:
         found = [s._modules[name] for s in sources if s._modules.get(name) is not None]
@@ -148,6 +163,11 @@ def _merge(into: nn.Module, sources: Sequence[nn.Module], prefix: str) -> None:
             box = nn.Module()
             into.add_module(name, box)
             _merge(box, children, f"{prefix}{name}.")
+        elif _same_tensors(children):
+            for source in sources:
+                if source._modules.get(name) is not None:
+                    source._modules[name] = children[0]
+            into.add_module(name, children[0])
         elif any(True for c in children for _ in c.parameters()):
             raise ValueError(f"chunks hold different modules named {prefix}{name} with "
                              f"parameters; build the chunks from one split")
@@ -159,17 +179,22 @@ class InterleavedStage(nn.Module):
     """The chunks (`PipelineStage`s) of one rank, with every piece under its original name.
 
     Args:
-        chunks: the rank's stages in chunk order (virtual stages ``c * p + pp_rank``), all of
-            one split. Parameters shared by two chunks (tied weights) must be one object
-            (build the chunks from one container and materialize them together).
+        chunks: the rank's stages in model order, all of one split. Parameters shared by two
+            chunks (tied weights) must be one object (build the chunks from one container and
+            materialize them together).
+        placement: the pipeline rank of every stage of the split, as the schedule places them
+            (`merak.schedule.registry.placement_of`); None: not recorded (the interpreter
+            then takes its schedule's).
 
     Attributes:
         chunks: the `PipelineStage` of each chunk (what the interpreter runs).
         split: their common split (``split.num_stages`` = p * v virtual stages).
+        placement: as given.
     """
 
-    def __init__(self, chunks: Sequence[PipelineStage]):
+    def __init__(self, chunks: Sequence[PipelineStage], placement: Placement | None = None):
         super().__init__()
+        self.placement = tuple(placement) if placement is not None else None
         if not chunks:
             raise ValueError("an interleaved stage needs at least one chunk")
         split = chunks[0].split
@@ -192,12 +217,21 @@ class InterleavedStage(nn.Module):
                         "one model chunk at a time")
 
 
-def interleaved_stage(split: PipelineSplit, container: nn.Module, ctx,
-                      num_chunks: int) -> InterleavedStage:
+def interleaved_stage(split: PipelineSplit, container: nn.Module, ctx, num_chunks: int,
+                      placement: Placement | None = None) -> InterleavedStage:
     """This rank's chunks of `split` (``ctx.pp * num_chunks`` virtual stages) over `container`
-    (the model, or an `AutoSplit`'s ``container``), not yet materialized."""
+    (the model, or an `AutoSplit`'s ``container``), not yet materialized: the stages
+    `placement` puts on this rank (default round-robin)."""
     if split.num_stages != ctx.pp * num_chunks:
         raise ValueError(f"the split has {split.num_stages} stages; interleaving {num_chunks} "
                          f"chunks over pp={ctx.pp} needs {ctx.pp * num_chunks}")
+    placement = tuple(placement or round_robin(ctx.pp, num_chunks))
     return InterleavedStage([PipelineStage(container, split, s)
-                             for s in range(ctx.pp_rank, ctx.pp * num_chunks, ctx.pp)])
+                             for s in stages_of(placement, ctx.pp_rank)], placement)
+
+
+def stage_placement(stage: nn.Module, num_ranks: int) -> Placement:
+    """The pipeline rank of every stage of `stage`'s split: the placement an `InterleavedStage`
+    was built for, else round-robin."""
+    placement = getattr(stage, "placement", None)
+    return placement or round_robin(num_ranks, stage.split.num_stages // num_ranks)

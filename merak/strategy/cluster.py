@@ -10,10 +10,12 @@ sit on one node runs at the inter-node bandwidth.
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from merak.inputs import read_json
 
 GIB = 2**30
 
@@ -50,11 +52,20 @@ class Cluster:
 
     def __post_init__(self):
         for field in ("world_size", "gpus_per_node"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"Cluster.{field} must be >= 1, got {getattr(self, field)}")
-        for field in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw", "memory_bw"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"Cluster.{field} must be positive, got {getattr(self, field)}")
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Cluster.{field} must be an integer >= 1, got {value!r}")
+        for field in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw", "memory_bw",
+                      "latency_s", "efficiency"):
+            value = getattr(self, field)
+            positive = field != "latency_s"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"Cluster.{field} must be a finite number "
+                                 f"{'> 0' if positive else '>= 0'}, got {value!r}")
+        if self.efficiency > 1:
+            raise ValueError(f"Cluster.efficiency is a fraction of peak_flops in (0, 1], got "
+                             f"{self.efficiency}")
 
     # -- groups of the (pp, dp, tp) mesh: tp innermost, then dp, then pp ----------------------
     def spans_nodes(self, size: int, stride: int) -> bool:
@@ -119,7 +130,11 @@ def cluster(spec: str, world_size: int | None = None) -> Cluster:
     if spec in CLUSTERS:
         found = CLUSTERS[spec]
     elif Path(spec).is_file():
-        found = Cluster.from_json(json.loads(Path(spec).read_text()))
+        data = read_json(spec, "the cluster file")
+        if not isinstance(data, dict):
+            raise ValueError(f"the cluster file {spec} holds a {type(data).__name__}, not an "
+                             f"object of merak.strategy.Cluster fields")
+        found = Cluster.from_json(data)
     else:
         raise ValueError(f"unknown cluster {spec!r}: give one of {sorted(CLUSTERS)} or a JSON "
                          f"file with the fields of merak.strategy.Cluster")

@@ -14,17 +14,18 @@ from merak.distributed.parallel_context import ParallelContext
 from merak.strategy.search import read_strategy_plan
 
 
-def degrees_from_plan(path: str | Path) -> tuple[int, int, int]:
-    """(dp, tp, pp) of the layout a ``merak plan`` file chose."""
+def degrees_from_plan(path: str | Path) -> tuple[int, int, int, int]:
+    """(dp, tp, pp, cp) of the layout a ``merak plan`` file chose."""
     chosen = read_strategy_plan(path)[0]
-    return chosen.dp, chosen.tp, chosen.pp
+    return chosen.dp, chosen.tp, chosen.pp, getattr(chosen, "cp", 1)
 
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-         backend: str | None = None, *, timeout: datetime.timedelta | float = 600.0,
-         plan: str | Path | None = None) -> ParallelContext:
-    """Initialize torch.distributed (if needed) and build the (pp, dp, tp) device mesh; see
-    `merak.distributed.parallel_context.init` for every argument but `plan`.
+         backend: str | None = None, *, timeout: datetime.timedelta | float | None = None,
+         plan: str | Path | None = None, cp: int | None = None) -> ParallelContext:
+    """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh; see
+    `merak.distributed.parallel_context.init` for every argument but `plan` (`cp`: the
+    context-parallel degree, default 1, see docs/context-parallel.md).
 
     Args:
         plan: a ``merak plan`` file (plan.json): its chosen degrees (the degree arguments must
@@ -35,9 +36,9 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
     """
     if plan is not None:
         planned = degrees_from_plan(plan)
-        given = (dp, tp, pp)
+        given = (dp, tp, pp, cp)
         if any(g is not None and g != p for g, p in zip(given, planned)):
-            raise ValueError(f"merak.init: (dp, tp, pp) = {given} disagree with the plan "
+            raise ValueError(f"merak.init: (dp, tp, pp, cp) = {given} disagree with the plan "
                              f"{plan}'s {planned}; leave the degrees out to use the plan's")
-        dp, tp, pp = planned
-    return parallel_context.init(dp, tp, pp, backend, timeout=timeout)
+        dp, tp, pp, cp = planned
+    return parallel_context.init(dp, tp, pp, backend, timeout=timeout, cp=cp)

@@ -11,14 +11,19 @@ ZeRO stage divides them in Merak's implementation) plus the activation peak the 
 memory replay gives for the schedule, with each stage's recomputed blocks keeping only their
 inputs. ``recompute="budget"`` recomputes the fewest blocks that keep every rank within the
 memory limit.
+
+Context parallelism (cp > 1): a rank computes and keeps 1/cp of each micro-batch's tokens
+(blocks, head, pipeline messages; attention's work is balanced by the load-balanced split), its
+blocks add the cp exchange (`context_parallel_s`), and the gradients of its weights are reduced
+over dp x cp (ZeRO shards over them too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from merak.recompute.stage_aware import KeptBytes
-from merak.schedule.registry import make_schedule
+from merak.schedule.registry import make_schedule, placement_of
 from merak.schedule.simulator import CostModel, MemoryModel, simulate
 from merak.strategy.cluster import Cluster
 from merak.strategy.costs import BlockCosts
@@ -26,6 +31,9 @@ from merak.strategy.shape import ModelShape
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 RECOMPUTE_CHOICES = ("off", "full", "budget")
+# every block recomputed inside the backward, one at a time (`recompute_in_backward`): searched
+# where asked (`merak plan` offline)
+BLOCK = "block"
 EXACT_ROUNDS = 2  # schedules of up to this many rounds of pp micro-batches are replayed whole
 
 
@@ -41,14 +49,22 @@ class Candidate:
     schedule: str = "1f1b"
     recompute: str = "off"
     zero: int = 0
-    chunks: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    chunks: int = 1  # stages per pipeline rank (interleaved_1f1b, zbv, dualpipev)
     sequence_parallel: bool = False  # the blocks' residual stream split over the TP ranks
+    cp: int = 1  # context parallelism: each row's sequence split over cp ranks
+    cp_mode: str = "ring"  # its attention: "ring" or "ulysses"
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def label(self) -> str:
         chunks = f" v{self.chunks}" if self.chunks > 1 else ""
         sp = "+sp" if self.sequence_parallel else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}{chunks} mb{self.micro_batch}x"
+        cp = f" cp{self.cp}:{self.cp_mode}" if self.cp > 1 else ""
+        return (f"dp{self.dp} tp{self.tp}{sp}{cp} pp{self.pp}{chunks} mb{self.micro_batch}x"
                 f"{self.microbatches} {self.schedule} rc:{self.recompute} zero{self.zero}")
 
 
@@ -124,10 +140,46 @@ class Predictor:
                                               else 0)) / vocab_tp
         return params
 
+    def _rank_cost(self, c: Candidate, cost: BlockCosts) -> BlockCosts:
+        """What one cp rank computes and keeps of a micro-batch: 1/cp of its tokens."""
+        if c.cp == 1:
+            return cost
+        return replace(cost, seq=cost.seq // c.cp, forward_s=cost.forward_s / c.cp,
+                       backward_s=cost.backward_s / c.cp,
+                       activation_bytes=cost.activation_bytes / c.cp,
+                       boundary_bytes=cost.boundary_bytes / c.cp,
+                       head_forward_s=cost.head_forward_s / c.cp,
+                       head_backward_s=cost.head_backward_s / c.cp,
+                       head_activation_bytes=cost.head_activation_bytes / c.cp)
+
+    def context_parallel_s(self, c: Candidate, cost: BlockCosts) -> tuple[float, float]:
+        """(forward, backward) seconds one block adds for the cp exchange, `cost` being the
+        rank's share. Ulysses: all-to-alls of q, k, v and the output (backward: of their
+        gradients), not overlapped. Ring: ``cp - 1`` passes of the rank's K/V block (backward:
+        the K/V again and their gradients, ``cp`` passes), overlapped with the attention
+        computed meanwhile (at least a tenth of the traffic shows)."""
+        if c.cp == 1:
+            return 0.0, 0.0
+        shape, cl = self.shape, self.cluster
+        tokens = cost.rows * cost.seq
+        q = tokens * shape.hidden / c.tp * cost.dtype_bytes
+        kv = 2 * tokens * shape.kv_heads * shape.head_dim / c.tp * cost.dtype_bytes
+        if c.cp_mode == "ulysses":
+            once = cl.all_gather_s(2 * q + kv, c.cp, c.tp)  # (an all-to-all's traffic)
+            return once, once
+        whole = cost.seq * c.cp  # the row's tokens: attention's share of a block's FLOPs
+        share = 4 * cost.rows * whole * whole * shape.hidden / shape.block_flops(cost.rows, whole)
+        attention = share * cost.forward_s / c.tp
+        forward = (c.cp - 1) * cl.p2p_s(kv, c.cp, c.tp)
+        backward = (c.cp - 1) * cl.p2p_s(kv, c.cp, c.tp) + c.cp * cl.p2p_s(2 * kv, c.cp, c.tp)
+        return (max(forward - attention, 0.1 * forward),
+                max(backward - 2 * attention, 0.1 * backward))
+
     def _times(self, c: Candidate, cost: BlockCosts, counts: list[int], recomputed: list[int]
                ) -> CostModel:
         """Per-rank durations (a rank's stages summed; the simulator gives each 1/v)."""
         cl, tp = self.cluster, c.tp
+        cp_forward, cp_backward = self.context_parallel_s(c, cost)
         message = cost.boundary_bytes
         if c.sequence_parallel:
             # an all-gather and a reduce-scatter in place of each all-reduce; the model's
@@ -140,18 +192,24 @@ class Predictor:
             ends = 0.0
         forward, backward, recompute = [0.0] * c.pp, [0.0] * c.pp, [0.0] * c.pp
         stages = len(counts)
+        placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, n in enumerate(counts):
-            rank = s % c.pp
-            forward[rank] += n * (cost.forward_s / tp + tp_comm)
-            backward[rank] += n * (cost.backward_s / tp + tp_comm)
+            rank = placement[s]
+            forward[rank] += n * (cost.forward_s / tp + tp_comm + cp_forward)
+            backward[rank] += n * (cost.backward_s / tp + tp_comm + cp_backward)
             if s == 0:
                 backward[rank] += ends
-            recompute[rank] += recomputed[s] * (cost.forward_s / tp + tp_comm)
+            rerun = recomputed[s] * (cost.forward_s / tp + tp_comm + cp_forward)
+            if c.recompute == BLOCK:  # inside the backward; the recompute action is empty
+                backward[rank] += rerun
+                recompute[rank] += 1e-9
+            else:
+                recompute[rank] += rerun
             if s == stages - 1:
                 vocab_tp = tp if self.parallel_vocab else 1
                 forward[rank] += ends + cost.head_forward_s / vocab_tp
                 backward[rank] += cost.head_backward_s / vocab_tp
-        p2p = cl.p2p_s(message, c.pp, c.dp * c.tp)
+        p2p = cl.p2p_s(message, c.pp, c.replicas * c.tp)
         # the simulator charges each stage of a rank 1/v of the rank's figure
         return CostModel(forward=forward, backward=backward, p2p=p2p,
                          recompute=[r if r > 0 else f for r, f in zip(recompute, forward)],
@@ -180,6 +238,7 @@ class Predictor:
         if cost is None:
             result.error = f"no block costs for micro-batch size {c.micro_batch}"
             return result
+        cost = self._rank_cost(c, cost)
         stages = c.pp * c.chunks
         counts = stage_blocks(self.shape.layers, stages)
         if min(counts) < 1:
@@ -188,8 +247,9 @@ class Predictor:
         params = self._stage_params(c)
         largest = self.shape.block_params / c.tp
         states = [0.0] * c.pp
+        placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, p in enumerate(params):
-            states[s % c.pp] += state_bytes(p, c.zero, c.dp, largest)
+            states[placement[s]] += state_bytes(p, c.zero, c.replicas, largest)
         if max(states) > self.memory_bytes:  # no activation can fit: nothing to replay
             rank = states.index(max(states))
             result.peak_bytes = max(states)
@@ -222,12 +282,18 @@ class Predictor:
     def _simulate(self, c: Candidate, cost: BlockCosts, kept: list[KeptBytes],
                   counts: list[int], recomputed: list[int]) -> tuple[float, list[float]]:
         """(makespan, per-rank activation peak); the same for every ZeRO stage (cached)."""
-        key = (c.tp, c.sequence_parallel, c.pp, c.dp, c.chunks, c.micro_batch, c.microbatches,
-               c.schedule, tuple(recomputed))
+        block = c.recompute == BLOCK
+        key = (c.tp, c.sequence_parallel, c.pp, c.dp, c.cp, c.cp_mode, c.chunks, c.micro_batch,
+               c.microbatches, c.schedule, tuple(recomputed), block)
         if key in self._cache:
             return self._cache[key]
         costs = self._times(c, cost, counts, recomputed)
-        memory = MemoryModel(full=[k.by_count[0] for k in kept],
+        full = [k.by_count[0] for k in kept]
+        if block:  # the backward reruns one block at a time: its kept inputs and one block
+            boundary = cost.boundary_bytes / c.tp if c.sequence_parallel else cost.boundary_bytes
+            full = [k.by_count[n] + (k.by_count[0] - k.by_count[1]) + boundary
+                    for k, n in zip(kept, recomputed)]
+        memory = MemoryModel(full=full,
                              kept=[k.by_count[n] for k, n in zip(kept, recomputed)],
                              per_stage=True)
 
@@ -262,10 +328,11 @@ class Predictor:
         the later stages."""
         if c.recompute == "off":
             return [0] * len(counts)
-        if c.recompute == "full":
+        if c.recompute in ("full", BLOCK):
             return list(counts)
         if c.recompute != "budget":
-            raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {c.recompute!r}")
+            raise ValueError(f"recompute must be one of {(*RECOMPUTE_CHOICES, BLOCK)}, got "
+                             f"{c.recompute!r}")
 
         def fits(k: int) -> bool:
             recomputed = [min(k, n) for n in counts]
@@ -283,25 +350,27 @@ class Predictor:
     def _tail(self, c: Candidate, params: list[float], cost: BlockCosts,
               counts: list[int]) -> float:
         """The slowest rank's exposed data-parallel traffic (and ZeRO-3's gathers) and its
-        optimizer step (over its 1/dp share under ZeRO)."""
+        optimizer step (over its 1/dp share under ZeRO); dp x cp with context parallelism."""
         cl, worst = self.cluster, 0.0
+        placement = placement_of(c.schedule, c.pp, c.chunks)
+        dp = c.replicas  # (the replicas of a weight: tp-strided, dp x cp of them)
         for rank in range(c.pp):
-            mine = sum(p for s, p in enumerate(params) if s % c.pp == rank)
+            mine = sum(p for s, p in enumerate(params) if placement[s] == rank)
             grads = 4 * mine
-            step = cost.optimizer_s_per_param * (mine / c.dp if c.zero >= 1 else mine)
+            step = cost.optimizer_s_per_param * (mine / dp if c.zero >= 1 else mine)
             if c.zero >= 2:
-                sync = cl.all_gather_s(grads, c.dp, c.tp)  # reduce-scatter
+                sync = cl.all_gather_s(grads, dp, c.tp)  # reduce-scatter
                 if c.zero == 3:  # every micro-batch gathers each block for forward and backward
-                    sync += 2 * c.microbatches * cl.all_gather_s(4 * mine, c.dp, c.tp)
+                    sync += 2 * c.microbatches * cl.all_gather_s(4 * mine, dp, c.tp)
                 else:  # the weights gathered once per step, after the optimizer
-                    sync += cl.all_gather_s(4 * mine, c.dp, c.tp)
+                    sync += cl.all_gather_s(4 * mine, dp, c.tp)
             else:
-                sync = cl.all_reduce_s(grads, c.dp, c.tp)
+                sync = cl.all_reduce_s(grads, dp, c.tp)
                 # buckets start during the rank's last backward: what outlasts it shows
-                last_backward = sum(counts[s] for s in range(len(counts)) if s % c.pp == rank) \
+                last_backward = sum(n for s, n in enumerate(counts) if placement[s] == rank) \
                     * cost.backward_s / c.tp / c.chunks
                 sync = max(sync - last_backward, 0.1 * sync)
                 if c.zero == 1:  # each rank steps its share, then broadcasts it
-                    sync += cl.all_gather_s(4 * mine, c.dp, c.tp)
+                    sync += cl.all_gather_s(4 * mine, dp, c.tp)
             worst = max(worst, sync + step)
         return worst

@@ -18,10 +18,30 @@ from merak.rules import Choices, refusal
 from merak.schedule.registry import SCHEDULES
 from merak.strategy.cluster import Cluster
 from merak.strategy.costs import BlockCosts
-from merak.strategy.predict import RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
+from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
 from merak.strategy.shape import ModelShape
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def context_parallel_degrees(world_size: int, seq: int, most: int = 8) -> tuple[int, ...]:
+    """cp degrees to search: 1 and the powers of two up to `most` that divide the world and
+    cut the sequence into ``2 x cp`` chunks (the load-balanced split)."""
+    found, cp = [1], 2
+    while cp <= min(most, world_size):
+        if world_size % cp == 0 and seq % (2 * cp) == 0:
+            found.append(cp)
+        cp *= 2
+    return tuple(found)
+
+
+def cp_modes(shape: ModelShape, tp: int, cp: int) -> tuple[str, ...]:
+    """The attention of a cp > 1 layout: ring always; Ulysses where cp divides the heads and
+    key/value heads of a TP rank."""
+    if cp == 1:
+        return ("ring",)
+    heads, kv = shape.heads // tp, shape.kv_heads // tp
+    return ("ring", "ulysses") if heads % cp == 0 and kv % cp == 0 else ("ring",)
 
 
 def layouts(shape: ModelShape, world_size: int) -> list[tuple[int, int, int]]:
@@ -39,40 +59,63 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
                schedules: Iterable[str] | None = None,
                zero_stages: Iterable[int] = (0, 1, 2, 3),
                sequence_parallel: Iterable[bool] = (False, True),
-               job: Choices | None = None) -> Iterator[Candidate]:
+               job: Choices | None = None,
+               context_parallel: Iterable[int] = (1,),
+               recompute_choices: Iterable[str] = RECOMPUTE_CHOICES) -> Iterator[Candidate]:
     """Every layout x sequence parallelism x micro-batch size x schedule x recomputation x
     ZeRO stage that the sizes allow (a global batch divisible by dp x micro-batch size;
     sequence parallelism needs tp > 1 dividing the sequence of `seq` tokens; interleaving
-    needs two blocks per rank; ZeRO needs dp > 1) and that `merak.rules` accepts for the job's
-    other options `job` (ZeRO-2/3 with a schedule that does not split the backward, nor with
+    needs two blocks per rank and at least pp micro-batches (the registry's
+    `min_microbatches_per_rank`); ZeRO needs dp x cp > 1) and that `merak.rules` accepts for the
+    job's other options `job` (ZeRO-2/3 with a schedule that does not split the backward, nor with
     LoRA or torch_compile; Merak's reordering schedules with recomputation: the rules
     `MerakArguments` applies). `sequence_parallel`: the settings to try where tp > 1
-    (``(False,)`` for a job that cannot split the sequence: see `sequence_parallel_choices`)."""
+    (``(False,)`` for a job that cannot split the sequence: see `sequence_parallel_choices`).
+    `context_parallel`: the cp degrees to try (`context_parallel_degrees`; each with the cp
+    modes the heads allow, `cp_modes`). `recompute_choices`: add ``"block"`` (every block
+    rerun inside the backward, `recompute_in_backward`) to search it, with the schedules that
+    do not move a recompute action."""
     job = job or Choices()
     schedules = list(schedules or SCHEDULES)
-    for dp, tp, pp in layouts(shape, world_size):
-        sp_settings = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq % tp == 0)]
-        for sp, mb in itertools.product(sp_settings or [False], micro_batch_sizes):
+    for cp, (dp, tp, pp) in _layouts(shape, world_size, seq, context_parallel):
+        local = seq // cp  # the tokens of a row on one cp rank
+        sp_settings = [sp for sp in sequence_parallel if not sp or (tp > 1 and local % tp == 0)]
+        for sp, mb, mode in itertools.product(sp_settings or [False], micro_batch_sizes,
+                                              cp_modes(shape, tp, cp)):
             if global_batch % (dp * mb):
                 continue
             m = global_batch // (dp * mb)
             for name in schedules if pp > 1 else ["1f1b"]:
                 info = SCHEDULES[name]
-                chunks = 2 if info.several_stages_per_rank else 1
-                if chunks * pp > shape.layers or (chunks > 1 and m % pp):
+                chunks = info.stages_per_rank(2)
+                if chunks * pp > shape.layers or m < info.min_microbatches_per_rank * pp:
                     continue
-                for recompute in RECOMPUTE_CHOICES:
-                    for zero in zero_stages if dp > 1 else (0,):
-                        c = Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks, sp)
+                for recompute in recompute_choices:
+                    if recompute == BLOCK and info.needs_recompute:
+                        continue
+                    for zero in zero_stages if dp * cp > 1 else (0,):  # (over dp x cp)
+                        c = Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks, sp,
+                                      cp, mode)
                         if refusal(job.with_candidate(c)) is None:
                             yield c
+
+
+def _layouts(shape: ModelShape, world_size: int, seq: int, degrees: Iterable[int]
+             ) -> Iterator[tuple[int, tuple[int, int, int]]]:
+    """(cp, (dp, tp, pp)) for each cp degree of `degrees` that divides the world size and whose
+    ``2 x cp`` chunks divide the sequence."""
+    for cp in degrees:
+        if world_size % cp == 0 and (cp == 1 or seq % (2 * cp) == 0):
+            for layout in layouts(shape, world_size // cp):
+                yield cp, layout
 
 
 def sequence_parallel_choices(config, tp_plan=None) -> tuple[bool, ...]:
     """``(False, True)`` when the tensor-parallel plan of the model `config` describes
     (`tp_plan` when the job gives one) can split the sequence (it names ``sp_gather``
     modules), else ``(False,)``."""
-    from merak.tensor_parallel.plans import as_tp_plan, config_plan
+    from merak.tensor_parallel.plan_choice import config_plan
+    from merak.tensor_parallel.plans import as_tp_plan
 
     plan = as_tp_plan(tp_plan) if tp_plan is not None else config_plan(config)
     return (False, True) if plan is not None and plan.sp_gather else (False,)
@@ -190,7 +233,8 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
     done: dict[tuple, Prediction] = {}
     for candidate in candidates(shape, cluster.world_size, global_batch, seq, sizes, **options):
         c = candidate
-        base = (c.dp, c.tp, c.sequence_parallel, c.pp, c.micro_batch, c.schedule, c.zero)
+        base = (c.dp, c.tp, c.sequence_parallel, c.cp, c.cp_mode, c.pp, c.micro_batch,
+                c.schedule, c.zero)
         if c.recompute == "budget":  # only between an "off" that fails and a "full" that fits
             off, full = done.get((*base, "off")), done.get((*base, "full"))
             if (off is not None and off.fits) or full is None or not full.fits:
@@ -226,13 +270,14 @@ def explain(ranked: list[Prediction]) -> str:
     lines = [f"{c.label}: predicted {best.step_s:.4g} s per step ({best.pipeline_s:.4g} s "
              f"pipeline, {best.tail_s:.4g} s exposed data-parallel traffic), "
              f"{best.peak_bytes / 2**30:.3g} GiB on its fullest rank"]
-    seen = {(c.dp, c.tp, c.pp)}
+    seen = {(c.dp, c.tp, c.pp, c.cp)}
     for p in ranked[1:]:
         o = p.candidate
-        if (o.dp, o.tp, o.pp) in seen:
+        if (o.dp, o.tp, o.pp, o.cp) in seen:
             continue
-        seen.add((o.dp, o.tp, o.pp))
-        lines.append(f"  best with dp{o.dp} tp{o.tp} pp{o.pp}: {o.label}, "
+        seen.add((o.dp, o.tp, o.pp, o.cp))
+        cp = f" cp{o.cp}" if o.cp > 1 else ""
+        lines.append(f"  best with dp{o.dp} tp{o.tp}{cp} pp{o.pp}: {o.label}, "
                      f"{p.step_s / best.step_s:.2f}x the time")
         if len(seen) > 4:
             break

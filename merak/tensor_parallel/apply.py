@@ -9,6 +9,7 @@ repeated blocks (embedding, LM head) as opaque eager calls.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -17,17 +18,11 @@ from torch import nn
 from merak import lora
 from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.stages.blocks import find_blocks, within
-from merak.tensor_parallel import layers, lora_adapters, wrappers
+from merak.tensor_parallel import layers, lora_adapters, proof, wrappers
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS
 from merak.tensor_parallel.overlap import check_overlap_args, set_tp_overlap
-from merak.tensor_parallel.plans import (
-    DIVISIBLE_CONFIG_ATTRS,
-    HEAD_ATTRS,
-    TPPlan,
-    as_tp_plan,
-    matches,
-    plan_for,
-)
+from merak.tensor_parallel.plan_choice import plan_for, plan_refusal
+from merak.tensor_parallel.plans import HEAD_ATTRS, TPPlan, as_tp_plan, matches
 from merak.tensor_parallel.rng import install_tp_rng
 from merak.tensor_parallel.sequence import enable_sequence_parallel
 
@@ -43,23 +38,13 @@ class TPInfo:
     parallel_vocab: bool
     sequence_parallel: bool
     styles: Mapping[str, str] = field(default_factory=dict)  # converted name -> its TP style
+    # for a plan to prove before use (``plan.check``): each block structure's unsharded copy and
+    # inputs (`merak.tensor_parallel.proof.collect`), which `merak.parallelize` proves it with
+    examples: tuple = ()
 
     def style_of(self, name: str) -> str:
         """How the converted module or parameter `name` is split, and by which plan."""
         return f"{self.styles.get(name, 'tensor-parallel')} (plan: {self.plan.source})"
-
-
-def _check_divisible(model: nn.Module, tp: int, parallel_vocab: bool, plan: TPPlan) -> None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return
-    names = DIVISIBLE_CONFIG_ATTRS + plan.divisible + (("vocab_size",) if parallel_vocab else ())
-    for attr in names:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value % tp:
-            raise ValueError(f"tp={tp} must divide {attr}, but {type(config).__name__}.{attr} = "
-                             f"{value}; choose a tp that divides it"
-                             + ("" if attr != "vocab_size" else " or parallel_vocab=False"))
 
 
 def _divide_attr(module: nn.Module, name: str, attr: str, tp: int) -> None:
@@ -77,7 +62,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
 
     The plan is `plan` when given (a `TPPlan`, or a dict of `merak.set_tp_layer_lists`'
     arguments), else the one `set_tp_layer_lists` recorded for the job (``ctx.tp_plan``), else
-    the family's, else the config's ``base_model_tp_plan`` (`plans.plan_for`).
+    the family's, else the config's ``base_model_tp_plan`` (`plan_choice.plan_for`).
 
     `overlap_level` and `overlap_sub_batches` (sub-pipelined TP, ``tp_overlapping_level``) are
     passed to `merak.tensor_parallel.overlap.set_tp_overlap` once the model is converted.
@@ -104,15 +89,21 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
                              "tp > 1; set overlap_level=0")
         return model  # parallel_vocab over one rank is the plain vocabulary
     plan = plan_for(model, ctx, plan)
-    _check_divisible(model, tp, parallel_vocab, plan)
     config = getattr(model, "config", None)
-    reason = plan.unsupported(config) if plan.unsupported else None
+    reason = plan_refusal(config, plan, tp, parallel_vocab)
     if reason:
         raise ValueError(reason)
+    if plan.source == "inferred" and plan.notes:
+        family = getattr(config, "model_type", type(model).__name__)
+        warnings.warn(f"tensor parallelism of {family} uses the plan inferred from its blocks, "
+                      f"which leaves some layers replicated: {'; '.join(plan.notes)[:600]} "
+                      f"(`merak tp-plan {family}` prints it)", stacklevel=2)
     if sequence_parallel and plan.sp_gather is None:
         raise ValueError(f"sequence_parallel is not supported yet for {type(model).__name__} "
                          f"(its TP plan has no sp_gather modules); set sequence_parallel=False")
     blocks = find_blocks(model)
+    examples = tuple(proof.collect(model, blocks, getattr(ctx, "device", "cpu"))) \
+        if plan.check and blocks else ()
     in_block = (lambda n: any(within(n, b) for b in blocks)) if blocks else (lambda n: True)
     lora_names = {n for n, m in model.named_modules() if lora.is_lora_layer(m)}
     if lora_names and (sequence_parallel or overlap_level):
@@ -132,6 +123,13 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
     if not converted:
         raise ValueError(f"the TP plan ({plan.source}) matched no module; check its patterns "
                          f"against model.named_modules()")
+    for name in blocks:
+        entries = [e for p, es in plan.split_inputs.items() if matches(name, p) for e in es]
+        if entries:
+            wrappers.split_inputs_(model.get_submodule(name), entries, group, rank, tp)
+            converted.append(name)
+            styles[name] = "inputs " + ", ".join(path for path, _, _ in entries) + \
+                " sliced per rank"
     if parallel_vocab:
         converted += _split_vocabulary(model, plan, group, rank, tp, cache)
     _mark_partial_grads(model, plan, sequence_parallel, in_block)
@@ -143,7 +141,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
     if sequence_parallel:
         enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
     model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel,
-                            styles)
+                            styles, examples)
     if overlap_level:
         set_tp_overlap(model, overlap_level, overlap_sub_batches)
     return model
@@ -170,7 +168,8 @@ def _convert_linears(named, plan: TPPlan, config, group, rank: int, tp: int, cac
         style = plan.style(name, module)
         chunks = None
         if style == "column":
-            chunks = next((f(config) for p, f in plan.fused.items() if matches(name, p)), None)
+            chunks = next((f if isinstance(f, tuple) else f(config)
+                           for p, f in plan.fused.items() if matches(name, p)), None)
             parts = next((n for p, n in plan.packed.items() if matches(name, p)), None)
             if chunks is None and parts and isinstance(module, nn.Linear):
                 chunks = (module.out_features // parts,) * parts
@@ -284,8 +283,12 @@ def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict
             bare = _param_shard(plan, full, param) if dim is None and \
                 getattr(param, "tp_shard", None) is None else None
             if dim is not None:
+                dim, chunks = dim if isinstance(dim, tuple) else (dim, None)
+                if chunks is not None:  # (dim, period): each period split apart
+                    chunks = (chunks,) * (param.shape[dim] // chunks)
                 setattr(module, param_name,
-                        layers.shard_parameter(param, dim, rank, tp, cache=cache))
+                        layers.shard_parameter(param, dim, rank, tp, chunks, cache))
+                styles[full] = _describe(plan, full, f"split along dim {dim}")
             elif bare is not None:
                 dim, parts = bare
                 size = param.shape[dim]

@@ -22,7 +22,8 @@ _SHAPE_ERROR = re.compile(
     r"|shapes cannot be multiplied|Attempting to broadcast a dimension|expanded size of the "
     r"tensor|normalized_shape|doesn't match the broadcast shape|Sizes of tensors must match"
     r"|size mismatch|Expected .*shape|mat1 and mat2|Dimension out of range|split_with_sizes"
-    r"|not divisible by|ShapeMismatch|shape mismatch|incompatible shapes?", re.IGNORECASE)
+    r"|not divisible by|ShapeMismatch|shape mismatch|incompatible shapes?"
+    r"|must have same reduction dim", re.IGNORECASE)
 _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 _SHOWN = 4
 
@@ -137,4 +138,6 @@ def explain_tp_failure(model: nn.Module, error: BaseException) -> str | None:
 def _plan_origin(source: str) -> str:
     return {"table": "merak's FAMILY_PLANS table",
             "base_model_tp_plan": "the config's base_model_tp_plan",
-            "set_tp_layer_lists": "merak.set_tp_layer_lists"}.get(source, repr(source))
+            "set_tp_layer_lists": "merak.set_tp_layer_lists",
+            "inferred": "the plan inferred from the blocks (merak tp-plan)"}.get(source,
+                                                                              repr(source))

@@ -90,7 +90,11 @@ MOE_DIVISIBLE = ("moe_intermediate_size", "shared_expert_intermediate_size",
 # added to (and overriding) its base_model_tp_plan
 PLAN_FIXES: dict[str, dict[str, str]] = {
     # xIELU activation with learnable alpha_p / alpha_n, applied to this rank's MLP features
-    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    **{family: {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}
+       for family in ("apertus", "apertus1p5_text")},
+    # per-head q/k norms (as Qwen3's) that see only this rank's heads
+    "sarvam_moe": {"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                   "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"},
     # the experts' gate_up_proj [E, 2I, H] is read as two halves (chunk(2)): plain colwise would
     # give rank 0 only gate rows
     **{family: {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"}

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from merak.distributed.parallel_context import get_context
-from merak.tensor_parallel.hf_styles import plan_fields_from_hf
 
 # The plan `set_tp_layer_lists` recorded, with the device mesh of the job it was recorded for
 # (the default context's then): part of the state `merak.init()` sets up, keyed to its mesh.
@@ -52,14 +51,23 @@ class TPPlan:
     `divide_heads` divides the head counts (`HEAD_ATTRS`) of every module holding a
     column-parallel layer whose output stays sharded, and of its private config; `divisible`
     more config attributes tp must divide; `hf_styles` the (pattern, style) entries it came
-    from."""
+    from.
+
+    The fields after `hf_styles` come with plans inferred from the traced blocks
+    (`merak.tensor_parallel.infer`): `fused` may give the sizes themselves, and `head_sharded`
+    a (dim, period) pair: each period of that many elements along the dim is split apart;
+    `split_inputs` block inputs sliced per rank the same way, as (argument path in
+    ``(args, kwargs)``, dim, period) entries per block pattern (BLOOM's ALiBi biases, one per
+    head); `notes` why layers stay replicated; `check` asks for the proof before training (each
+    rank's sharded block against the unsharded one, `merak.tensor_parallel.proof`)."""
 
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
-    fused: dict[str, Callable[[object], tuple[int, ...]]] = field(default_factory=dict)
+    fused: dict[str, Callable[[object], tuple[int, ...]] | tuple[int, ...]] = field(
+        default_factory=dict)
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
     divide_anywhere: tuple[str, ...] = ()
-    head_sharded: dict[str, int] = field(default_factory=dict)
+    head_sharded: dict[str, int | tuple[int, int]] = field(default_factory=dict)
     io_mapping: tuple[tuple[int, int, str], ...] = ()
     partial_grad: tuple[str, ...] = ()
     sp_gather: tuple[str, ...] | None = None
@@ -80,6 +88,9 @@ class TPPlan:
     divide_heads: bool = False
     divisible: tuple[str, ...] = ()
     hf_styles: tuple[tuple[str, str], ...] = ()
+    split_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    check: bool = False
 
     def style(self, name: str, module: nn.Module) -> str | None:
         """'column', 'row' or None for the module `name`."""
@@ -317,47 +328,3 @@ def clear_registered_plan() -> None:
     """Forget the plan `set_tp_layer_lists` recorded (tests; a script that changes its mind)."""
     global _recorded
     _recorded = None
-
-
-def _from_config_plan(config) -> TPPlan | None:
-    """A plan from the config's own ``base_model_tp_plan`` (every transformers style, see
-    `merak.tensor_parallel.hf_styles`); None when it has none or it splits nothing."""
-    table = getattr(config, "base_model_tp_plan", None) or {}
-    if not table and hasattr(config, "get_text_config"):
-        try:
-            table = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
-        except ValueError:  # several text configs: ambiguous
-            table = {}
-    fields = plan_fields_from_hf(table, getattr(config, "model_type", "?")) if table else None
-    return TPPlan(**fields) if fields else None
-
-
-def config_plan(config) -> TPPlan | None:
-    """The plan of the family `config` describes (Merak's table entry, else the config's
-    ``base_model_tp_plan``), or None."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in FAMILY_PLANS:
-        return FAMILY_PLANS[model_type]
-    return _from_config_plan(config)
-
-
-def plan_for(model: nn.Module, ctx: object = None,
-             plan: TPPlan | Mapping | None = None) -> TPPlan:
-    """The plan to shard `model` with: `plan` when given (see `as_tp_plan`), else the one
-    recorded by `merak.set_tp_layer_lists` for the job of `ctx` (`registered_plan`), else the
-    family's table entry, else the config's ``base_model_tp_plan``; otherwise an error naming
-    `merak.set_tp_layer_lists`."""
-    chosen = as_tp_plan(plan)
-    if chosen is None and ctx is not None:
-        chosen = registered_plan(ctx)
-    if chosen is not None:
-        return chosen
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    found = config_plan(config) if config is not None else None
-    if found is not None:
-        return found
-    raise ValueError(f"no tensor-parallel plan for {type(model).__name__} (model_type "
-                     f"{model_type!r}; plans exist for {sorted(FAMILY_PLANS)}): describe its "
-                     f"layers with merak.set_tp_layer_lists(col_para_list=[...], "
-                     f"row_para_list=[...], tp_attr_list=[...]) or a tp_plan, or use tp=1")

@@ -1,6 +1,7 @@
 """Tensor-parallel conversions of modules that are not plain linear layers (transformers' plan
 styles `moe_tp_experts` / `all_reduce`, `moe_identity_expert`, `mla_kv_a_proj`,
-`embedding_colwise`; see `merak.tensor_parallel.hf_styles`).
+`embedding_colwise`; see `merak.tensor_parallel.hf_styles`), and block inputs sliced per rank
+(inferred plans' `split_inputs`).
 
 As in `merak.tensor_parallel.layers`, a module is converted in place by swapping its class for
 a subclass that adds the collectives around the original forward, so its parameters keep their
@@ -9,11 +10,19 @@ names and every reference to it sees the change.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
-from merak.tensor_parallel.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from merak.tensor_parallel.collectives import (
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_tp,
+)
 from merak.tensor_parallel.layers import _TPMixin, shard_parameter
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -125,3 +134,55 @@ def make_embedding_dim_parallel_(module: nn.Module, name: str, group, rank: int,
     module.__class__ = EmbeddingDimParallel
     module.embedding_dim //= size
     module.tp_group = group
+
+
+def take_periods(x: torch.Tensor, dim: int, period: int, group, rank: int,
+                 size: int) -> torch.Tensor:
+    """This rank's ``period // size`` elements of each `period` along `dim` (backward:
+    all-gathered, so what computed `x` gets the whole gradient)."""
+    pos = period // size
+    parts = x.unflatten(dim, (x.shape[dim] // period, size, pos))
+    if group is None:  # no process group (a shape check): the slice alone
+        mine = parts.narrow(dim + 1, rank, 1)
+    else:
+        mine = scatter_to_tp(parts, dim + 1, group)
+    return mine.flatten(dim, dim + 2)
+
+
+class SplitInputs:
+    """A block whose inputs are sliced per rank first (`split_inputs_`), inside its forward: a
+    trace of the model that keeps the block's call whole keeps the slicing inside it."""
+
+    split_entries: dict = {}  # path -> (dim, period)
+    tp_group = None
+    tp_rank, tp_size = 0, 1
+
+    def _fix(self, prefix: str, value):
+        leaves, spec = pytree.tree_flatten_with_path(value)
+        new = []
+        for path, leaf in leaves:
+            where = self.split_entries.get(prefix + pytree.keystr(path))
+            if where is not None and isinstance(leaf, torch.Tensor):
+                leaf = take_periods(leaf, *where, self.tp_group, self.tp_rank, self.tp_size)
+            new.append(leaf)
+        return pytree.tree_unflatten(new, spec)
+
+    def forward(self, *args, **kwargs):
+        plain = super().forward
+        bound = inspect.signature(plain).bind(*args, **kwargs)
+        for name, value in list(bound.arguments.items()):  # named as `trace.named_inputs` does
+            kind = bound.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                bound.arguments[name] = {k: self._fix(f"[{k!r}]", v) for k, v in value.items()}
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                bound.arguments[name] = self._fix(f"[{name!r}]", value)
+        return plain(*bound.args, **bound.kwargs)
+
+
+def split_inputs_(module: nn.Module, entries, group, rank: int, size: int) -> None:
+    """Slice `module`'s inputs per rank before it runs: `entries` are (path among its named
+    inputs (`merak.tensor_parallel.trace.named_inputs`), dim, period) triples (see
+    `take_periods`), e.g. ALiBi biases of every head sliced to this rank's heads."""
+    _swap_class(module, SplitInputs)
+    module.split_entries = {path: (dim, period) for path, dim, period in entries}
+    module.tp_group, module.tp_rank, module.tp_size = group, rank, size

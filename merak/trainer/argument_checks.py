@@ -59,10 +59,6 @@ class ArgumentChecks:
             raise ValueError(f"MerakArguments.{chosen[0]} is chosen by the plan with "
                              f"{'auto_parallel' if self.auto_parallel else 'plan'}; leave it at "
                              f"its default")
-        if self.plan_dry_runs < 1 or (self.plan_memory_gib is not None
-                                      and self.plan_memory_gib <= 0):
-            raise ValueError("MerakArguments.plan_dry_runs must be >= 1 and plan_memory_gib "
-                             "positive")
 
     def _check_choices(self) -> None:
         choices = {
@@ -80,18 +76,8 @@ class ArgumentChecks:
         if self.split_method == "layer_split" and not self.custom_split_points:
             raise ValueError("MerakArguments.split_method='layer_split' needs "
                              "custom_split_points")
-        for name in ("checkpoint_num_layers", "out_seq_length", "loss_scale_window",
-                     "hysteresis", "num_model_chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MerakArguments.{name} must be >= 1, got {getattr(self, name)}")
         self._check_energy()
         self._check_schedule_and_recomputation()
-        if self.eval_iters is not None and self.eval_iters < 1:
-            raise ValueError(f"MerakArguments.eval_iters must be >= 1 or None, got "
-                             f"{self.eval_iters}")
-        if self.gradient_predivide_factor <= 0:
-            raise ValueError(f"MerakArguments.gradient_predivide_factor must be positive, got "
-                             f"{self.gradient_predivide_factor}")
         if self.sequence_dim not in (0, 1):
             raise ValueError(f"MerakArguments.sequence_dim must be 0 or 1, got "
                              f"{self.sequence_dim}")
@@ -113,14 +99,24 @@ class ArgumentChecks:
         if self.energy_gpu not in (None, "nvml", "simulated"):
             raise ValueError(f"MerakArguments.energy_gpu={self.energy_gpu!r} is not one of "
                              f"[None, 'nvml', 'simulated']")
-        wanted = [name for name in ("energy_profile", "energy_plan", "pfo_server_url")
-                  if getattr(self, name)]
+        if self.energy_mode not in (None, "auto"):
+            raise ValueError(f"MerakArguments.energy_mode={self.energy_mode!r} is not one of "
+                             f"[None, 'auto']")
+        if not 0.0 <= self.energy_max_slowdown < 1.0:
+            raise ValueError(f"MerakArguments.energy_max_slowdown must lie in [0, 1), got "
+                             f"{self.energy_max_slowdown}")
+        if self.energy_replan_margin <= 0:
+            raise ValueError(f"MerakArguments.energy_replan_margin must be positive, got "
+                             f"{self.energy_replan_margin}")
+        wanted = [name for name in ("energy_mode", "energy_profile", "energy_plan",
+                                    "pfo_server_url") if getattr(self, name)]
         if wanted and self.energy_gpu is None:
             raise ValueError(f"MerakArguments.{wanted[0]} needs a GPU to control: set "
                              f"energy_gpu='nvml' (NVIDIA GPUs) or 'simulated' (CPU machines)")
         if len(wanted) > 1:
-            raise ValueError(f"MerakArguments: choose one of {wanted} (profile first, then train "
-                             f"with a plan from a file or from a Perseus server)")
+            raise ValueError(f"MerakArguments: choose one of {wanted} (energy_mode='auto' does "
+                             f"all in one run; or profile first, then train with a plan from a "
+                             f"file or from a Perseus server)")
         if self.simulated_gpu is not None and self.energy_gpu != "simulated":
             raise ValueError("MerakArguments.simulated_gpu only applies with "
                              "energy_gpu='simulated'")
@@ -129,24 +125,23 @@ class ArgumentChecks:
         shaped = [n for n in ("activation_checkpoint_ratio", "activation_memory_budget")
                   if getattr(self, n) is not None]
         if not self.activation_checkpointing:
-            extra = shaped + ["checkpoint_num_layers"] * (self.checkpoint_num_layers != 1)
+            extra = shaped + ["checkpoint_num_layers"] * (self.checkpoint_num_layers != 1) \
+                + ["recompute_in_backward"] * self.recompute_in_backward
             if extra:
                 raise ValueError(f"MerakArguments.{extra[0]} only applies with "
                                  f"activation_checkpointing=True")
         if len(shaped) > 1:
             raise ValueError("MerakArguments: give activation_checkpoint_ratio (fractions) or "
                              "activation_memory_budget (MiB), not both")
-        for ratio in self.activation_checkpoint_ratio or ():
-            if not 0.0 <= ratio <= 1.0:
-                raise ValueError(f"MerakArguments.activation_checkpoint_ratio values must lie in "
-                                 f"[0, 1], got {ratio}")
-        if any(b <= 0 for b in self.activation_memory_budget or ()):
-            raise ValueError("MerakArguments.activation_memory_budget values must be positive "
-                             "MiB")
-        interleaved = SCHEDULES[self.train_schedule].several_stages_per_rank
+        if self.recompute_in_backward and self.checkpoint_num_layers != 1:
+            raise ValueError("MerakArguments.recompute_in_backward reruns each block on its own "
+                             "kept inputs: leave checkpoint_num_layers at 1")
+        info = SCHEDULES[self.train_schedule]
+        interleaved = info.several_stages_per_rank and info.fixed_stages_per_rank is None
         if not interleaved and self.num_model_chunks != 2:
             raise ValueError("MerakArguments.num_model_chunks only applies with "
-                             "train_schedule='interleaved_1f1b'")
+                             "train_schedule='interleaved_1f1b' (zbv and dualpipev place 2 "
+                             "stages on every rank, in a V)")
         if interleaved and self.num_model_chunks < 2:
             raise ValueError("MerakArguments.num_model_chunks must be >= 2 for interleaved_1f1b "
                              "(1 chunk per rank is train_schedule='1f1b')")

@@ -21,6 +21,7 @@ from merak.schedule.registry import SCHEDULES
 from merak.stages import assign
 from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan
 from merak.trainer.argument_checks import ArgumentChecks
+from merak.trainer.argument_ranges import check_ranges
 from merak.trainer.config_bases import keep_declared_defaults
 from merak.trainer.job import JobView
 
@@ -57,7 +58,8 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         f"pipeline schedule: {sorted(SCHEDULES)}"))
     num_model_chunks: int = field(default=2, metadata=_help("pipeline",
         "model chunks per pipeline rank for train_schedule='interleaved_1f1b' (the model "
-        "is split into pp x this many virtual stages)"))
+        "is split into pp x this many virtual stages; zbv and dualpipev always place 2 per "
+        "rank, in a V)"))
     partition_method: str = field(default="uniform", metadata=_help("pipeline",
         f"stage assignment: {list(assign.PARTITION_METHODS)}"))
     split_method: str = field(default="farthest_min_deps", metadata=_help("pipeline",
@@ -79,6 +81,10 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "says otherwise)"))
     checkpoint_num_layers: int = field(default=1, metadata=_help("recomputation",
         "consecutive blocks per checkpointed chunk (only its input is kept)"))
+    recompute_in_backward: bool = field(default=False, metadata=_help("recomputation",
+        "rerun each recomputed block inside the backward, one at a time (as "
+        "torch.utils.checkpoint), instead of a stage's blocks all at once before it: "
+        "less memory, no schedulable recomputation; needs checkpoint_num_layers=1"))
     activation_checkpoint_ratio: list[float] | None = field(
         default=None, metadata=_help("recomputation",
         "fraction of each stage's blocks recomputed: one value per stage, or one value "
@@ -123,6 +129,11 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "sequence dimension of hidden states"))
     tp_overlapping_level: int = field(default=0, metadata=_help("tensor parallel",
         "sub-pipelined TP: 0 off, 1 within linear pairs, 2 across attention and MLP"))
+    # ---- context parallelism (the degree is merak.init's cp)
+    cp_mode: str = field(default="ring", metadata=_help("context parallel",
+        "attention across the sequence split when merak.init(cp=) > 1: 'ring' (K/V blocks "
+        "around the ring, any head count) or 'ulysses' (all-to-all of heads and sequence; "
+        "heads divisible by cp x tp)"))
     # ---- checkpoints
     save: bool = field(default=False, metadata=_help("checkpoints",
         "save Merak checkpoints every save_steps (same as save_strategy='steps')"))
@@ -182,6 +193,16 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
     pfo_server_url: str | None = field(default=None, metadata=_help("energy",
         "a Perseus (Zeus PFO) server to fetch the energy plan from, e.g. "
         "http://127.0.0.1:7787 (`merak energy serve`)"))
+    energy_mode: str | None = field(default=None, metadata=_help("energy",
+        "'auto': profile, plan and deploy inside the training run: the first steps profile "
+        "a few clocks, the plan is computed in the background while training goes on at "
+        "maximum clocks and deployed on every rank at once (output_dir/energy/)"))
+    energy_max_slowdown: float = field(default=0.01, metadata=_help("energy",
+        "energy_mode='auto': the step time the plan may add, a fraction of the all-max "
+        "step (0.01: one percent)"))
+    energy_replan_margin: float = field(default=0.1, metadata=_help("energy",
+        "energy_mode='auto': re-profile and re-plan when the measured step time drifts past "
+        "the plan's prediction by more than this fraction"))
 
     def __init_subclass__(cls, **kwargs):
         """A config combining MerakArguments with another TrainingArguments subclass keeps
@@ -190,6 +211,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         keep_declared_defaults(cls)
 
     def __post_init__(self) -> None:
+        check_ranges(self)  # every number in its range, before anything reads one
         self._check_auto_parallel()
         self._check_gradient_checkpointing()
         self._check_tp_plan()
@@ -197,9 +219,6 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         self._check_buckets_and_scaler()
         self._check_inherited()
         check_compile_mode(self.torch_compile_mode)
-        if self.temperature < 0:
-            raise ValueError(f"MerakArguments.temperature must be >= 0 (0: greedy decoding), "
-                             f"got {self.temperature}")
         rules.check(rules.Choices.from_arguments(self))  # the combinations (merak.rules)
         if self.lora_config is not None:  # a bad config fails here, before any work
             from merak.lora import load_lora_config
@@ -209,7 +228,8 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
 
     # what a plan chooses: the user leaves these at their defaults
     PLANNED = ("train_schedule", "num_model_chunks", "zero_stage", "activation_checkpointing",
-               "activation_checkpoint_ratio", "activation_memory_budget", "sequence_parallel")
+               "activation_checkpoint_ratio", "activation_memory_budget", "sequence_parallel",
+               "recompute_in_backward", "cp_mode")
 
     def to_dict(self) -> dict[str, Any]:
         serialized = super().to_dict()

@@ -66,16 +66,16 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
             plan.write(Path(args.output_dir) / "plan.json")
         candidate = plan.chosen
         ratios = plan.chosen_prediction().recompute_ratios
-    if candidate.dp * candidate.tp * candidate.pp != ctx.world_size:
-        raise ValueError(f"the plan's layout {candidate.label} needs "
-                         f"{candidate.dp * candidate.tp * candidate.pp} ranks, this job has "
-                         f"{ctx.world_size}")
+    size = candidate.dp * candidate.tp * candidate.pp * candidate.cp
+    if size != ctx.world_size:
+        raise ValueError(f"the plan's layout {candidate.label} needs {size} ranks, this job "
+                         f"has {ctx.world_size}")
     found = rules.refusal(job.with_candidate(candidate), owner=f"the plan {candidate.label}")
     if found is not None:  # a plan file made for another job's options
         raise found.error()
     _set_arguments(args, candidate, ratios)
     trainer._train_batch_size = candidate.micro_batch  # what evaluation cuts micro-batches by
-    return init(candidate.dp, candidate.tp, candidate.pp)
+    return init(candidate.dp, candidate.tp, candidate.pp, cp=candidate.cp)
 
 
 def _set_arguments(args, c: Candidate, ratios: list[float] | None) -> None:
@@ -86,5 +86,7 @@ def _set_arguments(args, c: Candidate, ratios: list[float] | None) -> None:
     if c.chunks > 1:
         args.num_model_chunks = c.chunks
     args.activation_checkpointing = c.recompute != "off"
+    args.recompute_in_backward = c.recompute == "block"
+    args.cp_mode = c.cp_mode
     if c.recompute == "budget" and ratios:
         args.activation_checkpoint_ratio = list(ratios)

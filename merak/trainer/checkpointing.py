@@ -24,6 +24,7 @@ from merak.checkpoint.export import gather_full_tensors, save_hf_directory
 from merak.checkpoint.files import check_trainer_state
 from merak.data_parallel.shards import optimizer_state_from_local, optimizer_state_to_local
 from merak.data_parallel.zero1 import local_optimizer
+from merak.distributed import liveness
 from merak.materialize.meta import has_meta_parameters
 
 # TrainerState fields a checkpoint keeps besides the step, epoch and log history
@@ -38,6 +39,7 @@ class CheckpointMixin:
         """HF's `*_steps`: a step count, or below 1 a fraction of max_steps."""
         return int(steps) if steps >= 1 else max(1, int(steps * self.state.max_steps))
 
+    @liveness.waiting_in(lambda self: f"saving checkpoint-{self.state.global_step}")
     def _save_merak_checkpoint(self) -> None:
         args = self.args
         best = self._best_checkpoint_dir()
@@ -77,6 +79,7 @@ class CheckpointMixin:
         self._save(self.args.output_dir)
         self._push_from_checkpoint(str(path))
 
+    @liveness.waiting_in("loading the checkpoint to resume from")
     def _resume_merak_checkpoint(self, resume_from_checkpoint) -> None:
         """Weights always; with `finetune` nothing else; otherwise optimizer, scheduler, RNG and
         the step (unless no_load_optim / no_load_rng)."""
@@ -123,6 +126,7 @@ class CheckpointMixin:
         path = os.path.join(self.args.output_dir, f"{checkpoint.PREFIX}{step}")
         return path if step == self.state.global_step or os.path.isdir(path) else None
 
+    @liveness.waiting_in("loading the best checkpoint")
     def _load_best_merak_checkpoint(self) -> None:
         """`load_best_model_at_end`: every rank loads its shard of the best checkpoint's weights
         (any layout it was saved in); with save_total_limit=1 the others are then deleted, as
@@ -145,6 +149,7 @@ class CheckpointMixin:
             dist.barrier()
 
     # ---------------------------------------------------------------- HF's save_model
+    @liveness.waiting_in("save_model (gathering the shards)")
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """HF's meaning (what `save_model` calls): `output_dir` becomes an HF model directory
         (config.json, model.safetensors with the whole tensors, the tokenizer, training args),

@@ -47,6 +47,46 @@ def loader_options(args) -> dict:
     return options
 
 
+def dataset_size(dataset, role: str) -> int:
+    """len(`dataset`) (`role`: "train_dataset", "eval_dataset", ...), or `NotSupportedYetError`
+    with the reason for a dataset without one: MerakTrainer reads items by index (each dp rank
+    its share of every global batch), and a stream's size cannot be checked up front."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise NotSupportedYetError(
+            f"MerakTrainer's {role} is an iterable dataset ({type(dataset).__name__}, no len()): "
+            f"its size cannot be checked against a global batch, and MerakTrainer reads items "
+            f"by index (each dp rank takes its share of every global batch); give a map-style "
+            f"dataset (a list, torch Dataset, or datasets.Dataset: load_dataset without "
+            f"streaming=True)")
+    return len(dataset)
+
+
+def check_train_dataset(dataset, micro_batch_size: int, num_microbatches: int, dp: int) -> None:
+    """`dataset` holds at least one global batch (`micro_batch_size` x `num_microbatches` x
+    `dp` items); checked before anything is built from its first items."""
+    size = dataset_size(dataset, "train_dataset")
+    rows = micro_batch_size * num_microbatches * dp
+    if size == 0:
+        raise ValueError("MerakTrainer's train_dataset is empty; give it at least one global "
+                         "batch of items (per_device_train_batch_size x "
+                         "gradient_accumulation_steps x dp)")
+    if size < rows:
+        raise ValueError(f"MerakTrainer's train_dataset has {size} items, fewer than one global "
+                         f"batch: per_device_train_batch_size {micro_batch_size} x "
+                         f"gradient_accumulation_steps {num_microbatches} x dp {dp} = {rows}; "
+                         f"give at least {rows} items or lower those numbers")
+
+
+def check_eval_dataset(dataset, role: str = "eval_dataset") -> None:
+    """An evaluation set (or each of a dict of them) has items: a last partial global batch is
+    padded, an empty set has nothing to evaluate."""
+    for name, part in (dataset.items() if isinstance(dataset, dict) else [(None, dataset)]):
+        where = role if name is None else f"{role}[{name!r}]"
+        if part is not None and dataset_size(part, where) == 0:
+            raise ValueError(f"MerakTrainer's {where} is empty; give at least one item, or "
+                             f"no evaluation set")
+
+
 class StageBatches:
     """The training batches of this rank, one per optimizer step: the list of its
     `num_microbatches` micro-batches, each collated from its own rows, read through a

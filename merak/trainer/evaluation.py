@@ -25,8 +25,9 @@ from transformers.trainer_utils import (
     denumpify_detensorize,
 )
 
+from merak.distributed import liveness
 from merak.distributed.host_objects import broadcast_object
-from merak.trainer.data import EvalBatches
+from merak.trainer.data import EvalBatches, check_eval_dataset
 
 
 class EvaluationMixin:
@@ -49,13 +50,16 @@ class EvaluationMixin:
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
                                 metrics=output.metrics)
 
+    @liveness.waiting_in("evaluation")
     def _merak_eval_loop(self, dataset, prefix: str, predictions: bool = False
                          ) -> EvalLoopOutput:
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
+        check_eval_dataset(dataset, "evaluation dataset")
         args, ctx = self.args, self.ctx
         predictions = predictions or (self.compute_metrics is not None
                                       and not args.prediction_loss_only)
+        self._check_predictions(predictions)
         mbs = self._train_batch_size  # the micro-batch the pipeline is built for
         self._assemble(self._example(dataset, min(mbs, len(dataset))))
         m = -(-args.per_device_eval_batch_size // mbs)
@@ -151,7 +155,7 @@ class EvaluationMixin:
             mine = tuple(t.detach().cpu() for t in mine)
         if ctx.world_size == 1:
             return [torch.cat(column) for column in zip(*[s for s in [mine] if s is not None])]
-        last = (self.engine.split.num_stages - 1) % ctx.pp  # the pipeline rank of the last stage
+        last = self.engine.placement[-1]  # the pipeline rank of the last stage
         senders = [ctx.rank_of(pp_rank=last, dp_rank=d, tp_rank=0) for d in range(ctx.dp)]
         if ctx.rank in senders and mine is None:
             raise RuntimeError(f"rank {ctx.rank} runs the last stage but kept no outputs to "

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from transformers.trainer_utils import SaveStrategy
 
+from merak.distributed import liveness
+
 
 class TrainingFlowMixin:
     """Mixed into `MerakTrainer` (which provides args, ctx, state, control, evaluate, ...)."""
@@ -60,7 +62,8 @@ class TrainingFlowMixin:
         counts = torch.full((self.ctx.dp,), -1, dtype=torch.int64, device=self.ctx.device)
         counts[self.ctx.dp_rank] = count
         if self.ctx.world_size > 1:
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            with liveness.waiting("the input-token count all-reduce"):
+                dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         if (counts < 0).any():
             if not getattr(self, "_warned_tokens", False):
                 warnings.warn(f"include_num_input_tokens_seen: the batches have no {name!r} (the "

@@ -15,6 +15,8 @@ import os
 
 import torch.distributed as dist
 
+from merak.distributed import liveness
+
 
 class JobView:
     """Mixed into `MerakArguments` ahead of `TrainingArguments`."""
@@ -44,9 +46,12 @@ class JobView:
             return
         main = (self.local_process_index if local else self.process_index) == 0
         if not main:
-            dist.barrier()
+            with liveness.waiting(f"main_process_first's barrier ({desc}: the main process "
+                                  f"goes first)"):
+                dist.barrier()
         try:
             yield
         finally:
             if main:
-                dist.barrier()
+                with liveness.waiting(f"main_process_first's barrier ({desc})"):
+                    dist.barrier()

@@ -117,11 +117,12 @@ class LossSetupMixin:
         (`step`), each micro-batch's own otherwise."""
         first = batch if isinstance(batch, dict) or batch is None else batch[0]
         if batch is None or not self._counts_items or "labels" not in first:
-            return batch
-        if step:
-            return with_step_count(batch, microbatches, self._shifted_count, self.ctx,
-                                   self.args.average_tokens_across_devices)
-        return with_own_counts(batch, microbatches, self._shifted_count)
+            return self._context_share(batch)
+        if step:  # (counted over the whole rows, then cut into this cp rank's share)
+            return self._context_share(with_step_count(
+                batch, microbatches, self._shifted_count, self.ctx,
+                self.args.average_tokens_across_devices))
+        return self._context_share(with_own_counts(batch, microbatches, self._shifted_count))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """HF's log, after every rank took the metrics a subclass recorded on the last stage

@@ -89,7 +89,7 @@ class ReferenceLogpsMixin:
                     microbatches.append(self._collate([dataset[i if i < rows else 0]
                                                        for i in index]))
                 self.engine.eval_step(microbatches, num_microbatches=m)
-        last = ctx.pp_rank == ctx.pp - 1 and ctx.tp_rank == 0
+        last = ctx.pp_rank == self.engine.placement[-1] and ctx.tp_rank == 0
         payload = (mine, [r[0] for r in results], [r[1] for r in results]) if last else None
         chosen, rejected = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
         for part in all_gather_objects(payload, group=ctx.host_group()):

@@ -23,7 +23,9 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 
 from merak import lora
+from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
+from merak.distributed.timeouts import use_trainer_timeout
 from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions
 from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
@@ -33,7 +35,14 @@ from merak.trainer import neftune, recomputation
 from merak.trainer.arguments import MerakArguments
 from merak.trainer.auto_plan import apply_strategy_plan
 from merak.trainer.checkpointing import CheckpointMixin
-from merak.trainer.data import StageBatches, loader_options, model_input_filter
+from merak.trainer.context_parallel import ContextParallelMixin
+from merak.trainer.data import (
+    StageBatches,
+    check_eval_dataset,
+    check_train_dataset,
+    loader_options,
+    model_input_filter,
+)
 from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.loss_setup import LossSetupMixin
@@ -44,8 +53,8 @@ from merak.trainer.subclasses import check_dpo, check_overrides, trainer_keyword
 from merak.trainer.text_generation import TextGenerationMixin
 
 
-class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, EvaluationMixin,
-                   TrainingFlowMixin, TextGenerationMixin, Trainer):
+class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, CheckpointMixin,
+                   EvaluationMixin, TrainingFlowMixin, TextGenerationMixin, Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -65,6 +74,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         check_overrides(type(self), args)
         check_dpo(type(self), args, model, trainer_kwargs)
         self.ctx = get_context()
+        use_trainer_timeout(args.ddp_timeout)  # every wait of the job: at most ddp_timeout
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)
             model = lora.wrap(model, args.lora_config, args.adapter_name, seed=args.seed)
@@ -83,11 +93,30 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         self._loss, self._counts_items = self._choose_loss(base)
         # HF's rule for which labels count (a causal LM's loss shifts them)
         self._shifted_count = getattr(self, "_loss_shifts_labels", shifts_labels(base))
+        self._check_context_parallel(model)
+        self._check_inputs()  # before any model is built from their first items
         self.generation_prompts, self.generations = generation_prompts, None
         self.stage = self.engine = self.clipper = self.zero = None
         self._user_model = model
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
             if args.remove_unused_columns else (lambda batch: batch)
+
+    def _check_inputs(self, training: bool = False) -> None:
+        """The engine's options for this layout build (a per-stage list fits pp); map-style
+        sets with items; `training`: the training set holds one global batch
+        (with auto_parallel or a plan file that is per_device_train_batch_size x
+        gradient_accumulation_steps: the plan divides it over dp). A trainer made only to
+        evaluate or predict may hold a smaller training set."""
+        args = self.args
+        if self.train_dataset is not None:
+            planned = args.auto_parallel or bool(args.plan)
+            rows = (args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                    1 if planned else self.ctx.dp) if training else (1, 1, 1)
+            check_train_dataset(self.train_dataset, *rows)
+        if self.eval_dataset is not None:
+            check_eval_dataset(self.eval_dataset)
+        if not (args.auto_parallel or args.plan):  # per-stage fields fit this layout
+            EngineOptions.from_arguments(args, pp=self.ctx.pp, dp=self.ctx.dp)
 
     def is_world_process_zero(self) -> bool:
         return self.ctx.rank == 0
@@ -111,6 +140,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         if lora.is_peft_model(model):  # the peft layers live in the model peft wraps
             model = model.get_base_model()
         self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
+        self._enable_context_parallel()  # before the trace: the stages attend across cp
         traced = self._traced_inputs(example)
         loss_fn = self._loss
         self._wrapped_loss = loss_fn is not None
@@ -142,17 +172,22 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
             noise = self.neftune_noise
             return [noise] if noise is not None and noise.attach(stage, embedding) else []
 
-        built = build_engine(
-            model, traced, self.ctx, self.engine_options, make_optimizer=optimizer_over,
-            checkpoint=pretrained_checkpoint(self._user_model),
-            checkpoint_prefix="model." if self._wrapped_loss else "",
-            tp_rng=getattr(self._user_model, "merak_tp_rng", None), stage_hooks=neftune_hooks,
-            hooks=[self.energy.hook] if self.energy and not args.energy_profile else ())
-        # (the profiler brings its own hook)
+        with liveness.waiting("building this rank's engine (split, shard load, groups)"):
+            built = self._build(model, traced, optimizer_over, neftune_hooks)
         self.stage, self.engine, self.optimizer = built.stage, built.interpreter, built.optimizer
         self.zero, self.clipper, self.scaler = built.zero, built.clipper, built.scaler
         self.timers = built.timers
         self._attach_subclass_loss(example)  # and the micro-batch losses' weights
+
+    def _build(self, model, traced, optimizer_over, neftune_hooks):
+        args = self.args
+        return build_engine(
+            model, traced, self.ctx, self.engine_options, make_optimizer=optimizer_over,
+            checkpoint=pretrained_checkpoint(self._user_model),
+            checkpoint_prefix="model." if self._wrapped_loss else "",
+            tp_rng=getattr(self._user_model, "merak_tp_rng", None), stage_hooks=neftune_hooks,
+            hooks=[self.energy.engine_hook] if self.energy and not args.energy_profile else ())
+        # (the profiler brings its own hook)
 
     def _find_micro_batch_size(self, size: int, num_microbatches: int) -> int:
         """HF's auto_find_batch_size for a pipeline: halve the micro-batch until a step fits in
@@ -207,9 +242,11 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         args = self.args
         if self.train_dataset is None:
             raise ValueError("MerakTrainer.train() needs a train_dataset")
+        self._check_inputs(training=True)  # before the first items build anything
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         if (args.auto_parallel or args.plan) and self.engine is None:  # before building
             self.ctx = apply_strategy_plan(self, self._example(self.train_dataset, 1))
+            self._check_context_parallel(self.model)  # (the plan may choose cp)
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._assemble(self._example(self.train_dataset, mbs))
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
@@ -255,6 +292,8 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
                 if tokens_per_step is None and batch is not None and "input_ids" in batch[0]:
                     tokens_per_step = sum(mb["input_ids"].numel() for mb in batch) * self.ctx.dp
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
+                if self.energy is not None:
+                    self.energy.step_begin(self.state.global_step + 1)
                 with self._running_loss():
                     loss = self.engine.train_step(self._counted(batch, m, step=True))
                 self._count_input_tokens(batch)
@@ -303,10 +342,7 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
                    "train_steps_per_second": round(steps_run / runtime, 3),
                    "train_loss": total_loss / max(steps_run, 1)}
         if self.energy is not None:
-            self.energy.close()
-            path = self.energy.write_steps(args.output_dir)
-            if path is not None:
-                print(f"energy per step: {path} (compare runs with `merak energy report`)")
+            self._energy_metrics(metrics)
         self._load_best_merak_checkpoint()
         if args.text_generation:
             self._generate_after_training()
@@ -314,6 +350,25 @@ class MerakTrainer(LossSetupMixin, ReferenceLogpsMixin, CheckpointMixin, Evaluat
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # HF's: wait for the uploads of the saves
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _energy_metrics(self, metrics: dict) -> None:
+        """The energy figures of the run into the final `metrics` (and the steps' file and
+        plot, on rank 0)."""
+        self.energy.close()
+        path = self.energy.write_steps(self.args.output_dir)
+        figures = self.energy.metrics()
+        metrics.update(figures)
+        if path is None:
+            return
+        print(f"energy per step: {path} and {path.with_suffix('.png')} (compare runs with "
+              f"`merak energy report`)")
+        if "energy_saved" in figures:
+            print(f"energy: {figures['energy_saved']:.2%} saved per step at "
+                  f"{figures['energy_step_time_change']:+.2%} step time from step "
+                  f"{figures['energy_plan_step']} (the plan predicted "
+                  f"{figures['energy_predicted_saved']:.2%} at "
+                  f"{figures['energy_predicted_time_change']:+.2%}), against the all-max steps "
+                  f"of this run")
 
     def _profile_energy(self, data: StageBatches) -> TrainOutput:
         """Profile mode (`energy_profile`): training steps at each GPU clock, then the CSV."""

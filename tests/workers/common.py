@@ -80,6 +80,7 @@ def _raise(text: str) -> Scenario:
 
 def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | None) -> None:
     results: dict[str, str | None] = {}
+    seconds: dict[str, float] = {}  # each scenario's wall time (rank 0: rank0-seconds.json)
     path = out / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     _OUT.append(out)
@@ -102,6 +103,9 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
             profiler.dump_stats(Path(profile_dir) / f"{name}.prof")
             print(f"[profile] {name}: {time.perf_counter() - start:.1f} s", flush=True)
         path.write_text(json.dumps(results, indent=1))
+        if rank == 0:
+            seconds[name] = round(time.perf_counter() - start, 2)
+            (out / "rank0-seconds.json").write_text(json.dumps(seconds, indent=1))
         dist.barrier()
     _OUT.pop()
 

@@ -1,8 +1,10 @@
-"""Interleaved 1F1B (2 chunks per rank) trains an auto-split HF model exactly like the
-single-process model: losses, every gradient and final weights, without recomputation, with
-recomputation everywhere, and with stage-aware recomputation (per-stage ratios from measured
-activation bytes, each rank's stages fitted together); its eval loss equals the model's (see
-test_interleaved).
+"""Schedules with 2 stages per rank train an auto-split HF model exactly like the
+single-process model: losses, every gradient and final weights. Interleaved 1F1B without
+recomputation, with recomputation everywhere, with stage-aware recomputation (per-stage ratios
+from measured activation bytes, each rank's stages fitted together), and (Llama) with 2 pp + 1
+micro-batches, not a multiple of the ranks; ZB-V and DualPipeV (2 stages per rank in a V, the
+turn handed off locally; GPT-2's tied embedding and head both on rank 0), ZB-V also with
+recomputation; the eval loss equals the model's (see test_interleaved).
 
 The scenarios that run forward-only programs (activation measurement, eval) run after the
 others: one that deadlocks closes the process group, which fails every later scenario too."""
@@ -27,13 +29,19 @@ from merak.recompute.stage_aware import measure_kept, predict_peaks, stage_aware
 
 STEPS, ROWS, LR, SEED, CHUNKS = 3, 2, 0.05, 1234, 2
 FAMILY_NAMES = ("llama", "gpt2")
-# name -> (interpreter options, blocks per virtual stage); "stage-aware": per-stage ratios from
-# `stage_aware_ratios` with the first rank's stages recomputing FIRST_RATIO of their blocks (2
-# blocks per stage, so a stage can recompute half: the ratios then differ between stages)
-VARIANTS = {"interleaved": ({}, 1), "interleaved-recompute": ({"recompute_ratio": 1.0}, 1),
-            "interleaved-stage-aware": ({"recompute_ratio": "stage-aware"}, 2)}
+# name -> (interpreter options, blocks per virtual stage, micro-batches beyond 2 pp);
+# "stage-aware": per-stage ratios from `stage_aware_ratios` with the first rank's stages
+# recomputing FIRST_RATIO of their blocks (2 blocks per stage, so a stage can recompute half:
+# the ratios then differ between stages); "odd-m": 2 pp + 1 micro-batches (Llama only)
+VARIANTS = {"interleaved": ({}, 1, 0), "interleaved-recompute": ({"recompute_ratio": 1.0}, 1, 0),
+            "interleaved-odd-m": ({}, 1, 1),
+            "zbv": ({"schedule": "zbv"}, 1, 0),
+            "zbv-recompute": ({"schedule": "zbv", "recompute_ratio": 1.0}, 1, 0),
+            "dualpipev": ({"schedule": "dualpipev"}, 1, 0),
+            "interleaved-stage-aware": ({"recompute_ratio": "stage-aware"}, 2, 0)}
 FIRST_RATIO = 0.5
 EVAL = "interleaved-eval"
+V_SCHEDULES = ("zbv", "dualpipev")
 LATE = ("interleaved-stage-aware", EVAL)
 
 
@@ -52,7 +60,8 @@ def _order(world_size: int) -> list[tuple[str, str]]:
     families at pp=2, Llama alone at pp=4 (the suite's time budget)."""
     early = [v for v in VARIANTS if v not in LATE]
     names = FAMILY_NAMES if world_size == 2 else FAMILY_NAMES[:1]
-    return [(family, variant) for variant in (*early, *LATE) for family in names]
+    return [(family, variant) for variant in (*early, *LATE) for family in names
+            if family == "llama" or not variant.endswith("odd-m")]  # (its own builds)
 
 
 def scenario_names(world_size: int) -> list[str]:
@@ -63,14 +72,16 @@ class _Family:
     """One family's chunks, initial weights and single-process reference, built once per
     number of blocks per virtual stage."""
 
-    def __init__(self, family: str, pp: int, blocks_per_stage: int):
+    def __init__(self, family: str, pp: int, blocks_per_stage: int, extra_microbatches: int,
+                 schedule: str):
         self.family, self.ctx = family, merak.init(dp=1, tp=1, pp=pp)
-        self.microbatches, num_layers = 2 * pp, pp * CHUNKS * blocks_per_stage
+        self.microbatches = 2 * pp + extra_microbatches
+        num_layers = pp * CHUNKS * blocks_per_stage
         torch.manual_seed(SEED)
         with merak.init_empty_weights():
             model = make_model(family, num_layers)
         self.stage = merak.parallelize(model, batch(family, 0, ROWS), self.ctx,
-                                       num_model_chunks=CHUNKS)
+                                       num_model_chunks=CHUNKS, schedule=schedule)
         self.initial = {k: v.clone() for k, v in self.stage.state_dict().items()}
         torch.manual_seed(SEED)
         reference = make_model(family, num_layers)
@@ -81,10 +92,11 @@ class _Family:
         with torch.no_grad():
             self.eval_loss = reference(**batch(family, 99, ROWS * self.microbatches)).loss.item()
 
-    def _engine(self, hooks=(), **options) -> merak.PipelineInterpreter:
+    def _engine(self, hooks=(), schedule="interleaved_1f1b", **options
+                ) -> merak.PipelineInterpreter:
         return merak.PipelineInterpreter(
             self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
-            self.microbatches, schedule="interleaved_1f1b", hooks=hooks, **options)
+            self.microbatches, schedule=schedule, hooks=hooks, **options)
 
     def _stage_aware(self, engine: merak.PipelineInterpreter) -> list[float]:
         """Per-stage ratios from this model's measured activation bytes, installed in
@@ -117,9 +129,11 @@ class _Family:
         snapshot = GradSnapshot(self.stage)
         engine = self._engine(hooks=[snapshot], **options)
         try:
-            assert engine.schedule.name == "interleaved_1f1b"
-            assert sorted(engine.runners) == list(range(self.ctx.pp_rank,
-                                                        self.ctx.pp * CHUNKS, self.ctx.pp))
+            assert engine.schedule.name == options.get("schedule", "interleaved_1f1b")
+            pp, rank = self.ctx.pp, self.ctx.pp_rank
+            assert sorted(engine.runners) == (  # round-robin, or a V
+                [rank, 2 * pp - 1 - rank] if variant.startswith(V_SCHEDULES)
+                else list(range(rank, pp * CHUNKS, pp)))
             if stage_aware:
                 ratios = self._stage_aware(engine)
                 expected = {s for s in engine.runners if ratios[s] > 0}
@@ -152,17 +166,20 @@ class _Family:
 
 
 def scenarios(world: int) -> dict:
-    built: dict[tuple[str, int], _Family] = {}
+    built: dict[tuple[str, int, int, str], _Family] = {}
 
     def scenario(family: str, variant: str):
         def run() -> None:
-            blocks = VARIANTS[variant][1] if variant in VARIANTS else 1
-            if (family, blocks) not in built:
-                built[family, blocks] = _Family(family, world, blocks)
+            blocks, extra = VARIANTS[variant][1:] if variant in VARIANTS else (1, 0)
+            # one build per placement: round-robin, or the V (both V schedules)
+            schedule = "zbv" if variant.startswith(V_SCHEDULES) else "interleaved_1f1b"
+            key = (family, blocks, extra, schedule)
+            if key not in built:
+                built[key] = _Family(family, world, blocks, extra, schedule)
             if variant == EVAL:
-                built[family, blocks].check_eval()
+                built[key].check_eval()
             else:
-                built[family, blocks].check(variant)
+                built[key].check(variant)
         return run
 
     return {f"{family}-pp{world}-{variant}": scenario(family, variant)

@@ -71,6 +71,11 @@ def _hf(model_type: str, **overrides):
     return build
 
 
+def moe_model(model_type: str, layers: int):
+    """A small model of an MoE family (router auxiliary loss on) with `layers` layers."""
+    return _hf(model_type, num_hidden_layers=layers)()
+
+
 HF_PLAN_FAMILIES = {
     "olmo2": _hf("olmo2"),
     "mixtral": _hf("mixtral"),
@@ -80,3 +85,19 @@ HF_PLAN_FAMILIES = {
                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1,
                        first_k_dense_replace=1, n_group=1, topk_group=1),
 }
+
+
+# issue 36: families with neither a FAMILY_PLANS entry nor a base_model_tp_plan, sharded by the
+# plan inferred from their blocks; configs shrunk as `merak coverage` shrinks them (4 layers,
+# width 64, 4 heads, dropout off): ALiBi inputs (bloom, mpt), fused q/k/v (mpt's chunk,
+# persimmon's and bloom's per-head layout, openai-gpt's Conv1D split), grouped K/V heads
+# (stablelm), per-head norms (persimmon), one K/V head left replicated (gpt_bigcode)
+INFERRED = ("stablelm", "persimmon", "biogpt", "mpt", "bloom", "xglm", "gpt_bigcode",
+            "openai-gpt")
+
+
+def inferred_family(name: str):
+    from merak.coverage.shrink import small_config
+
+    config = small_config(name)
+    return lambda: tf.AutoModelForCausalLM.from_config(config)

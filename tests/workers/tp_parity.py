@@ -1,10 +1,11 @@
 """Tensor parallelism (alone and composed with dp and pp) against the single-process model:
 meta build -> apply_tensor_parallel -> auto_split -> materialize own stage -> 1f1b interpreter,
 3 SGD steps; loss, every gradient (against this rank's slice of the full gradient) and the
-final parameters must match (see test_tensor_parallel). The 4- and 8-rank launches also run
-lora_parity.py's scenarios (LoRA through peft on TP layouts) and generation_parity.py's
-(pipelined generation against HF generate); the 4-rank one host_objects.py's (objects between
-ranks through host memory)."""
+final parameters must match (see test_tensor_parallel); the same for families sharded by the
+plan inferred from their blocks (issue 36, test_tp_infer), and wrong plans that are refused.
+The 4- and 8-rank launches also run lora_parity.py's scenarios (LoRA through peft on TP
+layouts) and generation_parity.py's (pipelined generation against HF generate); the 4-rank one
+host_objects.py's (objects between ranks through host memory)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from common import GradSnapshot, assert_close, assert_close_grad, run_scenarios
 from hf_models import CustomMLP, batch
 from safetensors.torch import save_file, save_model
-from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES, tp_batch
+from tp_models import HF_PLAN_FAMILIES, INFERRED, TP_FAMILIES, inferred_family, tp_batch
 
 import merak
 from merak.materialize.meta import materialize_
@@ -244,6 +245,53 @@ def hf_plan_parity(name: str, tp: int) -> None:
     assert sharded, "no parameter was sharded"
 
 
+def inferred_parity(name: str, tp: int):
+    """A family sharded by the plan inferred from its blocks (proven by merak.parallelize)."""
+    return lambda: parity(inferred_family(name), lambda s, r: batch("llama", s, r), 1, tp, 1)
+
+
+def planted_wrong_plans(tp: int) -> None:
+    """Wrong plans marked to be proven (check=True) are refused, naming the module: BioGPT's
+    row-parallel fc2 marked column (by merak.parallelize when the sharded model is traced, and
+    by the proof itself: the sharded block does not run), and OpenAI-GPT's fused q/k/v c_attn
+    split as one part, which runs but mixes q, k and v (the sharded block against the
+    unsharded one)."""
+    import dataclasses
+
+    from merak.tensor_parallel.infer import infer_plan
+    from merak.tensor_parallel.proof import PlanRefused, prove_plan
+
+    ctx = merak.init(dp=1, tp=tp, pp=1)
+    for name, wrong, module in (
+            ("biogpt", lambda p: dataclasses.replace(
+                p, column=p.column + ("biogpt.layers.*.fc2",),
+                row=tuple(r for r in p.row if not r.endswith("fc2"))), "fc2"),
+            ("openai-gpt", lambda p: dataclasses.replace(p, fused={}), "attn.c_attn")):
+        build = inferred_family(name)
+        with merak.init_empty_weights():
+            model = build()
+        plan = infer_plan(model, tp)
+        assert plan.check and plan.source == "inferred"
+        try:
+            merak.parallelize(model, batch("llama", 0, ROWS), ctx, tp_plan=wrong(plan))
+        except PlanRefused as error:
+            assert f"{module} " in str(error) or f"{module}." in str(error), str(error)
+            assert "never used" in str(error), str(error)
+        else:
+            raise AssertionError(f"{name}'s wrong plan was not refused")
+        # the proof itself, on the materialized sharded model (no split traced first)
+        with merak.init_empty_weights():
+            model = build()
+        merak.apply_tensor_parallel(model, ctx, plan=wrong(plan))
+        materialize_(model)
+        try:
+            prove_plan(model, list(model.merak_tp.examples), ctx)
+        except PlanRefused as error:
+            assert f"{module} " in str(error) or f"{module}." in str(error), str(error)
+        else:
+            raise AssertionError(f"the proof let {name}'s wrong plan through")
+
+
 TP4_FAMILIES = ("llama", "gpt2")
 SCENARIOS = {
     2: {**{f"tp2-{name}": family(name, 1, 2, 1) for name in TP_FAMILIES},
@@ -258,7 +306,9 @@ SCENARIOS = {
         **{f"tp2-hf-plan-{name}": (lambda n=name: hf_plan_parity(n, 2))
            for name in HF_PLAN_FAMILIES},
         "tp2-hf-plan-olmo2-pipeline": lambda: parity(
-            HF_PLAN_FAMILIES["olmo2"], lambda s, r: tp_batch("olmo2", s, r), 1, 2, 1)},
+            HF_PLAN_FAMILIES["olmo2"], lambda s, r: tp_batch("olmo2", s, r), 1, 2, 1),
+        **{f"tp2-inferred-{name}": inferred_parity(name, 2) for name in INFERRED},
+        "tp2-planted-wrong-plans-refused": lambda: planted_wrong_plans(2)},
     # tp=4 on the families whose 4-way split differs in kind (grouped KV heads, GPT-2's fused
     # qkv); every family runs at tp=2 above (the suite's time budget)
     4: {**{f"tp4-{name}": family(name, 1, 4, 1) for name in TP4_FAMILIES},

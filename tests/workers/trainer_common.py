@@ -6,7 +6,7 @@ import os
 
 import torch
 from hf_models import VOCAB
-from tp_models import TP_FAMILIES
+from tp_models import TP_FAMILIES, moe_model
 
 STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
 FAMILIES = ("llama", "gpt2")
@@ -94,10 +94,29 @@ COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed":
 # (test_trainer_matrix.py); HF references of their own (`trainer_reference.py --matrix`)
 MATRIX_STEPS = 4
 MATRIX_REFERENCES = {"matrix": ("llama-deep", {"max_steps": MATRIX_STEPS}, {}),
-                     "matrix8": ("llama-deep8", {"max_steps": MATRIX_STEPS}, {})}
+                     "matrix8": ("llama-deep8", {"max_steps": MATRIX_STEPS}, {}),
+                     # a Mixtral (router auxiliary loss on): its loss depends on the
+                     # micro-batches, so its reference steps in Merak's, dp x m of them, each
+                     # of 8 / (dp m) rows (sequential: dp rank d's are rows 4d..4d+3); at dp 2
+                     # each dp rank's share of an evaluation batch has its own router loss,
+                     # so only the training is compared there (test_trainer_matrix)
+                     # 6 sequences a step, so interleaved 1F1B runs m = 3 (pp 2) or 6 (pp 4)
+                     # micro-batches, no multiple of pp
+                     "matrix6": ("llama-deep", {"max_steps": MATRIX_STEPS,
+                                                "per_device_train_batch_size": 3}, {}),
+                     "matrix6-8": ("llama-deep8", {"max_steps": MATRIX_STEPS,
+                                                   "per_device_train_batch_size": 3}, {}),
+                     "matrix-moe": ("mixtral-deep", {"max_steps": MATRIX_STEPS}, {}),
+                     "matrix-moe8": ("mixtral-deep8", {"max_steps": MATRIX_STEPS}, {}),
+                     "matrix-moe-dp2": ("mixtral-deep", {
+                         "max_steps": MATRIX_STEPS, "gradient_accumulation_steps": 4,
+                         "per_device_train_batch_size": MICRO_BATCH}, {})}
 MATRIX_SCHEDULES = {"1f1b": {}, "interleaved_1f1b": {"num_model_chunks": 2},
                     "zero_bubble": {},
-                    "shifted_critical_path": {"activation_checkpointing": True}}
+                    "shifted_critical_path": {"activation_checkpointing": True},
+                    "zbv": {}, "dualpipev": {}}
+# issue 37's schedules also train a Mixtral (an MoE family) at every layout
+MATRIX_MOE_SCHEDULES = ("zbv", "dualpipev")
 # the suite runs the 2-rank layout (dp > 1 on padded rows is RUNS' job, in test_trainer);
 # MERAK_TEST_MATRIX=full adds the 4- and 8-rank ones (each rank traces the model, ~11
 # CPU-seconds a run: 8 ranks on 2 cores cost ~6 minutes a backend)
@@ -112,11 +131,24 @@ def matrix_runs(world_size: int) -> dict[str, tuple[str, tuple[int, int, int], d
     for dp, tp, pp in MATRIX_LAYOUTS.get(world_size, []):
         for schedule, fields in MATRIX_SCHEDULES.items():
             reference, extra = "matrix", {}
-            if schedule == "interleaved_1f1b" and pp == 4:  # 8 stages of one layer; the
-                # micro-batches a multiple of pp (the reference's global batch, in 4 of 2 rows)
+            if schedule == "interleaved_1f1b" and pp == 4:  # 8 stages of one layer, in 4
+                # micro-batches (the reference's global batch, 4 of 2 rows)
                 reference, extra = "matrix8", {"gradient_accumulation_steps": 4}
+            if schedule in ("zbv", "dualpipev") and pp == 4:  # 8 stages in a V, 2 micro-batches
+                reference = "matrix8"
             runs[f"matrix-dp{dp}tp{tp}pp{pp}-{schedule}"] = (
                 reference, (dp, tp, pp), {"train_schedule": schedule, **fields, **extra})
+        m = 3 if pp == 2 else 6  # interleaved 1F1B with m not a multiple of pp (issue 37)
+        runs[f"matrix-dp{dp}tp{tp}pp{pp}-interleaved_1f1b-m{m}"] = (
+            "matrix6" if pp == 2 else "matrix6-8", (dp, tp, pp),
+            {"train_schedule": "interleaved_1f1b", "num_model_chunks": 2,
+             "gradient_accumulation_steps": m})
+        for schedule in MATRIX_MOE_SCHEDULES:
+            reference = "matrix-moe8" if pp == 4 else "matrix-moe-dp2" if dp == 2 \
+                else "matrix-moe"
+            runs[f"matrix-dp{dp}tp{tp}pp{pp}-{schedule}-moe"] = (
+                reference, (dp, tp, pp), {"train_schedule": schedule,
+                                          "gradient_accumulation_steps": MICROBATCHES})
     return runs
 
 
@@ -182,11 +214,15 @@ def eval_set():
 
 
 def build(family: str):
-    """A model of `family` (``llama-deep``: `build_deep_llama`; ``llama-deep8``: 8 layers)."""
+    """A model of `family` (``llama-deep``: `build_deep_llama`; ``llama-deep8``: 8 layers;
+    ``mixtral-deep``, ``mixtral-deep8``: a small Mixtral of 4 and 8 layers)."""
     if family == "llama-deep":
         return build_deep_llama()
     if family == "llama-deep8":
         return build_deep_llama(8)
+    if family.startswith("mixtral-deep"):
+        torch.manual_seed(SEED)
+        return moe_model("mixtral", 8 if family.endswith("8") else 4)
     torch.manual_seed(SEED)
     model = TP_FAMILIES[family]()
     # GPT2LMHeadModel's name matches no HF loss type, so HF Trainer would count position 0's

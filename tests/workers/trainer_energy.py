@@ -141,6 +141,8 @@ def _refused(match: str, **kwargs) -> None:
 def malformed_plans_stop_before_training() -> None:
     good = load_clock_plan(PLAN)
     bad = {"ranks": {**good, "schedules": good["schedules"][:1]},
+           "ranks-no-meta": {**{k: v for k, v in good.items() if k != "meta"},
+                             "schedules": good["schedules"][:1]},
            "order": {**good, "schedules": [{**s, "frequencies": s["frequencies"][::-1]}
                                            for s in good["schedules"]]},
            "clock": {**good, "schedules": [{**s, "frequencies": [[n, 1400] for n, _ in
@@ -149,8 +151,10 @@ def malformed_plans_stop_before_training() -> None:
     for name, plan in bad.items():
         (OUT / f"bad-{name}.json").write_text(json.dumps(plan))
     dist.barrier()
-    _refused(r"schedules for ranks \[0\], this job has 2 ranks",
+    _refused(r"meta.stages must be a pipeline degree dividing its 1 ranks",  # when read
              energy_plan=str(OUT / "bad-ranks.json"))
+    _refused(r"schedules for ranks \[0\], this job has 2 ranks",  # against the job
+             energy_plan=str(OUT / "bad-ranks-no-meta.json"))
     _refused(r"instruction order differs from the schedule at position 0",
              energy_plan=str(OUT / "bad-order.json"))
     _refused(r"clocks \[1400\] MHz are not supported", energy_plan=str(OUT / "bad-clock.json"))

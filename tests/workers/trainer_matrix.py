@@ -1,5 +1,7 @@
 """Issue 32's grid: each schedule family (1F1B, interleaved 1F1B, zero-bubble, Merak's shifted
-critical path with recomputation) through MerakTrainer at the layouts of this world size
+critical path with recomputation; issue 37's ZB-V and DualPipeV, on Llama and on a Mixtral, and
+interleaved 1F1B with a number of micro-batches no multiple of pp)
+through MerakTrainer at the layouts of this world size
 (`trainer_common.MATRIX_LAYOUTS`); each run writes its logged losses, grad norms and learning
 rates to ``merak-<scenario>.json`` for test_trainer_matrix to compare with single-process HF
 Trainer. Runs on the NCCL-contract backend and on plain gloo (one pooled launch each)."""
@@ -32,8 +34,10 @@ def run(name: str, reference: str, layout: tuple[int, int, int], fields: dict) -
     family, hf_fields, _ = MATRIX_REFERENCES[reference]
     with merak.init_empty_weights():
         model = build(family)
+    rows = hf_fields.get("per_device_train_batch_size", MICRO_BATCH * DP) * hf_fields.get(
+        "gradient_accumulation_steps", MICROBATCHES)  # the reference's global batch
+    hf_fields = {k: v for k, v in hf_fields.items() if not k.startswith("per_device")}
     fields = {**COMMON, **hf_fields, **fields}
-    rows = MICRO_BATCH * DP * MICROBATCHES  # the reference's global batch
     # evaluation in HF's batches (MICRO_BATCH * DP rows, over the dp ranks): on padded rows its
     # token-weighted loss depends on them
     args = merak.MerakArguments(output_dir=str(out_dir() / name), save_strategy="no",

@@ -40,23 +40,25 @@ def main() -> None:
         key = json.dumps([family, extra], sort_keys=True)
         if key in done:  # runs differing only in Merak's fields share one HF reference
             for suffix in (".json", "-logits.npy", "-labels.npy"):
-                shutil.copy(out / f"reference-{done[key]}{suffix}",
-                            out / f"reference-{run}{suffix}")
+                if (out / f"reference-{done[key]}{suffix}").exists():
+                    shutil.copy(out / f"reference-{done[key]}{suffix}",
+                                out / f"reference-{run}{suffix}")
             continue
         done[key] = run
         model = build(family)
         args = tf.TrainingArguments(output_dir=str(out / f"reference-{run}"),
-                                    per_device_train_batch_size=MICRO_BATCH * DP,
-                                    per_device_eval_batch_size=MICRO_BATCH * DP,
-                                    **{**COMMON, "save_strategy": "no", **extra})
+                                    **{"per_device_train_batch_size": MICRO_BATCH * DP,
+                                       "per_device_eval_batch_size": MICRO_BATCH * DP,
+                                       **COMMON, "save_strategy": "no", **extra})
         trainer = tf.Trainer(model=model, args=args, train_dataset=fine_tuning_set(),
                              eval_dataset=fine_tuning_eval_set(padded=options.matrix))
         trainer.train()
         flow = flow_summary(trainer) if run.endswith("hf-flow") else {}
         metrics = trainer.evaluate()
-        predicted = trainer.predict(fine_tuning_eval_set(padded=options.matrix))
-        np.save(out / f"reference-{run}-logits.npy", predicted.predictions)
-        np.save(out / f"reference-{run}-labels.npy", predicted.label_ids)
+        if not options.matrix:  # (the grid compares losses only)
+            predicted = trainer.predict(fine_tuning_eval_set())
+            np.save(out / f"reference-{run}-logits.npy", predicted.predictions)
+            np.save(out / f"reference-{run}-labels.npy", predicted.label_ids)
         logs = [h for h in trainer.state.log_history if "loss" in h]
         (out / f"reference-{run}.json").write_text(json.dumps({
             "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],

@@ -11,6 +11,8 @@ right after the export.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -55,3 +57,21 @@ class FakeWeights:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+@contextlib.contextmanager
+def traceable_experts(model: nn.Module):
+    """transformers' ``grouped_mm`` experts as ``batched_mm`` while tracing: torch's
+    fake-tensor rule for ``_grouped_mm`` accepts bf16 only, though the CPU kernel computes fp32
+    (Inkling-2 picks it by default). The trace of a block is replaced by the eager block, which
+    keeps the model's own choice; only shapes come from the batched experts (which have no
+    data-dependent sizes)."""
+    configs = [m.config for m in model.modules() if getattr(getattr(m, "config", None),
+               "_experts_implementation_internal", None) == "grouped_mm"]
+    for config in configs:
+        config._experts_implementation_internal = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._experts_implementation_internal = "grouped_mm"

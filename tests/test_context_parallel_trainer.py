@@ -1,0 +1,80 @@
+"""Context parallelism through MerakTrainer (issue 36): (dp, tp, pp, cp) = (1,1,2,2) and
+(1,2,1,2) in the 4-rank launch, (2,1,2,2) (Ulysses, and ring under ZeRO-2) in the 8-rank one
+(pooled worker cp_trainer.py); every step's loss, grad norm and learning rate over 5 steps, and
+the eval loss, equal single-process HF Trainer's on the same rows. Plus the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from cp_trainer import CP_RUNS, reference_fields
+from dist_harness import check
+from trainer_common import DP, MICRO_BATCH, build, eval_set, train_set
+
+from merak import MerakArguments, NotSupportedYetError, rules
+from merak.checkpoint.files import check_files
+
+WORKER = "cp_trainer.py"  # pooled: launches(world_size), see conftest.py
+WORLD_SIZES = tuple(CP_RUNS)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process HF Trainer on the same rows, init and fields."""
+    torch.set_num_threads(1)
+    args = tf.TrainingArguments(output_dir=str(tmp_path_factory.mktemp("cp-reference")),
+                                per_device_train_batch_size=MICRO_BATCH * DP,
+                                per_device_eval_batch_size=MICRO_BATCH * DP,
+                                save_strategy="no", **reference_fields())
+    eval_rows = [{**row, "attention_mask": torch.ones_like(row["input_ids"])}
+                 for row in eval_set()]
+    trainer = tf.Trainer(model=build("llama-deep"), args=args, train_dataset=train_set(),
+                         eval_dataset=eval_rows)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+            "learning_rate": [h["learning_rate"] for h in logs],
+            "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+@pytest.mark.parametrize("world_size,scenario",
+                         [(w, s) for w in WORLD_SIZES for s in CP_RUNS[w]])
+def test_context_parallel_trains_like_hf_trainer(launches, worker_pool, reference, world_size,
+                                                 scenario):
+    check(*launches(world_size), scenario)
+    ours = json.loads((worker_pool.out_dir(WORKER, world_size)
+                       / f"merak-{scenario}.json").read_text())
+    assert len(ours["loss"]) == len(reference["loss"]) == 5
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    if CP_RUNS[world_size][scenario][2].get("save_steps"):
+        saved = worker_pool.out_dir(WORKER, world_size) / scenario / "checkpoint-5"
+        layout = check_files(saved)  # every file its layout implies
+        assert (layout.dp, layout.tp, layout.pp, layout.cp) == (1, 1, 2, 2)
+        assert sorted(p.name for p in saved.glob("model-*")) == [
+            "model-pp0-tp0.safetensors", "model-pp1-tp0.safetensors"]  # as cp=1 writes them
+
+
+def test_the_rules_refuse_what_context_parallelism_runs_without():
+    def refused(match: str, **fields):
+        found = rules.refusal(rules.Choices(cp=2, **fields))
+        assert found is not None and match in found.message, found
+
+    refused("a decode step has one position", text_generation=True)
+    refused("one sequence per row", packing=True)
+    refused("not supported yet", tp_overlapping_level=1)
+    assert rules.refusal(rules.Choices(cp=2, zero_stage=3)) is None
+    assert rules.refusal(rules.Choices(cp=1, text_generation=True)) is None
+    with pytest.raises(ValueError, match="cp_mode must be 'ring' or 'ulysses'"):
+        MerakArguments(output_dir="out", cp_mode="stripes")
+
+
+def test_generation_is_refused_with_context_parallelism():
+    with pytest.raises(ValueError, match="generate in a job without cp"):
+        rules.check(rules.Choices.from_arguments(
+            MerakArguments(output_dir="out", text_generation=True), cp=2))
+    assert isinstance(rules.refusal(rules.Choices(cp=2, lora=True)).error(), NotSupportedYetError)

@@ -1,0 +1,30 @@
+"""``energy_mode="auto"`` (profile, plan in the background, deploy at a step boundary, re-plan
+on drift) through MerakTrainer on 4 ranks with simulated GPUs: 1F1B, zero-bubble and
+interleaved 1F1B in one pooled launch (tests/workers/energy_auto.py says what each asserts;
+bench/energy_auto.py the measured figures), and the pieces on their own."""
+
+from __future__ import annotations
+
+import pytest
+from dist_harness import check
+
+from merak.energy.auto import spread_clocks
+
+# pooled: launches(world_size), see conftest.py
+WORKER, WORLD_SIZES = "energy_auto.py", (4,)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
+def test_auto_mode_profiles_plans_and_deploys_in_the_run(launches, schedule):
+    results, output = launches(4)
+    if schedule == "1f1b" and "energy auto (" in output:
+        print("\n".join(output[output.find("energy auto ("):].splitlines()[:5]))
+    check(results, output, f"energy-auto-{schedule}")
+
+
+def test_profiled_clocks_spread_over_the_range():
+    clocks = list(range(1410, 209, -15))  # an A100's 81 clocks
+    picked = spread_clocks(clocks, 8)
+    assert picked[0] == 1410 and picked[-1] == 210 and len(picked) == 8
+    assert picked == sorted(picked, reverse=True)
+    assert spread_clocks([1410, 1320, 1230], 8) == [1410, 1320, 1230]
