@@ -66,6 +66,11 @@ def test_an_online_plan_leaves_the_same_groups_whatever_its_number_of_dry_runs(l
     check(*launches(2), "online-plan-frees-its-groups")
 
 
+def test_online_plans_search_context_parallelism_and_its_dry_runs_train_like_cp1(launches):
+    """Issue 36: cp in the online planner; a cp=2 dry run's losses are a pp=2 dry run's."""
+    check(*launches(2), "online-plan-dry-runs-cp")
+
+
 def test_a_dry_run_on_cuda_counts_the_memory_outside_the_caching_allocator(monkeypatch):
     """NCCL's communicators and the CUDA context take device memory the allocator never sees;
     a candidate is judged by its peak reservation plus that."""

@@ -1,7 +1,8 @@
 """`merak plan`: choose dp x tp x pp (x cp), micro-batching, schedule, recomputation and ZeRO.
 
-Offline, for a described cluster (no process group, nothing run), context parallelism included
-(cp of 1, 2, 4, 8 where they divide the ranks and the sequence; ``--no-context-parallel``):
+Context parallelism is searched both ways (cp of 1, 2, 4, 8 where they divide the ranks and
+the sequence; ``--no-context-parallel`` for a job with padded rows). Offline, for a described
+cluster (no process group, nothing run):
 
     merak plan --model CONFIG_DIR --cluster h100 --world-size 64 --global-batch 512 \\
         --seq-len 8192 [--memory-gib 70] [--out plan.json]
@@ -48,8 +49,8 @@ def add_plan(subparsers) -> None:
                         help="plan without sequence parallelism (a job with LoRA adapters, "
                              "text generation or TP overlap cannot split the sequence)")
     parser.add_argument("--no-context-parallel", action="store_true",
-                        help="offline: plan without context parallelism (cp = 1); online plans "
-                             "never search it (their dry runs build dp x tp x pp jobs)")
+                        help="plan without context parallelism (cp = 1): for a job whose rows "
+                             "are padded (cp splits whole, unpadded rows)")
     parser.add_argument("--dry-runs", type=positive_int, default=5,
                         help="online: candidates to run")
     parser.add_argument("--dry-run-steps", type=positive_int, default=3)
@@ -109,10 +110,13 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         from merak.planner.online import plan_online
 
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        degrees = (1,) if args.no_context_parallel else \
+            context_parallel_degrees(world, args.seq_len)
         plan = plan_online(config, args.global_batch, args.seq_len, memory, sizes,
                            dry_runs=args.dry_runs, steps=args.dry_run_steps,
                            parallel_vocab=args.parallel_vocab,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, context_parallel=degrees)
         if plan is None:  # not rank 0
             return 0
     print(plan.table(args.top))

@@ -12,6 +12,10 @@ where the allocator keeps no statistics, the bytes of the rank's model states (w
 gradients, optimizer state, counted from the live tensors after the steps) plus the activation
 meter's peak (what the step kept for backward).
 
+Context parallelism (a candidate with cp > 1): the model's attention is wrapped for the
+candidate's `cp_mode` before the engine is built, and each rank trains its load-balanced share
+of every row (`merak.context_parallel.split_batch`), as `MerakTrainer` does.
+
 A dry run leaves no process group behind: the mesh its `merak.init` builds and the tied-weight
 groups are destroyed when it ends (`transient_process_groups`), and the default context is the
 caller's again; otherwise each candidate's communicators would stay on the GPU, outside the
@@ -27,6 +31,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from merak.context_parallel import enable_context_parallel, split_batch
+from merak.context_parallel.split import IGNORE_INDEX, shift_labels
 from merak.data_parallel.shards import local
 from merak.data_parallel.zero1 import local_optimizer
 from merak.distributed.parallel_context import init
@@ -105,14 +111,32 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions,
     but the process groups (the caller destroys those)."""
     from transformers import AutoModelForCausalLM
 
-    ctx = init(dp=c.dp, tp=c.tp, pp=c.pp)
+    ctx = init(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp)
     cuda = ctx.device.type == "cuda"
     torch.manual_seed(0)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
+    if ctx.cp > 1:  # attention across the cp ranks' shares of each row
+        enable_context_parallel(model, ctx.cp_group, c.cp_mode)
+
+    def share(batch: dict) -> dict | list[dict]:
+        """This rank's part of a step's whole rows (all of them at cp = 1). With cp > 1, each
+        micro-batch's load-balanced share, its loss divided by the micro-batch's whole target
+        count (HF's ``num_items_in_batch``): the cp ranks' losses sum to the row's loss."""
+        if ctx.cp == 1:
+            return batch
+        size = c.micro_batch
+        parts = []
+        for start in range(0, len(batch["input_ids"]), size):
+            whole = {k: v[start:start + size] for k, v in batch.items()}
+            count = (shift_labels(whole["labels"]) != IGNORE_INDEX).sum()
+            parts.append({**split_batch(whole, ctx.cp, ctx.cp_rank),
+                          "num_items_in_batch": count})
+        return parts[0] if len(parts) == 1 else parts
+
     rows = c.micro_batch
     ids = torch.randint(0, config.vocab_size, (rows, seq))
-    built = build_engine(model, {"input_ids": ids, "labels": ids}, ctx,
+    built = build_engine(model, share({"input_ids": ids, "labels": ids}), ctx,
                          replace(options, measure_activations=not cuda),
                          make_optimizer=make_optimizer)
     stage, optimizer, engine = built.stage, built.optimizer, built.interpreter
@@ -127,7 +151,7 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions,
         else:
             ids = torch.randint(0, config.vocab_size, (rows_per_step, seq), generator=generator)
             rows = {"input_ids": ids, "labels": ids}
-        losses.append(engine.train_step(rows if engine.batch_keys else None))
+        losses.append(engine.train_step(share(rows) if engine.batch_keys else None))
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)

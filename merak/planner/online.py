@@ -53,8 +53,8 @@ def _averaged(costs: BlockCosts, ctx) -> BlockCosts:
 
 
 def _distinct(ranked: list[Prediction], count: int, within: float = 1.5) -> list[Prediction]:
-    """The `count` candidates to dry-run: first the best of each layout (dp x tp x pp, sequence
-    parallelism) predicted within `within` times the best, then the best of each layout and
+    """The `count` candidates to dry-run: first the best of each layout (dp x tp x pp x cp,
+    sequence parallelism) predicted within `within` times the best, then the best of each layout and
     micro-batch size, then of each layout and schedule, then the next best. The model errs
     most between layouts (ranks sharing cores or links, collectives), then between micro-batch
     sizes (per-micro-batch overheads it does not see), so the dry runs sample those first."""
@@ -62,9 +62,9 @@ def _distinct(ranked: list[Prediction], count: int, within: float = 1.5) -> list
         return []
     near = [p for p in ranked if p.step_s <= within * ranked[0].step_s]
     taken: list[Prediction] = []
-    for key in (lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel),
-                lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel, c.micro_batch),
-                lambda c: (c.dp, c.tp, c.pp, c.sequence_parallel, c.schedule)):
+    for key in (lambda c: (c.dp, c.tp, c.pp, c.cp, c.sequence_parallel),
+                lambda c: (c.dp, c.tp, c.pp, c.cp, c.sequence_parallel, c.micro_batch),
+                lambda c: (c.dp, c.tp, c.pp, c.cp, c.sequence_parallel, c.schedule)):
         seen = {key(p.candidate) for p in taken}
         for p in near:
             if len(taken) == count:
@@ -80,19 +80,23 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
                 micro_batch_sizes=(1, 2, 4, 8), dry_runs: int = 5, steps: int = 3,
                 dtype: torch.dtype | None = None, parallel_vocab: bool = False,
                 sequence_parallel: tuple[bool, ...] | None = None,
-                options: EngineOptions | None = None, job: Choices | None = None) -> StrategyPlan:
+                options: EngineOptions | None = None, job: Choices | None = None,
+                context_parallel: tuple[int, ...] = (1,)) -> StrategyPlan:
     """The plan for `config` on this job (every rank calls it; every rank gets the plan);
     `parallel_vocab` as the job will build its TP model; `sequence_parallel`: the settings
     to try where tp > 1 (default: `sequence_parallel_choices` of the config). `options`: the
     job's engine options, each dry run's with the candidate's choices (default: the defaults
     with `dtype` and `parallel_vocab`); `job`: the job's other choices, so only candidates
-    `merak.rules` accepts for it are searched."""
+    `merak.rules` accepts for it are searched. `context_parallel`: the cp degrees to search
+    (`merak.strategy.search.context_parallel_degrees`; 1 only by default: a job's rows must
+    be unpadded for cp, which the planner cannot see); a cp candidate's dry run splits its
+    rows as `MerakTrainer` does."""
     options = options or EngineOptions(autocast_dtype=dtype, parallel_vocab=parallel_vocab)
     start = time.perf_counter()
     with transient_process_groups():  # (the measuring layout's groups too)
         plan, best, memory = _plan_and_dry_run(config, global_batch, seq, memory_bytes,
                                                micro_batch_sizes, dry_runs, steps, options,
-                                               sequence_parallel, job)
+                                               sequence_parallel, job, context_parallel)
     if best is None:
         label = min(plan.measured_memory, key=plan.measured_memory.get)
         raise ValueError(f"every dry run went over the memory limit of {memory / 2**30:.3g} "
@@ -114,7 +118,8 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
 
 def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float | None,
                       micro_batch_sizes, dry_runs: int, steps: int, options: EngineOptions,
-                      sequence_parallel: tuple[bool, ...] | None, job: Choices | None
+                      sequence_parallel: tuple[bool, ...] | None, job: Choices | None,
+                      context_parallel: tuple[int, ...] = (1,)
                       ) -> tuple[StrategyPlan, Prediction | None, float]:
     """`plan_online`'s measurements, search and dry runs: the plan, the fastest measured
     prediction within the memory limit (None when none is) and that limit."""
@@ -129,7 +134,8 @@ def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float |
     if sequence_parallel is None:
         sequence_parallel = sequence_parallel_choices(config)
     plan = search(shape, costs, cluster, global_batch, seq, memory, options.parallel_vocab,
-                  micro_batch_sizes=sizes, sequence_parallel=sequence_parallel, job=job)
+                  micro_batch_sizes=sizes, sequence_parallel=sequence_parallel, job=job,
+                  context_parallel=context_parallel)
     best = None
     for prediction in _distinct(plan.ranked, dry_runs):
         c = prediction.candidate

@@ -7,6 +7,9 @@ test_plan_memory):
   the number of candidates; the caller's default context is the default again.
 - online-plan-frees-its-groups: `plan_online` with one and with two dry runs leaves the same
   number of live groups behind (its final default layout's).
+- online-plan-dry-runs-cp: a cp=2 dry run (each rank training its share of the rows through
+  ring or Ulysses attention) has the step losses of a pp=2 dry run on the same rows; the
+  online plan searches cp, and dry-runs and chooses cp=2 candidates.
 - zero1-pending-state-is-the-shard: the optimizer state the batch-size probe sets aside under
   ZeRO-1 is this rank's shard of AdamW's two moments, the ranks' shares summing to the whole.
 """
@@ -78,6 +81,42 @@ def online_plan_frees_its_groups() -> None:
     assert left[0] == left[1], left  # only the final default layout's groups, whatever count
 
 
+def online_plan_dry_runs_cp() -> None:
+    from merak.planner.online import plan_online
+
+    merak.init(dp=1, tp=1, pp=2)
+    config = tiny_llama()
+    mbs, m, steps = 2, 2, 2
+    ids = torch.randint(0, config.vocab_size, ((steps + 1) * mbs * m, SEQ),
+                        generator=torch.Generator().manual_seed(3))
+
+    def rows(k):
+        part = ids[k * mbs * m:(k + 1) * mbs * m]
+        return {"input_ids": part, "labels": part}
+
+    losses = {}
+    for c in (Candidate(1, 1, 2, mbs, m), Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ring"),
+              Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ulysses")):
+        losses[c.label] = dry_run.dry_run(c, config, SEQ, steps=steps, batches=rows).losses
+    first, *others = losses.values()
+    for other in others:
+        torch.testing.assert_close(torch.tensor(other), torch.tensor(first), rtol=1e-5,
+                                   atol=1e-6, msg=lambda text: f"{losses}: {text}")
+    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
+    try:
+        searched = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(1,),
+                               dry_runs=1, steps=1, context_parallel=(1, 2))
+        only_cp = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(1,),
+                              dry_runs=2, steps=1, context_parallel=(2,))
+    finally:
+        costs.MIN_SAMPLE_S = sample_s
+    assert any(p.candidate.cp == 2 for p in searched.ranked), searched.table(40)
+    assert len(only_cp.measured) == 2 and all(
+        " cp2:" in label and seconds > 0 for label, seconds in only_cp.measured.items()), \
+        only_cp.measured
+    assert only_cp.chosen.cp == 2, only_cp.chosen
+
+
 def zero1_pending_state_is_the_shard() -> None:
     from merak.data_parallel.zero1 import local_optimizer, zero1
     from merak.runtime.memory_probe import pending_optimizer_state_bytes
@@ -145,6 +184,7 @@ def dry_run_trains_as_the_trainer() -> None:
 SCENARIOS = {"dry-run-trains-as-the-trainer": dry_run_trains_as_the_trainer,
              "dry-runs-free-their-groups": dry_runs_free_their_groups,
              "online-plan-frees-its-groups": online_plan_frees_its_groups,
+             "online-plan-dry-runs-cp": online_plan_dry_runs_cp,
              "zero1-pending-state-is-the-shard": zero1_pending_state_is_the_shard}
 
 
