@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers as tf
-from cp_trainer import CP_RUNS, reference_fields
+from cp_trainer import CP_RUNS, RESUMES, SAVED, reference_fields
 from dist_harness import check
 from trainer_common import DP, MICRO_BATCH, build, eval_set, train_set
 
@@ -52,11 +52,27 @@ def test_context_parallel_trains_like_hf_trainer(launches, worker_pool, referenc
         assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
     assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
     if CP_RUNS[world_size][scenario][2].get("save_steps"):
-        saved = worker_pool.out_dir(WORKER, world_size) / scenario / "checkpoint-5"
+        saved = worker_pool.out_dir(WORKER, world_size) / scenario / f"checkpoint-{SAVED}"
         layout = check_files(saved)  # every file its layout implies
         assert (layout.dp, layout.tp, layout.pp, layout.cp) == (1, 1, 2, 2)
         assert sorted(p.name for p in saved.glob("model-*")) == [
             "model-pp0-tp0.safetensors", "model-pp1-tp0.safetensors"]  # as cp=1 writes them
+
+
+@pytest.mark.parametrize("scenario", list(RESUMES[4]))
+def test_a_cp_checkpoint_resumes(launches, worker_pool, reference, scenario):
+    """The (1,1,2,2) ring run's step-3 checkpoint: resumed in its layout, steps 4 and 5 and the
+    eval loss are HF Trainer's; resumed at cp=1 (dp2 x pp2), the weights are the checkpoint's
+    (step 4's loss; the optimizer restarts there, its state is not resharded yet)."""
+    check(*launches(4), scenario)
+    ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
+    assert len(ours["loss"]) == len(reference["loss"])  # (steps 1-3: the checkpoint's history)
+    exact = RESUMES[4][scenario][1] == CP_RUNS[4][RESUMES[4][scenario][0]][0]
+    for key in ("loss", "grad_norm", "learning_rate") if exact else ("loss",):
+        steps = slice(SAVED, None) if exact else slice(SAVED, SAVED + 1)
+        assert ours[key][steps] == pytest.approx(reference[key][steps], rel=1e-5, abs=1e-6), key
+    if exact:
+        assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
 
 
 def test_the_rules_refuse_what_context_parallelism_runs_without():

@@ -15,11 +15,18 @@ from trainer_common import COMMON, DP, MICRO_BATCH, MICROBATCHES, build, eval_se
 import merak
 
 STEPS = 5
+SAVED = 3  # the step cp-dp1tp1pp2cp2-ring saves
+# scenario -> (the run whose checkpoint it resumes, its own layout, cp_mode, more fields): the
+# same layout continues the curve exactly; cp=1 at dp=2 reshards the weights (a resume in
+# another layout starts the optimizer afresh: its state is not resharded yet)
+RESUMES = {4: {"cp-resume-same-layout": ("cp-dp1tp1pp2cp2-ring", (1, 1, 2, 2), "ring", {}),
+               "cp-resume-dp2tp1pp2cp1": ("cp-dp1tp1pp2cp2-ring", (2, 1, 2, 1), "ring",
+                                          {"no_load_optim": True})}}
 # scenario -> ((dp, tp, pp, cp), cp_mode, more MerakArguments fields)
 CP_RUNS = {
-    # (saves its step-5 checkpoint: the weight files of a cp=1 job, cp recorded)
+    # (saves its step-3 checkpoint: the weight files of a cp=1 job, cp recorded)
     4: {"cp-dp1tp1pp2cp2-ring": ((1, 1, 2, 2), "ring", {"save_strategy": "steps",
-                                                      "save_steps": 5}),
+                                                      "save_steps": SAVED}),
         "cp-dp1tp2pp1cp2-ulysses": ((1, 2, 1, 2), "ulysses", {}),
         "cp-dp1tp2pp1cp2-ring-sp": ((1, 2, 1, 2), "ring", {"sequence_parallel": True}),
         # the split backward of zero-bubble schedules; model chunks of interleaved 1F1B
@@ -42,7 +49,8 @@ def reference_fields() -> dict:
     return {**COMMON, "max_steps": STEPS}
 
 
-def run(name: str, layout: tuple[int, int, int, int], mode: str, extra: dict) -> None:
+def run(name: str, layout: tuple[int, int, int, int], mode: str, extra: dict,
+        resume: str | None = None) -> None:
     dp, tp, pp, cp = layout
     merak.init(dp=dp, tp=tp, pp=pp, cp=cp)
     with merak.init_empty_weights():
@@ -58,7 +66,7 @@ def run(name: str, layout: tuple[int, int, int, int], mode: str, extra: dict) ->
                  for row in eval_set()]
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  eval_dataset=eval_rows)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     eval_loss = trainer.evaluate()["eval_loss"]
     logs = [h for h in trainer.state.log_history if "loss" in h]
     if dist.get_rank() == 0:
@@ -67,9 +75,18 @@ def run(name: str, layout: tuple[int, int, int, int], mode: str, extra: dict) ->
             "learning_rate": [h["learning_rate"] for h in logs], "eval_loss": eval_loss}))
 
 
+def resume(name: str, saved_by: str, layout: tuple[int, int, int, int], mode: str,
+           extra: dict) -> None:
+    """`layout` resumes the step-3 checkpoint of `saved_by`."""
+    checkpoint = out_dir() / saved_by / f"checkpoint-{SAVED}"
+    run(name, layout, mode, extra, resume=str(checkpoint))
+
+
 def scenarios(world_size: int) -> dict:
-    return {name: (lambda name=name, spec=spec: run(name, *spec))
-            for name, spec in CP_RUNS.get(world_size, {}).items()}
+    found = {name: (lambda name=name, spec=spec: run(name, *spec))
+             for name, spec in CP_RUNS.get(world_size, {}).items()}
+    return found | {name: (lambda name=name, spec=spec: resume(name, *spec))
+                    for name, spec in RESUMES.get(world_size, {}).items()}
 
 
 if __name__ == "__main__":
