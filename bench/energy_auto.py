@@ -17,24 +17,10 @@ this on an idle machine).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "workers" / "energy_auto.py"
+from worker_launch import run_worker
+
 MAX_SLOWDOWN = 0.01  # MerakArguments.energy_max_slowdown's default, which the worker keeps
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:
@@ -44,25 +30,9 @@ def main() -> None:
     parser.add_argument("--after", type=int, default=10, help="planned steps measured")
     parser.add_argument("--schedules", default="1f1b,zero_bubble,interleaved_1f1b")
     args = parser.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               MERAK_ENERGY_AUTO_FORWARD_S=str(args.forward_s),
-               MERAK_ENERGY_AUTO_AFTER=str(args.after), MERAK_ENERGY_AUTO_DRIFT="0",
-               MERAK_ENERGY_AUTO_SCHEDULES=args.schedules)
-    with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-             f"--master_port={_free_port()}", str(WORKER), "--out", out],
-            cwd=WORKER.parent, env=env, capture_output=True, text=True, check=False)
-        took = time.perf_counter() - start
-        report_path = Path(out) / "energy_auto_report.json"
-        if not report_path.exists():
-            sys.exit(f"the worker wrote no report:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        report = json.loads(report_path.read_text())
-        failures = {name: error for rank in range(4)
-                    for name, error in json.loads((Path(out) / f"rank{rank}.json")
-                                                  .read_text()).items() if error}
+    report, failures, took = run_worker("energy_auto.py", "energy_auto_report.json", dict(
+        MERAK_ENERGY_AUTO_FORWARD_S=str(args.forward_s), MERAK_ENERGY_AUTO_AFTER=str(args.after),
+        MERAK_ENERGY_AUTO_DRIFT="0", MERAK_ENERGY_AUTO_SCHEDULES=args.schedules))
     print(f"4 ranks, forward {args.forward_s * 1e3:.0f} ms at the highest clock, "
           f"energy_max_slowdown {MAX_SLOWDOWN:.0%}; {took:.0f} s")
     print(f"{'schedule':18}{'profile':>8}{'all-max':>8}{'planned':>8}{'predicted':>10}"

@@ -15,23 +15,8 @@ are the precise figures (run it on an idle machine).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "workers" / "energy_e2e.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from worker_launch import run_worker
 
 
 def main() -> None:
@@ -45,26 +30,12 @@ def main() -> None:
     parser.add_argument("--schedules",
                         default="1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path")
     args = parser.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               MERAK_ENERGY_E2E_FORWARD_S=str(args.forward_s),
-               MERAK_ENERGY_E2E_MICROBATCHES=str(args.microbatches),
-               MERAK_ENERGY_E2E_ROUNDS=str(args.rounds),
-               MERAK_ENERGY_E2E_UNIT_S=str(args.unit_time or args.forward_s / 40),
-               MERAK_ENERGY_E2E_SCHEDULES=args.schedules)
-    with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-             f"--master_port={_free_port()}", str(WORKER), "--out", out],
-            cwd=WORKER.parent, env=env, capture_output=True, text=True, check=False)
-        took = time.perf_counter() - start
-        report_path = Path(out) / "energy_report.json"
-        if not report_path.exists():
-            sys.exit(f"the worker wrote no report:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        report = json.loads(report_path.read_text())
-        failures = {name: error for rank in range(4)
-                    for name, error in json.loads((Path(out) / f"rank{rank}.json")
-                                                  .read_text()).items() if error}
+    report, failures, took = run_worker("energy_e2e.py", "energy_report.json", dict(
+        MERAK_ENERGY_E2E_FORWARD_S=str(args.forward_s),
+        MERAK_ENERGY_E2E_MICROBATCHES=str(args.microbatches),
+        MERAK_ENERGY_E2E_ROUNDS=str(args.rounds),
+        MERAK_ENERGY_E2E_UNIT_S=str(args.unit_time or args.forward_s / 40),
+        MERAK_ENERGY_E2E_SCHEDULES=args.schedules))
     print(f"4 ranks, {args.microbatches} micro-batches, forward {args.forward_s * 1e3:.0f} ms "
           f"at the highest clock, minimum of {args.rounds} steps per plan; {took:.0f} s")
     print(f"{'schedule':24}{'all-max pred':>16}{'measured':>16}{'plan pred':>16}{'measured':>16}"

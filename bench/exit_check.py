@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from worker_launch import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:
@@ -38,7 +33,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             proc = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run",
-                 f"--nproc_per_node={dp * tp * pp}", f"--master_port={_free_port()}",
+                 f"--nproc_per_node={dp * tp * pp}", f"--master_port={free_port()}",
                  str(ROOT / "examples" / "train_llama_3d.py"), "--dp", str(dp), "--tp",
                  str(tp), "--pp", str(pp), "--steps", str(args.steps), "--layers", "2",
                  "--hidden", "64", "--out", out],
