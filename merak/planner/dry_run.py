@@ -129,9 +129,9 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions,
         parts = []
         for start in range(0, len(batch["input_ids"]), size):
             whole = {k: v[start:start + size] for k, v in batch.items()}
-            count = (shift_labels(whole["labels"]) != IGNORE_INDEX).sum()
-            parts.append({**split_batch(whole, ctx.cp, ctx.cp_rank),
-                          "num_items_in_batch": count})
+            shifted = shift_labels(whole["labels"])  # (split_batch takes it as it is)
+            parts.append({**split_batch({**whole, "shift_labels": shifted}, ctx.cp, ctx.cp_rank),
+                          "num_items_in_batch": (shifted != IGNORE_INDEX).sum()})
         return parts[0] if len(parts) == 1 else parts
 
     rows = c.micro_batch
