@@ -8,13 +8,15 @@ family whose attention calls the registry then runs context-parallel attention, 
 to the model's code. transformers builds no mask for an implementation it does not know, so the
 model's own (local) mask is never used: the causal structure across the split is the wrapper's.
 
-- ``ulysses``: an all-to-all gives each rank a 1/cp share of the heads over the whole row; the
-  wrapped implementation runs on it (row put back in natural order, causal as usual: eager gets
-  an explicit mask, sdpa and flash their causal flag); a second all-to-all returns the rank's
-  tokens with every head. Needs the heads (and key/value heads) on the rank divisible by cp.
-- ``ring``: K/V blocks go around the ring, merged by online softmax (`merak.context_parallel.
-  ring`), any head count. Its block math is Merak's own (the registry's implementations do not
-  return the log-sum-exp the merge needs), in fp32, and its backward is written out.
+- ``ulysses`` (`merak.context_parallel.ulysses`): an all-to-all gives each rank a 1/cp share of
+  the heads over the whole row; the wrapped implementation runs on it (row put back in natural
+  order; sdpa and flash causal by their flag, eager and windows over query blocks with block
+  masks, never S x S); a second all-to-all returns the rank's tokens with every head. Needs the
+  query heads on the rank divisible by cp; key/value heads are repeated where cp does not
+  divide them.
+- ``ring`` (`merak.context_parallel.ring`): K/V blocks go around the ring, each block on a
+  fused attention kernel returning its log-sum-exp (the registry's implementations do not),
+  merged by online softmax; any head count; its backward is written out.
 """
 
 from __future__ import annotations
@@ -27,12 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak.context_parallel.collectives import (
-    scatter_heads_gather_sequence,
-    scatter_sequence_gather_heads,
-)
 from merak.context_parallel.ring import ring_attention
-from merak.context_parallel.split import gathered_positions
+from merak.context_parallel.ulysses import check_heads, ulysses_attention
 
 MODES = ("ulysses", "ring")
 PREFIX = "merak_context_parallel"
@@ -91,6 +89,9 @@ class ContextParallelAttention:
     inner: str  # the implementation the model was asked to use
     name: str = field(default_factory=lambda: f"{PREFIX}_{next(_names)}")
     calls: int = 0
+    # Ulysses: the query rows per call of an implementation that needs a mask (eager, or sdpa
+    # with a sliding window); the mask of each call is (block_size x the keys it sees)
+    block_size: int = 1024
 
     @property
     def cp(self) -> int:
@@ -99,6 +100,10 @@ class ContextParallelAttention:
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None,
                  scaling: float | None = None, dropout: float = 0.0, **kwargs):
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "context parallelism's attention cannot be compiled: torch.compile would trace "
+                "its collectives as local attention; train with torch_compile=False at cp > 1")
         if _traced(query):  # Merak's capture runs blocks on fake tensors and keeps them eager:
             # only the shapes (this rank's tokens) matter here
             inner = _inner_function(module, self.inner)
@@ -122,51 +127,19 @@ class ContextParallelAttention:
 
     # -- Ulysses ------------------------------------------------------------------------------
     def _ulysses(self, module, query, key, value, scaling, dropout, causal, window, kwargs):
-        cp = self.cp
-        for what, heads in (("attention heads", query.shape[1]),
-                            ("key/value heads", key.shape[1])):
-            if heads % cp:
-                raise ValueError(
-                    f"cp_mode='ulysses' gives each of the cp={cp} ranks 1/cp of the heads, but "
-                    f"the {_family(module)} family's {type(module).__name__} has {heads} "
-                    f"{what} on this rank (after tensor parallelism): choose cp (and tp) so "
-                    f"that cp x tp divides the head counts, or cp_mode='ring'")
-        seq_len = query.shape[2] * cp
-        order = gathered_positions(seq_len, cp, query.device)
-        natural = torch.argsort(order)
-        q, k, v = (scatter_heads_gather_sequence(t, self.group).index_select(2, natural)
-                   for t in (query, key, value))
-        mask = self._mask(seq_len, q, causal, window)
-        inner = _inner_function(module, self.inner)
-        passed = {name: x for name, x in kwargs.items() if name not in _LOCAL_KWARGS}
-        if window is not None and self.inner.startswith("flash"):
-            passed["sliding_window"] = window
+        check_heads(query.shape[1], self.cp, _family(module), type(module).__name__)
+        if self.inner.startswith("flash"):
+            kind = "flash"
+        elif self.inner in ("eager", "sdpa"):
+            kind = self.inner
         else:
-            passed.pop("sliding_window", None)
-        out, _ = inner(module, q, k, v, mask, scaling=scaling, dropout=dropout, **passed)
-        out = out.index_select(1, order)  # (B, S, H / cp, D) in the ranks' order
-        return scatter_sequence_gather_heads(out.contiguous(), self.group)
-
-    def _mask(self, seq_len, q, causal, window):
-        """The whole row's mask for the wrapped implementation: None where it is causal by
-        itself (sdpa, flash; no window), else eager's additive mask or sdpa's boolean one."""
-        if self.inner.startswith("flash") or (self.inner == "sdpa" and window is None):
-            return None
-        if self.inner not in ("eager", "sdpa"):
             raise NotImplementedError(
                 f"cp_mode='ulysses' wraps eager, sdpa and flash_attention_*; the model asked "
                 f"for {self.inner!r}, whose mask Merak does not build: use one of those")
-        i = torch.arange(seq_len, device=q.device)
-        allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device)
-        if causal:
-            allowed &= i[None, :] <= i[:, None]
-        if window is not None:
-            allowed &= i[:, None] - i[None, :] < window
-        allowed = allowed[None, None]
-        if self.inner == "sdpa":
-            return allowed
-        zero = torch.zeros((), dtype=q.dtype, device=q.device)
-        return torch.where(allowed, zero, torch.finfo(q.dtype).min)
+        passed = {name: x for name, x in kwargs.items() if name not in _LOCAL_KWARGS}
+        return ulysses_attention(module, query, key, value, self.group,
+                                 _inner_function(module, self.inner), kind, scaling, dropout,
+                                 causal, window, passed, self.block_size)
 
     # -- ring -----------------------------------------------------------------------------------
     def _check_ring(self, module, dropout, window, seq_len, kwargs):
@@ -198,7 +171,7 @@ def _traced(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is traced (fake or meta) rather than computed."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return tensor.is_meta or is_fake(tensor) or torch.compiler.is_compiling()
+    return tensor.is_meta or is_fake(tensor)
 
 
 def _inner_function(module: nn.Module, inner: str):

@@ -1,21 +1,26 @@
-"""Ring attention over the load-balanced split, with its own backward.
+"""Ring attention over the load-balanced split, on fused kernels, with its own backward.
 
 Each cp rank holds its queries, keys and values for chunks ``r`` and ``2cp-1-r`` of the row
 (`merak.context_parallel.split`). The K/V blocks travel around the ring (``cp - 1`` passes to
-the next rank); at each step a rank attends its two query chunks to the two key chunks it
-holds, chunk pair by chunk pair: a key chunk before the query chunk in the row is attended
-whole, the same chunk under the causal (diagonal) mask, a later chunk not at all (so every rank
-does the same work). The partial results merge by their log-sum-exp (online softmax).
+the next rank); at each step a rank attends its queries to the K/V block it holds. Under causal
+attention the load-balanced layout makes every step one fused-kernel call (`_calls`):
+
+- its own block: causal attention over its two chunks (chunk ``r`` precedes ``2cp-1-r``);
+- the block of a rank ``src < r``: every query over the block's first chunk (``src < r``) and
+  none over its second (``2cp-1-src > 2cp-1-r``);
+- the block of a rank ``src > r``: the second query chunk over both key chunks (both precede
+  it), the first over neither,
+
+so every rank does the same work at every step. The kernels (`merak.context_parallel.kernels`)
+run in the input dtype and return each block's log-sum-exp; partial outputs merge by it in
+fp32. No (query x key) matrix exists anywhere.
 
 The backward is written out rather than left to autograd (which would keep every step's
-received K/V and score matrix): the forward keeps only the rank's q, k, v, output and
-log-sum-exp; the backward passes the K/V blocks around again, recomputes each block's
-probabilities from the saved log-sum-exp, adds the block's dq locally, and sends its dk / dv
-along with the K/V block, so after ``cp`` passes each rank holds the gradient of its own keys
-and values (the flash-attention backward, distributed).
-
-Block math is computed in fp32 with grouped-query heads expanded (key head ``h // g`` serves
-query head ``h``, as HF's ``repeat_kv``).
+received K/V): the forward keeps only the rank's q, k, v, its output and log-sum-exp; the
+backward passes the K/V blocks around again, runs each block's fused backward with the final
+output and log-sum-exp, adds the block's dq locally and sends the block's dK/dV (in the input
+dtype, accumulated in fp32 on each rank) one step behind the K/V, so that pass overlaps the next
+block's compute; after ``cp`` passes each rank holds the gradient of its own keys and values.
 """
 
 from __future__ import annotations
@@ -24,87 +29,76 @@ import torch
 import torch.distributed as dist
 
 from merak.context_parallel.collectives import RingShift
-from merak.context_parallel.split import chunk_ids
+from merak.context_parallel.kernels import block_backward, block_forward
+
+_ALL = slice(None)
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+def _calls(cp: int, rank: int, src: int, causal: bool,
+           c: int) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key rows, causal) of the kernel calls of rank `rank` holding the K/V block
+    of cp rank `src`; each of the two holds 2 chunks of `c` tokens."""
+    if not causal:
+        return [(_ALL, _ALL, False)]
+    if src == rank:
+        return [(_ALL, _ALL, True)]
+    if src < rank:
+        return [(_ALL, slice(0, c), False)]
+    return [(slice(c, 2 * c), _ALL, False)]
 
 
-def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The adjoint of `_expand`: sum each key head's query-head group."""
-    if groups == 1:
-        return x
-    b, h, s, d = x.shape
-    return x.view(b, h // groups, groups, s, d).sum(2)
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Fold a block's (out, lse) into the running fp32 (out, lse), in place (online softmax)."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged)[..., None])
+    out.add_(block_out.float() * torch.exp(block_lse - merged)[..., None])
+    lse.copy_(merged)
 
 
-def _pairs(cp: int, rank: int, src: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """(local query chunk, held key chunk, diagonal) for every chunk pair that is attended when
-    this rank holds the K/V of cp rank `src`."""
-    mine, theirs = chunk_ids(cp, rank), chunk_ids(cp, src)
-    pairs = []
-    for qi, qc in enumerate(mine):
-        for ki, kc in enumerate(theirs):
-            if not causal or kc < qc:
-                pairs.append((qi, ki, False))
-            elif kc == qc:
-                pairs.append((qi, ki, True))
-    return pairs
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
 
 
-def _scores(q, k, scale, diagonal):
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if diagonal:
-        n = s.shape[-1]
-        upper = torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(upper, float("-inf"))
-    return s
+def _unpack(flat: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    n = k_shape.numel()
+    return flat[:n].view(k_shape), flat[n:].view(v_shape)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, causal):
-        """q (B, H, 2c, D), k (B, Hkv, 2c, D), v (B, Hkv, 2c, Dv) -> (out (B, H, 2c, Dv))."""
-        with torch.autocast(q.device.type, enabled=False):  # fp32 math under mixed precision
+        """q (B, H, 2c, D), k (B, Hkv, 2c, D), v (B, Hkv, 2c, Dv) -> out (B, H, 2c, Dv)."""
+        with torch.autocast(q.device.type, enabled=False):  # the kernels take the input dtype
+            ctx.kv_dtypes = k.dtype, v.dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
             return _RingAttention._forward(ctx, q, k, v, group, scale, causal)
 
     @staticmethod
     def _forward(ctx, q, k, v, group, scale, causal):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        groups = q.shape[1] // k.shape[1]
         c = q.shape[2] // 2
-        qf = q.float()
-        qs = (qf[:, :, :c], qf[:, :, c:])
-        out = [None, None]
-        lse = [None, None]
+        out = lse = None
         shift = RingShift(group)
-        kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+        kv = _pack(k, v)
         for step in range(cp):
             if step < cp - 1:
                 shift.start(kv)
             src = (rank - step) % cp
             kh, vh = _unpack(kv, k.shape, v.shape)
-            kh, vh = _expand(kh.float(), groups), _expand(vh.float(), groups)
-            for qi, ki, diagonal in _pairs(cp, rank, src, causal):
-                part = slice(ki * c, (ki + 1) * c)
-                s = _scores(qs[qi], kh[:, :, part], scale, diagonal)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(torch.exp(s - block_lse[..., None]), vh[:, :, part])
-                if out[qi] is None:
-                    out[qi], lse[qi] = block_out, block_lse
+            for rows, keys, diagonal in _calls(cp, rank, src, causal, c):
+                block_out, block_lse = block_forward(q[:, :, rows], kh[:, :, keys],
+                                                     vh[:, :, keys], scale, diagonal)
+                if out is None:  # step 0 (the rank's own block) covers every query
+                    out, lse = block_out.float(), block_lse.float()
                 else:
-                    merged = torch.logaddexp(lse[qi], block_lse)
-                    out[qi] = out[qi] * torch.exp(lse[qi] - merged)[..., None] + \
-                        block_out * torch.exp(block_lse - merged)[..., None]
-                    lse[qi] = merged
+                    _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if step < cp - 1:
                 kv = shift.wait()
-        out_full = torch.cat(out, dim=2)
-        lse_full = torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out_full, lse_full)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.causal = group, scale, causal
-        return out_full.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -116,44 +110,35 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale, causal = ctx.group, ctx.scale, ctx.causal
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        groups = q.shape[1] // k.shape[1]
         c = q.shape[2] // 2
-        dout = dout.float()
-        delta = (dout * out).sum(-1)  # (B, H, 2c): rowsum(dO * O)
-        qf = q.float()
-        dq = torch.zeros_like(qf)
-        shift, grads_shift = RingShift(group), RingShift(group)
-        kv = torch.cat([k.reshape(-1), v.reshape(-1)])
-        dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=kv.device)
+        dout = dout.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        shift, grads = RingShift(group), RingShift(group)
+        kv = _pack(k, v)
         for step in range(cp):
             if step < cp - 1:
                 shift.start(kv)
             src = (rank - step) % cp
             kh, vh = _unpack(kv, k.shape, v.shape)
-            kh, vh = _expand(kh.float(), groups), _expand(vh.float(), groups)
-            dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)
-            for qi, ki, diagonal in _pairs(cp, rank, src, causal):
-                rows, part = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
-                s = _scores(qf[:, :, rows], kh[:, :, part], scale, diagonal)
-                p = torch.exp(s - lse[:, :, rows, None])
-                do = dout[:, :, rows]
-                dv[:, :, part] += torch.matmul(p.transpose(-1, -2), do)
-                ds = p * (torch.matmul(do, vh[:, :, part].transpose(-1, -2))
-                          - delta[:, :, rows, None])
-                dq[:, :, rows] += torch.matmul(ds, kh[:, :, part]) * scale
-                dk[:, :, part] += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows]) * scale
-            dkv += torch.cat([_fold(dk, groups).reshape(-1), _fold(dv, groups).reshape(-1)])
-            # the K/V gradients travel with their block; after cp passes they are home
-            dkv = grads_shift(dkv)
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            for rows, keys, diagonal in _calls(cp, rank, src, causal, c):
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, rows].contiguous(), q[:, :, rows], kh[:, :, keys],
+                    vh[:, :, keys], out[:, :, rows].contiguous(),
+                    lse[:, :, rows].contiguous(), scale, diagonal)
+                dq[:, :, rows] += dq_b
+                dk[:, :, keys] += dk_b
+                dv[:, :, keys] += dv_b
+            dkv = _pack(dk, dv)
+            if step > 0:  # what the ranks before added to this block's gradients
+                dkv += grads.wait()
+            grads.start(dkv.to(q.dtype))  # it follows its block, one step behind
             if step < cp - 1:
                 kv = shift.wait()
-        dk_own, dv_own = _unpack(dkv, k.shape, v.shape)
-        return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None
-
-
-def _unpack(flat: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    n = k_shape.numel()
-    return flat[:n].view(k_shape), flat[n:].view(v_shape)
+        dk_own, dv_own = _unpack(grads.wait(), k.shape, v.shape)
+        k_dtype, v_dtype = ctx.kv_dtypes
+        return dq.to(q.dtype), dk_own.to(k_dtype), dv_own.to(v_dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

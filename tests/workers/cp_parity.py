@@ -45,11 +45,14 @@ def _rows(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def parity(family: str, mode: str, inner: str, **overrides) -> None:
+def parity(family: str, mode: str, inner: str, block_size: int | None = None,
+           **overrides) -> None:
     ctx = merak.init(dp=1, tp=1, pp=1, cp=dist.get_world_size())
     group, cp, rank = ctx.cp_group, ctx.cp, ctx.cp_rank
     reference, model = _models(family, inner, **overrides)
     attention = enable_context_parallel(model, group, mode)
+    if block_size is not None:  # Ulysses' query blocks (eager, windows): several per row
+        attention.block_size = block_size
     for step in range(2):
         rows = _rows(step)
         expected = reference(**rows)
@@ -83,16 +86,17 @@ def window_refused_by_ring() -> None:
         raise AssertionError("ring attention ran a sliding window the split cuts")
 
 
-def ulysses_heads_refused() -> None:
-    _, model = _models("llama", "sdpa", num_key_value_heads=1)
+def ulysses_query_heads_refused() -> None:
+    _, model = _models("llama", "sdpa", hidden_size=48, num_attention_heads=6,
+                       num_key_value_heads=2)
     enable_context_parallel(model, merak.init(pp=1, cp=dist.get_world_size()).cp_group,
                             "ulysses")
     try:
         model(**split_batch(_rows(0), dist.get_world_size(), dist.get_rank()))
     except ValueError as error:
-        assert "llama" in str(error) and "key/value heads" in str(error), error
+        assert "llama" in str(error) and "6 query heads" in str(error), error
     else:
-        raise AssertionError("Ulysses ran with key/value heads cp does not divide")
+        raise AssertionError("Ulysses ran with query heads cp does not divide")
 
 
 def layout() -> None:
@@ -119,18 +123,28 @@ def scenarios(world_size: int) -> dict:
     def run(*args, **kw):
         return lambda: parity(*args, **kw)
 
-    out = {f"{family}-cp{world_size}-{mode}-{inner}": run(family, mode, inner)
+    cp = world_size
+    out = {f"{family}-cp{cp}-{mode}-{inner}": run(family, mode, inner)
            for family, inner in (("llama", "sdpa"), ("qwen2", "eager"))
            for mode in ("ulysses", "ring")}
+    # grouped-query attention with 1, 2 and 4 key/value heads (8 query heads): Ulysses repeats
+    # the key/value heads cp does not divide; the ring's kernels take them as they are
+    for kv in (1, 2, 4):
+        for mode in ("ulysses", "ring"):
+            out[f"llama-cp{cp}-{mode}-sdpa-kv{kv}"] = run("llama", mode, "sdpa",
+                                                          num_key_value_heads=kv)
+    # sliding windows (Ulysses): sdpa and eager over query blocks of 4 rows with block masks,
+    # flash-style whole-row calls where no mask is needed
+    for inner in ("eager", "sdpa"):
+        out[f"mistral-cp{cp}-ulysses-window-{inner}"] = run(
+            "mistral", "ulysses", inner, sliding_window=8, num_key_value_heads=2)
+        out[f"mistral-cp{cp}-ulysses-window-{inner}-blocks"] = run(
+            "mistral", "ulysses", inner, block_size=4, sliding_window=8)
+    out[f"qwen2-cp{cp}-ulysses-eager-blocks"] = run("qwen2", "ulysses", "eager", block_size=8)
     if world_size == 2:
-        out["llama-cp2-ring-sdpa-gqa1"] = run("llama", "ring", "sdpa", num_key_value_heads=1)
-        out["mistral-cp2-ulysses-window"] = run("mistral", "ulysses", "eager",
-                                                sliding_window=8)
-        out["mistral-cp2-ulysses-window-sdpa"] = run("mistral", "ulysses", "sdpa",
-                                                     sliding_window=8)
         out["mistral-cp2-ring-window-refused"] = window_refused_by_ring
-        out["llama-cp2-ulysses-heads-refused"] = ulysses_heads_refused
     if world_size == 4:
+        out["llama-cp4-ulysses-query-heads-refused"] = ulysses_query_heads_refused
         out["layout-dp2cp2-tp2cp2"] = layout
     return out
 
