@@ -100,7 +100,7 @@ class ContextParallelAttention:
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None,
                  scaling: float | None = None, dropout: float = 0.0, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
             raise NotImplementedError(
                 "context parallelism's attention cannot be compiled: torch.compile would trace "
                 "its collectives as local attention; train with torch_compile=False at cp > 1")
