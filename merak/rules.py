@@ -138,7 +138,9 @@ def _context_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
     for other, why in (("tp_overlapping_level", "TP overlap's sub-batches are untested with "
                         "the cp collectives"),
                        ("lora", "adapters with a split sequence are untested"),
-                       ("auto_find_batch_size", "its memory probe is untested with cp")):
+                       ("auto_find_batch_size", "its memory probe is untested with cp"),
+                       ("torch_compile", "Dynamo would trace the attention's ring or all-to-all "
+                        "as attention over the rank's own tokens")):
         if getattr(c, other):
             shown = "lora_config" if other == "lora" else other
             return Refusal(other, f"{owner}.{shown} with context parallelism (cp={c.cp}) is not "

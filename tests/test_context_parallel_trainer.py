@@ -83,6 +83,7 @@ def test_the_rules_refuse_what_context_parallelism_runs_without():
     refused("a decode step has one position", text_generation=True)
     refused("one sequence per row", packing=True)
     refused("not supported yet", tp_overlapping_level=1)
+    refused("torch_compile with context parallelism", torch_compile=True)
     assert rules.refusal(rules.Choices(cp=2, zero_stage=3)) is None
     assert rules.refusal(rules.Choices(cp=1, text_generation=True)) is None
     with pytest.raises(ValueError, match="cp_mode must be 'ring' or 'ulysses'"):

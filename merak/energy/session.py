@@ -136,7 +136,7 @@ class TrainerEnergy:
             self.hook.frequencies = self._fetch()
 
     def _check(self, schedules: list[dict]) -> list[tuple[str, int]]:
-        ranks_per_stage = self.ctx.dp * self.ctx.tp
+        ranks_per_stage = self.ctx.world_size // self.ctx.pp  # dp x cp x tp
         by_rank = check_clock_plan(schedules, self.ctx.world_size, lambda r: r // ranks_per_stage,
                                    self.schedule, self.gpu.supported_clocks())
         return by_rank[self.ctx.rank]

@@ -46,20 +46,21 @@ def _rows(step: int) -> dict[str, torch.Tensor]:
 
 
 def parity(family: str, mode: str, inner: str, block_size: int | None = None,
-           **overrides) -> None:
+           compiled: bool = False, **overrides) -> None:
     ctx = merak.init(dp=1, tp=1, pp=1, cp=dist.get_world_size())
     group, cp, rank = ctx.cp_group, ctx.cp, ctx.cp_rank
     reference, model = _models(family, inner, **overrides)
     attention = enable_context_parallel(model, group, mode)
     if block_size is not None:  # Ulysses' query blocks (eager, windows): several per row
         attention.block_size = block_size
+    run = torch.compile(model, backend="eager") if compiled else model
     for step in range(2):
         rows = _rows(step)
         expected = reference(**rows)
         expected.loss.backward()
         mine = split_batch(rows, cp, rank)
         count = torch.tensor(int(rows["labels"][:, 1:].ne(-100).sum()))
-        loss = model(**mine, num_items_in_batch=count).loss  # this rank's share of the sum
+        loss = run(**mine, num_items_in_batch=count).loss  # this rank's share of the sum
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
@@ -141,6 +142,8 @@ def scenarios(world_size: int) -> dict:
         out[f"mistral-cp{cp}-ulysses-window-{inner}-blocks"] = run(
             "mistral", "ulysses", inner, block_size=4, sliding_window=8)
     out[f"qwen2-cp{cp}-ulysses-eager-blocks"] = run("qwen2", "ulysses", "eager", block_size=8)
+    # torch.compile: Dynamo leaves the wrapper out of its graph (it runs across the split)
+    out[f"llama-cp{cp}-ring-sdpa-compiled"] = run("llama", "ring", "sdpa", compiled=True)
     if world_size == 2:
         out["mistral-cp2-ring-window-refused"] = window_refused_by_ring
     if world_size == 4:

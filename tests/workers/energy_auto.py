@@ -72,19 +72,22 @@ class StopAfterThePlan(tf.TrainerCallback):
             control.should_training_stop = True
 
 
-def _trainer(name: str, schedule: str, steps: int, **energy) -> merak.MerakTrainer:
-    merak.init(dp=1, tp=1, pp=RANKS)
+def _trainer(name: str, schedule: str, steps: int, cp: int = 1,
+             **energy) -> merak.MerakTrainer:
+    merak.init(dp=1, tp=1, pp=RANKS // cp, cp=cp)
     torch.manual_seed(SEED)
     with merak.init_empty_weights():
+        dropout = {"attn_pdrop": 0.0} if cp > 1 else {}  # (ring attention has none)
         model = tf.AutoModelForCausalLM.from_config(tf.GPT2Config(
-            n_embd=16, n_layer=8, n_head=2, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0))
+            n_embd=16, n_layer=8, n_head=2, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+            **dropout))
     chunks = {"num_model_chunks": 2} if schedule == "interleaved_1f1b" else {}
     args = merak.MerakArguments(
         output_dir=str(out_dir() / name), max_steps=steps, per_device_train_batch_size=1,
         gradient_accumulation_steps=MICROBATCHES, learning_rate=1e-3,
         lr_scheduler_type="constant", logging_steps=1, seed=SEED, report_to="none",
         disable_tqdm=True, use_cpu=True, save_strategy="no", train_sampling_strategy="sequential",
-        train_schedule=schedule, **chunks, **energy)
+        train_schedule=schedule, cp_mode="ring", **chunks, **energy)
     return merak.MerakTrainer(model=model, args=args,
                               train_dataset=dataset(MICROBATCHES * LIMIT, SEED))
 
@@ -93,10 +96,13 @@ def _losses(trainer: merak.MerakTrainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
-def _scenario(schedule: str) -> None:
-    drift = DRIFT and schedule == "1f1b"
+def _scenario(schedule: str, cp: int = 1) -> None:
+    """`schedule` on 4 / cp pipeline ranks, each stage on cp context-parallel ranks (a plan per
+    pipeline rank, followed by its cp ranks)."""
+    drift = DRIFT and schedule == "1f1b" and cp == 1
     stop = StopAfterThePlan(drift)
-    auto_run = _trainer(f"auto-{schedule}", schedule, LIMIT, energy_gpu="simulated",
+    run_name = schedule if cp == 1 else f"{schedule}-cp{cp}"
+    auto_run = _trainer(f"auto-{run_name}", schedule, LIMIT, cp, energy_gpu="simulated",
                         simulated_gpu=SIMULATED, energy_mode="auto",
                         energy_replan_margin=0.5 if drift else 1.0)
     stop.trainer = auto_run
@@ -122,21 +128,21 @@ def _scenario(schedule: str) -> None:
     for key in ("energy_saved", "energy_step_time_change", "energy_predicted_saved",
                 "energy_profile_steps", "energy_plan_step"):
         assert key in output.metrics, output.metrics
-    files = out_dir() / f"auto-{schedule}"
+    files = out_dir() / f"auto-{run_name}"
     if dist.get_rank() == 0:
         for name in ("energy_steps.csv", "energy_steps.png", "energy/profile-1.csv",
                      "energy/plan-1.json", "energy/plan-1.png", "energy/plan-1.log"):
             assert (files / name).exists(), name
 
-    plain = _trainer(f"plain-{schedule}", schedule, steps)
+    plain = _trainer(f"plain-{run_name}", schedule, steps, cp)
     plain.train()
     assert _losses(auto_run) == pytest.approx(_losses(plain), rel=1e-6), "clocks changed losses"
 
     plan = auto.plans[-1]
-    REPORT[schedule] = {key: output.metrics[key] for key in (
+    REPORT[run_name] = {key: output.metrics[key] for key in (
         "energy_saved", "energy_step_time_change", "energy_predicted_saved",
         "energy_predicted_time_change", "energy_profile_steps", "energy_plan_step")}
-    REPORT[schedule].update(steps=steps, replans=len(auto.plans) - 1,
+    REPORT[run_name].update(steps=steps, replans=len(auto.plans) - 1,
                             all_max_steps=plan["all_max_steps"][1] - plan["all_max_steps"][0] + 1)
     if dist.get_rank() == 0:
         (out_dir() / "energy_auto_report.json").write_text(json.dumps(REPORT, indent=1))
@@ -163,6 +169,8 @@ def summary() -> None:
 
 SCENARIOS = {f"energy-auto-{name}": (lambda name=name: _scenario(name))
              for name in SCHEDULE_NAMES}
+# pipeline ranks are global ranks // (dp x cp x tp): 2 stages of 2 cp ranks each
+SCENARIOS["energy-auto-1f1b-cp2"] = lambda: _scenario("1f1b", cp=2)
 SCENARIOS["energy-auto-summary"] = summary
 
 
