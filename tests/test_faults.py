@@ -3,7 +3,7 @@ middle of a step, of evaluation or of a save, at pp=2 and dp2 x pp2 (`fault_harn
 worker `workers/fault_worker.py`). Every other rank must exit within the job's timeout
 (ddp_timeout) plus a few seconds, its error naming the rank that did not arrive.
 
-Four scenarios, each in a launch of its own (about two minutes in all on 2 cores);
+Five scenarios, each in a launch of its own (about three minutes in all on 2 cores);
 bench/fault_sweep.py runs every point x kind x layout, and the 4-rank headline check.
 """
 
@@ -23,6 +23,7 @@ SLACK_S = 12
     (2, 2, "1:evaluation:2:kill"),      # pp=2: killed in evaluation's pipeline
     (2, 2, "0:save:3:kill"),            # pp=2: killed while saving a checkpoint
     (4, 2, "2:reduce_grads:3:stop"),    # dp2 x pp2: stopped in the step tail (dp all-reduce)
+    (4, 2, "3:step_begin:3:stop"),      # dp2 x pp2: before the step's token-count all-reduce
 ], ids=lambda v: str(v).replace(":", "-"))
 def test_every_rank_ends_in_time_naming_the_missing_peer(tmp_path, world, pp, fault):
     missing = int(fault.split(":")[0])
@@ -36,6 +37,11 @@ def test_every_rank_ends_in_time_naming_the_missing_peer(tmp_path, world, pp, fa
         assert outcome.exit_after_s[rank] < TIMEOUT_S + SLACK_S, outcome.summary()
         assert outcome.named(rank, missing), \
             f"rank {rank}'s error does not name rank {missing}\n{outcome.output[rank][-3000:]}"
+    # a stopped rank is diagnosed by each survivor's host deadline (below the job's timeout;
+    # NCCL's waits never end in Python without it), before gloo's own timeout
+    if fault.endswith(":stop"):
+        assert any("the host's deadline" in outcome.output[r] for r in outcome.output
+                   if r != missing), outcome.summary()
 
 
 def test_the_report_names_stopped_dead_and_gone_ranks_first():
@@ -108,3 +114,15 @@ def test_one_timeout_on_every_group_and_failures_become_peer_failure_errors():
     finally:
         timeouts._init_timeout = None
         timeouts.set_job_timeout(before)
+
+
+def test_the_host_deadline_comes_before_the_backend_timeout_and_counts_from_progress():
+    from types import SimpleNamespace
+
+    from merak.distributed.liveness import Beacon, host_deadline_s
+
+    assert host_deadline_s(10) == 7.0 and host_deadline_s(1800) == 1770.0
+    assert host_deadline_s(100) == 90.0
+    stalled = SimpleNamespace(labels=["training step 3"], opened=[100.0], detail_since=105.0)
+    assert Beacon.stalled_s(stalled, 112.0) == 7.0  # since the last action, not the block
+    assert Beacon.stalled_s(SimpleNamespace(labels=[], opened=[], detail_since=0.0), 1e9) == 0

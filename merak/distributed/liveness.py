@@ -7,6 +7,14 @@ daemon thread that writes, once a second, a beat counter, the rank's state and w
 set by plain attribute writes, no store round-trip) into the job's TCPStore (torchrun's agent
 holds it; without torchrun, rank 0). Nothing else is read or written in the steady state.
 
+The host keeps a deadline of its own, below the job's timeout (`host_deadline_s`): where a rank
+makes no progress inside a labelled wait (no new `waiting` block, no new interpreter action) for
+that long, the beacon thread diagnoses the wait as below, publishes and prints the diagnosis and,
+on NCCL, aborts the process groups. NCCL's waits do not block the host where they are posted (a
+rank blocked on a collective sits in a later host read, and NCCL's own watchdog kills it at the
+timeout without a Python error), so without this deadline no NCCL job would name its missing
+peer; on gloo the diagnosis comes first and gloo's own timeout then raises it.
+
 When a wait ends in an error, `waiting` reads every rank's beacon twice, a few beats apart, with
 a short timeout: a rank whose counter did not move is stopped, hung in native code, or dead; one
 that exited or gave up first says so (its own diagnosis travels in the store). The error,
@@ -30,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
+
+from merak.distributed.host_identity import host_identity
 
 INTERVAL_S = 1.0  # between beats; a diagnosis waits a few of them
 _FAILURE = re.compile(r"Timed out|timed out|timeout|Connection (closed|reset)|Broken pipe|"
@@ -62,6 +72,9 @@ class Beacon:
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.prefix, self.interval_s = prefix, interval_s
         self.labels: list[str] = []  # the `waiting` blocks this rank is in, outermost first
+        self.opened: list[float] = []  # when each was entered (monotonic)
+        self.peers: list[Sequence[int] | None] = []  # whom each waits for
+        self.deadline_message: str | None = None  # the host deadline's diagnosis, once
         self.detail: object = None  # the interpreter's current action
         self.detail_since = time.monotonic()
         self.state, self.message = "running", ""
@@ -84,7 +97,8 @@ class Beacon:
     def _value(self) -> bytes:
         return json.dumps({"n": self._beats, "t": time.time(), "state": self.state,
                            "where": self.where()[:300], "message": self.message[:2000],
-                           "pid": os.getpid(), "host": os.uname().nodename}).encode()
+                           "pid": os.getpid(), "host": os.uname().nodename,
+                           "host_id": host_identity()}).encode()
 
     def _run(self) -> None:
         store = None
@@ -95,7 +109,36 @@ class Beacon:
                 store.set(self.key(self.rank), self._value())
             except Exception:  # noqa: BLE001 - the store may be gone (the job is ending)
                 store = None
+            self.check_deadline(time.monotonic(), job_timeout_s())
             self._stop.wait(self.interval_s)
+
+    def stalled_s(self, now: float) -> float:
+        """How long this rank has made no progress inside a labelled wait (0 outside one)."""
+        if not self.labels or not self.opened:
+            return 0.0
+        return max(0.0, now - max(self.opened[-1], self.detail_since))
+
+    def check_deadline(self, now: float, timeout_s: float | None) -> str | None:
+        """Diagnose (once) a wait stalled past `host_deadline_s`; returns the diagnosis."""
+        if self.deadline_message is not None or not timeout_s or not self.labels:
+            return None
+        stalled = self.stalled_s(now)
+        if stalled < host_deadline_s(timeout_s):
+            return None
+        try:
+            action, peers = self.labels[-1], self.peers[-1] if self.peers else None
+        except IndexError:  # the block ended meanwhile
+            return None
+        text = diagnose(f"{action} (the host's deadline, before the backend's timeout)",
+                        stalled, None, peers)
+        self.deadline_message = text
+        print(f"[rank{self.rank}]: merak: {text}", file=sys.stderr, flush=True)
+        if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:  # the blocked host read then fails: `waiting` raises
+                with contextlib.suppress(Exception):
+                    abort()
+        return text
 
     def publish(self, state: str, message: str = "") -> None:
         """Set this rank's state ("failed": it gave up, with its diagnosis; "exited") now."""
@@ -201,23 +244,28 @@ def waiting(action: str, peers: Sequence[int] | None = None,
     failure inside becomes `PeerFailureError` with the diagnosis. Nested blocks refine the
     label; the innermost one diagnoses."""
     beacon, start_time = _beacon, time.monotonic()
+    if peers is None and group is not None:
+        peers = dist.get_process_group_ranks(group)
     if beacon is not None:
+        beacon.opened.append(start_time)
+        beacon.peers.append(peers)
         beacon.labels.append(action)
         beacon.detail = None
     try:
         yield
         if beacon is not None and beacon.state == "failed":  # a failure was caught: going on
-            beacon.state, beacon.message = "running", ""
+            beacon.state, beacon.message, beacon.deadline_message = "running", "", None
     except RuntimeError as error:
         if not is_peer_failure(error):
             raise
-        if peers is None and group is not None:
-            peers = dist.get_process_group_ranks(group)
-        raise PeerFailureError(diagnose(action, time.monotonic() - start_time, error,
-                                        peers)) from error
+        found = beacon.deadline_message if beacon is not None else None
+        raise PeerFailureError(found or diagnose(action, time.monotonic() - start_time, error,
+                                                 peers)) from error
     finally:
         if beacon is not None and beacon.labels and beacon.labels[-1] == action:
             beacon.labels.pop()
+            beacon.opened.pop()
+            beacon.peers.pop()
 
 
 def waiting_in(label: str | Callable[..., str]) -> Callable:
@@ -229,6 +277,12 @@ def waiting_in(label: str | Callable[..., str]) -> Callable:
                 return method(self, *args, **kwargs)
         return inner
     return wrap
+
+
+def host_deadline_s(timeout_s: float) -> float:
+    """How long a rank may make no progress inside a wait before its host diagnoses the wait:
+    the job's timeout less a margin for the diagnosis (10%, at least 3 s, at most 30 s)."""
+    return timeout_s - min(30.0, max(3.0, 0.1 * timeout_s))
 
 
 def job_timeout_s() -> float | None:

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from merak.distributed import liveness
+
 ITEMS = "num_items_in_batch"
 Batch = dict[str, torch.Tensor]
 
@@ -77,7 +79,9 @@ def with_step_count(batch: Batch | Sequence[Batch], microbatches: int, shifted: 
     the batch or none does: they hold the same stage)."""
     count = target_counts(batch, microbatches, shifted).sum().to(ctx.device)
     if across_dp and ctx.dp > 1:
-        dist.all_reduce(count, group=ctx.dp_group)
+        with liveness.waiting("the step's target-token count all-reduce (num_items_in_batch)",
+                              group=ctx.dp_group):
+            dist.all_reduce(count, group=ctx.dp_group)
     return _with_counts(batch, count.expand(microbatches).contiguous())
 
 

@@ -95,7 +95,16 @@ def main() -> None:
                 _inject(*fault)
             return super()._save_merak_checkpoint()
 
-    trainer = Faulty(model=model, args=training, train_dataset=rows, eval_dataset=rows[:8])
+    class AtStepBegin(merak.TrainerCallback if hasattr(merak, "TrainerCallback")
+                      else __import__("transformers").TrainerCallback):
+        """Before the step's first collective (its token count over the dp group)."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if mine and point == "step_begin" and state.global_step + 1 == fault[3]:
+                _inject(*fault)
+
+    trainer = Faulty(model=model, args=training, train_dataset=rows, eval_dataset=rows[:8],
+                     callbacks=[AtStepBegin()])
     # the build (each rank traces the model) under a long timeout, so that a loaded host's
     # skew between ranks is not taken for a fault; the job's timeout from the first step on
     set_job_timeout(600)
