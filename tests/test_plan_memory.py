@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 import transformers as tf
 from dist_harness import check
@@ -133,3 +134,57 @@ def test_the_batch_size_probe_holds_the_optimizer_state_beside_the_step(monkeypa
 
 def test_zero1_sets_aside_only_this_ranks_shard_of_the_state(launches):
     check(*launches(2), "zero1-pending-state-is-the-shard")
+
+
+def test_out_of_memory_in_the_collective_shape_discovery_is_raised_not_an_answer(monkeypatch):
+    """The probe answers "does not fit" only for an out-of-memory error of the part each rank
+    runs alone; one in the collective shape discovery is raised on that rank (its peers, inside
+    the collective, then name it), never turned into an answer that would leave them waiting."""
+    import merak
+    from merak.models.gpt import GPT, GPTConfig, gpt_pieces
+    from merak.runtime import memory_probe
+
+    ctx = merak.init(dp=1, tp=1, pp=1)
+    model = GPT(GPTConfig(num_layers=2))
+    split = merak.manual_split(model, gpt_pieces(model), num_stages=1)
+    stage = merak.PipelineStage(model, split, 0)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters()), 2)
+    ids = torch.randint(0, 256, (4, 16))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(memory_probe, "_stage_alone", out_of_memory)
+    assert memory_probe.fits_in_memory(engine, batch, 2) is False  # alone: an answer
+    monkeypatch.setattr(engine, "_begin", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        memory_probe.fits_in_memory(engine, batch, 2)
+
+
+def test_the_tp_proof_raises_a_ranks_own_failure_instead_of_refusing_the_plan(monkeypatch):
+    """A block's own error (every TP rank meets it) refuses the plan; an out-of-memory error or
+    a failed wait (one rank's) is raised: refused, the rank would go on to the next collective
+    while its peers wait in the block's."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from merak.distributed.liveness import PeerFailureError
+    from merak.tensor_parallel import proof
+    from merak.tensor_parallel.proof import PlanRefused
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    example = proof.Example(members=["0"], skeleton=nn.Linear(2, 2), inputs=None, read=[True])
+    ctx = SimpleNamespace(tp_group=None, device=torch.device("cpu"))
+    for error, expected in ((ValueError("view size is not compatible"), PlanRefused),
+                            (torch.OutOfMemoryError("out of memory"), torch.OutOfMemoryError),
+                            (PeerFailureError("rank 1 did not arrive"), PeerFailureError),
+                            (RuntimeError("Timed out waiting 10000ms for recv"), RuntimeError)):
+        def fail(*args, error=error):
+            raise error
+
+        monkeypatch.setattr(proof, "_prove_block", fail)
+        with pytest.raises(expected) as raised:
+            proof.prove_plan(model, [example], ctx)
+        assert (raised.type is PlanRefused) == (expected is PlanRefused), raised.value

@@ -67,20 +67,13 @@ def fits_in_memory(engine, batch: dict[str, torch.Tensor] | None,
     the stages run (see the module's docstring)."""
     rng = engine.rng_state()
     fits = True
-    reserve = None
     try:
+        # the collective shape discovery: a failure there (out of memory included) is not an
+        # answer but the job's error, raised on the rank it happens on; its peers, waiting in
+        # the collective, name that rank. Caught, it would leave them waiting.
         engine._begin(batch, num_microbatches, None)  # noqa: SLF001 - the runtime's own probe
-        # (after the collective shape discovery: from here on a rank may fail alone)
-        reserve = torch.empty(pending_optimizer_state_bytes(engine.optimizer),
-                              dtype=torch.uint8, device=engine.ctx.device)
-        for runner in engine.runners.values():
-            _stage_alone(runner, engine.split.num_stages, num_microbatches)
-    except Exception as error:  # noqa: BLE001 - only an out-of-memory error is an answer
-        if not should_reduce_batch_size(error):
-            raise
-        fits = False
+        fits = _fits_alone(engine, num_microbatches)  # from here on a rank may fail alone
     finally:
-        del reserve
         for runner in engine.runners.values():
             runner.end()
         engine.optimizer.zero_grad(set_to_none=True)
@@ -92,6 +85,24 @@ def fits_in_memory(engine, batch: dict[str, torch.Tensor] | None,
         with liveness.waiting("auto_find_batch_size's agreement (every rank's probe)"):
             dist.all_reduce(answer, op=dist.ReduceOp.MIN)
     return bool(answer.item())
+
+
+def _fits_alone(engine, num_microbatches: int) -> bool:
+    """Whether this rank's stages run a step's share alone, the optimizer's pending state held
+    aside (no communication: an out-of-memory error here is this rank's answer)."""
+    reserve = None
+    try:
+        reserve = torch.empty(pending_optimizer_state_bytes(engine.optimizer),
+                              dtype=torch.uint8, device=engine.ctx.device)
+        for runner in engine.runners.values():
+            _stage_alone(runner, engine.split.num_stages, num_microbatches)
+    except Exception as error:  # noqa: BLE001 - only an out-of-memory error is an answer
+        if not should_reduce_batch_size(error):
+            raise
+        return False
+    finally:
+        del reserve
+    return True
 
 
 def _stage_alone(runner, num_stages: int, num_microbatches: int) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from merak.distributed import liveness
 from merak.distributed.host_objects import all_gather_objects
 from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.trace import capture_blocks, fake_run, meta_copy, plain, signature
@@ -198,6 +199,8 @@ def prove_plan(model: nn.Module, examples: list[Example], ctx) -> None:
             with torch.random.fork_rng(devices=[]):  # training's random stream untouched
                 found += _prove_block(model, name, example, ctx)
         except Exception as error:  # noqa: BLE001 - a block that cannot run is refused too
+            if not _same_on_every_rank(error):
+                raise
             found.append(f"{name} fails to run sharded: "
                          + (explain_tp_failure(model, error) or f"{type(error).__name__}: "
                             f"{str(error).splitlines()[0][:300] if str(error) else ''}"))
@@ -209,6 +212,16 @@ def prove_plan(model: nn.Module, examples: list[Example], ctx) -> None:
                       or p.startswith("the gradient of input"))
         more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
         raise refusal(model, "fails its proof: " + "; ".join(problems[:2]) + more)
+
+
+def _same_on_every_rank(error: BaseException) -> bool:
+    """Whether `error` is the block's own (a shape or type error, met at the same point by
+    every TP rank running the same code), not this rank's alone: an out-of-memory error or a
+    failed wait strikes one rank, whose peers are then inside a collective it will never
+    join. Those are raised, so the job fails naming the rank, rather than refused as a plan."""
+    if isinstance(error, (torch.OutOfMemoryError, liveness.PeerFailureError)):
+        return False
+    return not liveness.is_peer_failure(error) and "out of memory" not in str(error).lower()
 
 
 def refusal(model: nn.Module, reason: str) -> PlanRefused:
