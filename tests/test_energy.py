@@ -259,14 +259,14 @@ def test_simulated_gpu_times_every_instruction_kind_and_chunk():
     assert clock.now == pytest.approx(0.04 * 1.15 / 2 * model.slowdown(1050))
 
 
-def test_nvml_backend_with_a_mocked_nvml(monkeypatch):
+def test_nvml_backend_with_a_mocked_nvml():
     """The GPU is found by UUID (NVML's order is not CUDA's), locking is probed at start (a
-    clear PermissionError without the right), and the first locked clock registers a reset
-    at exit."""
-    import atexit
-
-    calls, exits = [], []
-    monkeypatch.setattr(atexit, "register", exits.append)
+    clear PermissionError without the right), and the first locked clock is announced to the
+    guard (which resets at exit, on SIGTERM / SIGABRT and from its watchdog process:
+    tests/test_clock_watchdog.py), the reset too."""
+    calls, told = [], []
+    guard = SimpleNamespace(locking=lambda device, reset: told.append(("locking", device, reset)),
+                            released=lambda device: told.append(("released", device)))
 
     def nvml(allowed=True):
         def lock(h, lo, hi):
@@ -283,15 +283,15 @@ def test_nvml_backend_with_a_mocked_nvml(monkeypatch):
             nvmlDeviceResetGpuLockedClocks=lambda h: calls.append(("reset", h)),
             nvmlDeviceGetTotalEnergyConsumption=lambda h: 123456)
 
-    gpu = NVMLGPU("GPU-1234", nvml=nvml())
+    gpu = NVMLGPU("GPU-1234", nvml=nvml(), guard=guard)
     assert gpu.supported_clocks() == [1410, 1395, 900]
     h = "handle-GPU-1234"
-    assert calls == ["init", ("lock", h, 1410, 1410), ("reset", h)] and not exits  # the probe
+    assert calls == ["init", ("lock", h, 1410, 1410), ("reset", h)] and not told  # the probe
     gpu.set_clock(1395)
     gpu.set_clock(900)
     gpu.reset_clock()
     assert calls[3:] == [("lock", h, 1395, 1395), ("lock", h, 900, 900), ("reset", h)]
-    assert exits == [gpu.reset_clock]  # once
+    assert told == [("locking", "GPU-1234", gpu.reset_clock), ("released", "GPU-1234")]  # once
     assert gpu.energy_j() == pytest.approx(123.456)
     with pytest.raises(ValueError, match="not a supported clock"):
         gpu.set_clock(1000)

@@ -22,6 +22,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from merak.energy.clock_guard import ClockGuard, process_guard
+
 
 class GPUControl(ABC):
     """Clock control and energy reading of one GPU."""
@@ -193,11 +195,14 @@ class NVMLGPU(GPUControl):
     """An NVIDIA GPU through NVML (`pip install nvidia-ml-py`), found by its UUID (`nvml_uuid`).
 
     With `control`, locking clocks is probed at start (it needs root or ``nvidia-smi -acp
-    UNRESTRICTED``; a clear `PermissionError` otherwise), and once a clock was set, the clocks
-    are reset at interpreter exit as well as by `reset_clock`, so a crash never leaves the GPU
-    locked. The energy counter needs Volta or newer."""
+    UNRESTRICTED``; a clear `PermissionError` otherwise). While a clock is set, `guard` (the
+    process's `ClockGuard` by default) resets the clocks at interpreter exit, on SIGTERM and
+    SIGABRT, and from a watchdog process when this one is killed, as well as `reset_clock`
+    does, so no ending of the job leaves the GPU locked. The energy counter needs Volta or
+    newer."""
 
-    def __init__(self, uuid: str, nvml=None, control: bool = True):
+    def __init__(self, uuid: str, nvml=None, control: bool = True,
+                 guard: ClockGuard | None = None):
         if nvml is None:
             try:
                 import pynvml as nvml
@@ -210,6 +215,7 @@ class NVMLGPU(GPUControl):
         memory = max(nvml.nvmlDeviceGetSupportedMemoryClocks(self.handle))
         self._clocks = sorted(nvml.nvmlDeviceGetSupportedGraphicsClocks(self.handle, memory),
                               reverse=True)
+        self._guard = guard
         self._locked = False
         if control:
             try:  # the highest clock is what the GPU runs unlocked under load anyway
@@ -226,15 +232,17 @@ class NVMLGPU(GPUControl):
 
     def set_clock(self, mhz: int) -> None:
         self.check_clock(mhz)
-        if not self._locked:
-            import atexit
-
-            atexit.register(self.reset_clock)
+        if not self._locked:  # the guard hears of it first: a kill in between is covered
+            self._guard = self._guard or process_guard()
+            self._guard.locking(self.uuid, self.reset_clock)
             self._locked = True
         self.nvml.nvmlDeviceSetGpuLockedClocks(self.handle, mhz, mhz)
 
     def reset_clock(self) -> None:
         self.nvml.nvmlDeviceResetGpuLockedClocks(self.handle)
+        if self._locked:
+            self._locked = False
+            self._guard.released(self.uuid)
 
     def energy_j(self) -> float:
         return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0  # mJ -> J

@@ -40,7 +40,10 @@ CP_RUNS = {
     # (the stage's recomputation action reruns the blocks, their all-to-alls with them)
     8: {"cp-dp2tp1pp2cp2-ulysses-recompute": ((2, 1, 2, 2), "ulysses",
                                               {"activation_checkpointing": True}),
-        "cp-dp2tp1pp2cp2-ring-zero2": ((2, 1, 2, 2), "ring", {"zero_stage": 2})},
+        "cp-dp2tp1pp2cp2-ring-zero2": ((2, 1, 2, 2), "ring", {"zero_stage": 2}),
+        # 4 key/value heads over tp=4 leave each TP rank 1, which cp=2 does not divide: Ulysses
+        # repeats each twice (the query heads keep their key heads)
+        "cp-dp1tp4pp1cp2-ulysses-kv-repeated": ((1, 4, 1, 2), "ulysses", {})},
 }
 
 
