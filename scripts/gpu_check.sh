@@ -4,7 +4,9 @@
 # the activation meter vs the CUDA allocator, recomputation with dropout, NVML read-only
 # checks), then the figures: bench/gpu_measurement.py (CUDA-event timer vs torch.profiler, NVML
 # energy refresh interval) and bench/single_gpu.py (a 1.1 B Llama in bf16: tokens/s, MFU, peak
-# memory against HF Trainer). Figures go to runs/gpu_check/.
+# memory against HF Trainer), bench/cp_ring_block.py (ring attention's fused blocks against
+# flash attention over a whole row of 32k tokens: time, peak memory, agreement). Figures go to
+# runs/gpu_check/.
 #
 # It runs on the machine as it is, with its own python3 (the lent GPU image: Python 3.12 with
 # a CUDA torch 2.11, transformers, accelerate, peft, nvidia-ml-py and pytest, and no network):
@@ -88,6 +90,8 @@ run tests "$python" -m pytest -p no:cacheprovider tests/gpu -m gpu -v
 run gpu_measurement "$python" bench/gpu_measurement.py --out "$out/gpu_measurement.json"
 run single_gpu "$python" -m torch.distributed.run --nproc_per_node 1 bench/single_gpu.py \
     --out "$out/single_gpu.json" "$@"
+run cp_ring_block "$python" bench/cp_ring_block.py --seq 32768 --dtype bfloat16 \
+    --out "$out/cp_ring_block.json"
 if [ ${#failed[@]} -gt 0 ]; then
     echo "GPU checks failed: ${failed[*]} (logs in $out/)" >&2
     exit 1
