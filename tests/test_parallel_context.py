@@ -44,6 +44,7 @@ def test_nccl_device_comes_from_local_rank_and_visible_devices(monkeypatch):
 def test_process_group_is_bound_to_the_device(monkeypatch, torchrun):
     calls = []
     monkeypatch.setattr(pc.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)  # env:// (no attempt store)
     if torchrun:
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", "1")

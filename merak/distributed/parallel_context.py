@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from merak.distributed import liveness, timeouts
+from merak.distributed import attempt_store, gloo_interface, liveness, timeouts
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 CP_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")  # with context parallelism (cp > 1)
@@ -249,9 +249,12 @@ def _local_device(backend: str) -> torch.device:
 def _init_process_group(backend: str, timeout: datetime.timedelta,
                         device_id: torch.device | None = None) -> None:
     """`device_id` (NCCL): bind the group to this device, which makes NCCL create its
-    communicator now rather than at the first collective."""
+    communicator now rather than at the first collective. Under torchrun the group's store is
+    this attempt's (`merak.distributed.attempt_store`): a restarted attempt starts clean."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        found = attempt_store.for_this_attempt(os.environ, timeout)
+        given = {} if found is None else dict(zip(("store", "rank", "world_size"), found))
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, **given)
         return
     # Launched without torchrun: a one-process group, so single-process runs use the same code.
     with socket.socket() as sock:
@@ -325,6 +328,7 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
     device = _local_device(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    gloo_interface.ensure()  # a multi-node job: a routable interface for gloo, or a clear error
     if not dist.is_initialized():
         _create_group(backend, timeout or timeouts.for_a_new_group(), device)
     elif explicit:

@@ -7,11 +7,26 @@ import os
 import time
 from collections.abc import Sequence
 
+from merak.distributed.host_identity import host_identity
 
-def local_state(value: dict) -> str | None:
-    """For a beacon of a process on this host: "stopped", "dead" or "running" (from /proc),
-    else None (another host, or no /proc)."""
-    if value.get("host") != os.uname().nodename or not os.path.isdir("/proc"):
+
+def local_state(value: dict, here: str | None = None) -> str | None:
+    """The state of a beacon's process when it shares this process's view of /proc.
+
+    A peer is local only when its beacon's ``host_id`` equals this process's
+    (`merak.distributed.host_identity`: kernel boot id and PID namespace); the node name alone
+    would take a container with host networking for this host and read the wrong /proc/<pid>.
+
+    Args:
+        value: one rank's beacon (its ``pid`` and ``host_id``).
+        here: this process's host identity (default: `host_identity()`).
+
+    Returns:
+        "stopped", "dead" or "running" (from /proc/<pid>/stat), else None (another host or
+        PID namespace, or an identity that cannot be read on either side).
+    """
+    here = host_identity() if here is None else here
+    if here is None or value.get("host_id") != here or not os.path.isdir("/proc"):
         return None
     try:
         with open(f"/proc/{int(value['pid'])}/stat") as f:
