@@ -183,7 +183,9 @@ def start(rank: int, world_size: int) -> Beacon | None:
         return _beacon
     if _beacon is not None:
         _beacon.stop()
-    prefix = f"merak/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/beacon/"
+    # per torchrun attempt: a restarted job must not read the dead attempt's beacons
+    prefix = (f"merak/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/"
+              f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/beacon/")
     _beacon = Beacon(store.host, store.port, rank, world_size, prefix)
     atexit.register(_beacon.stop)
     _chain_excepthook()
