@@ -5,9 +5,12 @@ Layout of ``<output_dir>/checkpoint-<step>/``:
 - ``model-pp<p>-tp<t>.safetensors``: the stage's parameters under their original names, as
   this (pp, tp) rank holds them, written by dp rank 0; each tensor's `ShardSpec` (if any) is in
   the file metadata.
-- ``rank<r>.pt``: optimizer state (unless ``no_save_optim``), scheduler, RNG states (unless
-  ``no_save_rng``) and the trainer state (step, epoch, log history; the data position follows
-  from the step, since the data order is deterministic).
+- ``optimizer/``: the optimizer's state (unless ``no_save_optim``), one logical tensor per
+  parameter and state, on torch.distributed.checkpoint: resharded on load into any layout
+  (`merak.checkpoint.optimizer_state`).
+- ``rank<r>.pt``: scheduler, RNG states (unless ``no_save_rng``) and the trainer state (step,
+  epoch, log history; the data position follows from the step, since the data order is
+  deterministic).
 - ``merak.json``: the layout and step, written last.
 
 Writing goes to ``checkpoint-<step>.partial``; after every rank has written, rank 0 writes the
@@ -52,6 +55,11 @@ from merak.checkpoint.files import (  # noqa: F401 - read_layout: for its users
     check_model_tensors,
     read_layout,
 )
+from merak.checkpoint.optimizer_state import (  # noqa: F401 - the trainer's names for them
+    OPTIMIZER_DIR,
+    load_optimizer_state,
+    save_optimizer_state,
+)
 from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
 from merak.distributed.parallel_context import ParallelContext
 from merak.tensor_parallel.layers import ShardSpec
@@ -92,16 +100,21 @@ def _barrier() -> None:
 def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, stage, state: dict,
                     *, save_total_limit: int | None = None, config=None,
                     name_prefix: str = "", keep: str | Path | None = None,
-                    before_marker: Callable[[Path], None] | None = None) -> Path:
+                    before_marker: Callable[[Path], None] | None = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> Path:
     """Write this rank's part of ``checkpoint-<step>`` (collective: every rank calls it), then
     keep at most `save_total_limit` checkpoints (`rotate`; `keep` is the best one).
     `before_marker(dir)`: rank 0 writes more files (a LoRA adapter) before the checkpoint is
-    complete, so they are never missing from one that looks complete."""
+    complete, so they are never missing from one that looks complete. `optimizer`: its state
+    is saved too (`save_optimizer_state`)."""
     final = Path(output_dir) / f"{PREFIX}{step}"
     if ctx.rank == 0:
         begin_save(final)
     _barrier()
-    write_rank_files(final.with_name(final.name + PARTIAL), ctx, stage, state)
+    partial = final.with_name(final.name + PARTIAL)
+    write_rank_files(partial, ctx, stage, state)
+    if optimizer is not None:
+        save_optimizer_state(partial / OPTIMIZER_DIR, optimizer, stage)
     _barrier()
     if ctx.rank == 0:
         finish_save(final, Layout(step, ctx.dp, ctx.tp, ctx.pp, name_prefix, ctx.cp),
@@ -152,6 +165,8 @@ def finish_save(final: Path, layout: Layout, *, config=None,
     if before_marker is not None:
         before_marker(partial)
     check_files(partial, layout)  # every rank's file is there before it may count as complete
+    if (partial / OPTIMIZER_DIR).exists() and not (partial / OPTIMIZER_DIR / ".metadata").is_file():
+        raise IncompleteCheckpointError(f"{partial}: the optimizer state was not completed")
     fields = {"step": layout.step, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
               "name_prefix": layout.name_prefix, **({"cp": layout.cp} if layout.cp > 1 else {})}
     (partial / (MARKER + ".tmp")).write_text(json.dumps(fields))

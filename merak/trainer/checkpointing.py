@@ -22,8 +22,6 @@ from merak import lora
 from merak.checkpoint import io as checkpoint
 from merak.checkpoint.export import gather_full_tensors, save_hf_directory
 from merak.checkpoint.files import check_trainer_state
-from merak.data_parallel.shards import optimizer_state_from_local, optimizer_state_to_local
-from merak.data_parallel.zero1 import local_optimizer
 from merak.distributed import liveness
 from merak.materialize.meta import has_meta_parameters
 
@@ -49,9 +47,6 @@ class CheckpointMixin:
                  "trainer": {"global_step": self.state.global_step, "epoch": self.state.epoch,
                              "log_history": self.state.log_history,
                              **{k: getattr(self.state, k) for k in _BEST_STATE}}}
-        if not (args.no_save_optim or args.save_only_model):
-            state["optimizer"] = optimizer_state_to_local(local_optimizer(self.optimizer)
-                                                          .state_dict())
         if not (args.no_save_rng or args.save_only_model):
             state["rng"] = checkpoint.rng_states(self._user_model)
         if self.scaler is not None:
@@ -62,7 +57,8 @@ class CheckpointMixin:
             save_total_limit=args.save_total_limit,
             config=getattr(self._user_model, "config", None),
             name_prefix="model." if self._wrapped_loss else "",
-            keep=self.state.best_model_checkpoint, before_marker=adapter)
+            keep=self.state.best_model_checkpoint, before_marker=adapter,
+            optimizer=None if args.no_save_optim or args.save_only_model else self.optimizer)
         self.control.should_save = False
         self.control = self.callback_handler.on_save(args, self.state, self.control)
         if self.is_world_process_zero():
@@ -90,20 +86,13 @@ class CheckpointMixin:
             return
         saved = check_trainer_state(state, checkpoint.state_file_of(path, self.ctx, same_layout),
                                     checkpoint.read_layout(path).step)
-        saved_zero = state.get("zero_stage", 0)  # each stage keeps its own optimizer shards
-        if (not same_layout or saved_zero != args.zero_stage) and not args.no_load_optim:
-            what = "(dp, tp, pp) layout" if not same_layout else f"zero_stage ({saved_zero})"
-            warnings.warn(f"{path} was saved with another {what}: its weights were "
-                          f"loaded, but its optimizer state is not resharded yet; the "
-                          f"optimizer starts fresh (pass no_load_optim=True to silence this)",
-                          stacklevel=2)
-        elif not args.no_load_optim:
-            if "optimizer" not in state:
-                raise KeyError(f"{path} holds no optimizer state (saved with no_save_optim); "
-                               f"resume with no_load_optim=True")
-            optimizer = local_optimizer(self.optimizer)
-            optimizer.load_state_dict(optimizer_state_from_local(state["optimizer"], optimizer))
         self.lr_scheduler.load_state_dict(state["scheduler"])
+        if not args.no_load_optim:  # from any layout, ZeRO stage or schedule: resharded
+            checkpoint.load_optimizer_state(path / checkpoint.OPTIMIZER_DIR, self.optimizer,
+                                            self.stage)
+            for group, rate in zip(self.optimizer.param_groups,
+                                   self.lr_scheduler.get_last_lr()):
+                group["lr"] = rate  # the saved step's (the scheduler's state)
         if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
         if not args.no_load_rng and "rng" in state:

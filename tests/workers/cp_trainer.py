@@ -17,11 +17,9 @@ import merak
 STEPS = 5
 SAVED = 3  # the step cp-dp1tp1pp2cp2-ring saves
 # scenario -> (the run whose checkpoint it resumes, its own layout, cp_mode, more fields): the
-# same layout continues the curve exactly; cp=1 at dp=2 reshards the weights (a resume in
-# another layout starts the optimizer afresh: its state is not resharded yet)
+# same layout, and cp=1 at dp=2 (weights and optimizer state resharded), continue the curve
 RESUMES = {4: {"cp-resume-same-layout": ("cp-dp1tp1pp2cp2-ring", (1, 1, 2, 2), "ring", {}),
-               "cp-resume-dp2tp1pp2cp1": ("cp-dp1tp1pp2cp2-ring", (2, 1, 2, 1), "ring",
-                                          {"no_load_optim": True})}}
+               "cp-resume-dp2tp1pp2cp1": ("cp-dp1tp1pp2cp2-ring", (2, 1, 2, 1), "ring", {})}}
 # scenario -> ((dp, tp, pp, cp), cp_mode, more MerakArguments fields)
 CP_RUNS = {
     # (saves its step-3 checkpoint: the weight files of a cp=1 job, cp recorded)

@@ -1,0 +1,133 @@
+"""The optimizer's state in a checkpoint, on torch.distributed.checkpoint (DCP), resharded on
+load into any layout.
+
+Every per-parameter state (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum, any
+optimizer whose state is per parameter) is stored under its parameter's name (the stage's
+``named_parameters()``: the user's model's names, as the weight files hold them), as the whole
+logical tensor: each rank describes the boxes of it it holds (`merak.checkpoint.sharded`:
+tensor-parallel parts, ZeRO-2/3 rows), ZeRO-1 ranks only the parameters whose state they own.
+DCP writes each box once (replicas of dp, cp and pp-tied copies are deduplicated) with its
+offsets, and a load, in whatever (dp, tp, pp, cp) layout, schedule or ZeRO stage, reads for each
+rank just the slices of the state its own parameters need. Scalars (Adam's ``step``) are the
+same on every rank and stored once.
+
+The optimizer is given its state before loading (a step with zero gradients at learning rate
+0, as torch's own state-dict helpers do: the parameters do not change), then DCP fills it in
+place. The learning rates are the scheduler's (restored with it); the other hyperparameters are
+those the optimizer was built with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from merak.checkpoint.files import CheckpointError, IncompleteCheckpointError
+from merak.checkpoint.sharded import LoadPlanner, Pieces, SavePlanner, pieces_of
+from merak.data_parallel.zero1 import local_optimizer
+
+OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory
+_SHOWN = 6  # missing names listed in an error
+
+
+def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool) -> dict:
+    """``{"state": {parameter name: {state key: value}}}`` of this rank's optimizer, every
+    tensor as DCP should see it (see the module doc)."""
+    local = local_optimizer(optimizer)
+    names = {id(p): n for n, p in stage.named_parameters()}
+    state = {}
+    for group in local.param_groups:
+        for param in group["params"]:
+            values = local.state.get(param)
+            if not values:
+                continue
+            name = names.get(id(param))
+            if name is None:
+                raise CheckpointError("the optimizer steps a parameter the stage does not hold "
+                                      "by name; Merak checkpoints only the stage's parameters")
+            spec = getattr(param, "tp_shard", None)
+            entry = {}
+            for key, value in values.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
+                    entry[key] = pieces_of(value, spec, for_load)
+                elif torch.is_tensor(value):  # per-parameter scalars: the same on every rank
+                    entry[key] = value if for_load else value.detach().cpu()
+                else:
+                    entry[key] = value
+            state[name] = entry
+    return {"state": state}
+
+
+def save_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:
+    """Write this rank's part of the optimizer's state to `path` (a collective of every rank)."""
+    dcp.save(_entries(optimizer, stage, for_load=False),
+             storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True),
+             planner=SavePlanner())
+
+
+def initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter its optimizer state without changing it: one step with
+    zero gradients at learning rate 0 (a collective under ZeRO: every rank calls it)."""
+    local = local_optimizer(optimizer)
+    params = [p for g in local.param_groups for p in g["params"] if p.requires_grad]
+    if all(local.state.get(p) for p in params):
+        return
+    every = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    rates = [g["lr"] for g in optimizer.param_groups]
+    for param in every:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0 if not torch.is_tensor(group["lr"]) else group["lr"] * 0
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _flat_items(entries: dict, prefix: str = ""):
+    """(DCP's flattened key, value) of a nested state dict: keys joined by dots."""
+    for key, value in entries.items():
+        if isinstance(value, dict):
+            yield from _flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def load_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:
+    """Fill this rank's optimizer from the state at `path`, saved in any layout (a collective).
+
+    Raises:
+        IncompleteCheckpointError: `path` is not there, or lacks the state of parameters this
+            rank steps (their names).
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise IncompleteCheckpointError(f"{path.parent} holds no optimizer state ({path.name}/ "
+                                        f"is missing or incomplete: saved with no_save_optim or "
+                                        f"save_only_model?); resume with no_load_optim=True")
+    initialize_state(optimizer)
+    entries = _entries(optimizer, stage, for_load=True)
+    flat = dict(_flat_items(entries))
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    missing = [k for k in flat if k not in saved]
+    if missing:
+        more = f" (and {len(missing) - _SHOWN} more)" if len(missing) > _SHOWN else ""
+        raise IncompleteCheckpointError(
+            f"{path} lacks the optimizer state this rank needs: "
+            f"{', '.join(k.removeprefix('state.') for k in missing[:_SHOWN])}{more}; was it "
+            f"saved from another model, or with other parameters trainable?")
+    dcp.load(flat, storage_reader=reader, planner=LoadPlanner())
+    local = local_optimizer(optimizer)
+    names = dict(stage.named_parameters())
+    for name, values in entries["state"].items():  # values DCP replaced rather than filled
+        state = local.state[names[name]]
+        for key, value in values.items():
+            if not torch.is_tensor(value) and not isinstance(value, Pieces):
+                state[key] = flat[f"state.{name}.{key}"]

@@ -1,0 +1,156 @@
+"""A rank's part of a logical tensor, described to torch.distributed.checkpoint (DCP) as boxes
+of the whole tensor, so that DCP writes each part once and reads, for any other layout, only
+the slices a rank needs.
+
+A parameter (or a per-parameter optimizer state tensor) of a Merak stage is cut in up to two
+ways: tensor parallelism keeps, along one dimension, this rank's ``1/tp`` of each fused part
+(`ShardSpec`: q, k and v each cut, not the fused whole), and ZeRO-2/3 (FSDP2) keeps a range of
+rows of that TP shard (a DTensor sharded on dim 0 over the replicas). Neither is one DTensor
+placement of the whole tensor, but each is a union of boxes (a box per fused part, cut to the
+rows FSDP keeps), which is what DCP's metadata records for a chunked tensor
+(``ChunkStorageMetadata``: offsets and sizes). `Pieces` implements the hooks DCP's default
+planners call for such objects (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``), as DTensor does for its one box.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box of the whole tensor (`offsets`, `sizes`) held at `local` in the rank's tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local: tuple[int, ...]
+
+
+def _segments(length: int, spec, dim: int) -> list[tuple[int, int, int]]:
+    """(local start, whole start, length) of the runs along `dim` of a TP shard."""
+    if spec is None or spec.dim != dim:
+        return [(0, 0, length)]
+    out, local, whole = [], 0, 0
+    for chunk in spec.chunks:
+        per = chunk // spec.size
+        out.append((local, whole + spec.rank * per, per))
+        local, whole = local + per, whole + chunk
+    return out
+
+
+def boxes(tensor: torch.Tensor, spec=None) -> tuple[tuple[int, ...], list[Box]]:
+    """(the whole tensor's shape, the boxes this rank holds) for `tensor`: a parameter or a
+    state tensor shaped like one; `spec` its TP `ShardSpec` (None: not TP-sharded); a DTensor
+    is the FSDP2 shard of rows of the TP shard."""
+    shard_shape = tuple(tensor.shape)  # the TP shard's (a DTensor's global shape)
+    rows = None
+    if isinstance(tensor, DTensor):
+        local_shape, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements)
+        if any(o for o in offset[1:]) or tuple(local_shape[1:]) != shard_shape[1:]:
+            raise NotImplementedError(f"a DTensor sharded other than by rows ({tensor.placements})"
+                                      f" is not checkpointed by Merak")
+        rows = (offset[0], local_shape[0]) if shard_shape else None
+    whole = tuple(spec.full_shape) if spec is not None else shard_shape
+    per_dim = [_segments(n, spec, d) for d, n in enumerate(shard_shape)]
+    if rows is not None:  # keep the parts of dim 0 inside FSDP's rows, in local coordinates
+        start, count = rows
+        cut = []
+        for local, full, length in per_dim[0]:
+            lo, hi = max(local, start), min(local + length, start + count)
+            if lo < hi:
+                cut.append((lo - start, full + lo - local, hi - lo))
+        per_dim[0] = cut
+    found = [Box(tuple(s[1] for s in combo), tuple(s[2] for s in combo),
+                 tuple(s[0] for s in combo))
+             for combo in itertools.product(*per_dim)]
+    return whole, found
+
+
+class Pieces:
+    """This rank's part of one logical tensor for DCP: `local` (plain, this rank's storage) and
+    its `Box`es of the whole tensor of shape `whole`. For saving each box is handed out as a
+    compact copy; for loading as a view, which DCP fills in place."""
+
+    def __init__(self, local: torch.Tensor, whole: tuple[int, ...], found: list[Box],
+                 for_load: bool = False):
+        self.local, self.whole, self.found, self.for_load = local, whole, found, for_load
+        self._by_offsets = {box.offsets: box for box in found}
+
+    def _view(self, box: Box) -> torch.Tensor:
+        view = self.local
+        for dim, (start, size) in enumerate(zip(box.local, box.sizes)):
+            view = view.narrow(dim, start, size)
+        return view
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(self.local)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)),
+                          type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(box.offsets),
+                                                         sizes=torch.Size(box.sizes)),
+                              properties=properties, size=torch.Size(self.whole)))
+                for box in self.found]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+                for box in self.found]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        box = self._by_offsets.get(tuple(index.offset))
+        if box is None:
+            raise ValueError(f"{index.fqn}: this rank holds no box at {tuple(index.offset)}")
+        view = self._view(box)
+        return view if self.for_load else view.detach().to("cpu", copy=True).contiguous()
+
+
+def pieces_of(tensor: torch.Tensor, spec=None, for_load: bool = False) -> Pieces | torch.Tensor:
+    """`tensor` as DCP should see it: a `Pieces` where it is a part of a larger tensor, the
+    tensor itself (on CPU when saving) where the rank holds it whole."""
+    whole, found = boxes(tensor, spec)
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if len(found) == 1 and tuple(local.shape) == whole:
+        return local if for_load else local.detach().cpu()
+    return Pieces(local, whole, found, for_load)
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, which finds a box of a `Pieces` (its lookup hands boxes out
+    only for tensors and DTensors)."""
+
+    def lookup_object(self, index: MetadataIndex):
+        found = self.state_dict.get(index.fqn)
+        if isinstance(found, Pieces):
+            return found.__get_tensor_shard__(index)
+        return super().lookup_object(index)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, which fills the boxes of a `Pieces` in place. It takes a
+    flat state dict (its preparation drops objects it does not know; they are put back)."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        kept = {key: value for key, value in state_dict.items() if isinstance(value, Pieces)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(kept)
+        self.state_dict.update(kept)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        found = self.state_dict.get(index.fqn)
+        if isinstance(found, Pieces):
+            return found.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
