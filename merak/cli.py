@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from merak.coverage.cli import add_coverage
 from merak.energy.cli import add_energy
@@ -40,6 +41,25 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_checkpoint(subparsers) -> None:
+    parser = subparsers.add_parser("checkpoint", help="look inside Merak checkpoints")
+    commands = parser.add_subparsers(dest="checkpoint_command", required=True)
+    info = commands.add_parser("info", help="print a checkpoint's layout, step, size, tensors "
+                                            "and optimizer states, and whether it is complete")
+    info.add_argument("checkpoint", nargs="+", help="checkpoint-<step> directories")
+    info.set_defaults(run=_checkpoint_info)
+
+
+def _checkpoint_info(args: argparse.Namespace) -> int:
+    """Exit status 1 when any checkpoint named is not complete."""
+    from merak.checkpoint.files import is_complete
+    from merak.checkpoint.info import describe
+
+    for path in args.checkpoint:
+        print(describe(path))
+    return 0 if all(is_complete(Path(p)) for p in args.checkpoint) else 1
+
+
 class _Parser(argparse.ArgumentParser):
     """Refuses bad arguments in one line (its subcommands' parsers are of this class too)."""
 
@@ -54,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_simulate(subparsers)
     _add_export(subparsers)
+    _add_checkpoint(subparsers)
     add_energy(subparsers)
     add_coverage(subparsers)
     add_generate(subparsers)

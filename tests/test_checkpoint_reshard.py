@@ -79,3 +79,22 @@ def test_a_ranks_part_is_described_as_boxes_of_the_whole_tensor():
     assert torch.equal(covered, torch.ones(12, 3))
     plain = torch.ones(4, 3)
     assert pieces_of(plain) is not None and boxes(plain)[1][0].offsets == (0, 0)
+
+
+def test_merak_checkpoint_info_reads_the_metadata(launches, worker_pool, tmp_path, capsys):
+    import shutil
+
+    from merak.cli import main
+
+    check(*launches(4), SOURCE)
+    saved = worker_pool.out_dir(WORKER, 4) / SOURCE / f"checkpoint-{SAVED}"
+    assert main(["checkpoint", "info", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "step 3, saved at dp=1 tp=2 pp=2" in out and "complete" in out
+    assert "model.embed_tokens.weight F32 [128, 64]" in out  # the whole tensor's shape
+    assert "optimizer state: 39 parameters; exp_avg x39, exp_avg_sq x39, step x39" in out
+    broken = tmp_path / "checkpoint-3"
+    shutil.copytree(saved, broken)
+    (broken / "model-pp1-tp0.safetensors").unlink()
+    assert main(["checkpoint", "info", str(broken)]) == 1
+    assert "INCOMPLETE: missing model-pp1-tp0.safetensors" in capsys.readouterr().out
