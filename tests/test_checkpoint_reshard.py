@@ -98,3 +98,36 @@ def test_merak_checkpoint_info_reads_the_metadata(launches, worker_pool, tmp_pat
     (broken / "model-pp1-tp0.safetensors").unlink()
     assert main(["checkpoint", "info", str(broken)]) == 1
     assert "INCOMPLETE: missing model-pp1-tp0.safetensors" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "Adafactor"])
+def test_optimizer_state_round_trips_in_one_process(tmp_path, kind):
+    """AdamW's moments (shaped like their parameters: boxes of the whole tensor) and
+    Adafactor's factored ones (shaped otherwise: kept per rank) come back exactly."""
+    from torch import nn
+
+    from merak.checkpoint.optimizer_state import load_optimizer_state, save_optimizer_state
+
+    def trained():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        optimizer = getattr(torch.optim, kind)(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(5, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model, optimizer
+
+    model, optimizer = trained()
+    save_optimizer_state(tmp_path / "optimizer", optimizer, model)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    fresh.load_state_dict(model.state_dict())
+    other = getattr(torch.optim, kind)(fresh.parameters(), lr=0.1)
+    load_optimizer_state(tmp_path / "optimizer", other, fresh)
+    assert torch.equal(fresh[0].weight, model[0].weight)  # the zero-lr step changed nothing
+    for mine, theirs in zip(fresh.parameters(), model.parameters()):
+        saved, loaded = optimizer.state[theirs], other.state[mine]
+        assert set(saved) == set(loaded)
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), (kind, key)

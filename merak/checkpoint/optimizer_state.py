@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -38,6 +39,7 @@ def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool)
     tensor as DCP should see it (see the module doc)."""
     local = local_optimizer(optimizer)
     names = {id(p): n for n, p in stage.named_parameters()}
+    rank = dist.get_rank() if dist.is_initialized() else 0
     state = {}
     for group in local.param_groups:
         for param in group["params"]:
@@ -53,6 +55,11 @@ def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool)
             for key, value in values.items():
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
                     entry[key] = pieces_of(value, spec, for_load)
+                elif torch.is_tensor(value) and value.dim() > 0:
+                    # shaped otherwise (Adafactor's factored moments, quantized blocks): not a
+                    # part of a whole tensor Merak can place; this rank's own, for a resume in
+                    # the same layout (another layout names it missing)
+                    entry[f"{key}@rank{rank}"] = value if for_load else value.detach().cpu()
                 elif torch.is_tensor(value):  # per-parameter scalars: the same on every rank
                     entry[key] = value if for_load else value.detach().cpu()
                 else:
@@ -131,3 +138,5 @@ def load_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn
         for key, value in values.items():
             if not torch.is_tensor(value) and not isinstance(value, Pieces):
                 state[key] = flat[f"state.{name}.{key}"]
+            elif "@rank" in key:  # filled in place; under the optimizer's own key
+                state[key.split("@rank")[0]] = value
