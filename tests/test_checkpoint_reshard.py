@@ -1,8 +1,8 @@
 """A checkpoint resumed in another layout continues the run exactly: weights AND optimizer state
 are resharded (the optimizer's on torch.distributed.checkpoint, `merak.checkpoint.
 optimizer_state`). Pooled worker `workers/optim_reshard.py` (4 ranks): a 4-layer Llama trained
-with AdamW at (dp, tp, pp) = (1, 2, 2) saves step 3; resumed at (1,2,2), (2,1,2), (1,1,4),
-(2,2,1) under ZeRO-3, (4,1,1) under ZeRO-1 and (2,1,2) under interleaved 1F1B, steps 4-6 (loss,
+with AdamW at (dp, tp, pp) = (1, 2, 2) saves step 3; resumed at (1,1,4), (2,2,1) under ZeRO-3,
+(4,1,1) under ZeRO-1 and (2,1,2) under interleaved 1F1B, steps 4-6 (loss,
 grad norm, learning rate) equal the uninterrupted run's and single-process HF Trainer's; and in
 one process, the boxes a rank's part of a tensor is described by."""
 

@@ -122,7 +122,7 @@ def test_the_host_deadline_comes_before_the_backend_timeout_and_counts_from_prog
     from merak.distributed.liveness import Beacon, host_deadline_s
 
     assert host_deadline_s(10) == 7.0 and host_deadline_s(1800) == 1770.0
-    assert host_deadline_s(100) == 90.0
+    assert host_deadline_s(100) == 90.0 and host_deadline_s(2) == 1.0
     stalled = SimpleNamespace(labels=["training step 3"], opened=[100.0], detail_since=105.0)
     assert Beacon.stalled_s(stalled, 112.0) == 7.0  # since the last action, not the block
     assert Beacon.stalled_s(SimpleNamespace(labels=[], opened=[], detail_since=0.0), 1e9) == 0

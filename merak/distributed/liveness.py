@@ -283,8 +283,9 @@ def waiting_in(label: str | Callable[..., str]) -> Callable:
 
 def host_deadline_s(timeout_s: float) -> float:
     """How long a rank may make no progress inside a wait before its host diagnoses the wait:
-    the job's timeout less a margin for the diagnosis (10%, at least 3 s, at most 30 s)."""
-    return timeout_s - min(30.0, max(3.0, 0.1 * timeout_s))
+    the job's timeout less a margin for the diagnosis (10%, at least 3 s, at most 30 s), and at
+    least half the timeout (a test's timeout of a few seconds)."""
+    return max(0.5 * timeout_s, timeout_s - min(30.0, max(3.0, 0.1 * timeout_s)))
 
 
 def job_timeout_s() -> float | None:

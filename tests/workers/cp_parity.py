@@ -128,23 +128,25 @@ def scenarios(world_size: int) -> dict:
     out = {f"{family}-cp{cp}-{mode}-{inner}": run(family, mode, inner)
            for family, inner in (("llama", "sdpa"), ("qwen2", "eager"))
            for mode in ("ulysses", "ring")}
-    # grouped-query attention with 1, 2 and 4 key/value heads (8 query heads): Ulysses repeats
-    # the key/value heads cp does not divide; the ring's kernels take them as they are
-    for kv in (1, 2, 4):
+    # grouped-query attention with 1 and 2 key/value heads (8 query heads; the scenarios above
+    # have 4): Ulysses repeats the key/value heads cp does not divide; the ring's kernels take
+    # them as they are
+    for kv in (1, 2):
         for mode in ("ulysses", "ring"):
             out[f"llama-cp{cp}-{mode}-sdpa-kv{kv}"] = run("llama", mode, "sdpa",
                                                           num_key_value_heads=kv)
-    # sliding windows (Ulysses): sdpa and eager over query blocks of 4 rows with block masks,
-    # flash-style whole-row calls where no mask is needed
+    # sliding windows (Ulysses), with 2 key/value heads (repeated at cp=4): eager and sdpa
+    # take the window in block masks
     for inner in ("eager", "sdpa"):
         out[f"mistral-cp{cp}-ulysses-window-{inner}"] = run(
             "mistral", "ulysses", inner, sliding_window=8, num_key_value_heads=2)
-        out[f"mistral-cp{cp}-ulysses-window-{inner}-blocks"] = run(
-            "mistral", "ulysses", inner, block_size=4, sliding_window=8)
-    out[f"qwen2-cp{cp}-ulysses-eager-blocks"] = run("qwen2", "ulysses", "eager", block_size=8)
     # torch.compile: Dynamo leaves the wrapper out of its graph (it runs across the split)
     out[f"llama-cp{cp}-ring-sdpa-compiled"] = run("llama", "ring", "sdpa", compiled=True)
-    if world_size == 2:
+    if world_size == 2:  # several query blocks per row (4 and 8 rows of 24)
+        for inner in ("eager", "sdpa"):
+            out[f"mistral-cp2-ulysses-window-{inner}-blocks"] = run(
+                "mistral", "ulysses", inner, block_size=4, sliding_window=8)
+        out["qwen2-cp2-ulysses-eager-blocks"] = run("qwen2", "ulysses", "eager", block_size=8)
         out["mistral-cp2-ring-window-refused"] = window_refused_by_ring
     if world_size == 4:
         out["llama-cp4-ulysses-query-heads-refused"] = ulysses_query_heads_refused
