@@ -117,7 +117,7 @@ def head_to_head_sends_deadlock() -> None:
         # stay until the peer has timed out too: leaving closes this rank's connections, and a
         # peer still waiting (a loaded machine skews the two clocks) would see "Connection
         # closed by peer" instead of its own timeout
-        time.sleep(6)
+        time.sleep(15)
         return
     raise AssertionError("a head-to-head send/send pair completed; NCCL deadlocks on it")
 
