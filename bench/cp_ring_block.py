@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from merak.context_parallel.kernels import block_backward, block_forward
-from merak.context_parallel.ring import _calls, _merge
+from merak.context_parallel.ring import _calls, attend_block, block_gradients
 from merak.context_parallel.split import rank_positions
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
@@ -82,30 +81,15 @@ def ring_rank(rank, cp, q, k, v, dout, scale):
     out = lse = None
     for step in range(cp):
         src = (rank - step) % cp
-        kh, vh = blocks[src]
-        for rows, keys, diagonal in _calls(cp, rank, src, True, c):
-            o, s = block_forward(qr[:, :, rows], kh[:, :, keys], vh[:, :, keys], scale, diagonal)
-            if out is None:
-                out, lse = o.float(), s.float()
-            else:
-                _merge(out[:, :, rows], lse[:, :, rows], o, s)
+        out, lse = attend_block(qr, *blocks[src], _calls(cp, rank, src, True, c), scale, out,
+                                lse)
     out = out.to(q.dtype)
     dq = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
     dkv = {}
     for step in range(cp):
         src = (rank - step) % cp
-        kh, vh = blocks[src]
-        dk = torch.zeros(kh.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros_like(dk)
-        for rows, keys, diagonal in _calls(cp, rank, src, True, c):
-            gq, gk, gv = block_backward(dr[:, :, rows].contiguous(), qr[:, :, rows],
-                                        kh[:, :, keys], vh[:, :, keys],
-                                        out[:, :, rows].contiguous(),
-                                        lse[:, :, rows].contiguous(), scale, diagonal)
-            dq[:, :, rows] += gq
-            dk[:, :, keys] += gk
-            dv[:, :, keys] += gv
-        dkv[src] = (dk, dv)
+        dkv[src] = block_gradients(dr, qr, *blocks[src], out, lse,
+                                   _calls(cp, rank, src, True, c), scale, dq)
     return out, dq, dkv
 
 

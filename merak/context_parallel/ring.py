@@ -56,6 +56,34 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     lse.copy_(merged)
 
 
+def attend_block(q, kh, vh, calls, scale, out, lse):
+    """Fold the attention of `q` over one K/V block (its kernel `calls`, `_calls`) into the
+    running fp32 (`out`, `lse`); None before the first block. Returns them."""
+    for rows, keys, diagonal in calls:
+        block_out, block_lse = block_forward(q[:, :, rows], kh[:, :, keys], vh[:, :, keys],
+                                             scale, diagonal)
+        if out is None:  # the rank's own block comes first and covers every query
+            out, lse = block_out.float(), block_lse.float()
+        else:
+            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    return out, lse
+
+
+def block_gradients(dout, q, kh, vh, out, lse, calls, scale, dq):
+    """One K/V block's share of the backward: adds its dq into `dq` (fp32) and returns the
+    block's (dK, dV) in fp32, given the final output `out` and log-sum-exp `lse`."""
+    dk = torch.zeros(kh.shape, dtype=torch.float32, device=kh.device)
+    dv = torch.zeros(vh.shape, dtype=torch.float32, device=vh.device)
+    for rows, keys, diagonal in calls:
+        dq_b, dk_b, dv_b = block_backward(
+            dout[:, :, rows].contiguous(), q[:, :, rows], kh[:, :, keys], vh[:, :, keys],
+            out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), scale, diagonal)
+        dq[:, :, rows] += dq_b
+        dk[:, :, keys] += dk_b
+        dv[:, :, keys] += dv_b
+    return dk, dv
+
+
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat([k.reshape(-1), v.reshape(-1)])
 
@@ -86,13 +114,8 @@ class _RingAttention(torch.autograd.Function):
                 shift.start(kv)
             src = (rank - step) % cp
             kh, vh = _unpack(kv, k.shape, v.shape)
-            for rows, keys, diagonal in _calls(cp, rank, src, causal, c):
-                block_out, block_lse = block_forward(q[:, :, rows], kh[:, :, keys],
-                                                     vh[:, :, keys], scale, diagonal)
-                if out is None:  # step 0 (the rank's own block) covers every query
-                    out, lse = block_out.float(), block_lse.float()
-                else:
-                    _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            out, lse = attend_block(q, kh, vh, _calls(cp, rank, src, causal, c), scale, out,
+                                    lse)
             if step < cp - 1:
                 kv = shift.wait()
         out = out.to(q.dtype)
@@ -120,16 +143,8 @@ class _RingAttention(torch.autograd.Function):
                 shift.start(kv)
             src = (rank - step) % cp
             kh, vh = _unpack(kv, k.shape, v.shape)
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            for rows, keys, diagonal in _calls(cp, rank, src, causal, c):
-                dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, rows].contiguous(), q[:, :, rows], kh[:, :, keys],
-                    vh[:, :, keys], out[:, :, rows].contiguous(),
-                    lse[:, :, rows].contiguous(), scale, diagonal)
-                dq[:, :, rows] += dq_b
-                dk[:, :, keys] += dk_b
-                dv[:, :, keys] += dv_b
+            dk, dv = block_gradients(dout, q, kh, vh, out, lse,
+                                     _calls(cp, rank, src, causal, c), scale, dq)
             dkv = _pack(dk, dv)
             if step > 0:  # what the ranks before added to this block's gradients
                 dkv += grads.wait()
