@@ -40,6 +40,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/main_job")
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="save a checkpoint every this many steps (0: none)")
+    parser.add_argument("--save-async", action="store_true",
+                        help="write checkpoints in the background")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume from the newest complete checkpoint in --out, whatever "
+                             "layout and world size wrote it (the global batch is kept)")
     return parser.parse_args()
 
 
@@ -68,9 +75,11 @@ def main() -> None:
         per_device_eval_batch_size=cli.micro_batch_size,
         gradient_accumulation_steps=cli.microbatches, logging_steps=1, seed=cli.seed,
         train_schedule=cli.schedule, parallel_vocab=True,
-        sequence_parallel=cli.sequence_parallel, disable_tqdm=True, report_to="none")
+        sequence_parallel=cli.sequence_parallel, disable_tqdm=True, report_to="none",
+        save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500,
+        save_total_limit=2, save_async=cli.save_async)
     trainer = MerakTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=cli.resume or None)
     metrics = trainer.evaluate()
     if ctx.rank == 0:
         logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -2,8 +2,9 @@
 
 A two-stage (pp=2) layout of a tiny Llama, each "rank" a fake context and a stage that is just
 its share of the model's parameters, written with the same steps `save_checkpoint` takes on
-each rank (`begin_save` on rank 0, `write_rank_files` on every rank, `finish_save` and
-`rotate` on rank 0) minus the barriers. The weights of each save are `values(step, version)`,
+each rank (`begin_save` on rank 0, `stage_rank_files` and `write_rank_files` on every rank,
+`finish_save` and `rotate` on rank 0) minus the barriers, synchronously or with the writing and
+publishing on a background writer thread. The weights of each save are `values(step, version)`,
 so a reader can tell which save a checkpoint it resolved holds.
 """
 
@@ -80,17 +81,31 @@ def state(step: int, version: int) -> dict:
             "trainer": {"global_step": step, "epoch": step / 10, "log_history": []}}
 
 
-def save(root: Path, step: int, version: int, *, limit: int | None = None) -> Path:
-    """Every rank's part of ``checkpoint-<step>``, in `save_checkpoint`'s order."""
+def save(root: Path, step: int, version: int, *, limit: int | None = None,
+         background=None) -> Path:
+    """Every rank's part of ``checkpoint-<step>``, in `save_checkpoint`'s order. `background`
+    (a `BackgroundSaves`): staged here, written and published on its writer thread, after the
+    save before it has finished (as `save_checkpoint` does with ``save_async``)."""
     final = Path(root) / f"checkpoint-{step}"
     whole = values(step, version)
+    if background is not None:
+        background.wait()
     checkpoint.begin_save(final)
-    for rank in range(PP):
-        stage = Stage({n: whole[n] for n in stage_names(rank)})
-        checkpoint.write_rank_files(final.with_name(final.name + ".partial"), ctx(rank), stage,
-                                    state(step, version))
-    checkpoint.finish_save(final, Layout(step, 1, 1, PP), config=config())
-    checkpoint.rotate(root, limit)
+    staged = [checkpoint.stage_rank_files(ctx(rank), Stage({n: whole[n] for n in
+                                                            stage_names(rank)}),
+                                          state(step, version), copy=background is not None)
+              for rank in range(PP)]
+
+    def write() -> None:
+        for files in staged:
+            checkpoint.write_rank_files(final.with_name(final.name + ".partial"), files)
+        checkpoint.finish_save(final, Layout(step, 1, 1, PP), config=config())
+        checkpoint.rotate(root, limit)
+
+    if background is None:
+        write()
+    else:
+        background.submit(final.name, write)
     return final
 
 

@@ -1,4 +1,4 @@
-"""A kill at every point of a save, a re-save and an export (issue 33, "nothing lost").
+"""A kill at every point of a save, a re-save and an export: nothing lost.
 
 The scenario of the fault-injection probe: a run saved checkpoints 2 and 4, was resumed from
 2, and now saves step 4 again (replacing it) and then step 6 (rotating 2 away,
@@ -12,6 +12,9 @@ everything, as a SIGKILL would stop the process there. After each kill:
 - exporting it writes exactly that save's weights;
 - the job restarted from it saves its next step cleanly: no ``.partial`` / ``.replaced`` /
   ``.deleting`` left, the resumed checkpoint kept beside the new one, both whole.
+
+Each kill point is tried with synchronous saves and with saves in the background
+(``save_async``: staged on the training thread, written and published on the writer thread).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from checkpoint_fixtures import save, values, version_of
 from safetensors.torch import load_file
 
 from merak.checkpoint import io as checkpoint
+from merak.checkpoint.background import BackgroundSaves
 from merak.cli import main as merak_main
 
 
@@ -62,9 +66,11 @@ def kill_at(monkeypatch, k: int | None, log: list):
         yield
 
 
-def scenario(root: Path) -> None:
-    save(root, 4, 1, limit=2)  # resumed from 2: step 4 saved again
-    save(root, 6, 1, limit=2)  # the next one, rotating checkpoint-2 away
+def scenario(root: Path, background: BackgroundSaves | None = None) -> None:
+    save(root, 4, 1, limit=2, background=background)  # resumed from 2: step 4 saved again
+    save(root, 6, 1, limit=2, background=background)  # the next one, rotating checkpoint-2 away
+    if background is not None:
+        background.wait()  # (a kill in the writer thread is raised here)
 
 
 def committed(log: list) -> tuple[int, int]:
@@ -104,15 +110,20 @@ def test_there_are_enough_kill_points(total_ops):
 
 
 @pytest.mark.parametrize("k", range(1, MAX_POINTS + 1))
+@pytest.mark.parametrize("mode", ["sync", "background"])
 def test_a_kill_at_any_point_leaves_the_newest_complete_checkpoint(
-        k, template, total_ops, tmp_path, monkeypatch):
+        mode, k, template, total_ops, tmp_path, monkeypatch):
+    """In the background mode the saves are staged on the calling thread and written and
+    published on the writer thread (``save_async``), where most kill points then are."""
     if k > total_ops:
         pytest.skip(f"the scenario has {total_ops} operations")
     root = tmp_path / "run"
     shutil.copytree(template, root)
     log: list = []
-    with pytest.raises(Killed), kill_at(monkeypatch, k, log):
-        scenario(root)
+    with pytest.raises((Killed, RuntimeError)) as raised, kill_at(monkeypatch, k, log):
+        scenario(root, BackgroundSaves() if mode == "background" else None)
+    killed = raised.value if isinstance(raised.value, Killed) else raised.value.__cause__
+    assert isinstance(killed, Killed), raised.value  # (the writer thread's, raised by wait)
     step, version = committed(log)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the listing warns about what it skips)

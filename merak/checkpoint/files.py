@@ -36,8 +36,10 @@ class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
 
 @dataclass(frozen=True)
 class Layout:
-    """The contents of ``merak.json``: the step and the (dp, tp, pp) layout it was saved in, and
-    its cp (the weight files do not depend on it: cp ranks hold the same weights)."""
+    """The contents of ``merak.json``: the step and the (dp, tp, pp) layout it was saved in, its
+    cp (the weight files do not depend on it: cp ranks hold the same weights) and the global
+    batch in rows it trained with (None where not recorded), which a resume in another layout
+    keeps."""
 
     step: int
     dp: int
@@ -45,6 +47,7 @@ class Layout:
     pp: int
     name_prefix: str = ""
     cp: int = 1
+    global_batch: int | None = None
 
     def model_files(self) -> list[str]:
         return [f"model-pp{p}-tp{t}.safetensors" for p in range(self.pp) for t in range(self.tp)]
@@ -90,7 +93,9 @@ def read_layout(path: str | Path) -> Layout:
     return Layout(step=_count(file, fields, "step", 0), dp=_count(file, fields, "dp", 1),
                   tp=_count(file, fields, "tp", 1), pp=_count(file, fields, "pp", 1),
                   name_prefix=prefix,
-                  cp=_count(file, fields, "cp", 1) if "cp" in fields else 1)
+                  cp=_count(file, fields, "cp", 1) if "cp" in fields else 1,
+                  global_batch=_count(file, fields, "global_batch", 1)
+                  if "global_batch" in fields else None)
 
 
 def missing_files(path: str | Path, layout: Layout, *, rank_states: bool = True) -> list[str]:

@@ -33,7 +33,8 @@ def describe(path: str | Path) -> str:
         return f"{path}: not a complete Merak checkpoint: {error}"
     missing = missing_files(path, layout)
     layout_text = f"dp={layout.dp} tp={layout.tp} pp={layout.pp}" + \
-        (f" cp={layout.cp}" if layout.cp > 1 else "")
+        (f" cp={layout.cp}" if layout.cp > 1 else "") + \
+        (f", global batch {layout.global_batch} rows" if layout.global_batch else "")
     lines.append(f"  step {layout.step}, saved at {layout_text}; "
                  f"{_size(path) / 2**20:.1f} MiB on disk")
     lines.append("  complete" if not missing else f"  INCOMPLETE: missing {', '.join(missing)}")

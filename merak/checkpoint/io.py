@@ -21,6 +21,7 @@ check the metadata and that every file the layout implies is there (`checkpoint_
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
 import os
 import pickle
@@ -36,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from merak.checkpoint.background import BackgroundSaves
 from merak.checkpoint.dirs import (  # noqa: F401 - the trainer's names for them
     PARTIAL,
     complete_checkpoints,
@@ -58,7 +60,9 @@ from merak.checkpoint.files import (  # noqa: F401 - read_layout: for its users
 from merak.checkpoint.optimizer_state import (  # noqa: F401 - the trainer's names for them
     OPTIMIZER_DIR,
     load_optimizer_state,
+    optimizer_entries,
     save_optimizer_state,
+    write_optimizer_state,
 )
 from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
 from merak.distributed.parallel_context import ParallelContext
@@ -92,35 +96,53 @@ def model_file(ctx: ParallelContext) -> str:
     return f"model-pp{ctx.pp_rank}-tp{ctx.tp_rank}.safetensors"
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, stage, state: dict,
                     *, save_total_limit: int | None = None, config=None,
                     name_prefix: str = "", keep: str | Path | None = None,
                     before_marker: Callable[[Path], None] | None = None,
-                    optimizer: torch.optim.Optimizer | None = None) -> Path:
+                    optimizer: torch.optim.Optimizer | None = None,
+                    background: BackgroundSaves | None = None,
+                    timeout_s: float | None = None, global_batch: int | None = None) -> Path:
     """Write this rank's part of ``checkpoint-<step>`` (collective: every rank calls it), then
     keep at most `save_total_limit` checkpoints (`rotate`; `keep` is the best one).
     `before_marker(dir)`: rank 0 writes more files (a LoRA adapter) before the checkpoint is
     complete, so they are never missing from one that looks complete. `optimizer`: its state
-    is saved too (`save_optimizer_state`)."""
+    is saved too (`save_optimizer_state`). `background`: stage the save into host memory
+    here and write and publish it on the writer thread (`merak.checkpoint.background`; its
+    group's collectives time out after `timeout_s`); the save before it is finished first.
+    `global_batch`: the rows per step the run trains with, recorded for a resume elsewhere."""
     final = Path(output_dir) / f"{PREFIX}{step}"
+    if background is not None:
+        background.wait()
     if ctx.rank == 0:
         begin_save(final)
     _barrier()
     partial = final.with_name(final.name + PARTIAL)
-    write_rank_files(partial, ctx, stage, state)
-    if optimizer is not None:
-        save_optimizer_state(partial / OPTIMIZER_DIR, optimizer, stage)
-    _barrier()
-    if ctx.rank == 0:
-        finish_save(final, Layout(step, ctx.dp, ctx.tp, ctx.pp, name_prefix, ctx.cp),
-                    config=config, before_marker=before_marker)
-        rotate(output_dir, save_total_limit, keep)
-    _barrier()
+    copy = background is not None
+    files = stage_rank_files(ctx, stage, state, copy=copy)
+    entries = None if optimizer is None else optimizer_entries(optimizer, stage, copy=copy)
+    layout = Layout(step, ctx.dp, ctx.tp, ctx.pp, name_prefix, ctx.cp, global_batch)
+
+    def write(group=None) -> None:
+        write_rank_files(partial, files)
+        if entries is not None:
+            write_optimizer_state(partial / OPTIMIZER_DIR, entries, group)
+        _barrier(group)
+        if ctx.rank == 0:
+            finish_save(final, layout, config=config, before_marker=before_marker)
+            rotate(output_dir, save_total_limit, keep)
+        _barrier(group)
+
+    if background is None:
+        write()
+    else:
+        group = background.group(timeout_s)  # (a collective on its first use: made here)
+        background.submit(final.name, lambda: write(group))
     return final
 
 
@@ -140,19 +162,30 @@ def persistent_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t for n, t in stage.state_dict(keep_vars=True).items() if n not in params}
 
 
-def write_rank_files(partial: Path, ctx: ParallelContext, stage, state: dict) -> None:
-    """This rank's files: its (pp, tp) weights and persistent buffers (dp rank 0) and its
-    state."""
+def stage_rank_files(ctx: ParallelContext, stage, state: dict, copy: bool = False) -> dict:
+    """What `write_rank_files` writes for this rank: its (pp, tp) weights and persistent
+    buffers (dp rank 0; under ZeRO-2/3 every dp rank gathers them, a collective) with their
+    shard specs, and its state. `copy`: host copies no later step changes (a background
+    save)."""
     params = dict(stage.named_parameters())
     if any(is_sharded(p) for p in params.values()):  # ZeRO-2/3: every dp rank gathers
         params = {n: whole(p) for n, p in params.items()}
     params.update(persistent_buffers(stage))
+    staged = {"rank": ctx.rank, "state": copy_module.deepcopy(state) if copy else state}
     if ctx.dp_rank == 0 and ctx.cp_rank == 0:  # (one copy of each (pp, tp) shard)
-        tensors = {n: p.detach().contiguous().cpu() for n, p in params.items()}
-        specs = {n: json.dumps(asdict(p.tp_shard)) for n, p in stage.named_parameters()
-                 if getattr(p, "tp_shard", None) is not None}
-        save_file(tensors, partial / model_file(ctx), metadata=specs)
-    torch.save(state, partial / f"rank{ctx.rank}.pt")
+        staged["model_file"] = model_file(ctx)
+        staged["tensors"] = {n: p.detach().to("cpu", copy=copy).contiguous()
+                             for n, p in params.items()}
+        staged["specs"] = {n: json.dumps(asdict(p.tp_shard)) for n, p in stage.named_parameters()
+                           if getattr(p, "tp_shard", None) is not None}
+    return staged
+
+
+def write_rank_files(partial: Path, staged: dict) -> None:
+    """Write `stage_rank_files`' weights (if this rank writes them) and state into `partial`."""
+    if "tensors" in staged:
+        save_file(staged["tensors"], partial / staged["model_file"], metadata=staged["specs"])
+    torch.save(staged["state"], partial / f"rank{staged['rank']}.pt")
 
 
 def finish_save(final: Path, layout: Layout, *, config=None,
@@ -168,7 +201,8 @@ def finish_save(final: Path, layout: Layout, *, config=None,
     if (partial / OPTIMIZER_DIR).exists() and not (partial / OPTIMIZER_DIR / ".metadata").is_file():
         raise IncompleteCheckpointError(f"{partial}: the optimizer state was not completed")
     fields = {"step": layout.step, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-              "name_prefix": layout.name_prefix, **({"cp": layout.cp} if layout.cp > 1 else {})}
+              "name_prefix": layout.name_prefix, **({"cp": layout.cp} if layout.cp > 1 else {}),
+              **({"global_batch": layout.global_batch} if layout.global_batch else {})}
     (partial / (MARKER + ".tmp")).write_text(json.dumps(fields))
     os.replace(partial / (MARKER + ".tmp"), partial / MARKER)
     install(partial, final)

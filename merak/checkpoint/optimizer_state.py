@@ -34,9 +34,14 @@ OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory
 _SHOWN = 6  # missing names listed in an error
 
 
-def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool) -> dict:
+def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool,
+             copy: bool = False) -> dict:
     """``{"state": {parameter name: {state key: value}}}`` of this rank's optimizer, every
-    tensor as DCP should see it (see the module doc)."""
+    tensor as DCP should see it (see the module doc); with `copy` (a save in the background)
+    every tensor is a host copy no later step changes."""
+    def saved(value: torch.Tensor) -> torch.Tensor:
+        return value if for_load else value.detach().to("cpu", copy=copy)
+
     local = local_optimizer(optimizer)
     names = {id(p): n for n, p in stage.named_parameters()}
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -54,25 +59,37 @@ def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool)
             entry = {}
             for key, value in values.items():
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
-                    entry[key] = pieces_of(value, spec, for_load)
+                    entry[key] = pieces_of(value, spec, for_load, copy)
                 elif torch.is_tensor(value) and value.dim() > 0:
                     # shaped otherwise (Adafactor's factored moments, quantized blocks): not a
                     # part of a whole tensor Merak can place; this rank's own, for a resume in
                     # the same layout (another layout names it missing)
-                    entry[f"{key}@rank{rank}"] = value if for_load else value.detach().cpu()
+                    entry[f"{key}@rank{rank}"] = saved(value)
                 elif torch.is_tensor(value):  # per-parameter scalars: the same on every rank
-                    entry[key] = value if for_load else value.detach().cpu()
+                    entry[key] = saved(value)
                 else:
                     entry[key] = value
             state[name] = entry
     return {"state": state}
 
 
+def optimizer_entries(optimizer: torch.optim.Optimizer, stage: nn.Module,
+                      copy: bool = False) -> dict:
+    """This rank's part of the optimizer's state as `write_optimizer_state` takes it; with
+    `copy`, staged: host copies no later step changes (a save in the background)."""
+    return _entries(optimizer, stage, for_load=False, copy=copy)
+
+
+def write_optimizer_state(path: Path, entries: dict, group=None) -> None:
+    """Write `optimizer_entries` to `path` (a collective of every rank of `group`, default the
+    job's)."""
+    dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True),
+             planner=SavePlanner(), process_group=group)
+
+
 def save_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:
     """Write this rank's part of the optimizer's state to `path` (a collective of every rank)."""
-    dcp.save(_entries(optimizer, stage, for_load=False),
-             storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True),
-             planner=SavePlanner())
+    write_optimizer_state(path, optimizer_entries(optimizer, stage))
 
 
 def initialize_state(optimizer: torch.optim.Optimizer) -> None:

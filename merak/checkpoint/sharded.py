@@ -86,8 +86,9 @@ class Pieces:
     compact copy; for loading as a view, which DCP fills in place."""
 
     def __init__(self, local: torch.Tensor, whole: tuple[int, ...], found: list[Box],
-                 for_load: bool = False):
+                 for_load: bool = False, staged: bool = False):
         self.local, self.whole, self.found, self.for_load = local, whole, found, for_load
+        self.staged = staged  # `local` is already this save's own host copy
         self._by_offsets = {box.offsets: box for box in found}
 
     def _view(self, box: Box) -> torch.Tensor:
@@ -115,17 +116,25 @@ class Pieces:
         if box is None:
             raise ValueError(f"{index.fqn}: this rank holds no box at {tuple(index.offset)}")
         view = self._view(box)
-        return view if self.for_load else view.detach().to("cpu", copy=True).contiguous()
+        if self.for_load:
+            return view
+        if self.staged:
+            return view.contiguous()
+        return view.detach().to("cpu", copy=True).contiguous()
 
 
-def pieces_of(tensor: torch.Tensor, spec=None, for_load: bool = False) -> Pieces | torch.Tensor:
+def pieces_of(tensor: torch.Tensor, spec=None, for_load: bool = False,
+              copy: bool = False) -> Pieces | torch.Tensor:
     """`tensor` as DCP should see it: a `Pieces` where it is a part of a larger tensor, the
-    tensor itself (on CPU when saving) where the rank holds it whole."""
+    tensor itself (on CPU when saving) where the rank holds it whole. `copy` (saving): staged
+    into a host copy of its own now, which later steps do not change."""
     whole, found = boxes(tensor, spec)
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if not for_load and copy:
+        local = local.detach().to("cpu", copy=True)
     if len(found) == 1 and tuple(local.shape) == whole:
         return local if for_load else local.detach().cpu()
-    return Pieces(local, whole, found, for_load)
+    return Pieces(local, whole, found, for_load, staged=copy and not for_load)
 
 
 class SavePlanner(DefaultSavePlanner):

@@ -137,6 +137,9 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
     # ---- checkpoints
     save: bool = field(default=False, metadata=_help("checkpoints",
         "save Merak checkpoints every save_steps (same as save_strategy='steps')"))
+    save_async: bool = field(default=False, metadata=_help("checkpoints",
+        "write checkpoints in the background: a save costs the step the copy into host "
+        "memory; the next save, loading, save_model and the end of training wait for it"))
     finetune: bool = field(default=False, metadata=_help("checkpoints",
         "load only the weights of resume_from_checkpoint"))
     no_save_rng: bool = field(default=False, metadata=_help("checkpoints",

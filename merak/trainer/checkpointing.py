@@ -58,13 +58,53 @@ class CheckpointMixin:
             config=getattr(self._user_model, "config", None),
             name_prefix="model." if self._wrapped_loss else "",
             keep=self.state.best_model_checkpoint, before_marker=adapter,
-            optimizer=None if args.no_save_optim or args.save_only_model else self.optimizer)
+            optimizer=None if args.no_save_optim or args.save_only_model else self.optimizer,
+            background=self._saves if args.save_async else None,
+            timeout_s=args.ddp_timeout, global_batch=self._global_batch())
         self.control.should_save = False
         self.control = self.callback_handler.on_save(args, self.state, self.control)
         if self.is_world_process_zero():
-            print(f"saved {path}")
+            print(f"{'saving' if args.save_async else 'saved'} {path}"
+                  f"{' in the background' if args.save_async else ''}")
         if args.push_to_hub and args.hub_strategy != HubStrategy.END:
             self._push_merak_checkpoint(path)
+
+    def _global_batch(self) -> int:
+        """Rows per optimizer step: micro-batch x micro-batches x data-parallel ranks."""
+        mbs = getattr(self, "_train_batch_size", None) or self.args.per_device_train_batch_size
+        return mbs * self.args.gradient_accumulation_steps * self.ctx.dp
+
+    def _keep_global_batch(self, resume_from_checkpoint) -> None:
+        """A resume in a job of another data-parallel size keeps the checkpoint's global batch
+        (so the run continues as it would have): the micro-batches per step are set to fit it,
+        with a message; a clear error where the new layout cannot make it. Runs before the
+        engine is built (its schedule has that many micro-batches)."""
+        args = self.args
+        if args.finetune:  # only the weights: the new run's own batch
+            return
+        self._wait_for_saves()
+        path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
+        saved, mbs = checkpoint.read_layout(path).global_batch, args.per_device_train_batch_size
+        if saved is None or saved == self._global_batch():
+            return
+        rows = mbs * self.ctx.dp
+        if saved % rows:
+            raise ValueError(
+                f"{path} was trained with a global batch of {saved} rows; this job has "
+                f"dp={self.ctx.dp} x per_device_train_batch_size={mbs} = {rows} rows per "
+                f"micro-batch step, which does not divide it: choose a per_device_train_batch_"
+                f"size or dp dividing {saved}, or resume with finetune=True to start a new run "
+                f"from its weights")
+        before, args.gradient_accumulation_steps = args.gradient_accumulation_steps, saved // rows
+        if self.is_world_process_zero():
+            print(f"resuming {path} (global batch {saved} rows) with dp={self.ctx.dp}: "
+                  f"gradient_accumulation_steps {before} -> {args.gradient_accumulation_steps} "
+                  f"keeps the global batch")
+
+    @liveness.waiting_in("waiting for the background save")
+    def _wait_for_saves(self) -> None:
+        """The background save in flight (if any) written and published; its error raised."""
+        self._saves.wait()
 
     def _push_merak_checkpoint(self, path: Path) -> None:
         """HF's push at every save: output_dir becomes the HF model directory gathered from the
@@ -72,6 +112,7 @@ class CheckpointMixin:
         'all_checkpoints' strategies the (Merak-format, resumable) checkpoint folder too, with
         HF's own `_push_from_checkpoint` (which copies nothing else in: the checkpoint holds no
         HF weight files)."""
+        self._wait_for_saves()  # (the folder pushed is complete)
         self._save(self.args.output_dir)
         self._push_from_checkpoint(str(path))
 
@@ -80,6 +121,7 @@ class CheckpointMixin:
         """Weights always; with `finetune` nothing else; otherwise optimizer, scheduler, RNG and
         the step (unless no_load_optim / no_load_rng)."""
         args = self.args
+        self._wait_for_saves()
         path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
         state, same_layout = checkpoint.load_checkpoint(path, self.ctx, self.stage)
         if args.finetune:
@@ -120,6 +162,7 @@ class CheckpointMixin:
         """`load_best_model_at_end`: every rank loads its shard of the best checkpoint's weights
         (any layout it was saved in); with save_total_limit=1 the others are then deleted, as
         HF does."""
+        self._wait_for_saves()
         best = self.state.best_model_checkpoint
         if not self.args.load_best_model_at_end or best is None:
             return
@@ -145,6 +188,7 @@ class CheckpointMixin:
         written by global rank 0 after gathering every (pp, tp) shard. A collective: every rank
         calls `save_model`, as HF scripts do."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self._wait_for_saves()
         user_model = self._user_model if self.stage is not None else self.model
         if self.stage is not None:
             gathered = gather_full_tensors(self.stage, self.ctx,

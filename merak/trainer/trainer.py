@@ -23,6 +23,7 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 
 from merak import lora
+from merak.checkpoint.background import BackgroundSaves
 from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
 from merak.distributed.timeouts import use_trainer_timeout
@@ -98,6 +99,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self.generation_prompts, self.generations = generation_prompts, None
         self.stage = self.engine = self.clipper = self.zero = None
         self._user_model = model
+        self._saves = BackgroundSaves()  # `save_async`'s writer (checkpointing.py)
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
             if args.remove_unused_columns else (lambda batch: batch)
 
@@ -247,6 +249,9 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if (args.auto_parallel or args.plan) and self.engine is None:  # before building
             self.ctx = apply_strategy_plan(self, self._example(self.train_dataset, 1))
             self._check_context_parallel(self.model)  # (the plan may choose cp)
+        resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
+        if resume_from_checkpoint and self.engine is None:  # another dp: the same global batch
+            self._keep_global_batch(resume_from_checkpoint)
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._assemble(self._example(self.train_dataset, mbs))
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
@@ -267,7 +272,6 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                                   is_world_process_zero=self.is_world_process_zero(),
                                   is_local_process_zero=self.is_local_process_zero(),
                                   train_batch_size=mbs)
-        resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
         if resume_from_checkpoint:
             self._resume_merak_checkpoint(resume_from_checkpoint)
         self._begin_flow(max_steps)
