@@ -1,4 +1,4 @@
-"""The strategy planner (issue 18): offline on published configurations, online against a
+"""The strategy planner: offline on published configurations, online against a
 measured grid.
 
     .venv/bin/python bench/auto_parallel.py --offline

@@ -1,4 +1,5 @@
-"""Energy planner wall time and savings on the reference synthetic GPU (FINDINGS.md).
+"""Energy planner wall time and savings on the reference synthetic GPU
+(`merak.energy.gpu.SyntheticGPUModel`).
 
 For (stages, micro-batches) in (4, 8), (8, 16), (8, 32): the all-max-clock iteration, the
 default plan (minimum energy at no slowdown), the plan at 1% slowdown (MerakTrainer's

@@ -3,7 +3,7 @@ project keeps clock-derived targets out of the test suite, where a busy machine 
 
     .venv/bin/python bench/gpu_measurement.py [--out runs/gpu_measurement.json]
 
-Prints, with the targets of issue 19:
+Prints, with its targets:
 - the CUDA-event timer (`DeviceTimer`) against torch.profiler's kernel time for 20 matmuls:
   their ratio (target within 15%), and how long the host waited for the events once the work
   was queued, as a fraction of the measured time (the events are read after the work, not at

@@ -4,7 +4,7 @@ sequence length, in bf16: tokens/s, MFU and peak memory, Merak's as ratios to HF
     torchrun --nproc_per_node 1 bench/single_gpu.py            # a Llama of about 1.1 B
     torchrun --nproc_per_node 1 bench/single_gpu.py --tiny      # a smoke run (CPU too)
 
-Target (issue 19): Merak >= 1.0x HF Trainer's tokens/s and MFU >= 45% on an H100/H200.
+Target: Merak >= 1.0x HF Trainer's tokens/s and MFU >= 45% on an H100/H200.
 Both trainers run the same steps on the same random token windows, one after the other in this
 process; the first `--warmup` steps are not timed. A step's time is measured between the ends
 of consecutive optimizer steps, after a device synchronisation. MFU counts the model's FLOPs

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (issue 19), on a machine with one CUDA GPU: the tests marked `gpu`
+# The GPU checks, on a machine with one CUDA GPU: the tests marked `gpu`
 # (tests/gpu: MerakTrainer vs HF Trainer in bf16 and fp16 on NCCL, CUDA-event timer intervals,
 # the activation meter vs the CUDA allocator, recomputation with dropout, NVML read-only
 # checks), then the figures: bench/gpu_measurement.py (CUDA-event timer vs torch.profiler, NVML

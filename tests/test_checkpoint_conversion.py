@@ -1,4 +1,4 @@
-"""Checkpoints that transformers converts on load (issue 33): `save_pretrained` of a Mixtral,
+"""Checkpoints that transformers converts on load: `save_pretrained` of a Mixtral,
 Qwen2/3-MoE, OLMoE, PhiMoE or DeepSeek-V3 writes the Hub's per-expert tensors, which
 `from_pretrained` stacks into fused experts. Merak's per-rank loader derives a stage's tensors
 from just the checkpoint tensors they are made of, with transformers' own conversions, and

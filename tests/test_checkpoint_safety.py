@@ -1,4 +1,4 @@
-"""Nothing lost (issue 33): checkpoints are listed, replaced, validated and exported only whole.
+"""Nothing lost: checkpoints are listed, replaced, validated and exported only whole.
 
 - The listing ignores names that are not ``checkpoint-<int>`` (a ``checkpoint-best/`` holding
   ``merak.json`` crashed it) and anything incomplete.

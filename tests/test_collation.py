@@ -1,4 +1,4 @@
-"""Collation per micro-batch (issue 34, item 3): the data collator runs on each micro-batch's
+"""Collation per micro-batch: the data collator runs on each micro-batch's
 rows, as HF Trainer collates each gradient-accumulation batch, so padding-free and packed
 batches keep their structure and micro-batches of different shapes train through the pipeline.
 The 4-rank runs (one pooled launch, workers/collation.py) are compared with single-process HF

@@ -1,4 +1,4 @@
-"""Context parallelism through MerakTrainer (issue 36): (dp, tp, pp, cp) = (1,1,2,2) and
+"""Context parallelism through MerakTrainer: (dp, tp, pp, cp) = (1,1,2,2) and
 (1,2,1,2) in the 4-rank launch, (2,1,2,2) (Ulysses, and ring under ZeRO-2) in the 8-rank one
 (pooled worker cp_trainer.py); every step's loss, grad norm and learning rate over 5 steps, and
 the eval loss, equal single-process HF Trainer's on the same rows. Plus the refusals."""

@@ -1,5 +1,6 @@
-"""The documentation (issue 35): a short README that links every page of docs/, a module table
-that names every package and module of `merak`, and relative links that resolve.
+"""The documentation: a short README that links every page of docs/, a module table
+that names every package and module of `merak`, relative links that resolve, and a repository
+that cites nothing outside itself (no files beyond it, no numbered issues).
 
 Reads files only (no torch, no merak import), so it runs in well under a second.
 """
@@ -128,3 +129,39 @@ def test_relative_links_resolve(page: Path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target} (no heading with that anchor in {dest.name})")
     assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
+
+
+OUTSIDE = re.compile(r"\.\./shared|\b(?:FINDINGS|SPEC|STYLE)\.md\b")
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".cfg", ".ini", ".txt", ".yml", ".yaml", ""}
+
+
+def repository_files() -> list[Path]:
+    """The repository's own text files (what git tracks; without git: everything but build,
+    environment and result folders)."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.split()
+        files = [ROOT / name for name in listed]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venv", ".git", "runs", "out", "build", "__pycache__"}
+        files = [p for p in ROOT.rglob("*") if p.is_file()
+                 and not skip.intersection(p.relative_to(ROOT).parts)]
+    return [p for p in files if p.suffix in TEXT_SUFFIXES and p.is_file()]
+
+
+def test_the_repository_cites_nothing_outside_itself():
+    """No file refers to files outside the repository or to numbered issues (which live in a
+    tracker the repository does not carry): each says what it means in its own words."""
+    found = []
+    for path in repository_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE.search(line) or ISSUE_NUMBER.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)

@@ -1,4 +1,4 @@
-"""TRL's DPOTrainer through MerakTrainer (issue 34): ``class MerakDPOTrainer(MerakTrainer,
+"""TRL's DPOTrainer through MerakTrainer: ``class MerakDPOTrainer(MerakTrainer,
 DPOTrainer)`` with ``@dataclass class C(MerakArguments, DPOConfig)`` and
 ``precompute_ref_log_probs=True`` (the reference log-probabilities are a pipelined evaluation
 pass before training) at (1,2,2) and (2,1,2), in the pooled 4-rank launch of

@@ -1,4 +1,4 @@
-"""Perseus energy planning: the planner on the reference synthetic GPU (FINDINGS.md), its DAG
+"""Perseus energy planning: the planner on the reference synthetic GPU (SyntheticGPUModel), its DAG
 against the simulator for every registered schedule, plan-file validation, the GPU backends
 (simulated; NVML mocked), and profile -> plan -> deploy end to end on 4 gloo ranks with
 simulated GPUs for 1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path; the

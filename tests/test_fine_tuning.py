@@ -1,4 +1,4 @@
-"""Fine-tuning as HF Trainer does it (issue 34), in one process: the token count HF divides the
+"""Fine-tuning as HF Trainer does it, in one process: the token count HF divides the
 step's loss by, inputs that reach a model through ``**kwargs`` traced into the split, configs
 combining MerakArguments with TRL's SFTConfig (Trainer subclasses: test_trainer_subclasses.py).
 The multi-rank parity on padded rows against HF Trainer is in test_trainer.py and

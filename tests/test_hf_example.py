@@ -1,4 +1,4 @@
-"""examples/hf_run_clm.py (issue 15): HF's run_clm flow trained by MerakTrainer, differing from
+"""examples/hf_run_clm.py: HF's run_clm flow trained by MerakTrainer, differing from
 the plain HF Trainer script (examples/hf_run_clm_reference.py) only by lines naming merak.
 
 One launch: the Merak script on 4 ranks at dp=1 x tp=2 x pp=2 and the HF script in one process

@@ -1,4 +1,4 @@
-"""Adapters wherever they come from (issue 34, item 4): peft LoRA adapters that TRL's
+"""Adapters wherever they come from: peft LoRA adapters that TRL's
 ``SFTTrainer(peft_config=...)`` adds to a meta model inside its ``__init__`` are initialized as
 peft initializes them on the whole single-process model at that point, and trained at parity
 at (1,2,2) and (2,1,2) (scenarios of the pooled 4-rank launch, workers/trainer_subclasses.py);

@@ -1,4 +1,4 @@
-"""What the planner and the batch-size probe hold in memory while they measure (issue 32: on a
+"""What the planner and the batch-size probe hold in memory while they measure (on a
 GPU these ran out of memory, or leaked memory outside the caching allocator, where a CPU run
 saw nothing wrong): one block-cost probe alive at a time and no full-vocabulary logits outside
 the head's own probe; dry runs that leave no process group behind; the batch-size probe that
@@ -55,7 +55,7 @@ def test_block_cost_probes_are_built_one_at_a_time_and_only_the_head_probe_has_l
 
 
 def test_the_dry_run_and_the_trainer_build_one_engine_from_one_options_object(launches):
-    """Issue 35: the planner measures the engine the trainer runs; same step losses."""
+    """The planner measures the engine the trainer runs; same step losses."""
     check(*launches(2), "dry-run-trains-as-the-trainer")
 
 
@@ -68,7 +68,7 @@ def test_an_online_plan_leaves_the_same_groups_whatever_its_number_of_dry_runs(l
 
 
 def test_online_plans_search_context_parallelism_and_its_dry_runs_train_like_cp1(launches):
-    """Issue 36: cp in the online planner; a cp=2 dry run's losses are a pp=2 dry run's."""
+    """cp in the online planner; a cp=2 dry run's losses are a pp=2 dry run's."""
     check(*launches(2), "online-plan-dry-runs-cp")
 
 

@@ -87,7 +87,7 @@ def test_unsupported_variants_say_so():
             hidden_size=64, num_attention_heads=8, num_hidden_layers=2, vocab_size=128,
             multi_query=True, new_decoder_architecture=False))
     with pytest.warns(UserWarning, match="multi_query Falcon .* not supported yet"):
-        merak.apply_tensor_parallel(falcon, _ctx(2))  # the inferred plan instead (issue 36)
+        merak.apply_tensor_parallel(falcon, _ctx(2))  # the inferred plan instead
     assert falcon.merak_tp.plan.source == "inferred" and \
         falcon.merak_tp.plan.notes[0].startswith("the family's plan (table) cannot shard")
     assert "transformer.h.0.mlp.dense_h_to_4h" in falcon.merak_tp.converted  # one K/V head:

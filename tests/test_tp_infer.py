@@ -1,4 +1,4 @@
-"""Tensor-parallel plans inferred from the traced blocks (issue 36): what inference finds for
+"""Tensor-parallel plans inferred from the traced blocks: what inference finds for
 the families that have neither a hand plan nor a base_model_tp_plan, the plan printed as a
 copyable TPPlan (`merak tp-plan`), and, on ranks, the same families trained through
 MerakTrainer at dp1 x tp2 x pp1 and dp2 x tp2 x pp2 against single-process HF Trainer

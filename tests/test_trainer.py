@@ -501,7 +501,8 @@ def test_neftune_hook_noise_is_keyed_by_step_microbatch_and_dp_rank():
 
 def test_hf_fields_with_their_hf_meaning():
     """gradient_checkpointing is Merak's recomputation (use_reentrant & co. accepted: there is
-    no torch.utils.checkpoint); the other fields of issue 15 are accepted as HF parses them."""
+    no torch.utils.checkpoint); the other fields of HF's training flow are accepted as HF parses
+    them."""
     args = MerakArguments(output_dir="out", gradient_checkpointing=True,
                           gradient_checkpointing_kwargs={"use_reentrant": False,
                                                          "preserve_rng_state": True})

@@ -1,5 +1,5 @@
-"""Issue 32's grid: 1F1B, interleaved 1F1B, zero-bubble and Merak's shifted critical path
-(with recomputation), and issue 37's ZB-V and DualPipeV (2 stages per rank in a V; also on a
+"""The schedule grid: 1F1B, interleaved 1F1B, zero-bubble and Merak's shifted critical path
+(with recomputation), and the V schedules ZB-V and DualPipeV (2 stages per rank in a V; also on a
 Mixtral, whose router loss makes its reference step in Merak's micro-batches) through
 MerakTrainer at (dp, tp, pp) = (1,1,2), (2,1,2), (1,2,4) and (2,2,2) train at loss parity with
 single-process HF Trainer, on the NCCL-contract backend (the very path NCCL takes: one Work per

@@ -1,4 +1,4 @@
-"""HF Trainer subclasses through MerakTrainer (issue 34, item 2): a subclass's compute_loss runs
+"""HF Trainer subclasses through MerakTrainer: a subclass's compute_loss runs
 on the last pipeline stage with HF's arguments and its result is back-propagated as HF's
 training_step would; the metrics it records reach the logs; what a pipeline cannot run is
 refused by name. TRL's SFTTrainer on plain text rows at (1,2,2) and (2,1,2) is one pooled

@@ -1,4 +1,4 @@
-"""Issue 37's schedules as data: ZB-V and DualPipeV (2 stages per rank placed in a V, the turn
+"""The V schedules as data: ZB-V and DualPipeV (2 stages per rank placed in a V, the turn
 handed off locally) and interleaved 1F1B for any number of micro-batches. Every program
 `merak simulate --programs` prints passes the NCCL replay; the simulator's bubble and memory;
 the tools that read the registry (stage-aware recomputation, the strategy planner) take them.

@@ -1,3 +1,5 @@
-"""The one engine assembly: from a model, an example batch, the context and one frozen
-`EngineOptions`, this rank's stage and its `PipelineInterpreter` (`build_engine`), plus the
-rules that say which option combinations are refused (`rules`)."""
+"""The engine: `merak.parallelize` (the fixed build order from a model to this rank's stage,
+`build.py`) and the one assembly around it (`build_engine`, `assemble.py`: the stage, its
+`PipelineInterpreter`, optimizer, gradient clipping, fp16 loss scaling, timers and
+`torch_compile`) from one frozen `EngineOptions`. Which option combinations are refused is
+`merak.rules`."""

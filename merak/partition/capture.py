@@ -9,7 +9,7 @@ stages:
   Slower (seconds per model) and stricter about Python side effects, but it catches graph breaks
   the non-strict tracer lets through.
 - ``fx``: `torch.fx.symbolic_trace` with the blocks (and `leaf_modules`) as leaf modules, for
-  custom models written to be fx-traceable. transformers 5.x models are not (see FINDINGS.md).
+  custom models written to be fx-traceable. transformers 5.x models are not.
 """
 
 from __future__ import annotations

@@ -1,3 +1,6 @@
-"""The pipeline runtime: the split and its stages, one runner per local stage, the one
-interpreter that walks a rank's program, point-to-point transfers under NCCL's rules, and the
-per-step tail (tied and data-parallel gradient reduction, optimizer step)."""
+"""The pipeline runtime: what runs a rank's stage once it is built. One runner per local stage,
+the interpreter that walks the rank's program (training, evaluation, the activation
+measurement), point-to-point transfers under NCCL's rules with the shapes found before a step,
+micro-batch handling, the per-step tail (tied and data-parallel gradient reduction, optimizer
+step), hooks, device timers and the memory probe. The split into stages is
+`merak.partition`'s."""

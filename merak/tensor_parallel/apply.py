@@ -1,6 +1,6 @@
 """Apply a tensor-parallel plan to a (meta-built) model, in place, before it is split.
 
-Build order (issue 4): meta model -> `apply_tensor_parallel` -> `auto_split` -> materialize own
+Build order: meta model -> `apply_tensor_parallel` -> `auto_split` -> materialize own
 stage -> dp. The converted modules keep their names, so each rank materializes or loads exactly
 its shard (`ShardSpec`), and the pipeline split keeps the TP modules that live outside the
 repeated blocks (embedding, LM head) as opaque eager calls.

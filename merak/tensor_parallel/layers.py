@@ -1,7 +1,7 @@
 """Megatron-style tensor-parallel layers, made by changing the class of an existing module.
 
 Why Megatron-style layers with explicit autograd collectives rather than DTensor's
-`parallelize_module`: both give exact parity on CPU/gloo (FINDINGS.md), and `bench/tp_layers.py`
+`parallelize_module`: both give exact parity on CPU/gloo, and `bench/tp_layers.py`
 measures them at the same speed on CPU (DTensor / ours = 0.98 for an MLP pair at tp=2), so speed
 does not decide it. What does: DTensor's plans have no style for GPT-2's fused `Conv1D` (weight
 `[in, out]`, q/k/v sharded per part), Phi-3's fused q/k/v of unequal parts or T5's per-head

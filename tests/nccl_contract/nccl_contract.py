@@ -4,7 +4,7 @@ Merak's users run on NCCL; this machine has gloo only. gloo differs from NCCL in
 ways that let wrong pipeline code pass: it pairs messages by tag, buffers sends, lets every
 operation progress on its own, and `batch_isend_irecv` returns one `Work` per operation. This
 layer replaces torch.distributed's point-to-point functions in a test process so that they
-present NCCL's contract instead (see ../../shared/FINDINGS.md, "NCCL's point-to-point rules"):
+present NCCL's contract instead (docs/testing.md):
 
 - `batch_isend_irecv` returns ONE `Work` for the whole group (NCCL's coalescing manager);
 - tags are ignored: every message travels on one channel per rank pair, so messages pair up

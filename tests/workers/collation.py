@@ -1,4 +1,4 @@
-"""Collation per micro-batch through MerakTrainer (issue 34, item 3) at (dp, tp, pp) = (1,2,2)
+"""Collation per micro-batch through MerakTrainer at (dp, tp, pp) = (1,2,2)
 and (2,1,2): HF Trainer with `DataCollatorWithFlattening`, and TRL's SFTTrainer with packing,
 padding-free batches and prompt-completion rows (the runs of `collation_common`). Each run writes
 its logged losses, grad norms (and TRL's metrics) to ``merak-<scenario>.json`` for

@@ -1,4 +1,4 @@
-"""Collation per micro-batch (issue 34, item 3): the runs shared by the pooled 4-rank worker
+"""Collation per micro-batch: the runs shared by the pooled 4-rank worker
 (workers/collation.py) and their single-process references (test_collation.py).
 
 Each run trains the tiny Llama of `sft_common` for STEPS steps of 2 micro-batches:

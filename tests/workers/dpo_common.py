@@ -1,4 +1,4 @@
-"""TRL's DPOTrainer with precomputed reference log-probabilities (issue 34): the preference
+"""TRL's DPOTrainer with precomputed reference log-probabilities: the preference
 rows, fields and layouts shared by MerakDPOTrainer's runs (workers/trainer_subclasses.py) and
 the single-process DPOTrainer reference (test_dpo.py).
 

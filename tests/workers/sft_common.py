@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer on plain text (issue 34): the rows, the tiny Llama and the fields shared by
+"""TRL's SFTTrainer on plain text: the rows, the tiny Llama and the fields shared by
 MerakSFTTrainer's runs (workers/trainer_subclasses.py) and the single-process SFTTrainer
 reference (test_trainer_subclasses.py)."""
 
@@ -22,7 +22,7 @@ FIELDS = {"max_steps": STEPS, "learning_rate": 1e-2, "logging_steps": 1, "seed":
 LAYOUTS = {"sft-dp1tp2pp2": (1, 2, 2), "sft-dp2tp1pp2": (2, 1, 2)}
 # TRL's loss_type variants: scenario -> (layout, the SFTConfig fields it changes)
 LOSS_TYPES = {"sft-dft-dp2tp1pp2": ((2, 1, 2), {"loss_type": "dft"})}
-# TRL's peft_config (issue 34 item 4): per scenario, its layout and LoRA's target_modules
+# TRL's peft_config: per scenario, its layout and LoRA's target_modules
 LORA_LAYOUTS = {"sft-lora-dp1tp2pp2": ((1, 2, 2), "all-linear"),
                 "sft-lora-dp2tp1pp2": ((2, 1, 2), ("q_proj", "v_proj"))}
 # MerakArguments.lora_config (adapters made right after set_seed(args.seed)) on 8 ranks

@@ -1,4 +1,4 @@
-"""MerakTrainer on the families sharded by the plan inferred from their blocks (issue 36),
+"""MerakTrainer on the families sharded by the plan inferred from their blocks,
 loaded as a new user's model is (written by save_pretrained, read by from_pretrained under
 merak.init_empty_weights), at dp1 x tp2 x pp1 (the 2-rank launch) and dp2 x tp2 x pp2 (the
 8-rank one; see FAMILIES), 5 steps; rank 0 writes each run's logged losses, which

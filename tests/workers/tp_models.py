@@ -87,7 +87,7 @@ HF_PLAN_FAMILIES = {
 }
 
 
-# issue 36: families with neither a FAMILY_PLANS entry nor a base_model_tp_plan, sharded by the
+# families with neither a FAMILY_PLANS entry nor a base_model_tp_plan, sharded by the
 # plan inferred from their blocks; configs shrunk as `merak coverage` shrinks them (4 layers,
 # width 64, 4 heads, dropout off): ALiBi inputs (bloom, mpt), fused q/k/v (mpt's chunk,
 # persimmon's and bloom's per-head layout, openai-gpt's Conv1D split), grouped K/V heads

@@ -2,7 +2,7 @@
 meta build -> apply_tensor_parallel -> auto_split -> materialize own stage -> 1f1b interpreter,
 3 SGD steps; loss, every gradient (against this rank's slice of the full gradient) and the
 final parameters must match (see test_tensor_parallel); the same for families sharded by the
-plan inferred from their blocks (issue 36, test_tp_infer), and wrong plans that are refused.
+plan inferred from their blocks (test_tp_infer), and wrong plans that are refused.
 The 4- and 8-rank launches also run lora_parity.py's scenarios (LoRA through peft on TP
 layouts) and generation_parity.py's (pipelined generation against HF generate); the 4-rank one
 host_objects.py's (objects between ranks through host memory)."""

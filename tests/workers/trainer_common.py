@@ -10,7 +10,7 @@ from tp_models import TP_FAMILIES, moe_model
 
 STEPS, MICRO_BATCH, MICROBATCHES, DP, SEQ, SEED = 10, 2, 2, 2, 12, 1234
 FAMILIES = ("llama", "gpt2")
-FIVE = {"max_steps": 5}  # ZeRO runs: the 5 steps issue 17 asks for (a reference of their own)
+FIVE = {"max_steps": 5}  # ZeRO runs: 5 steps (a reference of their own)
 # the run whose step-4 checkpoint (dp2 x tp2 x pp2, 2 chunks per rank, ZeRO-3) trainer_reshard
 # loads into other layouts; the step-5 loss it logged is what they must reproduce
 RESHARD_SOURCE, RESHARD_SAVE_STEP = "llama-deep-interleaved-zero3", 4
@@ -24,7 +24,7 @@ RUNS = {"llama": ("llama", {}, {}),
         "gpt2-zero-bubble-recompute": ("gpt2", {}, {
             "train_schedule": "zero_bubble", "activation_checkpointing": True,
             "checkpoint_num_layers": 2}),
-        # ZeRO-2/3 through FSDP2 (issue 17): gradients (and parameters) sharded over dp
+        # ZeRO-2/3 through FSDP2: gradients (and parameters) sharded over dp
         "llama-zero3": ("llama", FIVE, {"zero_stage": 3, "activation_checkpointing": True}),
         "gpt2-zero3": ("gpt2", FIVE, {"zero_stage": 3}),  # embeddings tied across stages
 
@@ -36,11 +36,11 @@ RUNS = {"llama": ("llama", {}, {}),
         "llama-deep-interleaved-zero2-bf16": ("llama-deep", {**FIVE, "bf16": True}, {
             "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 2,
             "dealloc_pipeoutput": True}),
-        # issue 18: the planner chooses the layout, micro-batching, schedule, recomputation
+        # the strategy planner chooses the layout, micro-batching, schedule, recomputation
         # and ZeRO stage (2 dry runs) for the reference's global batch; the loss curve is the
         # single-process one whatever it chose
         "llama-auto": ("llama", {}, {"auto_parallel": True, "plan_dry_runs": 2}),
-        # HF's training flow in one run (issue 15): evaluation every 3 steps from step 4 on and
+        # HF's training flow in one run: evaluation every 3 steps from step 4 on and
         # at the last step (6, 9, 10) plus one at the start (which never counts as the best);
         # on this random data the eval loss rises after step 6, so the best (lowest) is step 6,
         # an early checkpoint: saved with save_strategy='best', the only one kept, and loaded
@@ -110,7 +110,7 @@ COMMON = {"max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1, "seed":
           "max_grad_norm": 0.5}
 
 
-# issue 32's grid: each schedule family through MerakTrainer at (dp, tp, pp) in (1,1,2),
+# the schedule grid: each schedule family through MerakTrainer at (dp, tp, pp) in (1,1,2),
 # (1,2,4), (2,1,2) and (2,2,2), on the NCCL-contract backend and on plain gloo
 # (test_trainer_matrix.py); HF references of their own (`trainer_reference.py --matrix`)
 MATRIX_STEPS = 4
@@ -136,7 +136,7 @@ MATRIX_SCHEDULES = {"1f1b": {}, "interleaved_1f1b": {"num_model_chunks": 2},
                     "zero_bubble": {},
                     "shifted_critical_path": {"activation_checkpointing": True},
                     "zbv": {}, "dualpipev": {}}
-# issue 37's schedules also train a Mixtral (an MoE family) at every layout
+# the V schedules also train a Mixtral (an MoE family) at every layout
 MATRIX_MOE_SCHEDULES = ("zbv", "dualpipev")
 # the suite runs the 2-rank layout (dp > 1 on padded rows is RUNS' job, in test_trainer);
 # MERAK_TEST_MATRIX=full adds the 4- and 8-rank ones (each rank traces the model, ~11
@@ -159,7 +159,7 @@ def matrix_runs(world_size: int) -> dict[str, tuple[str, tuple[int, int, int], d
                 reference = "matrix8"
             runs[f"matrix-dp{dp}tp{tp}pp{pp}-{schedule}"] = (
                 reference, (dp, tp, pp), {"train_schedule": schedule, **fields, **extra})
-        m = 3 if pp == 2 else 6  # interleaved 1F1B with m not a multiple of pp (issue 37)
+        m = 3 if pp == 2 else 6  # interleaved 1F1B with m not a multiple of pp
         runs[f"matrix-dp{dp}tp{tp}pp{pp}-interleaved_1f1b-m{m}"] = (
             "matrix6" if pp == 2 else "matrix6-8", (dp, tp, pp),
             {"train_schedule": "interleaved_1f1b", "num_model_chunks": 2,

@@ -1,5 +1,5 @@
-"""Issue 32's grid: each schedule family (1F1B, interleaved 1F1B, zero-bubble, Merak's shifted
-critical path with recomputation; issue 37's ZB-V and DualPipeV, on Llama and on a Mixtral, and
+"""The schedule grid: each schedule family (1F1B, interleaved 1F1B, zero-bubble, Merak's shifted
+critical path with recomputation; the V schedules ZB-V and DualPipeV, on Llama and on a Mixtral, and
 interleaved 1F1B with a number of micro-batches no multiple of pp)
 through MerakTrainer at the layouts of this world size
 (`trainer_common.MATRIX_LAYOUTS`); each run writes its logged losses, grad norms and learning

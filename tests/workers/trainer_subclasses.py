@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer through MerakTrainer (issue 34): ``class MerakSFTTrainer(MerakTrainer,
+"""TRL's SFTTrainer through MerakTrainer: ``class MerakSFTTrainer(MerakTrainer,
 SFTTrainer)`` with ``@dataclass class Config(MerakArguments, SFTConfig)`` on plain text rows
 of varying length (padded per step) at (dp, tp, pp) = (1,2,2) and (2,1,2), without and with
 LoRA adapters through SFTTrainer's own ``peft_config``, and at (2,2,2) through
