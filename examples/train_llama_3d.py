@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import merak
 from merak import MerakArguments, MerakTrainer, init_empty_weights
+from merak.checkpoint.io import complete_checkpoints, read_layout
 from merak.data.text import ByteWindows, stdlib_source_bytes
 from merak.runtime.cpu_threads import threads_per_rank
 
@@ -67,6 +68,10 @@ def main() -> None:
 
     text = stdlib_source_bytes()
     global_batch = cli.micro_batch_size * cli.microbatches * cli.dp
+    if cli.resume:  # the rows the run trained on: its checkpoint's global batch, whatever dp is now
+        saved = complete_checkpoints(cli.out)
+        if saved:
+            global_batch = read_layout(saved[-1]).global_batch or global_batch
     train = ByteWindows(text, cli.seq_len, cli.steps * global_batch, seed=cli.seed)
     held_out = ByteWindows(text, cli.seq_len, 2 * global_batch, seed=cli.seed + 1)
     args = MerakArguments(
@@ -79,7 +84,7 @@ def main() -> None:
         save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500,
         save_total_limit=2, save_async=cli.save_async)
     trainer = MerakTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
-    result = trainer.train(resume_from_checkpoint=cli.resume or None)
+    result = trainer.train(resume_from_checkpoint=cli.resume or None)  # True: the newest
     metrics = trainer.evaluate()
     if ctx.rank == 0:
         logs = [h for h in trainer.state.log_history if "loss" in h]
