@@ -178,14 +178,23 @@ def test_a_background_save_writes_its_steps_values_while_the_next_step_runs(tmp_
 
     monkeypatch.setattr(checkpoint, "write_rank_files", held)
     saves = BackgroundSaves()
+    adapter = []  # what rank 0 writes before the marker (a LoRA adapter): on this thread
+
+    def write_adapter(partial):
+        adapter.append(threading.current_thread() is threading.main_thread())
+        (partial / "adapter.txt").write_text(str(float(model[0].weight.sum())))
+
     path = checkpoint.save_checkpoint(tmp_path, 1, ctx, model, {"trainer": {"global_step": 1}},
-                                      optimizer=optimizer, background=saves)
+                                      optimizer=optimizer, background=saves,
+                                      before_marker=write_adapter)
     assert saves.busy and not path.exists()  # staged; written and published later
+    assert adapter == [True]
     step()  # in place: parameters and AdamW's moments
     assert not torch.equal(model[0].weight, weights["0.weight"])
     release.set()
     saves.wait()
     assert checkpoint.complete_checkpoints(tmp_path) == [path]
+    assert (path / "adapter.txt").read_text() == str(float(weights["0.weight"].sum()))
     written = checkpoint.full_tensors(path, set(weights))
     assert all(torch.equal(written[n], w) for n, w in weights.items())
     fresh = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))

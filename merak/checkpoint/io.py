@@ -111,9 +111,10 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
     """Write this rank's part of ``checkpoint-<step>`` (collective: every rank calls it), then
     keep at most `save_total_limit` checkpoints (`rotate`; `keep` is the best one).
     `before_marker(dir)`: rank 0 writes more files (a LoRA adapter) before the checkpoint is
-    complete, so they are never missing from one that looks complete. `optimizer`: its state
-    is saved too (`save_optimizer_state`). `background`: stage the save into host memory
-    here and write and publish it on the writer thread (`merak.checkpoint.background`; its
+    complete, so they are never missing from one that looks complete (with `background`, on
+    this thread: they are the step's). `optimizer`: its state is saved too
+    (`save_optimizer_state`). `background`: stage the save into host memory here and write and
+    publish it on the writer thread (`merak.checkpoint.background`; its
     group's collectives time out after `timeout_s`); the save before it is finished first.
     `global_batch`: the rows per step the run trains with, recorded for a resume elsewhere."""
     final = Path(output_dir) / f"{PREFIX}{step}"
@@ -127,6 +128,10 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
     files = stage_rank_files(ctx, stage, state, copy=copy)
     entries = None if optimizer is None else optimizer_entries(optimizer, stage, copy=copy)
     layout = Layout(step, ctx.dp, ctx.tp, ctx.pp, name_prefix, ctx.cp, global_batch)
+    if copy and before_marker is not None:  # its files (a LoRA adapter read from the live
+        if ctx.rank == 0:                   # model) are this step's: written now, still
+            before_marker(partial)          # before the marker
+        before_marker = None
 
     def write(group=None) -> None:
         write_rank_files(partial, files)
