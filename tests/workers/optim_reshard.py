@@ -1,9 +1,8 @@
 """A checkpoint resumed in another layout keeps its optimizer state (see test_checkpoint_reshard):
 a 4-layer Llama trained by MerakTrainer (AdamW, HF Trainer's global batch of 8 padded rows of
 varying length) at (dp, tp, pp) = (1, 2, 2) for 6 steps saves its step-3 checkpoint (in the
-background, `save_async`); each other
-scenario resumes that checkpoint in another layout, schedule or ZeRO stage and trains steps 4-6
-(the same layout's resume is test_trainer's).
+background, `save_async`); each other scenario resumes that checkpoint in another layout,
+schedule or ZeRO stage and trains steps 4-6 (the same layout's resume is test_trainer's).
 Every run writes its logged losses, grad norms and learning rates to ``merak-<scenario>.json``;
 the test compares steps 4-6 with the uninterrupted run, and that run with single-process HF
 Trainer."""
