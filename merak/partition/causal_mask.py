@@ -11,7 +11,7 @@ micro-batch's own tokens at every sequence length) and generation runs the model
 (merak/generation/stage_view.py). So without this, every Merak stage passed a materialized
 (batch, 1, seq, seq) mask that eager HF never builds: on one H200, a 1.1 B Llama's SDPA backward
 took 2.3x as long (the flash kernel cannot take a mask) and the run reached 0.89x HF Trainer's
-tokens/s (bench/single_gpu_profile_h200.log).
+tokens/s (bench/results/single_gpu_profile_h200.log).
 
 `skip_unpadded_causal_mask(inputs)` makes HF's decisions as in eager mode for exactly that
 case, where the traced batch's inputs decide them for every batch:
