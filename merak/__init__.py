@@ -2,7 +2,7 @@
 
 from merak.distributed.liveness import PeerFailureError
 from merak.distributed.parallel_context import ParallelContext, get_context
-from merak.engine.build import parallelize
+from merak.engine.parallelize import parallelize
 from merak.generation import generate
 from merak.materialize.meta import init_empty_weights, materialize_
 from merak.materialize.safetensors import load_safetensors_

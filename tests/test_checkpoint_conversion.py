@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from merak.checkpoint.export import save_hf_directory
 from merak.coverage.shrink import small_config
-from merak.engine.build import tied_aliases
+from merak.engine.parallelize import tied_aliases
 from merak.materialize import safetensors as st
 from merak.materialize.conversion import CheckpointLayout, meta_model_for, to_hub_layout
 from merak.tensor_parallel.layers import ShardSpec

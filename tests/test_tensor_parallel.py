@@ -16,7 +16,7 @@ from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES
 from tp_parity import scenario_names
 
 import merak
-import merak.engine.build
+import merak.engine.parallelize
 from merak.distributed.parallel_context import get_context
 from merak.tensor_parallel.diagnose import explain_tp_failure
 from merak.tensor_parallel.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
@@ -137,7 +137,7 @@ def test_an_explicit_plan_wins_over_the_registered_one(monkeypatch):
             seen.update(options, context=context)
             raise InterruptedError
 
-        monkeypatch.setattr(merak.engine.build, "apply_tensor_parallel", fake_apply)
+        monkeypatch.setattr(merak.engine.parallelize, "apply_tensor_parallel", fake_apply)
         with pytest.raises(InterruptedError):
             merak.parallelize(CustomMLP(), {}, default, tp_plan=explicit)
         assert seen["plan"] is explicit and seen["context"] is default

@@ -24,11 +24,11 @@ from merak.data_parallel.zero import ZeroSharding, check_optimizer, shard_stage
 from merak.data_parallel.zero1 import zero1
 from merak.distributed.parallel_context import ParallelContext
 from merak.distributed.timeouts import set_job_timeout
-from merak.engine.build import parallelize
 from merak.engine.compile import compile_blocks
 from merak.engine.grad_norm import GradNormClipper
 from merak.engine.loss_scale import LossScaler
 from merak.engine.options import EngineOptions
+from merak.engine.parallelize import parallelize
 from merak.engine.timers import WallClockBreakdown
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.interpreter import PipelineInterpreter

@@ -61,7 +61,7 @@ def load_for_generation(checkpoint: str | Path, ctx):
 
     from merak import lora
     from merak.checkpoint.io import MARKER, load_checkpoint, read_layout
-    from merak.engine.build import parallelize
+    from merak.engine.parallelize import parallelize
     from merak.materialize.meta import init_empty_weights
 
     checkpoint = Path(checkpoint)
