@@ -74,20 +74,21 @@ class CheckpointMixin:
         mbs = getattr(self, "_train_batch_size", None) or self.args.per_device_train_batch_size
         return mbs * self.args.gradient_accumulation_steps * self.ctx.dp
 
-    def _keep_global_batch(self, resume_from_checkpoint) -> None:
+    def _keep_global_batch(self, resume_from_checkpoint):
         """A resume in a job of another data-parallel size keeps the checkpoint's global batch
         (so the run continues as it would have): the micro-batches per step are set to fit it,
         with a message; a clear error where the new layout cannot make it. Runs before the
-        engine is built (its schedule has that many micro-batches)."""
+        engine is built (its schedule has that many micro-batches). Returns the checkpoint it
+        resolved (the resume reads that one), or `resume_from_checkpoint` with `finetune`."""
         args = self.args
         if args.finetune:  # only the weights: the new run's own batch
-            return
+            return resume_from_checkpoint
         self._wait_for_saves()
         path = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
         saved, mbs = checkpoint.read_layout(path).global_batch, args.per_device_train_batch_size
-        if saved is None or saved == self._global_batch():
-            return
         rows = mbs * self.ctx.dp
+        if saved is None or saved == rows * args.gradient_accumulation_steps:
+            return path
         if saved % rows:
             raise ValueError(
                 f"{path} was trained with a global batch of {saved} rows; this job has "
@@ -100,6 +101,7 @@ class CheckpointMixin:
             print(f"resuming {path} (global batch {saved} rows) with dp={self.ctx.dp}: "
                   f"gradient_accumulation_steps {before} -> {args.gradient_accumulation_steps} "
                   f"keeps the global batch")
+        return path
 
     @liveness.waiting_in("waiting for the background save")
     def _wait_for_saves(self) -> None:

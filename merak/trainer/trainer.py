@@ -251,7 +251,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             self._check_context_parallel(self.model)  # (the plan may choose cp)
         resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
         if resume_from_checkpoint and self.engine is None:  # another dp: the same global batch
-            self._keep_global_batch(resume_from_checkpoint)
+            resume_from_checkpoint = self._keep_global_batch(resume_from_checkpoint)
         mbs, m = args.per_device_train_batch_size, args.gradient_accumulation_steps
         self._assemble(self._example(self.train_dataset, mbs))
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
