@@ -3,9 +3,11 @@
 A two-stage (pp=2) layout of a tiny Llama, each "rank" a fake context and a stage that is just
 its share of the model's parameters, written with the same steps `save_checkpoint` takes on
 each rank (`begin_save` on rank 0, `stage_rank_files` and `write_rank_files` on every rank,
-`finish_save` and `rotate` on rank 0) minus the barriers, synchronously or with the writing and
-publishing on a background writer thread. The weights of each save are `values(step, version)`,
-so a reader can tell which save a checkpoint it resolved holds.
+`write_model_state` of every rank's weights, `finish_save` and `rotate` on rank 0) minus the
+barriers (the weights, a collective of the ranks in a job, are written here in one call),
+synchronously or with the writing and publishing on a background writer thread. The weights of
+each save are `values(step, version)`, so a reader can tell which save a checkpoint it resolved
+holds.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from merak.checkpoint import io as checkpoint
@@ -97,8 +98,11 @@ def save(root: Path, step: int, version: int, *, limit: int | None = None,
               for rank in range(PP)]
 
     def write() -> None:
+        partial = final.with_name(final.name + ".partial")
         for files in staged:
-            checkpoint.write_rank_files(final.with_name(final.name + ".partial"), files)
+            checkpoint.write_rank_files(partial, files)
+        checkpoint.write_model_state(partial / checkpoint.MODEL_DIR,
+                                     {k: v for files in staged for k, v in files["model"].items()})
         checkpoint.finish_save(final, Layout(step, 1, 1, PP), config=config())
         checkpoint.rotate(root, limit)
 
@@ -110,12 +114,13 @@ def save(root: Path, step: int, version: int, *, limit: int | None = None,
 
 
 def model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every model file of `path`, read straight from the files."""
-    out = {}
-    for file in sorted(Path(path).glob("model-pp*-tp*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-    return out
+    """Every tensor of the weights of `path`, read straight from DCP's files."""
+    return checkpoint.read_whole_tensors(Path(path) / checkpoint.MODEL_DIR)
+
+
+def data_file(path: Path) -> Path:
+    """A data file of the weights of `path` (what a lost or cut file is)."""
+    return sorted((Path(path) / checkpoint.MODEL_DIR).glob("*.distcp"))[0]
 
 
 def version_of(path: Path, step: int) -> int:

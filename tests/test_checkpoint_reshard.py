@@ -101,13 +101,16 @@ def test_merak_checkpoint_info_reads_the_metadata(launches, worker_pool, tmp_pat
     assert main(["checkpoint", "info", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "step 3, saved at dp=1 tp=2 pp=2, global batch 8 rows" in out and "complete" in out
-    assert "model.embed_tokens.weight F32 [128, 64]" in out  # the whole tensor's shape
+    assert "model.embed_tokens.weight float32 [128, 64]" in out  # the whole tensor's shape
     assert "optimizer state: 39 parameters; exp_avg x39, exp_avg_sq x39, step x39" in out
     broken = tmp_path / "checkpoint-3"
     shutil.copytree(saved, broken)
-    (broken / "model-pp1-tp0.safetensors").unlink()
+    parts = [f for f in (broken / "model").glob("*.distcp") if f.stat().st_size]
+    assert len(parts) > 1  # (the ranks share the writing)
+    lost = max(parts, key=lambda f: f.stat().st_size)
+    lost.unlink()
     assert main(["checkpoint", "info", str(broken)]) == 1
-    assert "INCOMPLETE: missing model-pp1-tp0.safetensors" in capsys.readouterr().out
+    assert f"INCOMPLETE: missing model/{lost.name}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kind", ["AdamW", "Adafactor"])

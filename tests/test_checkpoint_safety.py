@@ -19,7 +19,17 @@ import warnings
 
 import pytest
 import torch
-from checkpoint_fixtures import PP, Stage, ctx, save, shapes, stage_names, values, version_of
+from checkpoint_fixtures import (
+    PP,
+    Stage,
+    ctx,
+    data_file,
+    save,
+    shapes,
+    stage_names,
+    values,
+    version_of,
+)
 
 from merak.checkpoint import io as checkpoint
 from merak.checkpoint.files import (
@@ -83,8 +93,8 @@ def _old_and_new(root):
 
 def _half_delete(path):
     """What an interrupted ``rmtree`` leaves: some files gone, merak.json still there."""
-    for name in ("model-pp1-tp0.safetensors", "rank1.pt"):
-        os.unlink(path / name)
+    os.unlink(data_file(path))
+    os.unlink(path / "rank1.pt")
 
 
 STATES = {  # name -> (how to get there from `_old_and_new`, the version to resume)
@@ -201,20 +211,33 @@ def test_export_of_a_whole_checkpoint_loads_every_tensor(tmp_path):
         torch.testing.assert_close(exported[name], expected[name])
 
 
-def test_export_refuses_a_checkpoint_missing_a_stage_file(tmp_path, capsys):
+def test_export_refuses_a_checkpoint_missing_a_data_file(tmp_path, capsys):
     path = save(tmp_path / "run", 4, 0)
-    os.unlink(path / "model-pp1-tp0.safetensors")
+    lost = data_file(path)
+    os.unlink(lost)
     assert merak_main(["export", str(path), str(tmp_path / "hf")]) == 1
-    assert "model-pp1-tp0.safetensors" in capsys.readouterr().err
+    assert f"model/{lost.name}" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()  # nothing half written
 
 
-def test_export_refuses_a_layout_that_leaves_out_parameters(tmp_path, capsys):
-    """merak.json says one stage, so stage 1's file is not read: the config's model names the
-    parameters that are then missing."""
+def test_export_refuses_a_cut_data_file(tmp_path, capsys):
     path = save(tmp_path / "run", 4, 0)
-    marker = json.loads((path / "merak.json").read_text())
-    (path / "merak.json").write_text(json.dumps({**marker, "pp": 1}))
+    cut = data_file(path)
+    os.truncate(cut, cut.stat().st_size // 2)
+    assert merak_main(["export", str(path), str(tmp_path / "hf")]) == 1
+    assert f"model/{cut.name} (cut short)" in capsys.readouterr().err
+
+
+def test_export_refuses_weights_that_leave_out_parameters(tmp_path, capsys):
+    """Weights saved without stage 1's tensors: the config's model names the parameters that
+    are then missing."""
+    import shutil
+
+    path = save(tmp_path / "run", 4, 0)
+    shutil.rmtree(path / checkpoint.MODEL_DIR)
+    first = values(4, 0)
+    checkpoint.write_model_state(path / checkpoint.MODEL_DIR,
+                                 {n: first[n] for n in stage_names(0)})
     assert merak_main(["export", str(path), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
     assert "lm_head.weight" in err and "model.layers.1" in err and "config.json" in err
@@ -223,12 +246,13 @@ def test_export_refuses_a_layout_that_leaves_out_parameters(tmp_path, capsys):
 
 def test_loading_names_the_missing_file(tmp_path):
     path = save(tmp_path, 4, 0)
-    os.unlink(path / "model-pp1-tp0.safetensors")
+    lost = data_file(path)
+    os.unlink(lost)
     whole = {n: torch.zeros(s) for n, s in shapes().items()}
     own = Stage({n: whole[n] for n in stage_names(0)})
-    with pytest.raises(IncompleteCheckpointError, match=r"model-pp1-tp0\.safetensors"):
+    with pytest.raises(IncompleteCheckpointError, match=rf"model/{lost.name}"):
         checkpoint.load_checkpoint(path, ctx(0), own)  # the same layout, stage 0
-    with pytest.raises(IncompleteCheckpointError, match=r"model-pp1-tp0\.safetensors"):
+    with pytest.raises(IncompleteCheckpointError, match=rf"model/{lost.name}"):
         checkpoint.load_checkpoint(path, ctx(0, pp=1), Stage(whole))  # resharded to pp=1
     save(tmp_path, 6, 0)
     os.unlink(tmp_path / "checkpoint-6" / "rank1.pt")
@@ -237,7 +261,12 @@ def test_loading_names_the_missing_file(tmp_path):
                                    Stage({n: whole[n] for n in stage_names(1)}))
     state, same = checkpoint.load_checkpoint(tmp_path / "checkpoint-6", ctx(0), own)
     assert same and state["version"] == 0
-    assert PP == 2
+    merged = Stage(whole)  # the two stages' weights into one (pp=1): read from both saves
+    _, same = checkpoint.load_checkpoint(tmp_path / "checkpoint-6", ctx(0, pp=1), merged)
+    assert not same and PP == 2
+    for loaded in (own, merged):
+        for name, param in loaded.named_parameters():
+            assert torch.equal(param, values(6, 0)[name]), name
 
 
 def test_the_config_check_counts_tied_lora_and_prefixed_names(tmp_path):

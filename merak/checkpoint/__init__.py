@@ -1,1 +1,2 @@
-"""Merak checkpoints: per-rank shard files, directories, validation and HF-format export."""
+"""Merak checkpoints: weights and optimizer state on torch.distributed.checkpoint, their
+directories, validation and HF-format export."""

@@ -1,15 +1,16 @@
 """What a whole Merak checkpoint is, checked before anything trusts one.
 
 A checkpoint directory is only as good as its weakest file: an export that silently skips a
-missing ``model-pp1-tp0.safetensors`` writes half a model, which ``from_pretrained`` then fills
-with random weights without a word; a resume from hand-edited metadata trains from step -3. So
-every reader goes through here first:
+lost data file of the weights writes part of a model, which ``from_pretrained`` then fills with
+random weights without a word; a resume from hand-edited metadata trains from step -3. So every
+reader goes through here first:
 
 - `read_layout`: ``merak.json`` parsed and validated (step, dp, tp, pp, name_prefix), errors
   naming the file and the field.
-- `missing_files`: every (pp, tp) model file and every rank's state file the layout implies.
-- `missing_model_tensors`: every parameter the config's model has (``config.json``), so a
-  layout that is itself wrong (fewer stages recorded than trained) is caught too.
+- `missing_files`: the weights' DCP metadata and every data file it points at
+  (`missing_model_files`), and every rank's state file the layout implies.
+- `missing_model_tensors`: every parameter the config's model has (``config.json``), so
+  weights saved without a part of the model are caught too.
 - `check_trainer_state`: the step, epoch and log history a resume would continue from.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX, MARKER = "checkpoint-", "merak.json"
+MODEL_DIR = "model"  # the weights, inside a checkpoint directory
 NAME = re.compile(r"checkpoint-(\d+)")  # the listable name; any suffix marks a non-checkpoint
 
 
@@ -48,9 +50,6 @@ class Layout:
     name_prefix: str = ""
     cp: int = 1
     global_batch: int | None = None
-
-    def model_files(self) -> list[str]:
-        return [f"model-pp{p}-tp{t}.safetensors" for p in range(self.pp) for t in range(self.tp)]
 
     def rank_files(self) -> list[str]:
         return [f"rank{r}.pt" for r in range(self.dp * self.cp * self.tp * self.pp)]
@@ -98,12 +97,50 @@ def read_layout(path: str | Path) -> Layout:
                   if "global_batch" in fields else None)
 
 
+def dcp_metadata(path: Path):
+    """DCP's metadata of the directory `path` (errors name it: absent, or unreadable)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / ".metadata").is_file():
+        raise IncompleteCheckpointError(f"{path.parent} is incomplete: it has no "
+                                        f"{path.name}/.metadata (the weights were not all "
+                                        f"written)")
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - DCP's errors do not name the file
+        raise CheckpointError(f"{path / '.metadata'}: not readable DCP metadata "
+                              f"({error!r})") from None
+
+
+def missing_model_files(path: Path) -> list[str]:
+    """What the weights at `path` (a checkpoint's ``model/``) lack: their ``.metadata``, or a
+    data file it points at (absent, or shorter than the bytes it holds: cut short), each
+    named relative to the checkpoint."""
+    path = Path(path)
+    try:
+        metadata = dcp_metadata(path)
+    except CheckpointError:
+        return [f"{path.name}/.metadata"]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    missing = []
+    for name, size in sorted(needed.items()):
+        try:
+            if (path / name).stat().st_size < size:
+                missing.append(f"{path.name}/{name} (cut short)")
+        except OSError:
+            missing.append(f"{path.name}/{name}")
+    return missing
+
+
 def missing_files(path: str | Path, layout: Layout, *, rank_states: bool = True) -> list[str]:
     """The files `layout` implies that `path` lacks (or holds empty: a file cut short).
     `rank_states=False`: the weights only (what an export reads)."""
     path = Path(path)
-    wanted = layout.model_files() + (layout.rank_files() if rank_states else [])
-    missing = []
+    wanted = layout.rank_files() if rank_states else []
+    missing = missing_model_files(path / MODEL_DIR)
     for name in wanted:
         try:
             if (path / name).stat().st_size == 0:
@@ -169,9 +206,9 @@ def check_model_tensors(path: str | Path, names, layout: Layout | None = None) -
                                           else "")
         raise IncompleteCheckpointError(
             f"{path} is incomplete: {len(missing)} parameters of its config's model "
-            f"({Path(path) / 'config.json'}) are in none of its files: {shown} (a stage's "
-            f"file lost, or merak.json's layout wrong; parameters the training forward never "
-            f"ran, such as a vision tower given text alone, are in no stage either)")
+            f"({Path(path) / 'config.json'}) are not in its weights: {shown} (saved from a "
+            f"model without them; parameters the training forward never ran, such as a vision "
+            f"tower given text alone, are in no stage)")
 
 
 def check_trainer_state(state, file: str | Path, step: int) -> dict:

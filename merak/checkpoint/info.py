@@ -1,22 +1,15 @@
-"""`merak checkpoint info DIR`: what a checkpoint holds, read from its metadata only (the
-safetensors headers, DCP's ``.metadata``, ``merak.json``): no tensor is loaded, no process
-group made."""
+"""`merak checkpoint info DIR`: what a checkpoint holds, read from its metadata only (DCP's
+``.metadata`` of the weights and the optimizer state, ``merak.json``): no tensor is loaded, no
+process group made."""
 
 from __future__ import annotations
 
-import json
-import struct
 from collections import Counter
 from pathlib import Path
 
-from merak.checkpoint.files import CheckpointError, missing_files, read_layout
+from merak.checkpoint.files import MODEL_DIR, CheckpointError, missing_files, read_layout
+from merak.checkpoint.model_state import tensor_shapes
 from merak.checkpoint.optimizer_state import OPTIMIZER_DIR
-
-
-def _safetensors_header(file: Path) -> dict:
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
 
 
 def _size(path: Path) -> int:
@@ -38,18 +31,11 @@ def describe(path: str | Path) -> str:
     lines.append(f"  step {layout.step}, saved at {layout_text}; "
                  f"{_size(path) / 2**20:.1f} MiB on disk")
     lines.append("  complete" if not missing else f"  INCOMPLETE: missing {', '.join(missing)}")
-    tensors: dict[str, tuple[str, list[int]]] = {}
-    for name in layout.model_files():
-        file = path / name
-        if not file.is_file():
-            continue
-        header = _safetensors_header(file)
-        specs = header.get("__metadata__") or {}
-        for key, value in header.items():
-            if key == "__metadata__":
-                continue
-            shape = json.loads(specs[key])["full_shape"] if key in specs else value["shape"]
-            tensors[key] = (value["dtype"], list(shape))
+    try:
+        tensors = {name: (str(dtype).removeprefix("torch."), list(shape))
+                   for name, (dtype, shape) in tensor_shapes(path / MODEL_DIR).items()}
+    except CheckpointError:
+        tensors = {}
     total = sum(_numel(shape) for _, shape in tensors.values())
     dtypes = Counter(dtype for dtype, _ in tensors.values())
     lines.append(f"  weights: {len(tensors)} tensors, {total:,} elements "

@@ -1,22 +1,23 @@
-"""Merak checkpoints: every rank writes its own shard; a checkpoint appears only when complete.
+"""Merak checkpoints: every rank writes its own part; a checkpoint appears only when complete.
 
 Layout of ``<output_dir>/checkpoint-<step>/``:
 
-- ``model-pp<p>-tp<t>.safetensors``: the stage's parameters under their original names, as
-  this (pp, tp) rank holds them, written by dp rank 0; each tensor's `ShardSpec` (if any) is in
-  the file metadata.
-- ``optimizer/``: the optimizer's state (unless ``no_save_optim``), one logical tensor per
-  parameter and state, on torch.distributed.checkpoint: resharded on load into any layout
-  (`merak.checkpoint.optimizer_state`).
+- ``model/``: the weights (parameters and persistent buffers) under the user's model's names,
+  one logical tensor each, on torch.distributed.checkpoint: every rank writes the boxes it
+  holds (replicas once) and a load in any layout reads the slices it needs
+  (`merak.checkpoint.model_state`).
+- ``optimizer/``: the optimizer's state (unless ``no_save_optim``) under the same names, on
+  torch.distributed.checkpoint too (`merak.checkpoint.optimizer_state`).
 - ``rank<r>.pt``: scheduler, RNG states (unless ``no_save_rng``) and the trainer state (step,
   epoch, log history; the data position follows from the step, since the data order is
   deterministic).
-- ``merak.json``: the layout and step, written last.
+- ``merak.json``: the layout, step and global batch, written last.
 
 Writing goes to ``checkpoint-<step>.partial``; after every rank has written, rank 0 writes the
 marker and renames the directory into place, keeping an existing checkpoint of the same step
-valid until then (`checkpoint_dirs`: listing, atomic replacement, recovery after a kill). Readers
-check the metadata and that every file the layout implies is there (`checkpoint_files`).
+valid until then (`merak.checkpoint.dirs`: listing, atomic replacement, recovery after a
+kill). Readers check the metadata and that every file the layout implies is there
+(`merak.checkpoint.files`).
 """
 
 from __future__ import annotations
@@ -27,15 +28,11 @@ import os
 import pickle
 import random
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import nn
 
 from merak.checkpoint.background import BackgroundSaves
 from merak.checkpoint.dirs import (  # noqa: F401 - the trainer's names for them
@@ -49,6 +46,7 @@ from merak.checkpoint.dirs import (  # noqa: F401 - the trainer's names for them
 )
 from merak.checkpoint.files import (  # noqa: F401 - read_layout: for its users
     MARKER,
+    MODEL_DIR,
     PREFIX,
     CheckpointError,
     IncompleteCheckpointError,
@@ -57,6 +55,14 @@ from merak.checkpoint.files import (  # noqa: F401 - read_layout: for its users
     check_model_tensors,
     read_layout,
 )
+from merak.checkpoint.model_state import (  # noqa: F401 - persistent_buffers: for export
+    load_model_state,
+    model_entries,
+    persistent_buffers,
+    read_whole_tensors,
+    tensor_shapes,
+    write_model_state,
+)
 from merak.checkpoint.optimizer_state import (  # noqa: F401 - the trainer's names for them
     OPTIMIZER_DIR,
     load_optimizer_state,
@@ -64,9 +70,7 @@ from merak.checkpoint.optimizer_state import (  # noqa: F401 - the trainer's nam
     save_optimizer_state,
     write_optimizer_state,
 )
-from merak.data_parallel.shards import is_sharded, local, this_ranks_part, whole
 from merak.distributed.parallel_context import ParallelContext
-from merak.tensor_parallel.layers import ShardSpec
 
 
 def rng_states(model=None) -> dict:
@@ -90,10 +94,6 @@ def set_rng_states(states: dict, model=None) -> None:
     tp_rng = getattr(model, "merak_tp_rng", None)
     if tp_rng is not None and "tp_own" in states:
         tp_rng.own = states["tp_own"]
-
-
-def model_file(ctx: ParallelContext) -> str:
-    return f"model-pp{ctx.pp_rank}-tp{ctx.tp_rank}.safetensors"
 
 
 def _barrier(group=None) -> None:
@@ -135,6 +135,7 @@ def save_checkpoint(output_dir: str | Path, step: int, ctx: ParallelContext, sta
 
     def write(group=None) -> None:
         write_rank_files(partial, files)
+        write_model_state(partial / MODEL_DIR, files["model"], group)
         if entries is not None:
             write_optimizer_state(partial / OPTIMIZER_DIR, entries, group)
         _barrier(group)
@@ -158,38 +159,17 @@ def begin_save(final: Path) -> None:
     final.with_name(final.name + PARTIAL).mkdir()  # (repair left no .partial behind)
 
 
-def persistent_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
-    """The stage's buffers that a state_dict (and so HF's save_pretrained) holds, by name:
-    DeepSeek-V3's ``mlp.gate.e_score_correction_bias``. Non-persistent ones (rotary
-    ``inv_freq``) are rebuilt by the model and stay out. Saved and loaded beside the
-    parameters (never sharded by ZeRO)."""
-    params = dict(stage.named_parameters(remove_duplicate=False))
-    return {n: t for n, t in stage.state_dict(keep_vars=True).items() if n not in params}
-
-
 def stage_rank_files(ctx: ParallelContext, stage, state: dict, copy: bool = False) -> dict:
-    """What `write_rank_files` writes for this rank: its (pp, tp) weights and persistent
-    buffers (dp rank 0; under ZeRO-2/3 every dp rank gathers them, a collective) with their
-    shard specs, and its state. `copy`: host copies no later step changes (a background
-    save)."""
-    params = dict(stage.named_parameters())
-    if any(is_sharded(p) for p in params.values()):  # ZeRO-2/3: every dp rank gathers
-        params = {n: whole(p) for n, p in params.items()}
-    params.update(persistent_buffers(stage))
-    staged = {"rank": ctx.rank, "state": copy_module.deepcopy(state) if copy else state}
-    if ctx.dp_rank == 0 and ctx.cp_rank == 0:  # (one copy of each (pp, tp) shard)
-        staged["model_file"] = model_file(ctx)
-        staged["tensors"] = {n: p.detach().to("cpu", copy=copy).contiguous()
-                             for n, p in params.items()}
-        staged["specs"] = {n: json.dumps(asdict(p.tp_shard)) for n, p in stage.named_parameters()
-                           if getattr(p, "tp_shard", None) is not None}
-    return staged
+    """What this rank writes of a save: its part of the weights (`model_entries`: every rank
+    describes what it holds, DCP writes each box once) and its state. `copy`: host copies no
+    later step changes (a background save)."""
+    return {"rank": ctx.rank, "state": copy_module.deepcopy(state) if copy else state,
+            "model": model_entries(stage, copy=copy)}
 
 
 def write_rank_files(partial: Path, staged: dict) -> None:
-    """Write `stage_rank_files`' weights (if this rank writes them) and state into `partial`."""
-    if "tensors" in staged:
-        save_file(staged["tensors"], partial / staged["model_file"], metadata=staged["specs"])
+    """Write `stage_rank_files`' state into `partial` (the weights are a collective:
+    `write_model_state`)."""
     torch.save(staged["state"], partial / f"rank{staged['rank']}.pt")
 
 
@@ -214,86 +194,29 @@ def finish_save(final: Path, layout: Layout, *, config=None,
 
 
 def full_tensors(path: Path, names=None) -> dict[str, torch.Tensor]:
-    """Whole tensors from every (pp, tp) file of a checkpoint: tensor-parallel shards are put
-    back together (`ShardSpec.assemble`). `names`: only these (default: all, and then the
-    checkpoint must be whole: every file its layout implies and every parameter its config's
-    model has, or `IncompleteCheckpointError` names what is missing; what `merak export`
-    reads, so it never writes part of a model)."""
+    """Whole tensors of a checkpoint's weights, read in this process (no collective).
+    `names`: only these (default: all, and then the checkpoint must be whole: every file its
+    layout implies and every parameter its config's model has, or `IncompleteCheckpointError`
+    names what is missing; what `merak export` reads, so it never writes part of a model)."""
     path = Path(path)
     layout = check_files(path, rank_states=False)
-    shards: dict[str, list[tuple[ShardSpec | None, Path]]] = {}
-    for file in (path / name for name in layout.model_files()):
-        with _open(file) as f:
-            meta = f.metadata() or {}
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                if names is None or name in names:
-                    spec = _spec(meta[name], file, name) if name in meta else None
-                    shards.setdefault(name, []).append((spec, file))
     if names is None:
-        check_model_tensors(path, shards, layout)
-    out = {}
-    for name, parts in shards.items():
-        spec, file = parts[0]
-        if spec is None:
-            with _open(file) as f:
-                out[name] = f.get_tensor(name)
-            continue
-        pieces = {}
-        for part_spec, part_file in parts:
-            with _open(part_file) as f:
-                pieces[part_spec.rank] = f.get_tensor(name)
-        if sorted(pieces) != list(range(spec.size)):
-            raise IncompleteCheckpointError(f"{path}: tensor {name} has shards "
-                                            f"{sorted(pieces)} of {spec.size}")
-        out[name] = spec.assemble([pieces[r] for r in range(spec.size)])
-    return out
-
-
-def _open(file: Path):
-    """`safe_open`, with an error naming the file when it is not a readable safetensors file
-    (cut short, overwritten)."""
-    try:
-        return safe_open(file, framework="pt")
-    except Exception as error:  # noqa: BLE001 - safetensors' errors do not name the file
-        raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
-
-
-def _spec(text: str, file: Path, name: str) -> ShardSpec:
-    try:
-        args = json.loads(text)
-        return ShardSpec(**{**args, "chunks": tuple(args["chunks"]),
-                            "full_shape": tuple(args["full_shape"])})
-    except (ValueError, TypeError, KeyError) as error:
-        raise CheckpointError(f"{file}: the shard metadata of {name} is malformed "
-                              f"({error!r})") from None
+        check_model_tensors(path, tensor_shapes(path / MODEL_DIR), layout)
+    return read_whole_tensors(path / MODEL_DIR, names)
 
 
 def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool]:
-    """Load this rank's weights into `stage` in place. Returns (its saved state, whether the
-    layout matched). From another (dp, tp, pp) layout the weights are resharded (whole tensors
-    rebuilt from the saved shards, then cut for this rank) and the state is rank 0's. Every
-    weight file and the state file it reads must be there (errors name the missing ones)."""
+    """Load this rank's weights into `stage` in place (a collective of every rank: DCP reads
+    for each just the slices it holds, from a checkpoint of any layout). Returns (its saved
+    state, whether the layout matched): from another (dp, tp, pp, cp) layout the state is rank
+    0's. Every file it reads must be there (errors name the missing ones)."""
     path = Path(path)
     layout = check_files(path, rank_states=False)
     same = (layout.dp, layout.tp, layout.pp, layout.cp) == (ctx.dp, ctx.tp, ctx.pp, ctx.cp)
     state_file = state_file_of(path, ctx, same)
     if not state_file.is_file():
         raise IncompleteCheckpointError(f"{path} is incomplete: it has no {state_file.name}")
-    params = {**dict(stage.named_parameters()), **persistent_buffers(stage)}
-    if same:
-        with _open(path / model_file(ctx)) as f:
-            tensors = {n: f.get_tensor(n) for n in f.keys() if n in params}  # noqa: SIM118
-    else:
-        tensors = full_tensors(path, set(params))
-    with torch.no_grad():
-        for name, param in params.items():
-            if name not in tensors:
-                raise IncompleteCheckpointError(f"checkpoint {path} has no tensor {name}")
-            value = tensors[name]
-            spec = getattr(param, "tp_shard", None)
-            if not same and spec is not None:
-                value = spec.take(value)
-            local(param).copy_(this_ranks_part(value, param))  # (ZeRO-2/3: the dp shard)
+    load_model_state(path / MODEL_DIR, stage)
     return load_rank_state(state_file), same
 
 

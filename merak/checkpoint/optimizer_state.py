@@ -26,8 +26,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from merak.checkpoint import sharded
 from merak.checkpoint.files import CheckpointError, IncompleteCheckpointError
-from merak.checkpoint.sharded import LoadPlanner, Pieces, SavePlanner, pieces_of
+from merak.checkpoint.sharded import Pieces, pieces_of
 from merak.data_parallel.zero1 import local_optimizer
 
 OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory
@@ -83,8 +84,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, stage: nn.Module,
 def write_optimizer_state(path: Path, entries: dict, group=None) -> None:
     """Write `optimizer_entries` to `path` (a collective of every rank of `group`, default the
     job's)."""
-    dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True),
-             planner=SavePlanner(), process_group=group)
+    sharded.save(path, entries, group)
 
 
 def save_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:
@@ -147,7 +147,7 @@ def load_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn
             f"{path} lacks the optimizer state this rank needs: "
             f"{', '.join(k.removeprefix('state.') for k in missing[:_SHOWN])}{more}; was it "
             f"saved from another model, or with other parameters trainable?")
-    dcp.load(flat, storage_reader=reader, planner=LoadPlanner())
+    sharded.load(path, flat)
     local = local_optimizer(optimizer)
     names = dict(stage.named_parameters())
     for name, values in entries["state"].items():  # values DCP replaced rather than filled

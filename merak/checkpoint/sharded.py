@@ -15,10 +15,14 @@ planners call for such objects (``__create_write_items__``, ``__create_chunk_lis
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -163,3 +167,38 @@ class LoadPlanner(DefaultLoadPlanner):
         if isinstance(found, Pieces):
             return found.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _in_one_process(alone: bool):
+    """DCP warns on every call in one process that it assumes one process: it is meant."""
+    if not alone:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(path, entries: dict, group=None) -> None:
+    """Write `entries` (tensors and `Pieces`) to the directory `path` with DCP, one file per
+    rank: a collective of every rank of `group` (default the job's), or in this process alone
+    when no process group exists."""
+    alone = _no_dist()
+    with _in_one_process(alone):
+        dcp.save(entries, planner=SavePlanner(), process_group=group, no_dist=alone,
+                 storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True))
+
+
+def load(path, entries: dict, *, alone: bool | None = None) -> None:
+    """Fill `entries` (a flat dict of tensors and `Pieces`) in place from the directory `path`:
+    a collective of every rank of the job, unless `alone` (default: when no process group
+    exists) reads in this process only."""
+    alone = _no_dist() if alone is None else alone
+    with torch.no_grad(), _in_one_process(_no_dist()):
+        dcp.load(entries, storage_reader=dcp.FileSystemReader(str(path)), planner=LoadPlanner(),
+                 no_dist=alone)

@@ -123,7 +123,7 @@ def push_to_hub() -> None:
                                                  "checkpoint-4"),
         ("End of training", None)], hub.uploads
     repo = hub.root / "me" / "tiny"
-    assert (repo / "checkpoint-4" / "model-pp1-tp0.safetensors").is_file()  # Merak's format
+    assert (repo / "checkpoint-4" / "model" / ".metadata").is_file()  # Merak's format (DCP)
     assert (repo / "README.md").is_file()  # the model card
     pushed = load_file(repo / "model.safetensors")
     assert sorted(pushed) == sorted(full), sorted(set(pushed) ^ set(full))
