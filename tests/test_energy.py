@@ -341,6 +341,39 @@ def test_plan_command_interleave_and_recompute(tmp_path, capsys):
             make_schedule(name, 2, 4, stages_per_rank=2), 0)
 
 
+def test_the_planner_process_plans_the_programs_it_is_given(tmp_path):
+    """``python -m merak.energy plan --programs FILE`` (energy_mode="auto"'s background
+    planner): the schedule as JSON, planned exactly as the same schedule given by options, in a
+    process that imports neither transformers nor torch.distributed's pipelining."""
+    profile = write_profile(synthetic_profile(SMALL, 2), tmp_path / "p.csv")
+    schedule = make_schedule("1f1b", 2, 4, recompute=[True, False])
+    programs = tmp_path / "schedule.json"
+    programs.write_text(json.dumps(schedule.to_json()))
+    watch = ("import runpy, sys; sys.argv = ['merak.energy', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('merak.energy', run_name='__main__')\n"
+             "finally:\n    print('loaded', *sorted(m for m in sys.modules if m in "
+             "('transformers', 'torch.distributed.pipelining', 'peft')))\n")
+    run = subprocess.run([sys.executable, "-c", watch, "plan", str(profile), "--programs",
+                          str(programs), "--out", str(tmp_path / "a.json")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "loaded"  # none of them
+    from merak.cli import main
+
+    assert main(["energy", "plan", str(profile), "--schedule", "1f1b", "--recompute", "1,0",
+                 "--stages", "2", "--microbatches", "4", "--out", str(tmp_path / "b.json")]) == 0
+    given, named = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert given["schedules"] == named["schedules"] and given["meta"] == named["meta"]
+    for r in (0, 1):
+        assert [n for n, _ in given["schedules"][r]["frequencies"]] == \
+            expected_instructions(schedule, r)
+    programs.write_text("{not json")
+    bad = subprocess.run([sys.executable, "-m", "merak.energy", "plan", str(profile),
+                          "--programs", str(programs)], capture_output=True, text=True)
+    assert bad.returncode == 2 and f"cannot read the schedule {programs}" in bad.stderr
+    assert main(["energy", "plan", str(profile), "--stages", "2"]) == 2  # (no micro-batches)
+
+
 def test_plan_arguments_rebuild_the_interpreters_schedule():
     """`TrainerEnergy.plan_command`'s options: the CLI rebuilds exactly the programs it ran."""
     from merak.energy.cli import recompute_flags

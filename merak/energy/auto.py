@@ -7,26 +7,27 @@ collective at a step boundary, over the gloo host group, `ParallelContext.host_g
    among the interpreter's hooks: a warm-up step, then one step per clock of `PROFILE_CLOCKS`
    spread over the GPU's range, highest first, stopping early once every rank's instruction
    energy has risen for `PATIENCE` clocks in a row. At most ``1 + PROFILE_CLOCKS`` steps.
-2. **planning**: rank 0 writes the gathered profile and starts ``merak energy plan`` in a
-   background process (at a lower priority), for the interpreter's own schedule at
-   `energy_max_slowdown`; training goes on at maximum clocks. After every step all ranks
-   all-reduce rank 0's flag "the planner has exited" (a host-side collective of one integer;
-   nothing waits for the planner). Once it has, rank 0 broadcasts the plan, every rank checks it
-   against the job (`check_clock_plan`, as any plan) and, if every rank accepts it, all follow
-   it after `BASELINE_STEPS` more steps at maximum clocks (the all-max reference the plan is
-   measured against, with the planner no longer competing for the host's cores). A planner
-   that fails leaves the run at maximum clocks.
+2. **planning**: rank 0 writes the gathered profile and the interpreter's schedule (its programs
+   as JSON) and starts ``python -m merak.energy plan`` on them in a background process (at a
+   lower priority), at `energy_max_slowdown`; training goes on at maximum clocks. After every
+   step all ranks all-reduce rank 0's flag "the planner has exited" (a host-side collective of
+   one integer; nothing waits for the planner). Once it has, rank 0 broadcasts the plan, every
+   rank checks it against the job (`check_clock_plan`, as any plan) and, if every rank accepts
+   it, all follow it after `BASELINE_STEPS` more steps at maximum clocks (the all-max reference
+   the plan is measured against, with the planner no longer competing for the host's cores). A
+   planner that fails leaves the run at maximum clocks.
 3. **planned**: `ClockPlanHook` sets each instruction's clock. Every `DRIFT_WINDOW` steps the
    slowest rank's median step time is compared with the plan's predicted time (scaled by the
    measured over the predicted all-max time); past ``energy_replan_margin`` the run re-profiles
    and re-plans (phase 1; at most `MAX_REPLANS` times).
 
-Files go to ``output_dir/energy/``: ``profile-N.csv``, ``plan-N.json``, its frontier picture
-``plan-N.png`` and the planner's output ``plan-N.log`` for the N-th round.
+Files go to ``output_dir/energy/``: ``profile-N.csv``, ``schedule-N.json``, ``plan-N.json``,
+its frontier picture ``plan-N.png`` and the planner's output ``plan-N.log`` for the N-th round.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -50,17 +51,6 @@ PATIENCE = 2        # clocks of rising energy that end profiling
 BASELINE_STEPS = 5  # all-max steps measured once the plan is ready, before it is deployed
 DRIFT_WINDOW = 5    # planned steps per drift check
 MAX_REPLANS = 2
-# the background planner: `merak energy plan` in a process that imports merak.energy (and the
-# schedules it plans over) without the package's training stack (torch, transformers): it
-# starts in about a second instead of several, beside the training ranks
-_PLANNER = ("import sys, types\n"
-            "package = types.ModuleType('merak')\n"
-            "package.__path__ = [{path!r}]\n"
-            "sys.modules['merak'] = package\n"
-            "from merak.energy.cli import plan_main\n"
-            "sys.exit(plan_main(sys.argv[1:]))\n")
-
-
 def spread_clocks(supported: list[int], count: int = PROFILE_CLOCKS) -> list[int]:
     """`count` of the `supported` clocks, evenly spread from the highest to the lowest."""
     clocks = sorted(supported, reverse=True)
@@ -167,8 +157,6 @@ class AutoEnergy:
             self._plan_in_background(step)
 
     def _plan_in_background(self, step: int) -> None:
-        from merak.energy.session import plan_arguments
-
         self.hook.profiler = None
         self.gpu.reset_clock()
         ctx = self.ctx
@@ -182,13 +170,19 @@ class AutoEnergy:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         profile = write_profile(rows, self.directory / f"profile-{self.rounds}.csv")
-        arguments = [str(profile), *plan_arguments(self.session.schedule), "--max-slowdown",
+        programs = self.directory / f"schedule-{self.rounds}.json"  # the interpreter's own
+        programs.write_text(json.dumps(self.session.schedule.to_json()))
+        arguments = [str(profile), "--programs", str(programs), "--max-slowdown",
                      str(self.max_slowdown), "--out", str(self._path)]
-        package = str(Path(__file__).resolve().parent.parent)
+        # this merak first on the path, whatever the working directory (a fresh interpreter
+        # importing merak.energy alone: it starts in about a second, beside the training ranks)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         with self._path.with_suffix(".log").open("w") as log:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _PLANNER.format(path=package), *arguments],
-                stdout=log, stderr=subprocess.STDOUT)
+                [sys.executable, "-m", "merak.energy", "plan", *arguments],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
         if hasattr(os, "setpriority"):  # the training processes come first
             try:
                 os.setpriority(os.PRIO_PROCESS, self._process.pid, 10)
@@ -196,7 +190,7 @@ class AutoEnergy:
                 pass
         self._say(f"profiled {clocks} clocks in {step - self._began + 1} training steps (steps "
                   f"{self._began}-{step}); planning in the background while training goes on "
-                  f"at max clocks: merak energy plan {' '.join(arguments)}")
+                  f"at max clocks: python -m merak.energy plan {' '.join(arguments)}")
 
     def _poll(self, step: int) -> None:
         """The planner's result, once rank 0 sees it has exited (checked after every step)."""

@@ -5,7 +5,10 @@ MerakTrainer mode: `MerakArguments(energy_gpu=..., energy_profile="profile.csv")
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 from merak.inputs import (
     InputError,
@@ -15,8 +18,10 @@ from merak.inputs import (
     positive_float,
     positive_int,
 )
+from merak.schedule.actions import ActionKind, Schedule
 from merak.schedule.registry import SCHEDULES, make_schedule
 from merak.schedule.simulate_cli import MAX_BLOCKS
+from merak.schedule.validate import validate_schedule
 
 
 def port_number(text: str) -> int:
@@ -38,8 +43,10 @@ def add_energy(subparsers) -> None:
     plan.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
                       help="; ".join(f"{name}: {info.summary}" for name, info in
                                      sorted(SCHEDULES.items())))
-    plan.add_argument("--stages", type=positive_int, required=True, help="pipeline ranks (pp)")
-    plan.add_argument("--microbatches", type=positive_int, required=True)
+    plan.add_argument("--stages", type=positive_int, default=None,
+                      help="pipeline ranks (pp; required without --programs)")
+    plan.add_argument("--microbatches", type=positive_int, default=None,
+                      help="micro-batches per step (required without --programs)")
     plan.add_argument("--interleave", type=positive_int, default=None, metavar="V",
                       help="model chunks per pipeline rank (interleaved_1f1b: "
                            "MerakArguments.num_model_chunks; zbv and dualpipev: 2, the "
@@ -48,6 +55,11 @@ def add_energy(subparsers) -> None:
                       help="the job checkpoints activations (activation_checkpointing; needed by "
                            "the schedules that reorder recomputation): every stage, or one 0/1 "
                            "flag per stage, comma-separated (stages x interleave values)")
+    plan.add_argument("--programs", metavar="FILE", default=None,
+                      help="the schedule itself, as JSON (what `merak simulate --programs` "
+                           "prints; energy_mode='auto' hands its planner the interpreter's "
+                           "programs so): instead of --schedule, --stages, --microbatches, "
+                           "--interleave and --recompute")
     plan.add_argument("--p2p-power", type=non_negative_float, default=None,
                       help="watts a GPU draws blocked on p2p (default: the profile's p2p rows)")
     choice = plan.add_mutually_exclusive_group()
@@ -102,13 +114,49 @@ def add_energy(subparsers) -> None:
     report.set_defaults(run=_report)
 
 
-def plan_main(argv: list[str]) -> int:
-    """``merak energy plan ARGV``, for a process that imports only `merak.energy` (the
-    background planner of ``energy_mode="auto"``, `merak.energy.auto`)."""
-    parser = argparse.ArgumentParser(prog="merak")
+def main(argv: list[str]) -> int:
+    """``python -m merak.energy COMMAND ...`` (`merak energy COMMAND ...`) in a process that
+    imports only `merak.energy` and what the command needs (the background planner of
+    ``energy_mode="auto"``); exit status 2 with a one-line reason for bad input."""
+    parser = argparse.ArgumentParser(prog="python -m merak.energy")
     add_energy(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["energy", "plan", *argv])
-    return args.run(args)
+    args = parser.parse_args(["energy", *argv])
+    try:
+        return args.run(args)
+    except InputError as error:
+        print(f"merak energy {args.energy_command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _schedule(args: argparse.Namespace):
+    """The schedule to plan: `--programs`' JSON, or the one the options name; fills in
+    `args.schedule`, `args.stages`, `args.microbatches`, `args.interleave` from it, and returns
+    (schedule, the recompute flags recorded in the plan)."""
+    if args.programs is not None:
+        try:
+            schedule = Schedule.from_json(json.loads(Path(args.programs).read_text()))
+            validate_schedule(schedule)
+        except (OSError, KeyError, TypeError, ValueError) as error:
+            raise InputError(f"cannot read the schedule {args.programs}: {error!r}") from None
+        args.schedule, args.stages = schedule.name, schedule.num_ranks
+        args.microbatches, args.interleave = schedule.num_microbatches, schedule.stages_per_rank
+        flags = [any(a.kind is ActionKind.RECOMPUTE for a in schedule.stage_actions(s))
+                 for s in range(schedule.num_stages)]
+        check_work("the schedule's stages x micro-batches", len(flags) * args.microbatches,
+                   MAX_BLOCKS, "plan fewer stages or micro-batches")
+        return schedule, (all(flags) or flags) if any(flags) else False
+    if args.stages is None or args.microbatches is None:
+        raise InputError("give --stages and --microbatches, or the schedule as --programs FILE")
+    if args.interleave is None:  # the schedule's own chunks per rank (2 for the V schedules)
+        args.interleave = SCHEDULES[args.schedule].stages_per_rank(1)
+    check_work("--stages x --microbatches x --interleave", args.stages * args.microbatches
+               * args.interleave, MAX_BLOCKS, "plan fewer stages or micro-batches")
+    try:
+        recompute = recompute_flags(args.recompute)
+        return make_schedule(args.schedule, args.stages, args.microbatches,
+                             stages_per_rank=args.interleave, recompute=recompute), recompute
+    except ValueError as error:
+        raise InputError(str(error)) from None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -117,10 +165,7 @@ def _plan(args: argparse.Namespace) -> int:
     from merak.energy.planner import EnergyPlanner
     from merak.energy.profile_data import aggregate, read_profile
 
-    if args.interleave is None:  # the schedule's own chunks per rank (2 for the V schedules)
-        args.interleave = SCHEDULES[args.schedule].stages_per_rank(1)
-    check_work("--stages x --microbatches x --interleave", args.stages * args.microbatches
-               * args.interleave, MAX_BLOCKS, "plan fewer stages or micro-batches")
+    schedule, recompute = _schedule(args)
     try:
         profiles, measured_p2p = aggregate(read_profile(args.profile))
     except (OSError, KeyError, ValueError) as error:
@@ -132,9 +177,6 @@ def _plan(args: argparse.Namespace) -> int:
     if p2p_power is None:
         raise InputError("the profile has no p2p rows: give --p2p-power W")
     try:
-        recompute = recompute_flags(args.recompute)
-        schedule = make_schedule(args.schedule, args.stages, args.microbatches,
-                                 stages_per_rank=args.interleave, recompute=recompute)
         planner = EnergyPlanner(schedule, profiles, p2p_power, unit_time=args.unit_time)
     except ValueError as error:
         raise InputError(str(error)) from None

@@ -36,7 +36,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from merak import lora
-from merak.tensor_parallel.plans import TPPlan, matches
+from merak.tensor_parallel.convert import convert
+from merak.tensor_parallel.plans import TPPlan, matches, plan_refusal
 from merak.tensor_parallel.propagate import Region, propagate
 from merak.tensor_parallel.shards import Unplaceable
 from merak.tensor_parallel.trace import (
@@ -303,15 +304,17 @@ def _assemble(model: nn.Module, groups: list, notes: list[str]) -> TPPlan:
 def _trial(model: nn.Module, plan: TPPlan, tp: int, device) -> str | None:
     """Why a meta copy of `model` sharded by `plan` (rank 0's part, no process group) does not
     run on fake weights; None when it runs."""
-    from merak.tensor_parallel.apply import apply_tensor_parallel
-
     try:
         copy = meta_copy(model)
     except Exception:  # noqa: BLE001 - a model that cannot be copied is not tried
         return None
     ctx = SimpleNamespace(tp=tp, tp_rank=0, tp_group=None, device=device)
-    try:
-        apply_tensor_parallel(copy, ctx, plan=dataclasses.replace(plan, check=False, notes=()))
+    trial = dataclasses.replace(plan, check=False, notes=())
+    try:  # (what apply_tensor_parallel does with the plan given)
+        reason = plan_refusal(getattr(copy, "config", None), trial, tp)
+        if reason:
+            raise ValueError(reason)
+        convert(copy, ctx, trial)
         with fake_run(copy, device) as ids, torch.no_grad(), \
                 torch.random.fork_rng(devices=[]):
             extra = {"use_cache": False} \

@@ -328,3 +328,20 @@ def clear_registered_plan() -> None:
     """Forget the plan `set_tp_layer_lists` recorded (tests; a script that changes its mind)."""
     global _recorded
     _recorded = None
+
+
+def plan_refusal(config, plan: TPPlan, tp: int, parallel_vocab: bool = False) -> str | None:
+    """Why `plan` cannot shard a model of `config` over `tp` ranks: a size of the config tp
+    does not divide (`DIVISIBLE_CONFIG_ATTRS` unless the plan is inferred or proven before use,
+    which checks what it divides itself; ``plan.divisible``; the vocabulary with `parallel_vocab`),
+    or a variant the plan does not support (``plan.unsupported``); None when it can."""
+    if config is None:
+        return None
+    common = DIVISIBLE_CONFIG_ATTRS if not (plan.check or plan.source == "inferred") else ()
+    for attr in common + plan.divisible + (("vocab_size",) if parallel_vocab else ()):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value % tp:
+            return (f"tp={tp} must divide {attr}, but {type(config).__name__}.{attr} = {value}; "
+                    f"choose a tp that divides it"
+                    + ("" if attr != "vocab_size" else " or parallel_vocab=False"))
+    return plan.unsupported(config) if plan.unsupported else None

@@ -17,12 +17,6 @@ from merak.tensor_parallel.plans import as_tp_plan
 from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 
 
-def _merak_arguments() -> type:
-    from merak.trainer.arguments import MerakArguments  # (the class these checks are mixed into)
-
-    return MerakArguments
-
-
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -53,7 +47,7 @@ class ArgumentChecks:
                 raise ValueError(f"MerakArguments.{(extra or ['plan_dry_runs'])[0]} only "
                                  f"applies with auto_parallel=True")
             return
-        own = {f.name: f for f in dataclasses.fields(_merak_arguments())}
+        own = {f.name: f for f in dataclasses.fields(self)}
         chosen = [n for n in self.PLANNED if not _same(getattr(self, n), _default(own[n]))]
         if chosen:
             raise ValueError(f"MerakArguments.{chosen[0]} is chosen by the plan with "
@@ -147,7 +141,7 @@ class ArgumentChecks:
                              "(1 chunk per rank is train_schedule='1f1b')")
 
     def _check_buckets_and_scaler(self) -> None:
-        own = {f.name: f for f in dataclasses.fields(_merak_arguments())}
+        own = {f.name: f for f in dataclasses.fields(self)}
         gather = own["zero_allgather_bucket_size"]
         if self.zero_allgather_bucket_size != _default(gather):
             raise ValueError(
@@ -178,7 +172,7 @@ class ArgumentChecks:
         """The bucket fields ZeRO-2/3 (FSDP2) ignores; its refused combinations are
         `merak.rules`'."""
         name = f"MerakArguments.zero_stage={self.zero_stage}"
-        own = {f.name: f for f in dataclasses.fields(_merak_arguments())}
+        own = {f.name: f for f in dataclasses.fields(self)}
         for field_name in ("zero_reduce_bucket_size", "ddp_bucket_cap_mb"):
             if getattr(self, field_name) != _default(own[field_name]):
                 raise ValueError(f"{name}: {field_name} does not apply: FSDP2 reduce-scatters "
@@ -207,7 +201,7 @@ class ArgumentChecks:
             self.activation_checkpointing = True
 
     def _check_inherited(self) -> None:
-        own = {f.name for f in dataclasses.fields(_merak_arguments())} - {
+        own = {f.name for f in dataclasses.fields(self)} - {
             f.name for f in dataclasses.fields(TrainingArguments)}
         redefined = {"activation_checkpointing"}  # checked as a Merak field
         for f in dataclasses.fields(TrainingArguments):
@@ -219,7 +213,7 @@ class ArgumentChecks:
                     f"TrainingArguments.{f.name}={getattr(self, f.name)!r} is not supported yet "
                     f"by MerakTrainer ({REFUSED.get(f.name, 'not implemented')}); leave it at "
                     f"its default ({default!r})")
-        bucket = _merak_arguments().__dataclass_fields__["zero_reduce_bucket_size"]
+        bucket = type(self).__dataclass_fields__["zero_reduce_bucket_size"]
         if self.ddp_bucket_cap_mb is not None and self.zero_reduce_bucket_size != _default(bucket):
             raise ValueError("MerakArguments: give the dp gradient bucket as ddp_bucket_cap_mb "
                              "(MiB) or zero_reduce_bucket_size (elements), not both")
