@@ -4,15 +4,11 @@ fixture, ``launches(world_size, backend) -> (results, output)``. All pooled work
 world size and backend run in one torchrun launch (see dist_harness.WorkerPool)."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-_CONTRACT = Path(__file__).parent / "nccl_contract"
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-sys.path.insert(0, str(_CONTRACT))
+_CONTRACT = Path(__file__).parent / "nccl_contract"  # (on this process's path: pyproject.toml)
 # Every process of the suite (this one, torchrun's ranks, the CLIs tests start) runs
 # point-to-point under NCCL's contract (tests/nccl_contract): its sitecustomize installs it
 # wherever torch.distributed is imported. MERAK_TEST_BACKEND=gloo runs the suite on plain gloo.

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nccl_contract  # tests/nccl_contract, on sys.path and PYTHONPATH (conftest.py)
+import nccl_contract  # tests/nccl_contract: on sys.path (pyproject.toml), PYTHONPATH (conftest)
 
 WORKERS = Path(__file__).parent / "workers"
 

@@ -165,3 +165,23 @@ def test_the_repository_cites_nothing_outside_itself():
             if OUTSIDE.search(line) or ISSUE_NUMBER.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
     assert not found, "\n".join(found)
+
+
+def test_every_trainer_method_merak_overrides_is_listed_with_its_module():
+    """docs/trainer.md's table names each `transformers.Trainer` method a Merak mixin
+    overrides, with the module that does it."""
+    import transformers
+
+    from merak import MerakTrainer
+
+    table = (ROOT / "docs" / "trainer.md").read_text().split(
+        "## What MerakTrainer changes in HF's Trainer", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip().strip("`")
+            for line in table.splitlines() if line.startswith("| `")}
+    overridden = {}
+    for klass in MerakTrainer.__mro__:
+        if klass.__module__.startswith("merak."):
+            for name in vars(klass):
+                if callable(getattr(transformers.Trainer, name, None)) and name != "__init__":
+                    overridden.setdefault(name, klass.__module__.rsplit(".", 1)[1] + ".py")
+    assert overridden and rows == overridden

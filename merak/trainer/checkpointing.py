@@ -8,7 +8,6 @@ checkpoint writer and reader are `_save_merak_checkpoint` / `_resume_merak_check
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -24,6 +23,7 @@ from merak.checkpoint.export import gather_full_tensors, save_hf_directory
 from merak.checkpoint.files import check_trainer_state
 from merak.distributed import liveness
 from merak.materialize.meta import has_meta_parameters
+from merak.trainer.user_model import user_model
 
 # TrainerState fields a checkpoint keeps besides the step, epoch and log history
 _BEST_STATE = ("best_metric", "best_global_step", "best_model_checkpoint",
@@ -218,17 +218,6 @@ class CheckpointMixin:
         if self.ctx.world_size > 1:
             dist.barrier()
 
-    @contextlib.contextmanager
-    def _as_user_model(self):
-        """`self.model` is the user's model (not this rank's pipeline stage) inside: for HF code
-        that reads the model's config or class."""
-        stage = self.model
-        self.model = self._user_model if self.stage is not None else self.model
-        try:
-            yield
-        finally:
-            self.model = stage
-
     def create_model_card(self, *args, **kwargs) -> None:
-        with self._as_user_model():
+        with user_model(self):
             return super().create_model_card(*args, **kwargs)

@@ -20,13 +20,13 @@ which a preference collator's batch (chosen and rejected rows of a prompt togeth
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
 
 from merak.distributed.host_objects import all_gather_objects
 from merak.trainer.arguments import NotSupportedYetError
+from merak.trainer.user_model import user_model
 
 
 class ReferenceLogpsMixin:
@@ -57,17 +57,6 @@ class ReferenceLogpsMixin:
             .add_column("ref_rejected_logps", rejected)
         return True
 
-    @contextlib.contextmanager
-    def _as_whole_model(self):
-        """TRL's ``compute_ref_log_probs`` reads ``self.model`` as the HF model (its gradient
-        checkpointing, its adapters) while calling the model it is given: the user's model
-        stands there during the pass; the forward it calls is the `StageModel`'s."""
-        stage, self.model = self.model, self._user_model
-        try:
-            yield
-        finally:
-            self.model = stage
-
     def _reference_logps(self, dataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Every row's (chosen, rejected) reference log-probabilities, on every rank."""
         ctx, m = self.ctx, self.engine.num_microbatches
@@ -78,7 +67,7 @@ class ReferenceLogpsMixin:
         def compute(model, inputs):
             return [t.detach().float().cpu() for t in self.compute_ref_log_probs(model, inputs)]
 
-        with self._stage_loss.collecting(compute) as results, self._as_whole_model():
+        with self._stage_loss.collecting(compute) as results, user_model(self):
             for step in range(steps):
                 first = (step * ctx.dp + ctx.dp_rank) * local
                 microbatches = []
