@@ -59,12 +59,32 @@ class Choices:
         return cls(**values)
 
     def with_candidate(self, candidate) -> Choices:
-        """These choices with a planner candidate's schedule, ZeRO stage, recomputation and
-        sequence parallelism."""
-        return replace(self, train_schedule=candidate.schedule, zero_stage=candidate.zero,
-                       activation_checkpointing=candidate.recompute != "off",
-                       sequence_parallel=candidate.sequence_parallel,
+        """These choices with a planner candidate's (`candidate_fields`): schedule, ZeRO
+        stage, recomputation, sequence parallelism and context parallelism."""
+        chosen = candidate_fields(candidate)
+        own = {f.name for f in fields(self)}
+        return replace(self, **{k: v for k, v in chosen.items() if k in own},
                        cp=getattr(candidate, "cp", self.cp))
+
+
+def candidate_fields(candidate, recompute_ratios=None) -> dict:
+    """The `MerakArguments` field values a strategy planner candidate chooses: the one mapping
+    of a candidate to options, which the automatic plan writes into the arguments
+    (`merak.trainer.auto_plan`), the rules check (`Choices.with_candidate`) and the dry runs
+    build (`EngineOptions.with_candidate`). `recompute_ratios`: a ``budget`` candidate's
+    per-stage ratios (its prediction's)."""
+    c = candidate
+    chosen = {"per_device_train_batch_size": c.micro_batch,
+              "gradient_accumulation_steps": c.microbatches, "train_schedule": c.schedule,
+              "zero_stage": c.zero, "sequence_parallel": c.sequence_parallel,
+              "activation_checkpointing": c.recompute != "off",
+              "recompute_in_backward": c.recompute == "block",
+              "cp_mode": getattr(c, "cp_mode", "ring")}
+    if c.chunks > 1:
+        chosen["num_model_chunks"] = c.chunks
+    if c.recompute == "budget" and recompute_ratios:
+        chosen["activation_checkpoint_ratio"] = list(recompute_ratios)
+    return chosen
 
 
 @dataclass(frozen=True)

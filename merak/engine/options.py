@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from merak.rules import candidate_fields
 from merak.schedule.registry import SCHEDULES
 from merak.tensor_parallel.plans import TPPlan
 
@@ -115,21 +116,22 @@ class EngineOptions:
             loss_scaling=scaling, wall_clock_breakdown=args.wall_clock_breakdown)
 
     def with_candidate(self, candidate, recompute_ratios=None) -> EngineOptions:
-        """These options with a strategy planner candidate's choices: schedule, micro-batches,
-        chunks, ZeRO stage, sequence parallelism and recomputation (`recompute_ratios`: the
-        per-stage ratios of a ``budget`` candidate)."""
-        c = candidate
-        in_backward = c.recompute == "block"
-        if c.recompute == "budget":
-            if recompute_ratios is None:
-                raise ValueError(f"{c.label}: a budget recomputation needs its per-stage ratios "
-                                 f"(the prediction's recompute_ratios)")
-            ratio = tuple(recompute_ratios)
+        """These options with a strategy planner candidate's choices (`rules.candidate_fields`:
+        schedule, micro-batches, chunks, ZeRO stage, sequence parallelism and recomputation;
+        `recompute_ratios`: the per-stage ratios of a ``budget`` candidate)."""
+        if candidate.recompute == "budget" and recompute_ratios is None:
+            raise ValueError(f"{candidate.label}: a budget recomputation needs its per-stage "
+                             f"ratios (the prediction's recompute_ratios)")
+        chosen = candidate_fields(candidate, recompute_ratios)
+        in_backward = chosen["recompute_in_backward"]
+        if "activation_checkpoint_ratio" in chosen:
+            ratio = tuple(chosen["activation_checkpoint_ratio"])
         else:
-            ratio = 1.0 if c.recompute in ("full", "block") else 0.0
-        return replace(self, schedule=c.schedule, num_microbatches=c.microbatches,
-                       num_model_chunks=c.chunks, zero_stage=c.zero,
-                       sequence_parallel=c.sequence_parallel, recompute_ratio=ratio,
+            ratio = 1.0 if chosen["activation_checkpointing"] else 0.0
+        return replace(self, schedule=chosen["train_schedule"],
+                       num_microbatches=chosen["gradient_accumulation_steps"],
+                       num_model_chunks=candidate.chunks, zero_stage=chosen["zero_stage"],
+                       sequence_parallel=chosen["sequence_parallel"], recompute_ratio=ratio,
                        recompute_in_backward=in_backward,
                        segment_size=1 if in_backward else self.segment_size)
 

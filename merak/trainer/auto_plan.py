@@ -79,14 +79,5 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
 
 
 def _set_arguments(args, c: Candidate, ratios: list[float] | None) -> None:
-    args.per_device_train_batch_size = c.micro_batch
-    args.gradient_accumulation_steps = c.microbatches
-    args.train_schedule, args.zero_stage = c.schedule, c.zero
-    args.sequence_parallel = c.sequence_parallel
-    if c.chunks > 1:
-        args.num_model_chunks = c.chunks
-    args.activation_checkpointing = c.recompute != "off"
-    args.recompute_in_backward = c.recompute == "block"
-    args.cp_mode = c.cp_mode
-    if c.recompute == "budget" and ratios:
-        args.activation_checkpoint_ratio = list(ratios)
+    for name, value in rules.candidate_fields(c, ratios).items():
+        setattr(args, name, value)
