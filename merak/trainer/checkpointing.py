@@ -49,8 +49,8 @@ class CheckpointMixin:
                              **{k: getattr(self.state, k) for k in _BEST_STATE}}}
         if not (args.no_save_rng or args.save_only_model):
             state["rng"] = checkpoint.rng_states(self._user_model)
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
+        if self.engine.scaler is not None:
+            state["loss_scaler"] = self.engine.scaler.state_dict()
         adapter = None if self._lora is None else self._lora[0].save_pretrained
         path = checkpoint.save_checkpoint(  # (the adapter config: `merak export` reads it)
             args.output_dir, self.state.global_step, self.ctx, self.stage, state,
@@ -137,8 +137,8 @@ class CheckpointMixin:
             for group, rate in zip(self.optimizer.param_groups,
                                    self.lr_scheduler.get_last_lr()):
                 group["lr"] = rate  # the saved step's (the scheduler's state)
-        if self.scaler is not None and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
+        if self.engine.scaler is not None and "loss_scaler" in state:
+            self.engine.scaler.load_state_dict(state["loss_scaler"])
         if not args.no_load_rng and "rng" in state:
             checkpoint.set_rng_states(state["rng"], self._user_model)
         self.state.global_step, self.state.epoch = saved["global_step"], saved["epoch"]

@@ -64,10 +64,11 @@ class EvaluationMixin:
         self._assemble(self._example(dataset, min(mbs, len(dataset))))
         m = -(-args.per_device_eval_batch_size // mbs)
         data = EvalBatches(dataset, self._collate, micro_batch_size=mbs, num_microbatches=m,
-                           dp=ctx.dp, dp_rank=ctx.dp_rank, reads_data=bool(self.engine.batch_keys),
+                           dp=ctx.dp, dp_rank=ctx.dp_rank,
+                           reads_data=bool(self.engine.interpreter.batch_keys),
                            label_names=args.label_names or ("labels",))
         steps = data.steps if args.eval_iters is None else min(args.eval_iters, data.steps)
-        last = self.engine.runners.get(self.engine.split.num_stages - 1)
+        last = self.engine.interpreter.runners.get(self.engine.interpreter.split.num_stages - 1)
         extras = [x for x in ("inputs", "loss") if x in (args.include_for_metrics or ())]
         per_batch = args.batch_eval_metrics and self.compute_metrics is not None
         weighted = 0.0  # this rank's part of the sum over all samples of their loss
@@ -77,7 +78,7 @@ class EvaluationMixin:
             # its token count, over the dp ranks as in training
             batch = self._counted(data.step(step), m, step=True)
             with self._running_loss():  # a subclass's compute_loss: HF's per-batch mean
-                self.engine.eval_step(batch, m, keep="logits" if predictions else None)
+                self.engine.interpreter.eval_step(batch, m, keep="logits" if predictions else None)
             real = data.real_rows(step)
             row_losses = []  # each real row's loss (HF's "loss" for metrics): its batch's
             share = 0.0  # this rank's part of the sum over all samples of their loss
@@ -86,10 +87,10 @@ class EvaluationMixin:
                 # step's token count): every real row of the step takes it, as HF's rows take
                 # their batch's; a rank's own rows are shown HF's per-device value
                 part = torch.stack([x.reshape(()) for x in last.losses]).double().sum().item()
-                across = self.engine.loss_weight != 1
+                across = self.engine.interpreter.loss_weight != 1
                 rows = sum(data.real_rows(step, r) for r in range(ctx.dp)) if across else real
                 share = part * rows
-                row_losses = [part * self.engine.loss_weight] * real
+                row_losses = [part * self.engine.interpreter.loss_weight] * real
             elif last is not None:  # the mean of each micro-batch
                 for i, loss in enumerate(last.losses):
                     rows = min(max(real - i * mbs, 0), mbs)
@@ -101,7 +102,7 @@ class EvaluationMixin:
                 continue
             mine = None
             if last is not None:
-                kept, step_labels = self.engine.kept[:real], batch["labels"][:real]
+                kept, step_labels = self.engine.interpreter.kept[:real], batch["labels"][:real]
                 if self.preprocess_logits_for_metrics is not None:
                     kept = self.preprocess_logits_for_metrics(kept, step_labels)
                 name = getattr(self._user_model, "main_input_name", "input_ids")
@@ -114,8 +115,8 @@ class EvaluationMixin:
                                                 compute_result=step == steps - 1)
             else:
                 gathered.append(parts)
-        if self.zero is not None:  # ZeRO-2 kept its blocks whole over the evaluation
-            self.zero.reshard()
+        if self.engine.zero is not None:  # ZeRO-2 kept its blocks whole over the evaluation
+            self.engine.zero.reshard()
         total = torch.tensor([weighted], dtype=torch.float64, device=ctx.device)
         if ctx.world_size > 1:
             dist.all_reduce(total)
@@ -155,7 +156,7 @@ class EvaluationMixin:
             mine = tuple(t.detach().cpu() for t in mine)
         if ctx.world_size == 1:
             return [torch.cat(column) for column in zip(*[s for s in [mine] if s is not None])]
-        last = self.engine.placement[-1]  # the pipeline rank of the last stage
+        last = self.engine.interpreter.placement[-1]  # the pipeline rank of the last stage
         senders = [ctx.rank_of(pp_rank=last, dp_rank=d, tp_rank=0) for d in range(ctx.dp)]
         if ctx.rank in senders and mine is None:
             raise RuntimeError(f"rank {ctx.rank} runs the last stage but kept no outputs to "

@@ -74,8 +74,8 @@ class LossSetupMixin:
         args = self.args
         if not self._subclass_loss:
             if self._counts_items:
-                self.engine.loss_weight = self.ctx.dp if args.average_tokens_across_devices \
-                    else 1
+                self.engine.interpreter.loss_weight = \
+                    self.ctx.dp if args.average_tokens_across_devices else 1
             self._stage_loss = None
             return
         if args.parallel_vocab:
@@ -84,13 +84,13 @@ class LossSetupMixin:
                 "whole vocabulary's logits on the last stage; turn parallel_vocab off")
         self._stage_loss = SubclassLoss(self, self._user_model, list(example),
                                         self._model_inputs)
-        self.engine.attach_loss(self._stage_loss)
+        self.engine.interpreter.attach_loss(self._stage_loss)
         if self._run_reference_pass():  # TRL DPO's reference log-probs: new batch values
             self._stage_loss.input_names = list(self._collate([self.train_dataset[0]]))
-            self.engine.attach_loss(self._stage_loss)
+            self.engine.interpreter.attach_loss(self._stage_loss)
         # None: each micro-batch's loss divided by the accumulation steps (HF's training_step)
-        self.engine.loss_weight = 1 if scaled_for_accumulation(self, self._counts_items) \
-            else None
+        self.engine.interpreter.loss_weight = \
+            1 if scaled_for_accumulation(self, self._counts_items) else None
 
     def _traced_inputs(self, example: dict) -> dict:
         """What the pipeline runs of a micro-batch: with a subclass's compute_loss, the values

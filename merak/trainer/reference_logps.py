@@ -59,7 +59,7 @@ class ReferenceLogpsMixin:
 
     def _reference_logps(self, dataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Every row's (chosen, rejected) reference log-probabilities, on every rank."""
-        ctx, m = self.ctx, self.engine.num_microbatches
+        ctx, m = self.ctx, self.engine.interpreter.num_microbatches
         rows, local = len(dataset), batch_size * m
         steps = math.ceil(rows / (local * ctx.dp))
         mine: list[int] = []
@@ -77,8 +77,8 @@ class ReferenceLogpsMixin:
                     # rows past the end: copies of row 0 whose results are dropped
                     microbatches.append(self._collate([dataset[i if i < rows else 0]
                                                        for i in index]))
-                self.engine.eval_step(microbatches, num_microbatches=m)
-        last = ctx.pp_rank == self.engine.placement[-1] and ctx.tp_rank == 0
+                self.engine.interpreter.eval_step(microbatches, num_microbatches=m)
+        last = ctx.pp_rank == self.engine.interpreter.placement[-1] and ctx.tp_rank == 0
         payload = (mine, [r[0] for r in results], [r[1] for r in results]) if last else None
         chosen, rejected = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
         for part in all_gather_objects(payload, group=ctx.host_group()):

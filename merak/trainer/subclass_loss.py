@@ -154,6 +154,6 @@ def share_metrics(trainer) -> None:
     ctx = trainer.ctx
     if ctx.pp == 1 or not hasattr(trainer, "_metrics"):
         return
-    last = trainer.engine.placement[-1]  # the pipeline rank of the last stage
+    last = trainer.engine.interpreter.placement[-1]  # the pipeline rank of the last stage
     source = ctx.rank_of(pp_rank=last, dp_rank=0, tp_rank=0)
     trainer._metrics = broadcast_object(trainer._metrics, source, group=ctx.host_group())

@@ -42,7 +42,8 @@ class TextGenerationMixin:
         if self.engine is None:  # not trained in this process: build for generation alone
             self._assemble(self._generation_example())
         args = self.args
-        gathered = self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
+        zero = self.engine.zero
+        gathered = zero.gathered() if zero is not None else contextlib.nullcontext()
         with gathered:  # ZeRO-3: the stage's parameters whole while decoding
             return generate(
                 self._user_model, self.stage, token_lists, ctx=self.ctx,

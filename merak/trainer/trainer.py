@@ -27,7 +27,7 @@ from merak.checkpoint.background import BackgroundSaves
 from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
 from merak.distributed.timeouts import use_trainer_timeout
-from merak.engine.assemble import build_engine
+from merak.engine.assemble import Engine, build_engine
 from merak.engine.options import EngineOptions
 from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
 from merak.materialize.safetensors import pretrained_checkpoint
@@ -97,7 +97,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self._check_context_parallel(model)
         self._check_inputs()  # before any model is built from their first items
         self.generation_prompts, self.generations = generation_prompts, None
-        self.stage = self.engine = self.clipper = self.zero = None
+        self.engine: Engine | None = None  # built at train() (or for evaluation, generation)
         self._user_model = model
         self._saves = BackgroundSaves()  # `save_async`'s writer (checkpointing.py)
         self._input_filter = model_input_filter(model.forward, args.label_names or ("labels",)) \
@@ -119,6 +119,11 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             check_eval_dataset(self.eval_dataset)
         if not (args.auto_parallel or args.plan):  # per-stage fields fit this layout
             EngineOptions.from_arguments(args, pp=self.ctx.pp, dp=self.ctx.dp)
+
+    @property
+    def stage(self):
+        """This rank's pipeline stage (``engine.stage``; None before the engine is built)."""
+        return None if self.engine is None else self.engine.stage
 
     def is_world_process_zero(self) -> bool:
         return self.ctx.rank == 0
@@ -176,9 +181,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
 
         with liveness.waiting("building this rank's engine (split, shard load, groups)"):
             built = self._build(model, traced, optimizer_over, neftune_hooks)
-        self.stage, self.engine, self.optimizer = built.stage, built.interpreter, built.optimizer
-        self.zero, self.clipper, self.scaler = built.zero, built.clipper, built.scaler
-        self.timers = built.timers
+        self.engine, self.optimizer = built, built.optimizer
         self._attach_subclass_loss(example)  # and the micro-batch losses' weights
 
     def _build(self, model, traced, optimizer_over, neftune_hooks):
@@ -197,7 +200,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         agree), so no rank runs out of memory in the middle of a step its peers wait on. The
         split is traced for one micro-batch size, so each new size is a new build."""
         first = size
-        while not fits_in_memory(self.engine, self._example(self.train_dataset,
+        while not fits_in_memory(self.engine.interpreter, self._example(self.train_dataset,
                                                             size * num_microbatches,
                                                             num_microbatches),
                                  num_microbatches):
@@ -210,8 +213,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             if self.is_world_process_zero():
                 print(f"auto_find_batch_size: out of memory at {size * 2} rows per "
                       f"micro-batch, trying {size}")
-            self.model, self.stage, self.engine, self.optimizer = self._user_model, None, None, \
-                None
+            self.model, self.engine, self.optimizer = self._user_model, None, None
             gc.collect()
             if self.ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -226,7 +228,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             num_microbatches=num_microbatches, dp=self.ctx.dp, dp_rank=self.ctx.dp_rank,
             strategy=self.args.train_sampling_strategy,
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
-            reads_data=self.engine is None or bool(self.engine.batch_keys),
+            reads_data=self.engine is None or bool(self.engine.interpreter.batch_keys),
             loader=loader_options(self.args))
 
     def _example(self, dataset, rows: int, microbatches: int = 1) -> dict | list[dict]:
@@ -257,10 +259,10 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self.stage.train()  # as HF's training step (a from_pretrained model comes in eval mode)
         if args.auto_find_batch_size:
             mbs = self._train_batch_size = self._find_micro_batch_size(mbs, m)
-        recomputation.plan_recomputation(self.engine, args,
+        recomputation.plan_recomputation(self.engine.interpreter, args,
                                          self._example(self.train_dataset, mbs * m, m))
         if self.energy is not None:  # the clock plan must fit the schedule that runs
-            self.energy.attach(self.engine)
+            self.energy.attach(self.engine.interpreter)
         data = self._batches(self.train_dataset, mbs, m)
         steps_per_epoch = data.steps_per_epoch
         max_steps = args.max_steps if args.max_steps > 0 else \
@@ -299,12 +301,12 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                 if self.energy is not None:
                     self.energy.step_begin(self.state.global_step + 1)
                 with self._running_loss():
-                    loss = self.engine.train_step(self._counted(batch, m, step=True))
+                    loss = self.engine.interpreter.train_step(self._counted(batch, m, step=True))
                 self._count_input_tokens(batch)
                 self._empty_device_cache(self.state.global_step)
                 if self.energy is not None:
                     self.energy.step_done(self.state.global_step + 1)
-                skipped = self.scaler is not None and self.scaler.overflowed
+                skipped = self.engine.scaler is not None and self.engine.scaler.overflowed
                 if not skipped:  # a step skipped on fp16 overflow leaves the schedule alone
                     self.lr_scheduler.step()
                 self.state.global_step += 1
@@ -317,18 +319,18 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                 if self._should_log():
                     elapsed = time.perf_counter() - logged_time
                     logs = {"loss": logged_loss / logged_steps,
-                            "grad_norm": self.clipper.last_norm,
+                            "grad_norm": self.engine.clipper.last_norm,
                             "learning_rate": learning_rate}
                     if tokens_per_step:
                         logs["tokens_per_second"] = round(
                             tokens_per_step * logged_steps / elapsed, 1)
-                    if self.timers:
-                        logs.update(self.timers.averages())
+                    if self.engine.timers:
+                        logs.update(self.engine.timers.averages())
                     if self.energy is not None:
                         logs.update(self.energy.log_window())
-                    if self.scaler is not None:
-                        logs.update(loss_scale=self.scaler.scale,
-                                    skipped_steps=self.scaler.skipped_steps)
+                    if self.engine.scaler is not None:
+                        logs.update(loss_scale=self.engine.scaler.scale,
+                                    skipped_steps=self.engine.scaler.skipped_steps)
                     self.log(logs)
                     logged_loss, logged_steps, logged_time = 0.0, 0, time.perf_counter()
                 self._merak_evaluate_and_save()
@@ -385,7 +387,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         stream = batches()
         start = time.perf_counter()
         with self._running_loss():
-            path, clocks = self.energy.profile(self.engine, lambda: next(stream))
+            path, clocks = self.energy.profile(self.engine.interpreter, lambda: next(stream))
         self.energy.close()
         metrics = {"train_runtime": round(time.perf_counter() - start, 4),
                    "profiled_clocks": clocks}

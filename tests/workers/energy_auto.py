@@ -125,7 +125,7 @@ def _scenario(schedule: str, cp: int = 1) -> None:
     # names and the count: a mismatch raises), the other steps no plan at all
     phases = energy.phases
     planned = [s for s in range(1, steps + 1) if phases[s] == "plan"]
-    expected = expected_instructions(auto_run.engine.schedule, auto_run.ctx.pp_rank)
+    expected = expected_instructions(auto_run.engine.interpreter.schedule, auto_run.ctx.pp_rank)
     consumed = dict(zip(range(1, steps + 1), energy.hook.consumed))
     assert planned and all(consumed[s] == len(expected) for s in planned), consumed
     assert Counter(phases.values())["profile"] == auto.profile_steps

@@ -78,16 +78,16 @@ def main() -> None:
             super()._assemble(example)
             if first and mine and point in ("forward", "backward", "reduce_grads",
                                             "optimizer_step"):
-                self.engine.hooks.append(_At(fault))
+                self.engine.interpreter.hooks.append(_At(fault))
 
         def _merak_eval_loop(self, dataset, prefix, predictions=False):
             if mine and point == "evaluation" and self.state.global_step >= fault[3]:
-                original = self.engine.eval_step
+                original = self.engine.interpreter.eval_step
 
                 def eval_step(*a, **k):  # inside evaluation: the peers wait in its transfers
                     _inject(*fault)
                     return original(*a, **k)
-                self.engine.eval_step = eval_step
+                self.engine.interpreter.eval_step = eval_step
             return super()._merak_eval_loop(dataset, prefix, predictions)
 
         def _save_merak_checkpoint(self):

@@ -182,7 +182,7 @@ def every_instruction_kind() -> None:
     dist.barrier()
     planned = trainer("zb-planned", energy_plan=str(plan), **extra)
     planned.train()
-    schedule = planned.engine.schedule
+    schedule = planned.engine.interpreter.schedule
     expected = [a.name for a in schedule.compute_actions(planned.ctx.pp_rank)]
     assert [n for n, _ in planned.energy.hook.frequencies] == expected
     assert planned.energy.hook.consumed == [len(expected)] * STEPS

@@ -189,7 +189,7 @@ def torch_compile_pp2() -> None:
               f" run {time.perf_counter() - start:.1f} s, "
               f"{counters['frames']['ok'] - frames} frames compiled", flush=True)
         assert trainer.args.torch_compile
-        stage, engine = trainer.stage, trainer.engine
+        stage, engine = trainer.stage, trainer.engine.interpreter
         assert bool(engine.segments[stage.stage_id]) == recompute, engine.segments
         engine.remove_recomputation()  # the compiled forward comes back
         for name in block_names(stage.split, stage.stage_id):

@@ -95,7 +95,7 @@ def run(name: str) -> None:
     else:
         assert held == 1.0 and (zero == 1 or share == 1.0), (held, share)
     if merak_only.get("dealloc_pipeoutput"):  # every sending chunk frees what it sent
-        runners = trainer.engine.runners
+        runners = trainer.engine.interpreter.runners
         assert all(r.freeable for s, r in runners.items() if s < r.split.num_stages - 1), \
             {s: r.freeable for s, r in runners.items()}
     if zero == 3 and name not in ZERO_GRID:  # generation gathers the shards: HF generate's
@@ -126,7 +126,7 @@ def _reduced_in_last_backward(trainer):
     def recording(self, stage_id):
         with original(self, stage_id):
             yield
-        if self is not trainer.zero:
+        if self is not trainer.engine.zero:
             return
         root = next(r for r in self.roots if r.stage_id == stage_id)
         shards = [p.sharded_param for unit in fully_shard.state(root)._state_ctx.all_states

@@ -56,8 +56,8 @@ def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
     plain.train()
     uninterrupted = losses(plain)
     assert all(math.isfinite(v) for v in uninterrupted.values()), uninterrupted
-    if plain.scaler is not None:  # fp16: the optimizer stepped (not every step overflowed)
-        assert plain.scaler.skipped_steps < STEPS - 1, plain.scaler.skipped_steps
+    if plain.engine.scaler is not None:  # fp16: the optimizer stepped (not every step overflowed)
+        assert plain.engine.scaler.skipped_steps < STEPS - 1, plain.engine.scaler.skipped_steps
     crashing = trainer(out, save_steps=SAVE, save_total_limit=1, **fields)
     real_save = torch.save
 
