@@ -16,6 +16,7 @@ from merak.materialize.fake_weights import FakeWeights, traceable_experts
 from merak.materialize.meta import has_meta_parameters
 from merak.partition.graph_rewrite import prepare_inputs, set_graph_device
 from merak.partition.graph_split import split_model
+from merak.partition.trace_cache import TraceCache, resolve_cache
 from merak.stages import assign
 from merak.stages.blocks import find_blocks, within
 from merak.stages.split import Piece, PipelineSplit, find_tied_weights
@@ -128,7 +129,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
                custom_split_points: Sequence[str] | None = None,
                input_names: Sequence[str] | None = None, leaf_modules: Sequence[str] = (),
                no_tie_modules: bool = False, device: torch.device | str = "cpu",
-               autocast_dtype: torch.dtype | None = None, verbose: bool = False) -> AutoSplit:
+               autocast_dtype: torch.dtype | None = None, verbose: bool = False,
+               trace_cache: TraceCache | bool = True) -> AutoSplit:
     """Split `model` into `num_stages` pipeline stages automatically.
 
     Args:
@@ -154,6 +156,9 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
             autocast switched off (HF's rotary embeddings and some norms, through
             ``maybe_autocast(enabled=False)``, which is a no-op unless autocast is on) are
             recorded as such and keep their float32 arithmetic in the stages, as in eager HF.
+        trace_cache: reuse the export of a structurally identical model traced before in
+            this process (`merak.partition.trace_cache`): True the process's cache, False
+            none, or a `TraceCache` of one's own. ``MERAK_TRACE_CACHE=0`` turns it off.
     """
     if trace_method not in TRACE_METHODS:
         raise ValueError(f"unknown trace_method {trace_method!r}; choose one of {TRACE_METHODS}")
@@ -186,7 +191,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     graphs = _trace_and_split(model, example_inputs, dict(zip(blocks, stage_of)), num_stages,
                               blocks, tuple(leaf_modules), trace_method,
                               nearest=split_method == "nearest_min_deps", device=device,
-                              autocast_dtype=autocast_dtype)
+                              autocast_dtype=autocast_dtype,
+                              trace_cache=resolve_cache(trace_cache))
     for graph in graphs:
         set_graph_device(graph, device)
     if verbose:
@@ -210,7 +216,8 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
 
 def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, leaf_modules,
                      trace_method: str, nearest: bool, device,
-                     autocast_dtype: torch.dtype | None) -> list[fx.GraphModule]:
+                     autocast_dtype: torch.dtype | None,
+                     trace_cache: TraceCache | None = None) -> list[fx.GraphModule]:
     fake = FakeWeights(model, device) if has_meta_parameters(model) else None
     if fake is not None:  # weights as storage-less tensors on the device they will run on
         fake.__enter__()
@@ -223,7 +230,8 @@ def _trace_and_split(model, example_inputs, stage_of_block, num_stages, blocks, 
                                leaf_modules=leaf_modules, nearest=nearest,
                                restore=fake.restore if fake else None,
                                trace_method=trace_method,
-                               shapes_from_received=not _sequence_parallel(model))
+                               shapes_from_received=not _sequence_parallel(model),
+                               trace_cache=trace_cache)
     except ValueError:
         raise
     except Exception as error:

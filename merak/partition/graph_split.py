@@ -29,6 +29,8 @@ from merak.partition.graph_rewrite import (
     written_inputs,
 )
 from merak.partition.taps import is_tap_read
+from merak.partition.trace_cache import TraceCache
+from merak.partition.trace_key import trace_key
 from merak.stages.blocks import find_blocks
 
 
@@ -135,13 +137,22 @@ def _sym_substitutes(syms, cands):
 
 def capture(model: nn.Module, example_inputs: dict, blocks: list[str],
             leaf_modules: tuple[str, ...] = (), *, trace_method: str = "export",
-            restore: Callable[[], None] | None = None, dynamic_batch: bool = False) -> Capture:
-    """The whole model as one graph with `blocks` as calls to their eager modules."""
+            restore: Callable[[], None] | None = None, dynamic_batch: bool = False,
+            trace_cache: TraceCache | None = None) -> Capture:
+    """The whole model as one graph with `blocks` as calls to their eager modules. An export
+    (``export`` / ``dynamo``) is looked up in and kept in `trace_cache` (see `trace_cache`)."""
     if trace_method == "fx":
         cap = capture_fx(model, example_inputs, blocks, leaf_modules)
     else:
-        cap = capture_export(model, example_inputs, blocks, leaf_modules,
-                             strict=trace_method == "dynamo", dynamic_batch=dynamic_batch)
+        key = None if trace_cache is None else trace_key(
+            model, example_inputs,
+            (trace_method, dynamic_batch, tuple(blocks), tuple(leaf_modules)))
+        cap = None if key is None else trace_cache.get(key, model)
+        if cap is None:
+            cap = capture_export(model, example_inputs, blocks, leaf_modules,
+                                 strict=trace_method == "dynamo", dynamic_batch=dynamic_batch)
+            if key is not None:
+                trace_cache.put(key, cap, model)
     if restore is not None:  # real weights back before stages bind them
         restore()
     return cap
@@ -151,16 +162,17 @@ def split_model(model: nn.Module, example_inputs: dict, stage_of_block: dict,
                 num_stages: int, *, blocks: list[str] | None = None,
                 leaf_modules: tuple[str, ...] = (), nearest: bool = False,
                 restore: Callable[[], None] | None = None, dynamic_batch: bool = False,
-                trace_method: str = "export", shapes_from_received: bool = True
-                ) -> list[fx.GraphModule]:
+                trace_method: str = "export", shapes_from_received: bool = True,
+                trace_cache: TraceCache | None = None) -> list[fx.GraphModule]:
     """One GraphModule per stage (see the module docstring). The last one also carries
-    ``out_names`` and ``out_spec`` to rebuild the model's own output object."""
+    ``out_names`` and ``out_spec`` to rebuild the model's own output object. `trace_cache`:
+    where to look up and keep the capture (see `capture`), or None."""
     blocks = find_blocks(model) if blocks is None else blocks
     missing = [b for b in blocks if b not in stage_of_block]
     if missing:
         raise ValueError(f"stage_of_block lacks blocks {missing}")
     cap = capture(model, example_inputs, blocks, leaf_modules, trace_method=trace_method,
-                  restore=restore, dynamic_batch=dynamic_batch)
+                  restore=restore, dynamic_batch=dynamic_batch, trace_cache=trace_cache)
     gm, g = cap.gm, cap.gm.graph
     phs, in_names, out_leaves = list(cap.input_names), cap.input_names, cap.outputs
 
