@@ -78,8 +78,8 @@ def host_objects() -> None:
 def _last_stage_gather() -> None:
     """dp2 x pp2: the last stage's two dp ranks hold shares; every rank gets both, dp order."""
     ctx = merak.init(dp=2, tp=1, pp=2)
-    trainer = SimpleNamespace(ctx=ctx, engine=SimpleNamespace(
-        split=SimpleNamespace(num_stages=2), placement=(0, 1)))
+    trainer = SimpleNamespace(ctx=ctx, engine=SimpleNamespace(interpreter=SimpleNamespace(
+        split=SimpleNamespace(num_stages=2), placement=(0, 1))))
     mine = None
     if ctx.pp_rank == 1:
         mine = (torch.full((ctx.dp_rank + 1, 3), float(ctx.dp_rank)),
