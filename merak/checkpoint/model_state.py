@@ -58,7 +58,7 @@ def model_entries(stage: nn.Module, copy: bool = False) -> dict:
 def write_model_state(path: Path, entries: dict, group=None) -> None:
     """Write `model_entries` to `path` (a collective of every rank of `group`, default the
     job's; in one process when no process group exists)."""
-    sharded.save(path, entries, group)
+    sharded.save(path, entries, group, kind="model")
 
 
 def tensor_shapes(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -84,7 +84,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, stage: nn.Module,
 def write_optimizer_state(path: Path, entries: dict, group=None) -> None:
     """Write `optimizer_entries` to `path` (a collective of every rank of `group`, default the
     job's)."""
-    sharded.save(path, entries, group)
+    sharded.save(path, entries, group, kind="optimizer")
 
 
 def save_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:

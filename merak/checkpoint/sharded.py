@@ -184,13 +184,16 @@ def _in_one_process(alone: bool):
         yield
 
 
-def save(path, entries: dict, group=None) -> None:
+def save(path, entries: dict, group=None, kind: str = "state") -> None:
     """Write `entries` (tensors and `Pieces`) to the directory `path` with DCP, one file per
     rank: a collective of every rank of `group` (default the job's), or in this process alone
-    when no process group exists."""
+    when no process group exists. DCP keeps the plans of the last save of each `kind` and
+    skips planning again when they are unchanged (a run saving the same state every N steps)."""
     alone = _no_dist()
+    planner = SavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = f"merak-{kind}"  # (DCP keys its cache by class name)
     with _in_one_process(alone):
-        dcp.save(entries, planner=SavePlanner(), process_group=group, no_dist=alone,
+        dcp.save(entries, planner=planner, process_group=group, no_dist=alone,
                  storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True))
 
 
