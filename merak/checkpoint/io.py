@@ -60,7 +60,6 @@ from merak.checkpoint.model_state import (  # noqa: F401 - persistent_buffers: f
     model_entries,
     persistent_buffers,
     read_whole_tensors,
-    tensor_shapes,
     write_model_state,
 )
 from merak.checkpoint.optimizer_state import (  # noqa: F401 - the trainer's names for them
@@ -200,9 +199,10 @@ def full_tensors(path: Path, names=None) -> dict[str, torch.Tensor]:
     names what is missing; what `merak export` reads, so it never writes part of a model)."""
     path = Path(path)
     layout = check_files(path, rank_states=False)
+    tensors = read_whole_tensors(path / MODEL_DIR, names)
     if names is None:
-        check_model_tensors(path, tensor_shapes(path / MODEL_DIR), layout)
-    return read_whole_tensors(path / MODEL_DIR, names)
+        check_model_tensors(path, tensors, layout)
+    return tensors
 
 
 def load_checkpoint(path: Path, ctx: ParallelContext, stage) -> tuple[dict, bool]:

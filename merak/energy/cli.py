@@ -144,7 +144,7 @@ def _schedule(args: argparse.Namespace):
                  for s in range(schedule.num_stages)]
         check_work("the schedule's stages x micro-batches", len(flags) * args.microbatches,
                    MAX_BLOCKS, "plan fewer stages or micro-batches")
-        return schedule, (all(flags) or flags) if any(flags) else False
+        return schedule, True if all(flags) else flags if any(flags) else False
     if args.stages is None or args.microbatches is None:
         raise InputError("give --stages and --microbatches, or the schedule as --programs FILE")
     if args.interleave is None:  # the schedule's own chunks per rank (2 for the V schedules)
