@@ -57,7 +57,7 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr, weight_decay=0.0)
     recorder = merak.TimelineRecorder(row=ctx.rank, device=ctx.device)
-    engine = merak.PipelineInterpreter(stage, ctx, optimizer, args.microbatches,
+    engine = merak.PipelineInterpreter(stage, ctx, optimizer, num_microbatches=args.microbatches,
                                        schedule=args.schedule, hooks=[recorder])
     global_batch = args.micro_batch_size * args.microbatches * args.dp
     data = TokenBatches(stdlib_source_bytes(), args.seq_len, global_batch, seed=args.seed)

@@ -31,12 +31,15 @@ _PUBLIC = {
     "PipelineInterpreter": "merak.runtime.interpreter",
     "PipelineSplit": "merak.stages.split",
     "PipelineStage": "merak.stages.stage",
+    "RuntimeOptions": "merak.runtime.options",
     "SCHEDULES": "merak.schedule.registry",
     "Schedule": "merak.schedule.actions",
     "ScheduleError": "merak.schedule.errors",
     "ScheduleInfo": "merak.schedule.registry",
     "SimulationResult": "merak.schedule.simulator",
+    "SplitOptions": "merak.partition.options",
     "TPPlan": "merak.tensor_parallel.plans",
+    "TensorParallelOptions": "merak.tensor_parallel.options",
     "TiedWeight": "merak.stages.split",
     "TimelineRecorder": "merak.runtime.hooks",
     "apply_tensor_parallel": "merak.tensor_parallel.apply",
@@ -80,8 +83,10 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from merak.materialize.meta import init_empty_weights, materialize_  # noqa: F401
     from merak.materialize.safetensors import load_safetensors_  # noqa: F401
     from merak.partition.auto import AutoSplit, auto_split  # noqa: F401
+    from merak.partition.options import SplitOptions  # noqa: F401
     from merak.runtime.hooks import InstructionHook, TimelineRecorder  # noqa: F401
     from merak.runtime.interpreter import PipelineInterpreter  # noqa: F401
+    from merak.runtime.options import RuntimeOptions  # noqa: F401
     from merak.runtime.p2p import P2PTimeoutError  # noqa: F401
     from merak.schedule.actions import Action, ActionKind, Schedule  # noqa: F401
     from merak.schedule.errors import ScheduleError  # noqa: F401
@@ -93,6 +98,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from merak.strategy.init import init  # noqa: F401
     from merak.tensor_parallel.apply import apply_tensor_parallel  # noqa: F401
     from merak.tensor_parallel.layers import vocab_parallel_cross_entropy  # noqa: F401
+    from merak.tensor_parallel.options import TensorParallelOptions  # noqa: F401
     from merak.tensor_parallel.plans import TPPlan, set_tp_layer_lists  # noqa: F401
     from merak.trainer.arguments import MerakArguments, NotSupportedYetError  # noqa: F401
     from merak.trainer.trainer import MerakTrainer  # noqa: F401

@@ -114,7 +114,8 @@ def test_the_batch_size_probe_holds_the_optimizer_state_beside_the_step(monkeypa
     model = GPT(GPTConfig(num_layers=2))
     split = merak.manual_split(model, gpt_pieces(model), num_stages=1)
     stage = merak.PipelineStage(model, split, 0)
-    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters()), 2)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters()),
+                                       num_microbatches=2)
     expected = 8 * sum(p.numel() for p in stage.parameters())
     held = []
     alone = memory_probe._stage_alone
@@ -148,7 +149,8 @@ def test_out_of_memory_in_the_collective_shape_discovery_is_raised_not_an_answer
     model = GPT(GPTConfig(num_layers=2))
     split = merak.manual_split(model, gpt_pieces(model), num_stages=1)
     stage = merak.PipelineStage(model, split, 0)
-    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters()), 2)
+    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters()),
+                                       num_microbatches=2)
     ids = torch.randint(0, 256, (4, 16))
     batch = {"input_ids": ids, "labels": ids}
 

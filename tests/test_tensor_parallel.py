@@ -130,17 +130,17 @@ def test_an_explicit_plan_wins_over_the_registered_one(monkeypatch):
         with pytest.raises(ValueError, match="matched no module"):  # the registered plan
             merak.apply_tensor_parallel(CustomMLP(), tp2)
         with pytest.raises(ValueError, match="tp plan key 'rows'"):  # checked even at tp=1
-            merak.parallelize(CustomMLP(), {}, ctx, tp_plan={"rows": ["fc2"]})
+            merak.parallelize(CustomMLP(), {}, ctx, plan={"rows": ["fc2"]})
         seen = {}
 
-        def fake_apply(model, context, **options):
-            seen.update(options, context=context)
+        def fake_apply(model, context, options):
+            seen.update(options=options, context=context)
             raise InterruptedError
 
         monkeypatch.setattr(merak.engine.parallelize, "apply_tensor_parallel", fake_apply)
         with pytest.raises(InterruptedError):
-            merak.parallelize(CustomMLP(), {}, default, tp_plan=explicit)
-        assert seen["plan"] is explicit and seen["context"] is default
+            merak.parallelize(CustomMLP(), {}, default, plan=explicit)
+        assert seen["options"].plan is explicit and seen["context"] is default
     finally:
         clear_registered_plan()
 

@@ -622,7 +622,7 @@ def test_an_explicit_tp_plan_reaches_parallelize(monkeypatch):
         ids = torch.zeros(2, 8, dtype=torch.long)
         with pytest.raises(InterruptedError):
             trainer._assemble({"input_ids": ids, "labels": ids})
-        assert seen["tp_plan"] is args.tp_plan
+        assert seen["tensor_parallel"].plan is args.tp_plan
     finally:
         clear_registered_plan()
 

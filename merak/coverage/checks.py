@@ -18,6 +18,7 @@ from merak.coverage.shrink import EXPERT_NAMES, SmallModel, example_batch
 from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions
 from merak.runtime.hooks import InstructionHook
+from merak.runtime.options import RuntimeOptions
 
 MICROBATCHES, ROWS = 2, 2
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-3, 1e-5
@@ -78,7 +79,7 @@ def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, build=None
         model = (build or small.build)()
     snapshot = _GradSnapshot()
     built = build_engine(model, parts[0], ctx,
-                         EngineOptions(schedule="1f1b", num_microbatches=MICROBATCHES),
+                         EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICROBATCHES)),
                          make_optimizer=lambda stage: torch.optim.SGD(stage.parameters(), lr=0.0),
                          hooks=[snapshot])
     snapshot.stage = built.stage

@@ -68,7 +68,7 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
 
     Args:
         make_optimizer: builds the optimizer over the stage (HF's `create_optimizer` for the
-            trainer); ZeRO-1 then wraps it when ``options.zero_stage == 1``.
+            trainer); ZeRO-1 then wraps it when ``options.precision.zero_stage == 1``.
         checkpoint, checkpoint_prefix: see `merak.parallelize` (default: the directory of a
             model built by ``from_pretrained``).
         tp_rng: the model's `TPRandomState` (recomputation replays it).
@@ -77,40 +77,30 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
         hooks: more hooks, run last (the energy plan's clock hook).
     """
     o = options
-    stage = parallelize(
-        model, example, ctx, num_model_chunks=o.chunks, schedule=o.schedule,
-        autocast_dtype=o.autocast_dtype,
-        checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix, tp_plan=o.tp_plan,
-        parallel_vocab=o.parallel_vocab, sequence_parallel=o.sequence_parallel,
-        sequence_dim=o.sequence_dim, tp_overlapping_level=o.tp_overlapping_level,
-        trace_method=o.trace_method, split_method=o.split_method,
-        partition_method=o.partition_method,
-        custom_partition=list(o.custom_partition) if o.custom_partition else None,
-        custom_split_points=list(o.custom_split_points) if o.custom_split_points else None,
-        leaf_modules=o.leaf_modules, no_tie_modules=o.no_tie_modules)
-    if o.torch_compile:  # before the interpreter wraps the blocks for recomputation
-        compile_blocks(stage, o.torch_compile_backend, o.torch_compile_mode)
-    param_dtype = torch.bfloat16 if o.autocast_dtype == torch.bfloat16 else None
-    zero = shard_stage(stage, ctx, o.zero_stage, param_dtype=param_dtype) \
-        if o.zero_stage >= 2 else None
+    stage = parallelize(model, example, ctx, tensor_parallel=o.tensor_parallel, split=o.split,
+                        schedule=o.pipeline.schedule, num_model_chunks=o.pipeline.chunks,
+                        checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix,
+                        autocast_dtype=o.precision.autocast_dtype)
+    if o.compile.enabled:  # before the interpreter wraps the blocks for recomputation
+        compile_blocks(stage, o.compile.backend, o.compile.mode)
+    precision = o.precision
+    param_dtype = torch.bfloat16 if precision.autocast_dtype == torch.bfloat16 else None
+    zero = shard_stage(stage, ctx, precision.zero_stage, param_dtype=param_dtype) \
+        if precision.zero_stage >= 2 else None
     optimizer = make_optimizer(stage)
-    if o.zero_stage == 1:
+    if precision.zero_stage == 1:
         optimizer = zero1(optimizer, ctx)
     if zero is not None:
-        check_optimizer(optimizer, o.zero_allow_untested_optimizer)
-    scaler = LossScaler(ctx, **vars(o.loss_scaling)) if o.loss_scaling is not None else None
-    clipper = GradNormClipper(stage, ctx, o.max_grad_norm)
-    timers = WallClockBreakdown(ctx.device) if o.wall_clock_breakdown else None
+        check_optimizer(optimizer, precision.zero_allow_untested_optimizer)
+    scaler = LossScaler(ctx, **vars(precision.loss_scaling)) \
+        if precision.loss_scaling is not None else None
+    clipper = GradNormClipper(stage, ctx, o.hooks.max_grad_norm)
+    timers = WallClockBreakdown(ctx.device) if o.hooks.wall_clock_breakdown else None
     built = [h for h in (scaler, clipper, timers) if h is not None]  # unscale before clipping
     later = list(stage_hooks(stage)) if stage_hooks is not None else []
-    interpreter = PipelineInterpreter(
-        stage, ctx, optimizer, o.num_microbatches, schedule=o.schedule,
-        hooks=[*built, *later, *hooks], bucket_bytes=o.bucket_bytes,
-        autocast_dtype=o.autocast_dtype, grad_predivide=o.grad_predivide,
-        recompute_ratio=list(o.recompute_ratio) if isinstance(o.recompute_ratio, tuple)
-        else o.recompute_ratio, segment_size=o.segment_size,
-        measure_activations=o.measure_activations, tp_rng=tp_rng, zero=zero,
-        dealloc_outputs=o.dealloc_outputs, recompute_in_backward=o.recompute_in_backward)
+    interpreter = PipelineInterpreter(stage, ctx, optimizer, o.pipeline,
+                                      autocast_dtype=precision.autocast_dtype,
+                                      hooks=[*built, *later, *hooks], tp_rng=tp_rng, zero=zero)
     if scaler is not None:
         scaler.bind(interpreter)
     set_job_timeout()  # the groups made here (tied weights, ZeRO) wait at most the job's timeout

@@ -1,4 +1,6 @@
-"""`EngineOptions`: everything `build_engine` needs besides the model, one frozen object.
+"""`EngineOptions`: everything `build_engine` needs besides the model, one frozen object made
+of one options object per concern (the split, tensor parallelism, the pipeline runtime,
+precision and ZeRO, `torch.compile`, hooks), each owned by the layer that reads it.
 
 It is made once, from `MerakArguments` (`from_arguments`, by field name: the engine does not
 import the trainer) or for a planner's candidate (`with_candidate`, over the options of the job
@@ -14,9 +16,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from merak.partition.options import SplitOptions
 from merak.rules import candidate_fields
+from merak.runtime.options import RuntimeOptions
 from merak.schedule.registry import SCHEDULES
-from merak.tensor_parallel.plans import TPPlan
+from merak.tensor_parallel.options import TensorParallelOptions
 
 
 @dataclass(frozen=True)
@@ -32,54 +36,49 @@ class LossScaling:
 
 
 @dataclass(frozen=True)
-class EngineOptions:
-    """The options of one rank's engine (stage, optimizer wrapping, interpreter, hooks)."""
+class PrecisionOptions:
+    """Mixed precision and ZeRO: forwards under autocast to `autocast_dtype` (parameters stay
+    fp32), fp16's `loss_scaling`, and the ZeRO stage (1: optimizer state sharded over dp; 2/3:
+    FSDP2 gradients and parameters)."""
 
-    # the pipeline: schedule, micro-batches per step, model chunks per rank (interleaved)
-    schedule: str = "1f1b"
-    num_microbatches: int = 1
-    num_model_chunks: int = 1
-    # the automatic split (`merak.auto_split`'s options)
-    trace_method: str = "export"
-    split_method: str = "farthest_min_deps"
-    partition_method: str = "uniform"
-    custom_partition: tuple[int, ...] | None = None
-    custom_split_points: tuple[str, ...] | None = None
-    leaf_modules: tuple[str, ...] = ()
-    no_tie_modules: bool = False
-    # tensor parallelism (`merak.apply_tensor_parallel`)
-    tp_plan: TPPlan | None = None
-    parallel_vocab: bool = False
-    sequence_parallel: bool = False
-    sequence_dim: int = 1
-    tp_overlapping_level: int = 0
-    # precision: forwards under autocast to this dtype (parameters stay fp32)
     autocast_dtype: torch.dtype | None = None
-    # data parallelism and ZeRO
+    loss_scaling: LossScaling | None = None
     zero_stage: int = 0
     zero_allow_untested_optimizer: bool = False
-    bucket_bytes: int = 25 * 2**20
-    grad_predivide: float = 1.0
-    # recomputation: per-stage ratios (or one for all) and blocks per segment
-    recompute_ratio: float | tuple[float, ...] = 0.0
-    segment_size: int = 1
-    recompute_in_backward: bool = False  # one block at a time, inside the backward
-    # runtime
-    torch_compile: bool = False
-    torch_compile_backend: str | None = None
-    torch_compile_mode: str | None = None
-    dealloc_outputs: bool = False
-    measure_activations: bool = False
-    # hooks the assembly builds
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """`torch.compile` of the stage's blocks (before recomputation wraps them)."""
+
+    enabled: bool = False
+    backend: str | None = None
+    mode: str | None = None
+
+
+@dataclass(frozen=True)
+class HookOptions:
+    """The instruction hooks the assembly builds besides fp16's loss scale: gradient clipping
+    to `max_grad_norm` (0: none) and the wall-clock breakdown."""
+
     max_grad_norm: float = 0.0
-    loss_scaling: LossScaling | None = None
     wall_clock_breakdown: bool = False
 
-    @property
-    def chunks(self) -> int:
-        """Model chunks per rank: the schedule's (2 for ``zbv`` and ``dualpipev``;
-        `num_model_chunks` for interleaved 1F1B; else 1)."""
-        return SCHEDULES[self.schedule].stages_per_rank(self.num_model_chunks)
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The options of one rank's engine, one object per concern, each passed whole to the
+    part of the build that reads it: `split` to `merak.auto_split`, `tensor_parallel` to
+    `merak.apply_tensor_parallel`, `pipeline` to the stage's build (schedule and chunks) and to
+    `PipelineInterpreter`, `precision` to ZeRO, autocast and the loss scale, `compile` to
+    `torch.compile`, `hooks` to the hooks the assembly builds."""
+
+    split: SplitOptions = SplitOptions()
+    tensor_parallel: TensorParallelOptions = TensorParallelOptions()
+    pipeline: RuntimeOptions = RuntimeOptions()
+    precision: PrecisionOptions = PrecisionOptions()
+    compile: CompileOptions = CompileOptions()
+    hooks: HookOptions = HookOptions()
 
     @classmethod
     def from_arguments(cls, args, *, pp: int, leaf_modules: tuple[str, ...] = (),
@@ -90,30 +89,40 @@ class EngineOptions:
         scaling = LossScaling(args.loss_scale, args.initial_scale_power, args.loss_scale_window,
                               args.hysteresis, args.consecutive_hysteresis,
                               args.min_loss_scale) if args.fp16 else None
-        tuple_or_none = lambda v: tuple(v) if v is not None else None
         return cls(
-            schedule=args.train_schedule, num_microbatches=args.gradient_accumulation_steps,
-            num_model_chunks=chunks, trace_method=args.trace_method,
-            split_method=args.split_method, partition_method=args.partition_method,
-            custom_partition=tuple_or_none(args.custom_partition),
-            custom_split_points=tuple_or_none(args.custom_split_points),
-            leaf_modules=tuple(leaf_modules), no_tie_modules=args.no_tie_modules,
-            tp_plan=args.tp_plan, parallel_vocab=args.parallel_vocab,
-            sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
-            tp_overlapping_level=args.tp_overlapping_level,
-            autocast_dtype=autocast_dtype(args.bf16, args.fp16),
-            zero_stage=args.zero_stage,
-            zero_allow_untested_optimizer=args.zero_allow_untested_optimizer,
-            bucket_bytes=args.gradient_bucket_bytes,
-            grad_predivide=dp if args.prescale_gradients else args.gradient_predivide_factor,
-            recompute_ratio=initial_recompute_ratio(args, pp * chunks),
-            segment_size=args.checkpoint_num_layers,
-            recompute_in_backward=args.recompute_in_backward,
-            torch_compile=args.torch_compile,
-            torch_compile_backend=args.torch_compile_backend,
-            torch_compile_mode=args.torch_compile_mode,
-            dealloc_outputs=args.dealloc_pipeoutput, max_grad_norm=args.max_grad_norm or 0.0,
-            loss_scaling=scaling, wall_clock_breakdown=args.wall_clock_breakdown)
+            split=SplitOptions(
+                trace_method=args.trace_method, split_method=args.split_method,
+                partition_method=args.partition_method, custom_partition=args.custom_partition,
+                custom_split_points=args.custom_split_points, leaf_modules=leaf_modules,
+                no_tie_modules=args.no_tie_modules),
+            tensor_parallel=TensorParallelOptions(
+                plan=args.tp_plan, parallel_vocab=args.parallel_vocab,
+                sequence_parallel=args.sequence_parallel, sequence_dim=args.sequence_dim,
+                overlap_level=args.tp_overlapping_level),
+            pipeline=RuntimeOptions(
+                schedule=args.train_schedule, num_microbatches=args.gradient_accumulation_steps,
+                num_model_chunks=chunks, bucket_bytes=args.gradient_bucket_bytes,
+                grad_predivide=dp if args.prescale_gradients
+                else args.gradient_predivide_factor,
+                recompute_ratio=initial_recompute_ratio(args, pp * chunks),
+                segment_size=args.checkpoint_num_layers,
+                recompute_in_backward=args.recompute_in_backward,
+                dealloc_outputs=args.dealloc_pipeoutput),
+            precision=PrecisionOptions(
+                autocast_dtype=autocast_dtype(args.bf16, args.fp16), loss_scaling=scaling,
+                zero_stage=args.zero_stage,
+                zero_allow_untested_optimizer=args.zero_allow_untested_optimizer),
+            compile=CompileOptions(args.torch_compile, args.torch_compile_backend,
+                                   args.torch_compile_mode),
+            hooks=HookOptions(args.max_grad_norm or 0.0, args.wall_clock_breakdown))
+
+    @classmethod
+    def for_dry_runs(cls, dtype: torch.dtype | None = None,
+                     parallel_vocab: bool = False) -> EngineOptions:
+        """The defaults, with forwards under autocast to `dtype` and `parallel_vocab`: the
+        options a dry run builds when the job gives none."""
+        return cls(tensor_parallel=TensorParallelOptions(parallel_vocab=parallel_vocab),
+                   precision=PrecisionOptions(autocast_dtype=dtype))
 
     def with_candidate(self, candidate, recompute_ratios=None) -> EngineOptions:
         """These options with a strategy planner candidate's choices (`rules.candidate_fields`:
@@ -128,12 +137,15 @@ class EngineOptions:
             ratio = tuple(chosen["activation_checkpoint_ratio"])
         else:
             ratio = 1.0 if chosen["activation_checkpointing"] else 0.0
-        return replace(self, schedule=chosen["train_schedule"],
-                       num_microbatches=chosen["gradient_accumulation_steps"],
-                       num_model_chunks=candidate.chunks, zero_stage=chosen["zero_stage"],
-                       sequence_parallel=chosen["sequence_parallel"], recompute_ratio=ratio,
-                       recompute_in_backward=in_backward,
-                       segment_size=1 if in_backward else self.segment_size)
+        pipeline = replace(self.pipeline, schedule=chosen["train_schedule"],
+                           num_microbatches=chosen["gradient_accumulation_steps"],
+                           num_model_chunks=candidate.chunks, recompute_ratio=ratio,
+                           recompute_in_backward=in_backward,
+                           segment_size=1 if in_backward else self.pipeline.segment_size)
+        return replace(self, pipeline=pipeline,
+                       precision=replace(self.precision, zero_stage=chosen["zero_stage"]),
+                       tensor_parallel=replace(self.tensor_parallel,
+                                               sequence_parallel=chosen["sequence_parallel"]))
 
 
 def autocast_dtype(bf16: bool, fp16: bool) -> torch.dtype | None:

@@ -22,12 +22,14 @@ from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoint
+from merak.options import field_names, given
 from merak.partition.auto import AutoSplit, auto_split
+from merak.partition.options import SplitOptions
 from merak.schedule.registry import placement_of, schedule_info
 from merak.stages.stage import InterleavedStage, PipelineStage, interleaved_stage
 from merak.tensor_parallel.apply import apply_tensor_parallel
 from merak.tensor_parallel.diagnose import explain_tp_failure
-from merak.tensor_parallel.plans import TPPlan
+from merak.tensor_parallel.options import TensorParallelOptions
 from merak.tensor_parallel.proof import prove_plan, refusal
 
 
@@ -41,11 +43,13 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
-                ctx: ParallelContext | None = None, *, tp_plan: TPPlan | dict | None = None,
-                parallel_vocab: bool = False, sequence_parallel: bool = False,
-                sequence_dim: int = 1, tp_overlapping_level: int = 0, num_model_chunks: int = 1,
-                schedule: str | None = None, checkpoint: str | Path | None = None,
-                checkpoint_prefix: str = "", **split_options) -> PipelineStage | InterleavedStage:
+                ctx: ParallelContext | None = None, *,
+                tensor_parallel: TensorParallelOptions | None = None,
+                split: SplitOptions | None = None, schedule: str | None = None,
+                num_model_chunks: int = 1, checkpoint: str | Path | None = None,
+                checkpoint_prefix: str = "", device: torch.device | str | None = None,
+                autocast_dtype: torch.dtype | None = None, **fields
+                ) -> PipelineStage | InterleavedStage:
     """Build this rank's pipeline stage of `model` for the (dp, tp, pp) layout of `ctx`.
 
     Args:
@@ -54,18 +58,20 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
             peft wraps.
         example_inputs: one micro-batch of keyword inputs (with ``labels`` for the loss).
         ctx: the parallel context (default: the one from `merak.init`).
-        tp_plan: the tensor-parallel plan (a `TPPlan`, or a dict of `merak.set_tp_layer_lists`'
-            arguments); default: the one `set_tp_layer_lists` recorded on `ctx`, else the
-            model family's, else the config's ``base_model_tp_plan``.
-        parallel_vocab, sequence_parallel, sequence_dim: see `apply_tensor_parallel`.
-        tp_overlapping_level: sub-pipelined TP (`apply_tensor_parallel`'s `overlap_level`).
-        num_model_chunks: above 1, for interleaved schedules: the model is split into
-            ``ctx.pp * num_model_chunks`` virtual stages and this rank's chunks are built and
-            materialized together (tied weights within the rank stay one parameter).
+        tensor_parallel: `merak.apply_tensor_parallel`'s options (`TensorParallelOptions`:
+            the plan, parallel_vocab, sequence_parallel, overlap_level, ...). Default plan:
+            the one `set_tp_layer_lists` recorded on `ctx`, else the model family's, else the
+            config's ``base_model_tp_plan``.
+        split: `merak.auto_split`'s options (`SplitOptions`: trace_method, partition_method,
+            ...).
+        fields: fields of either options object by name (``plan=..., partition_method=...``).
         schedule: the training schedule the stage is built for (a `merak.SCHEDULES` name):
             it decides how many stages a rank holds (``zbv`` and ``dualpipev``: 2, whatever
             `num_model_chunks` says) and which (round-robin, or a V); default round-robin
             chunks.
+        num_model_chunks: above 1, for interleaved schedules: the model is split into
+            ``ctx.pp * num_model_chunks`` virtual stages and this rank's chunks are built and
+            materialized together (tied weights within the rank stay one parameter).
         checkpoint: an HF safetensors file or directory to load this rank's shard from (in the
             layout `save_pretrained` writes: tensors transformers converts on load, such as a
             Mixtral's per-expert weights, are converted the same way); default: the directory
@@ -73,7 +79,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
             as the seeded single-process model would.
         checkpoint_prefix: a prefix of `model`'s parameter names that the checkpoint's names
             lack (a wrapper around the HF model, e.g. ``"model."``).
-        split_options: passed to `merak.auto_split` (partition_method, split_method, ...).
+        device, autocast_dtype: see `merak.auto_split` (default device: ``ctx.device``).
 
     Returns:
         The `PipelineStage` (its ``split`` is the `AutoSplit`), ready for `PipelineInterpreter`;
@@ -85,6 +91,16 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
             block does not compute what the unsharded one does.
     """
     ctx = ctx or get_context()
+    tp_names, split_names = field_names(TensorParallelOptions), field_names(SplitOptions)
+    unknown = sorted(set(fields) - set(tp_names) - set(split_names))
+    if unknown:
+        raise TypeError(f"parallelize got unknown option(s) {unknown}; its options are "
+                        f"TensorParallelOptions' fields ({', '.join(tp_names)}) and "
+                        f"SplitOptions' ({', '.join(split_names)})")
+    tensor_parallel = given(TensorParallelOptions, tensor_parallel,
+                            {k: v for k, v in fields.items() if k in tp_names}, "parallelize")
+    split = given(SplitOptions, split, {k: v for k, v in fields.items() if k in split_names},
+                  "parallelize")
     if lora.is_peft_model(model):  # LoRA: the peft layers live in the model peft wraps,
         model = model.get_base_model()  # whose forward is the peft model's (with **kwargs)
     if checkpoint is None:
@@ -98,9 +114,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         strip = lambda n: n.removeprefix(checkpoint_prefix)
         aliases = {n: [strip(n), *map(strip, aliases.get(n, []))]
                    for n, _ in model.named_parameters(remove_duplicate=False)}
-    apply_tensor_parallel(model, ctx, plan=tp_plan, parallel_vocab=parallel_vocab,
-                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                          overlap_level=tp_overlapping_level)
+    apply_tensor_parallel(model, ctx, tensor_parallel)
     if num_model_chunks < 1:
         raise ValueError(f"num_model_chunks must be >= 1, got {num_model_chunks}")
     placement = None
@@ -108,9 +122,9 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         num_model_chunks = schedule_info(schedule).stages_per_rank(num_model_chunks)
         placement = placement_of(schedule, ctx.pp, num_model_chunks)
     try:
-        split: AutoSplit = auto_split(model, example_inputs, ctx.pp * num_model_chunks,
-                                      device=split_options.pop("device", ctx.device),
-                                      **split_options)
+        pieces: AutoSplit = auto_split(model, example_inputs, ctx.pp * num_model_chunks, split,
+                                       device=device or ctx.device,
+                                       autocast_dtype=autocast_dtype)
     except RuntimeError as error:  # a plan to prove that does not even trace is refused
         info = getattr(model, "merak_tp", None)
         cause = (str(error) if str(error).startswith("a shape error inside") else
@@ -120,9 +134,9 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
             raise refusal(model, "fails its check: " + cause) from error
         raise
     if num_model_chunks > 1:
-        stage = interleaved_stage(split, split.container, ctx, num_model_chunks, placement)
+        stage = interleaved_stage(pieces, pieces.container, ctx, num_model_chunks, placement)
     else:
-        stage = PipelineStage(split.container, split, ctx.pp_rank)
+        stage = PipelineStage(pieces.container, pieces, ctx.pp_rank)
     if checkpoint is None:
         materialize_(stage, ctx.device)
     elif adapters:  # the base model's checkpoint: its weights load, the adapters initialize

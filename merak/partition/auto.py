@@ -14,15 +14,14 @@ from torch.utils import _pytree as pytree
 
 from merak.materialize.fake_weights import FakeWeights, traceable_experts
 from merak.materialize.meta import has_meta_parameters
+from merak.options import given
 from merak.partition.graph_rewrite import prepare_inputs, set_graph_device
 from merak.partition.graph_split import split_model
+from merak.partition.options import TRACE_METHODS, SplitOptions
 from merak.partition.trace_cache import TraceCache, resolve_cache
 from merak.stages import assign
 from merak.stages.blocks import find_blocks, within
 from merak.stages.split import Piece, PipelineSplit, find_tied_weights
-
-TRACE_METHODS = ("export", "fx", "dynamo")
-SPLIT_METHODS = ("farthest_min_deps", "nearest_min_deps", "layer_split")
 
 
 @dataclass(frozen=True)
@@ -97,11 +96,8 @@ def _stage_of_block(blocks: list[str], num_stages: int, partition_method: str,
         if max(units) + 1 != num_stages:
             raise ValueError(f"custom_partition {list(custom_partition)} makes {max(units) + 1} "
                              f"stages, not {num_stages}")
-    elif partition_method in ("parameters", "profile"):
+    else:  # "parameters" or "profile" (`SplitOptions` checked the name)
         units = assign.balanced(weights, num_stages)
-    else:
-        raise ValueError(f"unknown partition_method {partition_method!r}; choose one of "
-                         f"{assign.PARTITION_METHODS}")
     return units
 
 
@@ -123,14 +119,11 @@ def _block_weights(model: nn.Module, blocks: list[str], partition_method: str,
     return None
 
 
-def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_stages: int, *,
-               trace_method: str = "export", split_method: str = "farthest_min_deps",
-               partition_method: str = "uniform", custom_partition: Sequence[int] | None = None,
-               custom_split_points: Sequence[str] | None = None,
-               input_names: Sequence[str] | None = None, leaf_modules: Sequence[str] = (),
-               no_tie_modules: bool = False, device: torch.device | str = "cpu",
+def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_stages: int,
+               options: SplitOptions | None = None, *,
+               input_names: Sequence[str] | None = None, device: torch.device | str = "cpu",
                autocast_dtype: torch.dtype | None = None, verbose: bool = False,
-               trace_cache: TraceCache | bool = True) -> AutoSplit:
+               trace_cache: TraceCache | bool = True, **fields) -> AutoSplit:
     """Split `model` into `num_stages` pipeline stages automatically.
 
     Args:
@@ -139,17 +132,10 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
         example_inputs: keyword inputs of one (micro-)batch; include ``labels`` so the last
             stage returns the loss.
         num_stages: pipeline stages.
-        trace_method: ``export`` (torch.export, non-strict, dynamic sequence length),
-            ``dynamo`` (torch.export strict: TorchDynamo) or ``fx`` (torch.fx symbolic tracing,
-            for fx-traceable custom models).
-        split_method: where the non-block operations go: ``farthest_min_deps`` (next to their
-            consumers), ``nearest_min_deps`` (next to their producers) or ``layer_split`` (with
-            `custom_split_points`).
-        partition_method: ``uniform``, ``uniform_floor``, ``parameters``, ``custom`` (with
-            `custom_partition`) or ``profile``.
+        options: how to trace and where to cut (`SplitOptions`: trace_method, split_method,
+            partition_method, custom_partition, custom_split_points, leaf_modules,
+            no_tie_modules); its fields may also be given by name (``trace_method="fx"``).
         input_names: the model inputs to use (default: every key of `example_inputs`).
-        leaf_modules: qualified names of modules kept opaque (called eagerly, never traced into).
-        no_tie_modules: do not sum the gradients of weights shared across stages.
         device: where stage graphs will run (device constants baked in by export are rewritten).
         autocast_dtype: the `torch.autocast` dtype the stages will run under (mixed
             precision), or None. The model is traced under it, so regions the model runs with
@@ -160,13 +146,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
             this process (`merak.partition.trace_cache`): True the process's cache, False
             none, or a `TraceCache` of one's own. ``MERAK_TRACE_CACHE=0`` turns it off.
     """
-    if trace_method not in TRACE_METHODS:
-        raise ValueError(f"unknown trace_method {trace_method!r}; choose one of {TRACE_METHODS}")
-    if split_method not in SPLIT_METHODS:
-        raise ValueError(f"unknown split_method {split_method!r}; choose one of {SPLIT_METHODS}")
-    if split_method == "layer_split" and custom_split_points is None:
-        raise ValueError("split_method='layer_split' needs custom_split_points: the module names "
-                         "where a new stage begins")
+    o = given(SplitOptions, options, fields, "auto_split")
     if input_names is not None:
         unknown = [n for n in input_names if n not in example_inputs]
         if unknown:
@@ -182,15 +162,16 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     if num_stages > len(blocks):
         raise ValueError(f"cannot split {len(blocks)} blocks into {num_stages} stages: use at "
                          f"most {len(blocks)} stages")
-    leaf_modules = list(dict.fromkeys([*leaf_modules, *_tp_glue_modules(model, every_block)]))
-    weights = _block_weights(model, blocks, partition_method, example_inputs)
-    stage_of = _stage_of_block(blocks, num_stages, partition_method, custom_partition,
-                               custom_split_points if split_method == "layer_split" else None,
+    leaf_modules = list(dict.fromkeys([*o.leaf_modules,
+                                       *_tp_glue_modules(model, every_block)]))
+    weights = _block_weights(model, blocks, o.partition_method, example_inputs)
+    stage_of = _stage_of_block(blocks, num_stages, o.partition_method, o.custom_partition,
+                               o.custom_split_points if o.split_method == "layer_split" else None,
                                weights)
     start = time.perf_counter()
     graphs = _trace_and_split(model, example_inputs, dict(zip(blocks, stage_of)), num_stages,
-                              blocks, tuple(leaf_modules), trace_method,
-                              nearest=split_method == "nearest_min_deps", device=device,
+                              blocks, tuple(leaf_modules), o.trace_method,
+                              nearest=o.split_method == "nearest_min_deps", device=device,
                               autocast_dtype=autocast_dtype,
                               trace_cache=resolve_cache(trace_cache))
     for graph in graphs:
@@ -206,7 +187,7 @@ def auto_split(model: nn.Module, example_inputs: dict[str, torch.Tensor], num_st
     last = graphs[-1]
     output = "loss" if "loss" in last.send_names else last.send_names[0]
     stage_of_piece = tuple(range(num_stages))
-    tied = () if no_tie_modules else find_tied_weights(container, pieces, stage_of_piece)
+    tied = () if o.no_tie_modules else find_tied_weights(container, pieces, stage_of_piece)
     blocks_of_stage = tuple(tuple(b for b, s in zip(blocks, stage_of) if s == stage)
                             for stage in range(num_stages))
     return AutoSplit(tuple(pieces), stage_of_piece, output, tied, container=container,

@@ -94,7 +94,7 @@ def dry_run(candidate: Candidate, config, seq: int, steps: int = 3,
     `make_optimizer`: the job's optimizer over a stage; `batches(step)`: this dp rank's rows
     of a step (default: random token windows). The process groups it made are destroyed and
     the caller's default context is restored before it returns."""
-    base = options or EngineOptions(autocast_dtype=dtype, parallel_vocab=parallel_vocab)
+    base = options or EngineOptions.for_dry_runs(dtype, parallel_vocab)
     engine_options = base.with_candidate(candidate, recompute_ratios)
     with transient_process_groups():
         figures, losses = _run(candidate, config, seq, steps, engine_options, make_optimizer,
@@ -137,7 +137,8 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions,
     rows = c.micro_batch
     ids = torch.randint(0, config.vocab_size, (rows, seq))
     built = build_engine(model, share({"input_ids": ids, "labels": ids}), ctx,
-                         replace(options, measure_activations=not cuda),
+                         replace(options, pipeline=replace(options.pipeline,
+                                                           measure_activations=not cuda)),
                          make_optimizer=make_optimizer)
     stage, optimizer, engine = built.stage, built.optimizer, built.interpreter
     generator = torch.Generator().manual_seed(ctx.dp_rank)

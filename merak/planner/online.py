@@ -91,7 +91,7 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
     (`merak.strategy.search.context_parallel_degrees`; 1 only by default: a job's rows must
     be unpadded for cp, which the planner cannot see); a cp candidate's dry run splits its
     rows as `MerakTrainer` does."""
-    options = options or EngineOptions(autocast_dtype=dtype, parallel_vocab=parallel_vocab)
+    options = options or EngineOptions.for_dry_runs(dtype, parallel_vocab)
     start = time.perf_counter()
     with transient_process_groups():  # (the measuring layout's groups too)
         plan, best, memory = _plan_and_dry_run(config, global_batch, seq, memory_bytes,
@@ -127,14 +127,16 @@ def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float |
     memory = memory_bytes or device_memory(ctx)
     shape = ModelShape.from_config(config)
     sizes = [m for m in micro_batch_sizes if global_batch % m == 0]
-    costs = {m: _averaged(measure_costs(config, m, seq, ctx.device, options.autocast_dtype,
+    dtype = options.precision.autocast_dtype
+    costs = {m: _averaged(measure_costs(config, m, seq, ctx.device, dtype,
                                         together=dist.barrier), ctx) for m in sizes}
     peak_flops = 1.0  # measured costs are times already; FLOP/s only enter offline plans
     cluster = measure_links(ctx, memory, peak_flops)
     if sequence_parallel is None:
         sequence_parallel = sequence_parallel_choices(config)
-    plan = search(shape, costs, cluster, global_batch, seq, memory, options.parallel_vocab,
-                  micro_batch_sizes=sizes, sequence_parallel=sequence_parallel, job=job,
+    plan = search(shape, costs, cluster, global_batch, seq, memory,
+                  options.tensor_parallel.parallel_vocab, micro_batch_sizes=sizes,
+                  sequence_parallel=sequence_parallel, job=job,
                   context_parallel=context_parallel)
     best = None
     for prediction in _distinct(plan.ranked, dry_runs):

@@ -22,12 +22,14 @@ from merak.data_parallel.grad_sync import GradientAverager
 from merak.data_parallel.shards import is_sharded
 from merak.data_parallel.zero import ZeroSharding
 from merak.distributed import liveness
+from merak.options import given
 from merak.recompute.blocks import BlockRecomputation
 from merak.recompute.meter import ActivationMeter
 from merak.runtime.cpu_threads import IdleCoreLending
 from merak.runtime.forward_only import ForwardOnly
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.microbatches import step_microbatches
+from merak.runtime.options import RuntimeOptions
 from merak.runtime.p2p import StageTransfers
 from merak.runtime.program import forward_program, training_schedule
 from merak.runtime.runner import OutputLoss, StageRunner
@@ -54,40 +56,24 @@ class PipelineInterpreter(ForwardOnly, StepTail):
             order) for schedules that place several stages on a rank.
         ctx: the parallel context.
         optimizer: built over ``stage.parameters()``.
-        num_microbatches: micro-batches per step (gradient accumulation steps).
-        schedule: a name in `merak.schedule.registry.SCHEDULES` or an explicit `Schedule`.
-        hooks: `InstructionHook`s called around every action.
-        bucket_bytes: dp all-reduce bucket size.
-        lend_idle_cores: on CPU with every rank on one host, give compute actions that the
-            schedule runs alone the cores of the ranks idling meanwhile (`IdleCoreLending`).
+        options: the runtime's options (`RuntimeOptions`: schedule, num_microbatches,
+            gradient reduction, recomputation, activation memory), or its fields by name
+            (``num_microbatches=4, schedule="zbv"``).
         autocast_dtype: run forwards under `torch.autocast` to this dtype (mixed precision;
             parameters, gradients and optimizer state stay fp32).
-        grad_predivide: dp gradients are divided by this before the all-reduce, the rest after.
-        recompute_ratio: fraction of each stage's blocks whose activations are recomputed (one
-            value per stage of the split, or one for all); the schedule gets `recompute`
-            actions for the stages that recompute any.
-        segment_size: consecutive blocks per recomputed segment (only the segment's input is
-            kept; `checkpoint_num_layers`).
-        measure_activations: count the activation bytes each stage keeps for backward;
-            ``activation_peak`` then holds the last step's peak over this rank's stages.
+        hooks: `InstructionHook`s called around every action.
         tp_rng: the model's `TPRandomState`, replayed by recomputation with the default RNG.
         zero: the stage's ZeRO-2/3 sharding (`shard_stage`, applied before the optimizer was
             built): its gradients are reduce-scattered by FSDP instead of all-reduced.
-        dealloc_outputs: free each sent activation's data once its sends ended, keeping its
-            autograd graph for the backward (`PipelineStage.freeable_outputs` says which).
-        recompute_in_backward: recomputed blocks rerun one at a time inside the backward
-            (`BlockRecomputation`'s ``in_backward``), not all in the ``recompute`` action.
     """
 
     def __init__(self, stage: PipelineStage | InterleavedStage | Sequence[PipelineStage],
-                 ctx, optimizer: torch.optim.Optimizer, num_microbatches: int,
-                 schedule: str | Schedule = "1f1b", hooks: Sequence[InstructionHook] = (),
-                 bucket_bytes: int = 25 * 2**20,
-                 lend_idle_cores: bool = True, autocast_dtype: torch.dtype | None = None,
-                 grad_predivide: float = 1.0, recompute_ratio: float | Sequence[float] = 0.0,
-                 segment_size: int = 1, measure_activations: bool = False,
-                 tp_rng: object = None, zero: ZeroSharding | None = None,
-                 dealloc_outputs: bool = False, recompute_in_backward: bool = False):
+                 ctx, optimizer: torch.optim.Optimizer, options: RuntimeOptions | None = None,
+                 *, autocast_dtype: torch.dtype | None = None,
+                 hooks: Sequence[InstructionHook] = (), tp_rng: object = None,
+                 zero: ZeroSharding | None = None, **fields):
+        o = given(RuntimeOptions, options, fields, "PipelineInterpreter")
+        schedule = o.schedule
         if not isinstance(stage, (PipelineStage, InterleavedStage)):
             stage = InterleavedStage(list(stage))
         self.stage = stage
@@ -109,7 +95,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self.ctx, self.optimizer, self.split = ctx, optimizer, split
         self.stages_per_rank = v
         self._handed: dict[tuple, dict] = {}  # local hand-offs sent, not yet received
-        self.num_microbatches = num_microbatches
+        self.num_microbatches = o.num_microbatches
         self.hooks = list(hooks)
         self.autocast_dtype, self.tp_rng = autocast_dtype, tp_rng
         self.loss_scale = 1.0  # set by an fp16 loss scaler
@@ -121,14 +107,14 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self.activation_peak: int | None = None
         self.global_step = 0
         single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == str(ctx.world_size)
-        self._lend = lend_idle_cores and ctx.device.type == "cpu" and single_host and p > 1
-        self._measure = measure_activations
-        self.recompute_in_backward = recompute_in_backward
+        self._lend = o.lend_idle_cores and ctx.device.type == "cpu" and single_host and p > 1
+        self._measure = o.measure_activations
+        self.recompute_in_backward = o.recompute_in_backward
         self._blocks = {s.stage_id: [s.get_submodule(n) for n in block_names(split, s.stage_id)]
                         for s in stages}
         self.runners = {s.stage_id: StageRunner(s, BlockRecomputation([], [], ctx.device))
                         for s in stages}
-        for s in stages if dealloc_outputs else ():
+        for s in stages if o.dealloc_outputs else ():
             self.runners[s.stage_id].freeable = s.freeable_outputs()
         self.transfers = StageTransfers(ctx, split)
         self.batch_keys = list(dict.fromkeys(k for r in self.runners.values()
@@ -141,14 +127,14 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self._tied = tied_parameter_groups(ctx, split, {i: r.stage for i, r in
                                                         self.runners.items()}, self.placement)
         self.grad_averager = GradientAverager(
-            [q for q in params if not is_sharded(q)], ctx.replica_group, bucket_bytes,
-            grad_predivide, late=self._tp_partial + [q for _, g in self._tied for q in g],
+            [q for q in params if not is_sharded(q)], ctx.replica_group, o.bucket_bytes,
+            o.grad_predivide, late=self._tp_partial + [q for _, g in self._tied for q in g],
             stages={s: list(r.stage.parameters()) for s, r in self.runners.items()})
         self._discovery_program = forward_program(split, p, ctx.pp_rank, v, 1,
                                                   single_transfers=True,
                                                   placement=self.placement)
         self._schedule_spec = schedule
-        self.set_recomputation(recompute_ratio, segment_size)
+        self.set_recomputation(o.recompute_ratio, o.segment_size)
 
     # -- set-up -------------------------------------------------------------------------------
     def set_recomputation(self, ratio: float | Sequence[float], segment_size: int = 1,

@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
+from merak.partition.options import SPLIT_METHODS, TRACE_METHODS
 from merak.rules import NotSupportedYetError
 from merak.schedule.registry import SCHEDULES
 from merak.stages import assign

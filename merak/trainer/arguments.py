@@ -15,7 +15,7 @@ from transformers import TrainingArguments
 
 from merak import rules
 from merak.engine.compile import check_compile_mode
-from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
+from merak.partition.options import SPLIT_METHODS, TRACE_METHODS
 from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
 from merak.schedule.registry import SCHEDULES
 from merak.stages import assign

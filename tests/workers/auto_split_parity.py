@@ -56,7 +56,8 @@ def parity(family: str, pp: int) -> None:
     snapshot = GradSnapshot(stage)
     grads = snapshot.grads
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot])
+                                       num_microbatches=MICROBATCHES, schedule="1f1b",
+                                       hooks=[snapshot])
     losses = [engine.train_step(batch(family, step, ROWS * MICROBATCHES))
               for step in range(STEPS)]
 

@@ -63,7 +63,8 @@ def _engine(name: str, ctx) -> merak.PipelineInterpreter:
         model = CustomMLP(depth=8)
     stage = merak.parallelize(model, batch("mlp", 0, ROWS), ctx, num_model_chunks=chunks)
     return merak.PipelineInterpreter(
-        stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.01), MICROBATCHES, schedule=name,
+        stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.01), num_microbatches=MICROBATCHES,
+        schedule=name,
         recompute_ratio=1.0 if info.needs_recompute else 0.0, lend_idle_cores=False)
 
 

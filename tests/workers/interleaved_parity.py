@@ -96,7 +96,7 @@ class _Family:
                 ) -> merak.PipelineInterpreter:
         return merak.PipelineInterpreter(
             self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
-            self.microbatches, schedule=schedule, hooks=hooks, **options)
+            num_microbatches=self.microbatches, schedule=schedule, hooks=hooks, **options)
 
     def _stage_aware(self, engine: merak.PipelineInterpreter) -> list[float]:
         """Per-stage ratios from this model's measured activation bytes, installed in

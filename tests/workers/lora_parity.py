@@ -50,7 +50,8 @@ def parity(family: str, dp: int, tp: int, pp: int) -> None:
                              if p.requires_grad), "a base weight is trainable"
     snapshot = GradSnapshot(stage)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(trainable, lr=LR),
-                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot])
+                                       num_microbatches=MICROBATCHES, schedule="1f1b",
+                                       hooks=[snapshot])
     rows = ROWS * MICROBATCHES
     losses = []
     for step in range(STEPS):

@@ -99,7 +99,7 @@ def parity(kind: str, pp: int, dp: int, schedule: str) -> None:
     stage = merak.PipelineStage(model, split, ctx.pp_rank)
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     snapshot = GradSnapshot(stage)
-    engine = merak.PipelineInterpreter(stage, ctx, optimizer, NUM_MICROBATCHES,
+    engine = merak.PipelineInterpreter(stage, ctx, optimizer, num_microbatches=NUM_MICROBATCHES,
                                        schedule=schedule, hooks=[snapshot],
                                        bucket_bytes=16 * 1024)  # several dp buckets
     if dp > 1:
@@ -134,7 +134,7 @@ def p2p_timeout() -> None:
     split = merak.manual_split(model, pieces, num_stages=2)
     stage = merak.PipelineStage(model, split, ctx.pp_rank)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       2, schedule="1f1b")
+                                       num_microbatches=2, schedule="1f1b")
     batch = global_batch("gpt", 0, 4)
     c10d = dist.distributed_c10d
     before = c10d._get_default_group()._get_backend(ctx.device).options._timeout
@@ -194,7 +194,7 @@ def host_reads(pp: int, dp: int) -> None:
     stage = merak.PipelineStage(model, merak.manual_split(model, pieces, num_stages=pp),
                                 ctx.pp_rank)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       NUM_MICROBATCHES, schedule="1f1b")
+                                       num_microbatches=NUM_MICROBATCHES, schedule="1f1b")
     rows = NUM_MICROBATCHES * MICRO_BATCH_SIZE
     batch = global_batch("gpt", 0, rows)
     engine.train_step(batch)  # discovery and the metadata-carrying first step

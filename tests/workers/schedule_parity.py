@@ -86,7 +86,7 @@ class _Family:
         snapshot = GradSnapshot(self.stage)
         engine = merak.PipelineInterpreter(
             self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
-            MICROBATCHES, hooks=[snapshot], **options)
+            num_microbatches=MICROBATCHES, hooks=[snapshot], **options)
         try:
             kinds = {a.kind.value for a in engine.program}
             if options.get("recompute_ratio") == 1.0 and variant != "1f1b-recompute" and \
@@ -113,7 +113,7 @@ def stage_aware_memory() -> None:
     stage = merak.PipelineStage(split.container, split, ctx.pp_rank)
     materialize_(stage)
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
-                                       m, measure_activations=True)
+                                       num_microbatches=m, measure_activations=True)
     data, edges = batch("llama", 0, ROWS * m), split.edges or None
     kept = measure_kept(engine, data, 1)
     least = predict_peaks("1f1b", pp, m, kept, [1.0] * pp, edges)
@@ -163,7 +163,7 @@ def dealloc_memory() -> None:
     peaks, losses, freeable = {}, {}, {}
     for dealloc in (False, True):
         engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
-                                           m, measure_activations=True,
+                                           num_microbatches=m, measure_activations=True,
                                            dealloc_outputs=dealloc)
         losses[dealloc] = engine.train_step(data)
         peaks[dealloc] = engine.activation_peak

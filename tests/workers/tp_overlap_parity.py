@@ -132,7 +132,8 @@ def through_the_interpreter(family: str, level: int) -> None:
         set_tp_overlap(stage, lvl)
         snapshot = GradSnapshot(stage)
         engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                           2, schedule="1f1b", hooks=[snapshot])
+                                           num_microbatches=2, schedule="1f1b",
+                                           hooks=[snapshot])
         with counting() as counts:
             losses = [engine.train_step(tp_batch(family, s, 2 * ROWS)) for s in range(STEPS)]
         assert (counts["interleaved blocks"] > 0) == (lvl == 2), f"level {lvl}: {counts}"

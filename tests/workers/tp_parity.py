@@ -51,7 +51,8 @@ def parity(build, batch_fn, dp: int, tp: int, pp: int, plan_setup=None,
     snapshot = GradSnapshot(stage)
     grads = snapshot.grads
     engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=LR),
-                                       MICROBATCHES, schedule="1f1b", hooks=[snapshot])
+                                       num_microbatches=MICROBATCHES, schedule="1f1b",
+                                       hooks=[snapshot])
     rows = ROWS * MICROBATCHES
     losses = []
     for step in range(STEPS):
@@ -273,7 +274,7 @@ def planted_wrong_plans(tp: int) -> None:
         plan = infer_plan(model, tp)
         assert plan.check and plan.source == "inferred"
         try:
-            merak.parallelize(model, batch("llama", 0, ROWS), ctx, tp_plan=wrong(plan))
+            merak.parallelize(model, batch("llama", 0, ROWS), ctx, plan=wrong(plan))
         except PlanRefused as error:
             assert f"{module} " in str(error) or f"{module}." in str(error), str(error)
             assert "never used" in str(error), str(error)
