@@ -36,6 +36,13 @@ class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
     `FileNotFoundError`, as the old "not a complete Merak checkpoint" error was)."""
 
 
+def listed(names: list[str], shown: int = 8) -> str:
+    """The first `shown` of `names`, comma-separated, and how many more there are: the names
+    an error about missing tensors or state lists."""
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 @dataclass(frozen=True)
 class Layout:
     """The contents of ``merak.json``: the step and the (dp, tp, pp) layout it was saved in, its

@@ -27,11 +27,10 @@ from merak.checkpoint import sharded
 from merak.checkpoint.files import (
     IncompleteCheckpointError,
     dcp_metadata,
+    listed,
     missing_model_files,
 )
 from merak.checkpoint.sharded import pieces_of
-
-_SHOWN = 8  # missing names listed in an error
 
 
 def persistent_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
@@ -71,9 +70,8 @@ def tensor_shapes(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
 def _check_names(path: Path, wanted, saved) -> None:
     missing = [name for name in wanted if name not in saved]
     if missing:
-        more = f" (and {len(missing) - _SHOWN} more)" if len(missing) > _SHOWN else ""
         raise IncompleteCheckpointError(
-            f"checkpoint {path.parent} has no tensor {', '.join(missing[:_SHOWN])}{more} "
+            f"checkpoint {path.parent} has no tensor {listed(missing)} "
             f"(saved from another model, or with other parameters?)")
 
 

@@ -27,12 +27,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from merak.checkpoint import sharded
-from merak.checkpoint.files import CheckpointError, IncompleteCheckpointError
+from merak.checkpoint.files import CheckpointError, IncompleteCheckpointError, listed
 from merak.checkpoint.sharded import Pieces, pieces_of
 from merak.data_parallel.zero1 import local_optimizer
 
 OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory
-_SHOWN = 6  # missing names listed in an error
 
 
 def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool,
@@ -142,10 +141,9 @@ def load_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, stage: nn
     saved = reader.read_metadata().state_dict_metadata
     missing = [k for k in flat if k not in saved]
     if missing:
-        more = f" (and {len(missing) - _SHOWN} more)" if len(missing) > _SHOWN else ""
         raise IncompleteCheckpointError(
             f"{path} lacks the optimizer state this rank needs: "
-            f"{', '.join(k.removeprefix('state.') for k in missing[:_SHOWN])}{more}; was it "
+            f"{listed([k.removeprefix('state.') for k in missing], 6)}; was it "
             f"saved from another model, or with other parameters trainable?")
     sharded.load(path, flat)
     local = local_optimizer(optimizer)
