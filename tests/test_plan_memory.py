@@ -171,8 +171,8 @@ def test_the_tp_proof_raises_a_ranks_own_failure_instead_of_refusing_the_plan(mo
     from torch import nn
 
     from merak.distributed.liveness import PeerFailureError
-    from merak.tensor_parallel import proof
-    from merak.tensor_parallel.proof import PlanRefused
+    from merak.tensor_parallel.tracing import proof
+    from merak.tensor_parallel.tracing.proof import PlanRefused
 
     model = nn.Sequential(nn.Linear(2, 2))
     example = proof.Example(members=["0"], skeleton=nn.Linear(2, 2), inputs=None, read=[True])

@@ -16,7 +16,7 @@ import torch
 
 from merak.rules import candidate_fields
 from merak.schedule.registry import SCHEDULES
-from merak.tensor_parallel.plans import TPPlan
+from merak.tensor_parallel.plans.tp_plan import TPPlan
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from merak.partition.auto import SPLIT_METHODS, TRACE_METHODS
 from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
 from merak.schedule.registry import SCHEDULES
 from merak.stages import assign
-from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan
+from merak.tensor_parallel.plans.tp_plan import LAYER_LIST_KEYS, TPPlan
 from merak.trainer.argument_checks import ArgumentChecks
 from merak.trainer.argument_ranges import check_ranges
 from merak.trainer.config_bases import keep_declared_defaults

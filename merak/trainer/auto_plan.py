@@ -23,7 +23,7 @@ def sequence_parallel_settings(args, config, ctx) -> tuple[bool, ...]:
     """What the planner may try: sequence parallelism where the TP plan the job will use
     can split the sequence (what else excludes it is `merak.rules`')."""
     from merak.strategy.search import sequence_parallel_choices
-    from merak.tensor_parallel.plans import registered_plan
+    from merak.tensor_parallel.plans.tp_plan import registered_plan
 
     return sequence_parallel_choices(config, args.tp_plan or registered_plan(ctx))
 

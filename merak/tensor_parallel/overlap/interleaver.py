@@ -1,5 +1,5 @@
 """Stackful coroutines on threads, for level 2 of sub-pipelined TP
-(`merak.tensor_parallel.overlap`).
+(`merak.tensor_parallel.overlap.levels`).
 
 A level-2 block runs its own, unchanged forward once per sub-batch, and each sub-batch must
 suspend deep inside the model's attention or MLP code (in a row-parallel layer, right after

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from merak.tensor_parallel.collectives import (
+from merak.tensor_parallel.layers.collectives import (
     gather_from_tp,
     gather_sequence,
     scatter_to_tp,
     tracing,
 )
-from merak.tensor_parallel.plans import matches
+from merak.tensor_parallel.plans.tp_plan import matches
 
 
 def _with_first_tensor(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:

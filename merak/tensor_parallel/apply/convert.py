@@ -1,6 +1,6 @@
 """Convert a model's modules by a tensor-parallel plan, in place: the sharding itself, once the
-plan is chosen and checked (`merak.tensor_parallel.apply.apply_tensor_parallel` chooses it;
-`merak.tensor_parallel.infer` tries a candidate plan on a meta copy with it).
+plan is chosen and checked (`merak.tensor_parallel.apply.apply.apply_tensor_parallel` chooses it;
+`merak.tensor_parallel.apply.infer` tries a candidate plan on a meta copy with it).
 
 The converted modules keep their names, so each rank materializes or loads exactly its shard
 (`ShardSpec`).
@@ -16,12 +16,13 @@ from torch import nn
 
 from merak import lora
 from merak.stages.blocks import find_blocks, within
-from merak.tensor_parallel import layers, lora_adapters, proof, wrappers
-from merak.tensor_parallel.hf_styles import STYLE_MEANINGS
-from merak.tensor_parallel.overlap import set_tp_overlap
-from merak.tensor_parallel.plans import HEAD_ATTRS, TPPlan, matches
-from merak.tensor_parallel.rng import install_tp_rng
-from merak.tensor_parallel.sequence import enable_sequence_parallel
+from merak.tensor_parallel.layers import lora_adapters, megatron, wrappers
+from merak.tensor_parallel.layers.rng import install_tp_rng
+from merak.tensor_parallel.layers.sequence import enable_sequence_parallel
+from merak.tensor_parallel.overlap.levels import set_tp_overlap
+from merak.tensor_parallel.plans.hf_styles import STYLE_MEANINGS
+from merak.tensor_parallel.plans.tp_plan import HEAD_ATTRS, TPPlan, matches
+from merak.tensor_parallel.tracing import proof
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class TPInfo:
     sequence_parallel: bool
     styles: Mapping[str, str] = field(default_factory=dict)  # converted name -> its TP style
     # for a plan to prove before use (``plan.check``): each block structure's unsharded copy and
-    # inputs (`merak.tensor_parallel.proof.collect`), which `merak.parallelize` proves it with
+    # inputs (`merak.tensor_parallel.tracing.proof.collect`), which `merak.parallelize` proves it
+    # with
     examples: tuple = ()
 
     def style_of(self, name: str) -> str:
@@ -101,9 +103,9 @@ def convert(model: nn.Module, ctx, plan: TPPlan, *, parallel_vocab: bool = False
         converted += _split_vocabulary(model, plan, group, rank, tp, cache)
     _mark_partial_grads(model, plan, sequence_parallel, in_block)
     tp_modules = {name: lora.base_layer(m) for name, m in named if name in converted}
-    install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, layers.ColumnParallel)
+    install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, megatron.ColumnParallel)
                            and not m.gather_output],
-                   [m for m in tp_modules.values() if isinstance(m, layers.RowParallel)],
+                   [m for m in tp_modules.values() if isinstance(m, megatron.RowParallel)],
                    [model.get_submodule(b) for b in blocks], rank, sequence_parallel)
     if sequence_parallel:
         enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
@@ -143,11 +145,11 @@ def _convert_linears(named, plan: TPPlan, config, group, rank: int, tp: int, cac
             if chunks is None and parts and isinstance(module, nn.Linear):
                 chunks = (module.out_features // parts,) * parts
             gather = _any(name, plan.gather_output)
-            layers.make_column_parallel_(module, name, group, rank, tp, chunks=chunks,
+            megatron.make_column_parallel_(module, name, group, rank, tp, chunks=chunks,
                                          gather_output=gather, cache=cache, **sp)
             desc = "column-parallel" + (", output all-gathered" if gather else "")
         elif style == "row":
-            layers.make_row_parallel_(module, name, group, rank, tp, cache=cache, **sp)
+            megatron.make_row_parallel_(module, name, group, rank, tp, cache=cache, **sp)
             module.input_is_parallel = not _any(name, plan.split_input)
             desc = "row-parallel" + ("" if module.input_is_parallel else ", full input sliced")
         else:
@@ -179,7 +181,7 @@ def _convert_other_styles(named, plan: TPPlan, config, group, rank: int, tp: int
     converted = []
     for name, module in named:
         if _any(name, plan.vocab_parallel):
-            layers.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
+            megatron.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
             desc = "vocab-parallel embedding"
         elif _any(name, plan.embedding_dim):
             wrappers.make_embedding_dim_parallel_(module, name, group, rank, tp, cache)
@@ -208,7 +210,7 @@ def _convert_other_styles(named, plan: TPPlan, config, group, rank: int, tp: int
 def _sharded_parents(named, plan: TPPlan) -> set[str]:
     """Modules directly holding a column-parallel layer whose output stays sharded."""
     return {name.rpartition(".")[0] for name, m in named
-            if isinstance(lora.base_layer(m), layers.ColumnParallel)
+            if isinstance(lora.base_layer(m), megatron.ColumnParallel)
             and not lora.base_layer(m).gather_output}
 
 
@@ -256,7 +258,7 @@ def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict
                 if chunks is not None:  # (dim, period): each period split apart
                     chunks = (chunks,) * (param.shape[dim] // chunks)
                 setattr(module, param_name,
-                        layers.shard_parameter(param, dim, rank, tp, chunks, cache))
+                        megatron.shard_parameter(param, dim, rank, tp, chunks, cache))
                 styles[full] = _describe(plan, full, f"split along dim {dim}")
             elif bare is not None:
                 dim, parts = bare
@@ -268,7 +270,7 @@ def _divide_and_shard_heads(named, plan: TPPlan, rank: int, tp: int, cache: dict
                                                         else "") + "; choose a tp that divides "
                                      "it (for experts: the config's moe_intermediate_size / "
                                      "intermediate_size)")
-                setattr(module, param_name, layers.shard_parameter(
+                setattr(module, param_name, megatron.shard_parameter(
                     param, dim, rank, tp, (size // parts,) * parts, cache))
                 styles[full] = _describe(plan, full, f"split along dim {dim}")
             else:
@@ -284,9 +286,9 @@ def _split_vocabulary(model: nn.Module, plan: TPPlan, group, rank: int, tp: int,
     converted = []
     for name, module in model.named_modules():
         if any(matches(name, p) for p in plan.embeddings):
-            layers.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
+            megatron.make_vocab_parallel_(module, name, group, rank, tp, cache=cache)
         elif any(matches(name, p) for p in plan.lm_head):
-            layers.make_column_parallel_(module, name, group, rank, tp, gather_output=True,
+            megatron.make_column_parallel_(module, name, group, rank, tp, gather_output=True,
                                          cache=cache)
         else:
             continue

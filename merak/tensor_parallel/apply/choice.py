@@ -8,8 +8,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from merak.tensor_parallel.hf_styles import plan_fields_from_hf
-from merak.tensor_parallel.plans import (
+from merak.tensor_parallel.plans.hf_styles import plan_fields_from_hf
+from merak.tensor_parallel.plans.tp_plan import (
     DIVISIBLE_CONFIG_ATTRS,
     FAMILY_PLANS,
     TPPlan,
@@ -21,7 +21,7 @@ from merak.tensor_parallel.plans import (
 
 def _from_config_plan(config) -> TPPlan | None:
     """A plan from the config's own ``base_model_tp_plan`` (every transformers style, see
-    `merak.tensor_parallel.hf_styles`); None when it has none or it splits nothing."""
+    `merak.tensor_parallel.plans.hf_styles`); None when it has none or it splits nothing."""
     table = getattr(config, "base_model_tp_plan", None) or {}
     if not table and hasattr(config, "get_text_config"):
         try:
@@ -46,7 +46,7 @@ def plan_for(model: nn.Module, ctx: object = None,
     """The plan to shard `model` with: `plan` when given (see `as_tp_plan`), else the one
     recorded by `merak.set_tp_layer_lists` for the job of `ctx` (`registered_plan`), else the
     family's table entry, else the config's ``base_model_tp_plan``, else the plan inferred from
-    its blocks for ``ctx.tp`` ranks (`merak.tensor_parallel.infer`); when inference places
+    its blocks for ``ctx.tp`` ranks (`merak.tensor_parallel.apply.infer`); when inference places
     nothing, an error with its reasons and naming `merak.set_tp_layer_lists`. A table or config
     plan that does not support this config's variant (``unsupported``: Falcon's multi-query
     attention) or that needs tp to divide a count of 1 (DeepSeek-V4's one K/V head) gives way
@@ -68,7 +68,7 @@ def plan_for(model: nn.Module, ctx: object = None,
             else None
     if found is not None and refused is None:
         return found
-    from merak.tensor_parallel.infer import infer_plan
+    from merak.tensor_parallel.apply.infer import infer_plan
 
     try:
         inferred = infer_plan(model, tp, device)

@@ -1,5 +1,5 @@
 """How each torch op of a recorded block treats a sharded value, for
-`merak.tensor_parallel.propagate` (the layout, `Shard`, is in `merak.tensor_parallel.shards`).
+`merak.tensor_parallel.tracing.propagate` (the layout, `Shard`, is in `.shards`).
 
 Each rule gets the walk (`propagate._Pass`: ``of``, ``set``, ``meet``, ``fail``, ``parts``,
 ``need_divided``, ``region``, ``tp``), the node and the op's name, and sets the shards of the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch.utils import _pytree as pytree
 
-from merak.tensor_parallel.shards import (
+from merak.tensor_parallel.tracing.shards import (
     Shard,
     arg,
     dim_list,
@@ -21,7 +21,7 @@ from merak.tensor_parallel.shards import (
     size_args,
     tensors,
 )
-from merak.tensor_parallel.trace import Node, Value
+from merak.tensor_parallel.tracing.trace import Node, Value
 
 ACTIVATIONS = {"gelu", "silu", "relu", "tanh", "sigmoid", "softplus", "elu", "leaky_relu", "mish",
                "hardswish", "relu6", "selu", "celu", "erf", "hardsigmoid", "logsigmoid",

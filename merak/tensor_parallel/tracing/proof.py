@@ -2,7 +2,7 @@
 
 Before the model is sharded, `collect` keeps, for the first block of each structure, an
 unsharded copy on the meta device and the shapes of its inputs (captured with the model's real
-call signature on fake weights, `merak.tensor_parallel.trace`). Once this rank's stage is
+call signature on fake weights, `merak.tensor_parallel.tracing.trace`). Once this rank's stage is
 materialized or loaded (`merak.parallelize`), `prove_plan` takes one block of each structure the
 rank holds, builds the unsharded block from the same weights (sharded parameters gathered over
 the tp group), and runs both on the same small random inputs, forward and backward, in eval mode
@@ -26,8 +26,14 @@ from torch.utils import _pytree as pytree
 
 from merak.distributed import liveness
 from merak.distributed.host_objects import all_gather_objects
-from merak.tensor_parallel.diagnose import explain_tp_failure
-from merak.tensor_parallel.trace import capture_blocks, fake_run, meta_copy, plain, signature
+from merak.tensor_parallel.tracing.diagnose import explain_tp_failure
+from merak.tensor_parallel.tracing.trace import (
+    capture_blocks,
+    fake_run,
+    meta_copy,
+    plain,
+    signature,
+)
 
 RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}  # else (bf16, fp16): 5e-2
 ATOL = 1e-5

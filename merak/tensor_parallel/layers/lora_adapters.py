@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from merak.lora import is_lora_layer
-from merak.tensor_parallel import layers
+from merak.tensor_parallel.layers import megatron
 
 
 def shard_adapters(module: nn.Module, name: str, style: str, group, rank: int, tp: int, *,
@@ -21,11 +21,11 @@ def shard_adapters(module: nn.Module, name: str, style: str, group, rank: int, t
             raise ValueError(f"{name}: tensor-parallel LoRA needs linear adapters, got "
                              f"{type(lora_a).__name__} / {type(lora_b).__name__}")
         if style == "column":
-            layers.make_column_parallel_(lora_b, f"{name}.lora_B.{adapter}", group, rank, tp,
+            megatron.make_column_parallel_(lora_b, f"{name}.lora_B.{adapter}", group, rank, tp,
                                          chunks=chunks, gather_output=gather_output,
                                          cache=cache)
         else:
-            layers.make_row_parallel_(lora_a, f"{name}.lora_A.{adapter}", group, rank, tp,
+            megatron.make_row_parallel_(lora_a, f"{name}.lora_A.{adapter}", group, rank, tp,
                                       cache=cache)
             lora_a.input_is_parallel = input_is_parallel
 

@@ -1,10 +1,10 @@
 """Tensor-parallel conversions of modules that are not plain linear layers (transformers' plan
 styles `moe_tp_experts` / `all_reduce`, `moe_identity_expert`, `mla_kv_a_proj`,
-`embedding_colwise`; see `merak.tensor_parallel.hf_styles`), and block inputs sliced per rank
+`embedding_colwise`; see `merak.tensor_parallel.plans.hf_styles`), and block inputs sliced per rank
 (inferred plans' `split_inputs`).
 
-As in `merak.tensor_parallel.layers`, a module is converted in place by swapping its class for
-a subclass that adds the collectives around the original forward, so its parameters keep their
+As in `merak.tensor_parallel.layers.megatron`, a module is converted in place by swapping its class
+for a subclass that adds the collectives around the original forward, so its parameters keep their
 names and every reference to it sees the change.
 """
 
@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from merak.tensor_parallel.collectives import (
+from merak.tensor_parallel.layers.collectives import (
     copy_to_tp,
     gather_from_tp,
     reduce_from_tp,
     scatter_to_tp,
 )
-from merak.tensor_parallel.layers import _TPMixin, shard_parameter
+from merak.tensor_parallel.layers.megatron import _TPMixin, shard_parameter
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
@@ -181,7 +181,7 @@ class SplitInputs:
 
 def split_inputs_(module: nn.Module, entries, group, rank: int, size: int) -> None:
     """Slice `module`'s inputs per rank before it runs: `entries` are (path among its named
-    inputs (`merak.tensor_parallel.trace.named_inputs`), dim, period) triples (see
+    inputs (`merak.tensor_parallel.tracing.trace.named_inputs`), dim, period) triples (see
     `take_periods`), e.g. ALiBi biases of every head sliced to this rank's heads."""
     _swap_class(module, SplitInputs)
     module.split_entries = {path: (dim, period) for path, dim, period in entries}

@@ -44,7 +44,7 @@ def communicates(group: dist.ProcessGroup | None) -> bool:
 
 def all_reduce_async(x: torch.Tensor, group) -> tuple[torch.Tensor, dist.Work]:
     """Start summing `x` over `group` in place of a contiguous copy; returns (that buffer, the
-    `Work` to wait on before reading it). For `merak.tensor_parallel.overlap`."""
+    `Work` to wait on before reading it). For `merak.tensor_parallel.overlap.levels`."""
     x = x.contiguous()
     return x, dist.all_reduce(x, group=group, async_op=True)
 

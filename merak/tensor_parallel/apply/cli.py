@@ -42,8 +42,8 @@ def plan_text(config, tp: int = 2, infer: bool = False) -> str:
     import transformers as tf
 
     from merak.materialize.meta import init_empty_weights
-    from merak.tensor_parallel.infer import format_plan, infer_plan
-    from merak.tensor_parallel.plan_choice import config_plan
+    from merak.tensor_parallel.apply.choice import config_plan
+    from merak.tensor_parallel.apply.infer import format_plan, infer_plan
 
     with init_empty_weights():
         model = tf.AutoModelForCausalLM.from_config(config)

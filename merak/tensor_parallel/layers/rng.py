@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from merak.tensor_parallel.collectives import tracing
+from merak.tensor_parallel.layers.collectives import tracing
 
 _OFFSET = 2718
 

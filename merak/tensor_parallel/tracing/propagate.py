@@ -1,5 +1,5 @@
 """Where a set of column-parallel linears puts sharded values in one recorded block
-(`merak.tensor_parallel.trace`), op by op, and what else that asks of the plan.
+(`merak.tensor_parallel.tracing.trace`), op by op, and what else that asks of the plan.
 
 A sharded value holds, along one dim, this rank's part of a tp-way split: a dim index reads
 ``hi * (tp * pos) + rank * pos + lo`` (`Shard`: ``pos`` elements of each period of ``tp * pos``).
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from torch.utils import _pytree as pytree
 
-from merak.tensor_parallel.op_rules import (
+from merak.tensor_parallel.tracing.op_rules import (
     ACTIVATIONS,
     CREATE,
     NARY,
@@ -35,7 +35,7 @@ from merak.tensor_parallel.op_rules import (
     split,
     unary,
 )
-from merak.tensor_parallel.shards import (
+from merak.tensor_parallel.tracing.shards import (
     Shard,
     Unplaceable,
     map_view,
@@ -44,7 +44,7 @@ from merak.tensor_parallel.shards import (
     tensors,
     view_groups,
 )
-from merak.tensor_parallel.trace import SHAPE, BlockTrace, Node, Value, describe, sources_of
+from merak.tensor_parallel.tracing.trace import SHAPE, BlockTrace, Node, Value, describe, sources_of
 
 
 @dataclass

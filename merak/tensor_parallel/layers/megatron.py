@@ -27,7 +27,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from merak.materialize.meta import RECORD_ATTR, storage_key
-from merak.tensor_parallel.collectives import (
+from merak.tensor_parallel.layers.collectives import (
     copy_to_tp,
     gather_from_tp,
     reduce_from_tp,
@@ -100,7 +100,8 @@ class _TPMixin:
     tp_group: dist.ProcessGroup | None
     sequence_parallel: bool = False
     sequence_dim: int = 1
-    # sub-pipelined TP: a `merak.tensor_parallel.overlap.LayerOverlap`, set by `set_tp_overlap`
+    # sub-pipelined TP: a `merak.tensor_parallel.overlap.levels.LayerOverlap`, set by
+    # `set_tp_overlap`
     tp_overlap = None
 
 

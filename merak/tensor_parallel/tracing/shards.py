@@ -1,5 +1,5 @@
 """The layout of a sharded value in a recorded block, and how views and permutations move it
-(`merak.tensor_parallel.op_rules`, `merak.tensor_parallel.propagate`).
+(`merak.tensor_parallel.tracing.op_rules`, `merak.tensor_parallel.tracing.propagate`).
 
 A value sharded by `Shard(dim, pos)` holds, along `dim`, the elements whose index reads
 ``hi * (tp * pos) + rank * pos + lo``: ``pos`` of every period of ``tp * pos``. A column's
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.utils import _pytree as pytree
 
-from merak.tensor_parallel.trace import Node, Value
+from merak.tensor_parallel.tracing.trace import Node, Value
 
 
 class Unplaceable(Exception):

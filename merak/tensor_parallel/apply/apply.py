@@ -1,8 +1,8 @@
 """Apply a tensor-parallel plan to a (meta-built) model, in place, before it is split.
 
 Build order: meta model -> `apply_tensor_parallel` -> `auto_split` -> materialize own
-stage -> dp. The plan is chosen (`merak.tensor_parallel.plan_choice`) and checked here, and the
-modules converted by `merak.tensor_parallel.convert`: they keep their names, so each rank
+stage -> dp. The plan is chosen (`merak.tensor_parallel.apply.choice`) and checked here, and the
+modules converted by `merak.tensor_parallel.apply.convert`: they keep their names, so each rank
 materializes or loads exactly its shard (`ShardSpec`), and the pipeline split keeps the TP
 modules that live outside the repeated blocks (embedding, LM head) as opaque eager calls.
 """
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext, get_context
-from merak.tensor_parallel.convert import TPInfo, convert  # noqa: F401 - TPInfo: its type
-from merak.tensor_parallel.overlap import check_overlap_args
-from merak.tensor_parallel.plan_choice import plan_for
-from merak.tensor_parallel.plans import TPPlan, as_tp_plan, plan_refusal
+from merak.tensor_parallel.apply.choice import plan_for
+from merak.tensor_parallel.apply.convert import TPInfo, convert  # noqa: F401 - TPInfo: its type
+from merak.tensor_parallel.overlap.levels import check_overlap_args
+from merak.tensor_parallel.plans.tp_plan import TPPlan, as_tp_plan, plan_refusal
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, *,
@@ -32,7 +32,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext | None = None, 
     the family's, else the config's ``base_model_tp_plan`` (`plan_choice.plan_for`).
 
     `overlap_level` and `overlap_sub_batches` (sub-pipelined TP, ``tp_overlapping_level``) are
-    passed to `merak.tensor_parallel.overlap.set_tp_overlap` once the model is converted.
+    passed to `merak.tensor_parallel.overlap.levels.set_tp_overlap` once the model is converted.
 
     Raises:
         ValueError: tp does not divide a head count or size (the error names the attribute), the

@@ -38,28 +38,27 @@ class TPPlan:
     divided (for forwards that read head counts from ``self.config``); `unsupported` returns a
     reason when a config variant cannot be sharded.
 
-    The fields after `source` carry transformers' plan styles (`merak.tensor_parallel.hf_styles`
-    says which style gives which): `gather_output` column layers whose output is all-gathered;
-    `split_input` row layers fed the full input (each slices its part); `packed` column layers or
-    parameters whose split dimension packs that many equal parts (each split apart);
-    `param_shards` bare parameters split along their output (``"out"``: dim ``ndim - 2``, 0 for a
-    vector) or input (``"in"``: the last) dim; `partial_sum` modules whose output is a per-rank
-    partial sum (sharded experts: floating inputs all-reduced in backward, output summed);
-    `scaled_identity` identity experts inside those (input divided by tp); `rope_grad` MLA
-    ``kv_a_proj`` layers (gradient of the last ``qk_rope_head_dim`` features summed);
-    `vocab_parallel` / `embedding_dim` embeddings inside the blocks split by rows / features;
-    `divide_heads` divides the head counts (`HEAD_ATTRS`) of every module holding a
-    column-parallel layer whose output stays sharded, and of its private config; `divisible`
-    more config attributes tp must divide; `hf_styles` the (pattern, style) entries it came
-    from.
+    The fields after `source` carry transformers' plan styles
+    (`merak.tensor_parallel.plans.hf_styles` says which style gives which): `gather_output` column
+    layers whose output is all-gathered; `split_input` row layers fed the full input (each slices
+    its part); `packed` column layers or parameters whose split dimension packs that many equal
+    parts (each split apart); `param_shards` bare parameters split along their output (``"out"``:
+    dim ``ndim - 2``, 0 for a vector) or input (``"in"``: the last) dim; `partial_sum` modules whose
+    output is a per-rank partial sum (sharded experts: floating inputs all-reduced in backward,
+    output summed); `scaled_identity` identity experts inside those (input divided by tp);
+    `rope_grad` MLA ``kv_a_proj`` layers (gradient of the last ``qk_rope_head_dim`` features
+    summed); `vocab_parallel` / `embedding_dim` embeddings inside the blocks split by rows /
+    features; `divide_heads` divides the head counts (`HEAD_ATTRS`) of every module holding a
+    column-parallel layer whose output stays sharded, and of its private config; `divisible` more
+    config attributes tp must divide; `hf_styles` the (pattern, style) entries it came from.
 
     The fields after `hf_styles` come with plans inferred from the traced blocks
-    (`merak.tensor_parallel.infer`): `fused` may give the sizes themselves, and `head_sharded`
+    (`merak.tensor_parallel.apply.infer`): `fused` may give the sizes themselves, and `head_sharded`
     a (dim, period) pair: each period of that many elements along the dim is split apart;
     `split_inputs` block inputs sliced per rank the same way, as (argument path in
     ``(args, kwargs)``, dim, period) entries per block pattern (BLOOM's ALiBi biases, one per
     head); `notes` why layers stay replicated; `check` asks for the proof before training (each
-    rank's sharded block against the unsharded one, `merak.tensor_parallel.proof`)."""
+    rank's sharded block against the unsharded one, `merak.tensor_parallel.tracing.proof`)."""
 
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()

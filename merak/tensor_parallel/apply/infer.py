@@ -1,13 +1,13 @@
 """Tensor-parallel plans inferred from what a family's blocks do, for families with neither a
 hand-written plan (`FAMILY_PLANS`) nor a config ``base_model_tp_plan``, or whose plan does not
-support the config (`merak.tensor_parallel.plan_choice`).
+support the config (`merak.tensor_parallel.apply.choice`).
 
 The first block of each structure is recorded op by op on fake weights
-(`merak.tensor_parallel.trace`). Each of its linear layers, in the order they run, is tried as
-the seed of a group: made column-parallel, its sharded output is followed through the block
-(`merak.tensor_parallel.propagate`). A group is placed when that output is split into attention
-heads (viewed by a head count) or goes through an element-wise activation, and every sharded
-value ends in a linear that reads it whole along its input features (row-parallel), or in a
+(`merak.tensor_parallel.tracing.trace`). Each of its linear layers, in the order they run, is
+tried as the seed of a group: made column-parallel, its sharded output is followed through the block
+(`merak.tensor_parallel.tracing.propagate`). A group is placed when that output is split into
+attention heads (viewed by a head count) or goes through an element-wise activation, and every
+sharded value ends in a linear that reads it whole along its input features (row-parallel), or in a
 block output the model never reads. What the walk meets on the way joins the group: the other
 linears whose outputs meet the sharded values (the keys and values of the queries' heads), fused
 parts of an output (q/k/v or gate/up, each split apart), parameters and block inputs along the
@@ -18,8 +18,8 @@ stays replicated, which is exact, only less sharded, and the plan's ``notes`` sa
 a group the sharded model cannot run with (tried on a meta copy at rank 0's shapes: a shape
 check the model makes in Python is not in the trace).
 
-An inferred plan has ``check=True``: before training, `merak.tensor_parallel.proof` runs each
-rank's sharded block against the unsharded one and refuses a plan that does not match.
+An inferred plan has ``check=True``: before training, `merak.tensor_parallel.tracing.proof` runs
+each rank's sharded block against the unsharded one and refuses a plan that does not match.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from merak import lora
-from merak.tensor_parallel.convert import convert
-from merak.tensor_parallel.plans import TPPlan, matches, plan_refusal
-from merak.tensor_parallel.propagate import Region, propagate
-from merak.tensor_parallel.shards import Unplaceable
-from merak.tensor_parallel.trace import (
+from merak.tensor_parallel.apply.convert import convert
+from merak.tensor_parallel.plans.tp_plan import TPPlan, matches, plan_refusal
+from merak.tensor_parallel.tracing.propagate import Region, propagate
+from merak.tensor_parallel.tracing.shards import Unplaceable
+from merak.tensor_parallel.tracing.trace import (
     BlockTrace,
     fake_run,
     meta_copy,

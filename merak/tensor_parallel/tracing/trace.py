@@ -1,4 +1,4 @@
-"""One block's forward recorded op by op, for plan inference (`merak.tensor_parallel.infer`).
+"""One block's forward recorded op by op, for plan inference (`merak.tensor_parallel.apply.infer`).
 
 The model runs once on a small batch, its parameters and buffers swapped for fake tensors on the
 device it will train on (`FakeWeights`: no memory, no compute, and transformers takes its

@@ -34,12 +34,12 @@ sub-batches A and B of a Llama or GPT-2 block::
   masks of level 0), so level 2 equals level 0 only without dropout; weight gradients are sums
   over sub-batches, equal to level 0's up to float rounding.
 
-The sub-batches are coroutines on threads, one running at a time (`merak.tensor_parallel.
-interleaver` says why and how): collectives, random draws and autograd nodes are issued in the
-same order on every rank. A block called under saved-tensor hooks (activation recomputation, the
-pipeline's memory meter, offload: those hooks are thread-local and must see the block's saved
-tensors in one order) or with a KV cache (sub-batches cannot share one) runs whole, its TP layers
-as at level 1; while tracing or compiling, everything runs as at level 0.
+The sub-batches are coroutines on threads, one running at a time
+(`merak.tensor_parallel.overlap.interleaver` says why and how): collectives, random draws and
+autograd nodes are issued in the same order on every rank. A block called under saved-tensor hooks
+(activation recomputation, the pipeline's memory meter, offload: those hooks are thread-local and
+must see the block's saved tensors in one order) or with a KV cache (sub-batches cannot share one)
+runs whole, its TP layers as at level 1; while tracing or compiling, everything runs as at level 0.
 
 On CPU (gloo) the all-reduces run on gloo's own threads, which compete with compute for the same
 cores: expect small gains there (``bench/tp_overlap.py`` measures them). Sequence parallelism is
@@ -57,9 +57,9 @@ from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
 from transformers.pytorch_utils import Conv1D
 
-from merak.tensor_parallel.collectives import all_reduce_async, communicates, tracing
-from merak.tensor_parallel.interleaver import Interleaver
-from merak.tensor_parallel.layers import ColumnParallel, RowParallel
+from merak.tensor_parallel.layers.collectives import all_reduce_async, communicates, tracing
+from merak.tensor_parallel.layers.megatron import ColumnParallel, RowParallel
+from merak.tensor_parallel.overlap.interleaver import Interleaver
 
 LEVELS = {0: "off", 1: "within each TP layer pair", 2: "across a block's attention and MLP"}
 _NO_SEQUENCE_PARALLEL = ("tp overlap levels 1 and 2 do not support sequence parallelism yet; set "
