@@ -186,7 +186,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "energy (output_dir/energy_steps.csv) and is needed by the options below"))
     simulated_gpu: str | None = field(default=None, metadata=_help("energy",
         "JSON overrides of the simulated GPU model, e.g. "
-        "'{\"forward_s\": 0.01, \"clock_step\": 90}' (merak.energy.gpu."
+        "'{\"forward_s\": 0.01, \"clock_step\": 90}' (merak.energy.profiling.gpu."
         "SyntheticGPUModel)"))
     energy_profile: str | None = field(default=None, metadata=_help("energy",
         "profile mode: train() measures every compute instruction at each GPU clock, "

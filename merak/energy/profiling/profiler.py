@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from merak.distributed.host_objects import all_gather_objects
-from merak.energy.gpu import GPUControl
-from merak.energy.profile_data import COMPUTE, ProfileRow
+from merak.energy.profiling.gpu import GPUControl
+from merak.energy.profiling.profile_data import COMPUTE, ProfileRow
 from merak.runtime.hooks import InstructionHook
 from merak.schedule.actions import Action
 

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 
 from merak.distributed.host_objects import all_gather_objects, broadcast_object
-from merak.energy.pfo_protocol import (
+from merak.energy.service.pfo_protocol import (
     GET_FREQUENCY_SCHEDULE_URL,
     REGISTER_JOB_URL,
     REGISTER_RANK_URL,

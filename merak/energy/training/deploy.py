@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from merak.energy.gpu import GPUControl
-from merak.energy.plan_file import ClockPlanError
-from merak.energy.profile_data import COMPUTE
+from merak.energy.planning.plan_file import ClockPlanError
+from merak.energy.profiling.gpu import GPUControl
+from merak.energy.profiling.profile_data import COMPUTE
 from merak.runtime.hooks import InstructionHook
 from merak.schedule.actions import Action
 

@@ -10,11 +10,11 @@ after it resets them (`released`). While any device is locked, three things stan
   They are taken down again once nothing is locked (unless someone installed a handler since).
   With `faulthandler` enabled, SIGABRT stays its (a traceback dump matters more when NCCL
   aborts; the watchdog resets the clocks then).
-- A watchdog process (`merak.energy.clock_watchdog`), started once per process, in a session
-  of its own (torchrun signals its workers' process groups). It resets whatever is still locked
-  when this process dies without running any of the above: SIGKILL, a crash, or an ``abort()``
-  inside the process (the NCCL watchdog's: glibc's abort ends the process before a Python
-  handler can run).
+- A watchdog process (`merak.energy.profiling.clock_watchdog`), started once per process, in a
+  session of its own (torchrun signals its workers' process groups). It resets whatever is still
+  locked when this process dies without running any of the above: SIGKILL, a crash, or an
+  ``abort()`` inside the process (the NCCL watchdog's: glibc's abort ends the process before a
+  Python handler can run).
 
 Standard library only, like the watchdog; no torch.
 """
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 WATCHDOG = Path(__file__).with_name("clock_watchdog.py")
-NVML_RESET = "merak.energy.clock_watchdog:reset_nvml"  # clock_watchdog.NVML_RESET
+NVML_RESET = "merak.energy.profiling.clock_watchdog:reset_nvml"  # clock_watchdog.NVML_RESET
 SIGNALS = (signal.SIGTERM, signal.SIGABRT)
 
 

@@ -1,5 +1,5 @@
-"""Energy planner wall time and savings on the reference synthetic GPU
-(`merak.energy.gpu.SyntheticGPUModel`).
+"""The clock frontier (`merak energy plan`): wall time and savings on the reference synthetic GPU
+(`merak.energy.profiling.gpu.SyntheticGPUModel`).
 
 For (stages, micro-batches) in (4, 8), (8, 16), (8, 32): the all-max-clock iteration, the
 default plan (minimum energy at no slowdown), the plan at 1% slowdown (MerakTrainer's
@@ -16,8 +16,8 @@ A GPU model that is none of the project's presets (`HELD_OUT`: an H100-like rang
 less compute-bound, more dynamic power) is planned too (4x8 1F1B): the energy saved at +0.5%
 time (target: at least 15%).
 
-    python bench/energy_planner.py [--sizes 4x8,8x16,8x32] [--unit-time 0.001] [--coarse 4]
-                                   [--schedules 1f1b,zero_bubble,...|all] [--lowtime 8x32|none]
+    python bench/energy_frontier.py [--sizes 4x8,8x16,8x32] [--unit-time 0.001] [--coarse 4]
+                                    [--schedules 1f1b,zero_bubble,...|all] [--lowtime 8x32|none]
 
 Other schedules plan over their own instructions (recompute for Merak's schedules, which get
 activation recomputation; backward_input / backward_weight for zero_bubble; 2 model chunks per
@@ -33,9 +33,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from merak.energy.gpu import SyntheticGPUModel
-from merak.energy.planner import EnergyPlanner
-from merak.energy.profile_data import aggregate, synthetic_profile
+from merak.energy.planning.frontier import ClockFrontier
+from merak.energy.profiling.gpu import SyntheticGPUModel
+from merak.energy.profiling.profile_data import aggregate, synthetic_profile
 from merak.schedule.registry import SCHEDULES, make_schedule
 
 
@@ -94,7 +94,7 @@ HELD_OUT = SyntheticGPUModel(max_clock=1980, min_clock=1005, clock_step=15, comp
 
 
 def _planner(name: str, size: str, unit_time: float | None,
-             model: SyntheticGPUModel | None = None) -> EnergyPlanner:
+             model: SyntheticGPUModel | None = None) -> ClockFrontier:
     stages, microbatches = map(int, size.split("x"))
     info = SCHEDULES[name]
     chunks = 2 if info.several_stages_per_rank else 1
@@ -102,7 +102,7 @@ def _planner(name: str, size: str, unit_time: float | None,
                                                 chunks=chunks))
     schedule = make_schedule(name, stages, microbatches, stages_per_rank=chunks,
                              recompute=info.needs_recompute)
-    return EnergyPlanner(schedule, profiles, p2p, unit_time=unit_time)
+    return ClockFrontier(schedule, profiles, p2p, unit_time=unit_time)
 
 
 def _timed(run):
@@ -111,7 +111,7 @@ def _timed(run):
     return time.perf_counter() - start, result
 
 
-def _chosen(planner: EnergyPlanner, points) -> tuple:
+def _chosen(planner: ClockFrontier, points) -> tuple:
     """The plans at no slowdown and at 1%."""
     base_time = planner.evaluate(planner.max_clock_plan())[0]
     return planner.choose(points, base_time), planner.choose(points, base_time, max_slowdown=0.01)

@@ -4,7 +4,7 @@
 and unlocking the SM clock, a cumulative energy counter in joules, and waiting for the device.
 Kernels run asynchronously to the host, so whoever reads the counter or changes the clock at an
 instruction boundary first calls `synchronize` (then reads, then sets: see
-`merak.energy.profiler`); the GPU itself never synchronises behind the caller's back.
+`merak.energy.profiling.profiler`); the GPU itself never synchronises behind the caller's back.
 
 `SimulatedGPU` stands in for a GPU on CPU machines. Each compute instruction has a reference
 duration at the highest clock (`SyntheticGPUModel.reference_time`, by instruction kind and
@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from merak.energy.clock_guard import ClockGuard, process_guard
+from merak.energy.profiling.clock_guard import ClockGuard, process_guard
 
 
 class GPUControl(ABC):

@@ -11,12 +11,12 @@ operation at the duration (and clock) lowtime's loop leaves it. What costs lowti
   without setting four attrs fields per operation (lowtime's `aoa_to_critical_dag`);
 - no networkx graph per iteration: the critical edges go to the min cut as arrays, with only the
   nodes they touch (a node without critical edges carries no flow);
-- the min cut: `merak.energy.min_cut` computes it exactly in integer units with scipy's max flow
-  (several times faster than lowtime's floating-point Edmonds-Karp), and asks lowtime's
-  compiled one (`_lowtime_rs.PhillipsDessouky.find_min_cut`) wherever lowtime's rounding could
-  break a one-unit tie otherwise (a few percent of iterations; every iteration of a cost model
-  with linear pieces) — so each cut is lowtime's (``MERAK_ENERGY_CHECK_CUTS=1`` checks every
-  one against lowtime's);
+- the min cut: `merak.energy.planning.min_cut` computes it exactly in integer units with scipy's max
+  flow (several times faster than lowtime's floating-point Edmonds-Karp), and asks lowtime's
+  compiled one (`_lowtime_rs.PhillipsDessouky.find_min_cut`) wherever lowtime's rounding could break
+  a one-unit tie otherwise (a few percent of iterations; every iteration of a cost model with linear
+  pieces) — so each cut is lowtime's (``MERAK_ENERGY_CHECK_CUTS=1`` checks every one against
+  lowtime's);
 - flow bounds are computed once per operation spec and duration, and nothing the planner does
   not read is computed per iteration (lowtime's total cost, the DFS for the critical path's
   length): each iteration yields its number, the cost change and the quantized time.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from merak.energy.min_cut import minimal_min_cut
+from merak.energy.planning.min_cut import minimal_min_cut
 
 
 class _PythonMinCut:
@@ -174,7 +174,7 @@ def fast_phillips_dessouky():
     if _FAST is None:
         _FAST = type("FastPhillipsDessouky", (phillips_dessouky(),), {
             "run": _run, "__doc__": "lowtime's solver with `run` walked faster (see "
-                                    "`merak.energy.solver`)."})
+                                    "`merak.energy.planning.solver`)."})
     return _FAST
 
 

@@ -13,8 +13,8 @@ once its schedule is final (after the recomputation planning), before the first 
   interpreter runs (``engine.schedule``: any registered schedule, recomputation, split backward
   and model chunks included) before the first step; with a Perseus server each window of logged
   steps is reported back and the next schedule fetched (a Zeus server may hand out a new one);
-- ``energy_mode="auto"``: `merak.energy.auto.AutoEnergy` profiles, plans in the background and
-  deploys within the run (its `AutoHook` is the interpreter's energy hook: `engine_hook`).
+- ``energy_mode="auto"``: `merak.energy.training.auto.AutoEnergy` profiles, plans in the background
+  and deploys within the run (its `AutoHook` is the interpreter's energy hook: `engine_hook`).
 
 Rank 0 also draws the steps (``energy_steps.png``) and `metrics` gives the run's figures for the
 trainer's final metrics (with a plan: the saving, measured against the all-max steps of the same
@@ -33,9 +33,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from merak.energy.deploy import ClockPlanHook
-from merak.energy.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel, nvml_uuid
-from merak.energy.plan_file import check_clock_plan, load_clock_plan
+from merak.energy.planning.plan_file import check_clock_plan, load_clock_plan
+from merak.energy.profiling.gpu import (
+    NVMLGPU,
+    GPUControl,
+    SimulatedGPU,
+    SyntheticGPUModel,
+    nvml_uuid,
+)
+from merak.energy.training.deploy import ClockPlanHook
 from merak.schedule.actions import ActionKind, Schedule
 from merak.schedule.registry import SCHEDULES, make_schedule
 
@@ -108,7 +114,7 @@ class TrainerEnergy:
             self._plan = self.plan_file["schedules"]
             self.source = args.energy_plan
         elif args.pfo_server_url:
-            from merak.energy.pfo_client import PFOClient, join_job
+            from merak.energy.service.pfo_client import PFOClient, join_job
 
             self.client = PFOClient(args.pfo_server_url)
             self.job_id = join_job(self.client, ctx, self.gpu.supported_clocks(),
@@ -117,7 +123,7 @@ class TrainerEnergy:
         self.hook = ClockPlanHook(self.gpu, None, ctx.pp_rank)
         self.auto = None
         if args.energy_mode == "auto":
-            from merak.energy.auto import AutoEnergy
+            from merak.energy.training.auto import AutoEnergy
 
             self.auto = AutoEnergy(self)
         self.engine_hook = self.auto.hook if self.auto is not None else self.hook
@@ -142,7 +148,7 @@ class TrainerEnergy:
         return by_rank[self.ctx.rank]
 
     def _fetch(self) -> list[tuple[str, int]]:
-        from merak.energy.pfo_client import fetch_schedules
+        from merak.energy.service.pfo_client import fetch_schedules
 
         return self._check(fetch_schedules(self.client, self.job_id, self.ctx))
 
@@ -150,8 +156,8 @@ class TrainerEnergy:
     def profile(self, engine, next_batch: Callable[[], dict]) -> tuple[Path, int]:
         """Profile every clock over training steps; rank 0 writes `energy_profile`. Returns the
         CSV path and the number of clocks profiled."""
-        from merak.energy.profile_data import write_profile
-        from merak.energy.profiler import ClockProfiler, profile_clocks
+        from merak.energy.profiling.profile_data import write_profile
+        from merak.energy.profiling.profiler import ClockProfiler, profile_clocks
 
         self.schedule = engine.schedule
         profiler = ClockProfiler(self.gpu, self.ctx.pp_rank)
@@ -214,7 +220,7 @@ class TrainerEnergy:
         logs = {"step_time_s": round(sum(t for _, t, _ in recent) / len(own), 4),
                 "step_energy_j": round(sum(e for _, _, e in recent) / len(own), 2)}
         if self.client is not None:
-            from merak.energy.pfo_client import PFOError, ProfilingResult
+            from merak.energy.service.pfo_client import PFOError, ProfilingResult
 
             try:
                 self.client.report(self.job_id, ProfilingResult(
@@ -229,7 +235,7 @@ class TrainerEnergy:
         """Rank 0 writes every measured step as ``output_dir/energy_steps.csv`` and draws them
         as ``energy_steps.png`` (a collective: the steps since the last log are gathered
         first)."""
-        from merak.energy.figures import save_steps_png
+        from merak.energy.reporting.figures import save_steps_png
 
         self._gather()
         if self.ctx.rank != 0:

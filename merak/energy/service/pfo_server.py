@@ -1,12 +1,12 @@
 """`merak energy serve`: a Perseus (Zeus PFO) server that hands out `merak energy plan` plans.
 
-It speaks the protocol of `merak.energy.pfo_protocol` (Zeus's endpoints and fields), so Zeus's
-pipeline-frequency client and ours both train from it. Each served plan is matched to a job at
-registration by world size (and by pipeline degree when the plan records it); every rank's
-measured steps are kept per job and, with a results directory, appended there as JSON lines.
-It stays up under any client (`merak.energy.pfo_limits`): request bodies and list lengths are
-capped, few requests are handled at once, results are bounded per job and in all, a reporting
-rank must be one the job registered, NaN is refused, and plans are validated when loaded.
+It speaks the protocol of `merak.energy.service.pfo_protocol` (Zeus's endpoints and fields), so
+Zeus's pipeline-frequency client and ours both train from it. Each served plan is matched to a job
+at registration by world size (and by pipeline degree when the plan records it); every rank's
+measured steps are kept per job and, with a results directory, appended there as JSON lines. It
+stays up under any client (`merak.energy.service.pfo_limits`): request bodies and list lengths are
+capped, few requests are handled at once, results are bounded per job and in all, a reporting rank
+must be one the job registered, NaN is refused, and plans are validated when loaded.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from merak.energy.pfo_limits import RequestLimits, ResultStore
-from merak.energy.pfo_protocol import (
+from merak.energy.planning.plan_file import load_clock_plan, validate_clock_plan
+from merak.energy.service.pfo_limits import RequestLimits, ResultStore
+from merak.energy.service.pfo_protocol import (
     GET_FREQUENCY_SCHEDULE_URL,
     GET_SERVER_INFO_URL,
     REGISTER_JOB_URL,
@@ -31,7 +32,6 @@ from merak.energy.pfo_protocol import (
     ProfilingResult,
     RankInfo,
 )
-from merak.energy.plan_file import load_clock_plan, validate_clock_plan
 
 
 class _Job:

@@ -1,6 +1,6 @@
 """A process that outlives the trainer and resets the GPU clocks the trainer left locked.
 
-`merak.energy.clock_guard` starts it once per trainer process, the first time that process
+`merak.energy.profiling.clock_guard` starts it once per trainer process, the first time that process
 locks a GPU's clocks, and keeps the write end of its stdin. It writes one line per change:
 ``lock <device>`` before locking the clocks of a device (an NVML UUID) and ``unlock <device>``
 after resetting them. When the trainer dies, however it dies (SIGKILL, an ``abort()`` such as
@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-MODULE = "merak.energy.clock_watchdog"
+MODULE = "merak.energy.profiling.clock_watchdog"
 NVML_RESET = f"{MODULE}:reset_nvml"
 POLL_S = 1.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

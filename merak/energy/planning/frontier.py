@@ -31,8 +31,8 @@ from lowtime.cost_model import CostModel, ExponentialModel
 from lowtime.graph_utils import add_sink_node, add_source_node
 from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operation, OperationSpec
 
-from merak.energy.profile_data import RankProfile
-from merak.energy.solver import fast_phillips_dessouky, phillips_dessouky
+from merak.energy.planning.solver import fast_phillips_dessouky, phillips_dessouky
+from merak.energy.profiling.profile_data import RankProfile
 from merak.schedule.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Schedule
 from merak.schedule.simulator import simulate
 
@@ -145,14 +145,15 @@ def _turn(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> f
     return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
-class EnergyPlanner:
+class ClockFrontier:
     """Frontier and plan choice for `schedule` over the per-rank `profiles`.
 
     Args:
         schedule: the programs (`merak.schedule.registry.make_schedule`, or the interpreter's
             own ``engine.schedule``).
-        profiles: one `RankProfile` per pipeline rank (`merak.energy.profile_data.aggregate`),
-            with every instruction kind the rank's program runs.
+        profiles: one `RankProfile` per pipeline rank
+            (`merak.energy.profiling.profile_data.aggregate`), with every instruction kind the
+            rank's program runs.
         p2p_power: watts one GPU draws while blocked on communication.
         unit_time: the solver's time quantum in seconds (default: 1 ms, or 1/20 of the
             shortest instruction where that is finer).
@@ -381,7 +382,7 @@ class EnergyPlanner:
         """The minimum-energy point within the time allowed: the all-max iteration time
         (default), `target_time` seconds (a straggler elsewhere sets the pace), or
         ``baseline_time * (1 + max_slowdown)``."""
-        limit = EnergyPlanner.time_limit(baseline_time, target_time, max_slowdown)
+        limit = ClockFrontier.time_limit(baseline_time, target_time, max_slowdown)
         allowed = [p for p in points if p.time_s <= limit * (1 + 1e-9)]
         if not allowed:
             raise ValueError(f"no plan finishes an iteration within {limit:.4f}s; the fastest "
@@ -390,7 +391,7 @@ class EnergyPlanner:
 
     def schedules(self, plan: ClockPlan) -> list[dict]:
         """One Zeus-style FrequencySchedule per GPU: its pipeline rank's compute instructions in
-        program order (`merak.energy.plan_file.expected_instructions`)."""
+        program order (`merak.energy.planning.plan_file.expected_instructions`)."""
         result = []
         for profile in self.profiles:
             freqs = [[a.name, plan[(profile.pp_rank, a)]]

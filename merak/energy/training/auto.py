@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 from merak.distributed.host_objects import all_gather_objects, broadcast_object
-from merak.energy.deploy import ClockPlanHook
-from merak.energy.plan_file import ClockPlanError, load_clock_plan
-from merak.energy.profile_data import write_profile
-from merak.energy.profiler import ClockProfiler
+from merak.energy.planning.plan_file import ClockPlanError, load_clock_plan
+from merak.energy.profiling.profile_data import write_profile
+from merak.energy.profiling.profiler import ClockProfiler
+from merak.energy.training.deploy import ClockPlanHook
 from merak.runtime.hooks import InstructionHook
 from merak.schedule.actions import Action
 
@@ -86,7 +86,7 @@ class AutoHook(InstructionHook):
 
 class AutoEnergy:
     """The phases of ``energy_mode="auto"`` (see the module docstring) for `session` (a
-    `merak.energy.session.TrainerEnergy`); every rank calls `before_step` and `after_step`
+    `merak.energy.training.session.TrainerEnergy`); every rank calls `before_step` and `after_step`
     around each training step."""
 
     def __init__(self, session):
