@@ -3,7 +3,7 @@ models.
 
 The public names load on first use (PEP 562): ``import merak`` itself imports nothing of the
 training stack, so a script pays only for what it uses, and a helper process (the background
-energy planner, ``python -m merak.energy``) starts without torch's distributed stack.
+clock planner, ``python -m merak.energy``) starts without torch's distributed stack.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class EngineOptions:
             loss_scaling=scaling, wall_clock_breakdown=args.wall_clock_breakdown)
 
     def with_candidate(self, candidate, recompute_ratios=None) -> EngineOptions:
-        """These options with a strategy planner candidate's choices (`rules.candidate_fields`:
+        """These options with a strategy search candidate's choices (`rules.candidate_fields`:
         schedule, micro-batches, chunks, ZeRO stage, sequence parallelism and recomputation;
         `recompute_ratios`: the per-stage ratios of a ``budget`` candidate)."""
         if candidate.recompute == "budget" and recompute_ratios is None:

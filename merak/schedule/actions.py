@@ -10,7 +10,7 @@ a rank posts together in one ``batch_isend_irecv`` share a `group` number. A sen
 between two stages of one rank (the turn of a V) has no group: it is a local hand-off that no
 process group sees (`Action.local`). The interpreter executes the programs, the validator
 proves them runnable under NCCL's point-to-point rules, the simulator times them, the timeline
-draws them and the energy planner plans clocks over them: all read this one object.
+draws them and the clock frontier plans clocks over them: all read this one object.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and lowered (`merak.schedule.lowering`) to the per-rank programs every tool read
 Each registered schedule names its generator, its placement of stages on ranks (round-robin,
 or the V of ZB-V and DualPipeV), how many stages a rank holds, and whether it needs
 recomputation or splits the backward: every tool (simulator, validator, timeline, energy
-planner, stage-aware recomputation, strategy planner, the runtime) reads these, so a new
+planner, stage-aware recomputation, strategy search, the runtime) reads these, so a new
 schedule is one entry here and its generator.
 
 Merak's schedules (TPDS 2023) move recomputation off 1F1B's critical path:

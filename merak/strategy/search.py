@@ -2,7 +2,7 @@
 
 Every candidate is predicted (`Predictor`); those over the memory limit or that cannot run are
 dropped with their reason; the rest are ranked by predicted step time (ties: less memory). An
-online plan then dry-runs the best few (`merak.planner.dry_run`) and keeps the fastest measured.
+online plan then dry-runs the best few (`merak.dryrun.run`) and keeps the fastest measured.
 """
 
 from __future__ import annotations

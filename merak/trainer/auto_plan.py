@@ -40,7 +40,7 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
                              f"but per_device_train_batch_size x gradient_accumulation_steps = "
                              f"{global_batch(args)}; set them to {planned} x 1 or plan again")
     else:
-        from merak.planner.online import plan_online
+        from merak.dryrun.online import plan_online
 
         model = trainer.model
         config = getattr(model, "config", None)

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from merak.distributed.parallel_context import init
 from merak.distributed.teardown import transient_process_groups
+from merak.dryrun.run import dry_run
 from merak.engine.options import EngineOptions
-from merak.planner.dry_run import dry_run
 from merak.rules import Choices
 from merak.strategy.cluster import measure_links
 from merak.strategy.costs import BlockCosts, measure_costs

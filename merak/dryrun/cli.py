@@ -108,7 +108,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
               f"{described.world_size} x {described.name}")
     else:
-        from merak.planner.online import plan_online
+        from merak.dryrun.online import plan_online
 
         world = int(os.environ.get("WORLD_SIZE", 1))
         degrees = (1,) if args.no_context_parallel else \
