@@ -26,7 +26,7 @@ class ActionKind(str, enum.Enum):
     LOAD = "load"                              # read this stage's inputs of a micro-batch
     FORWARD = "forward"
     BACKWARD = "backward"
-    RECOMPUTE = "recompute"                    # rerun checkpointed blocks before the backward
+    RECOMPUTE = "recompute"                    # rerun the recomputed blocks before the backward
     BACKWARD_INPUT = "backward_input"          # zero-bubble: input gradients only (sent on)
     BACKWARD_WEIGHT = "backward_weight"        # zero-bubble: the weight gradients, later
     SEND_ACT = "send_act"                      # activations to one downstream stage

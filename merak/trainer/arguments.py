@@ -80,7 +80,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "every stage unless activation_checkpoint_ratio or activation_memory_budget "
         "says otherwise)"))
     checkpoint_num_layers: int = field(default=1, metadata=_help("recomputation",
-        "consecutive blocks per checkpointed chunk (only its input is kept)"))
+        "consecutive blocks per recomputed chunk (only its input is kept)"))
     recompute_in_backward: bool = field(default=False, metadata=_help("recomputation",
         "rerun each recomputed block inside the backward, one at a time (as "
         "torch.utils.checkpoint), instead of a stage's blocks all at once before it: "

@@ -228,7 +228,7 @@ class _OverlappedBlock:
 
 
 def _saved_tensor_hooks_active() -> bool:
-    """True under `torch.autograd.graph.saved_tensors_hooks` (checkpointing, offload, the
+    """True under `torch.autograd.graph.saved_tensors_hooks` (`torch.utils.checkpoint`, offload, the
     pipeline's recomputation or memory meter): those hooks are thread-local."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
