@@ -1,4 +1,4 @@
-"""The strategy planner: offline on published configurations, online against a
+"""The strategy search: offline on published configurations, online against a
 measured grid.
 
     .venv/bin/python bench/auto_parallel.py --offline
@@ -147,7 +147,7 @@ def grid_candidates(shape: ModelShape, world: int, batch: int, seq: int) -> list
 def measure_grid(config, shape: ModelShape, ctx, seq: int, batch: int, steps: int, say
                  ) -> tuple[dict, float]:
     """Every grid candidate's `Measured` figures, and the grid's wall time."""
-    from merak.planner.dry_run import dry_run
+    from merak.dryrun.run import dry_run
 
     start = time.perf_counter()
     measured = {}
@@ -166,7 +166,7 @@ def sequence_parallel_twins(config, measured: dict, predictor: Predictor, seq: i
                             steps: int, say) -> None:
     """Measure each tp > 1, recomputation-free grid candidate again with sequence parallelism;
     print both twins' predicted and measured memory and time."""
-    from merak.planner.dry_run import dry_run
+    from merak.dryrun.run import dry_run
 
     say(f"  sequence parallelism: {'candidate':48}{'pred MiB':>10}{'meas MiB':>10}"
         f"{'pred s':>8}{'meas s':>8}   without SP: meas MiB, meas s")
@@ -191,8 +191,8 @@ def grid(seq: int, batch: int, steps: int, models: list[str], out: Path,
     import torch.distributed as dist
 
     import merak
-    from merak.planner.dry_run import Measured, dry_run
-    from merak.planner.online import device_memory, plan_online
+    from merak.dryrun.online import device_memory, plan_online
+    from merak.dryrun.run import Measured, dry_run
 
     ctx = merak.init()
     say = print if ctx.rank == 0 else (lambda *_, **__: None)

@@ -53,7 +53,7 @@ def timer_against_profiler(size: int = 4096, repeats: int = 20) -> dict:
 
 
 def nvml_refresh(seconds: float = 2.0) -> dict:
-    from merak.energy.gpu import NVMLGPU, nvml_uuid
+    from merak.energy.profiling.gpu import NVMLGPU, nvml_uuid
 
     gpu = NVMLGPU(nvml_uuid(torch.cuda.current_device()), control=False)
     a = torch.randn(8192, 8192, device="cuda")

@@ -7,7 +7,7 @@ the variants interleaved so a busy machine slows them alike):
   AutoModelForCausalLM`` (what an HF training script starts with);
 - ``import merak`` after the baseline (target: at most 1.1x the baseline);
 - ``from merak import MerakTrainer`` after the baseline (the trainer's stack, for reference);
-- ``import merak.energy`` alone (what the background energy planner's process imports).
+- ``import merak.energy`` alone (what the background clock planner's process imports).
 
     python bench/import_time.py [--repeats 5]
 """

@@ -5,7 +5,7 @@
 The same column -> row MLP pair (hidden 512 -> 2048 -> 512, batch 8 x 128), sharded both ways
 from one seeded module; checks both match the unsharded module, then times forward + backward
 (median of 20 after 3 warm-ups) and prints DTensor time / ours. This is the measurement behind
-the choice written in `merak/tensor_parallel/layers.py`.
+the choice written in `merak/tensor_parallel/layers/megatron.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import merak
-from merak.tensor_parallel.layers import make_column_parallel_, make_row_parallel_
+from merak.tensor_parallel.layers.megatron import make_column_parallel_, make_row_parallel_
 
 HIDDEN, FFN, BATCH, SEQ, REPEATS = 512, 2048, 8, 128, 20
 

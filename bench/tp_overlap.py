@@ -48,7 +48,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import merak
-    from merak.tensor_parallel.overlap import LEVELS, set_tp_overlap
+    from merak.tensor_parallel.overlap.levels import LEVELS, set_tp_overlap
 
     torch.set_num_threads(1)
     ctx = merak.init(dp=1, tp=int(os.environ["WORLD_SIZE"]), pp=1)

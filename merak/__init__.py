@@ -3,7 +3,7 @@ models.
 
 The public names load on first use (PEP 562): ``import merak`` itself imports nothing of the
 training stack, so a script pays only for what it uses, and a helper process (the background
-energy planner, ``python -m merak.energy``) starts without torch's distributed stack.
+clock planner, ``python -m merak.energy``) starts without torch's distributed stack.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ _PUBLIC = {
     "ScheduleInfo": "merak.schedule.registry",
     "SimulationResult": "merak.schedule.simulator",
     "SplitOptions": "merak.partition.options",
-    "TPPlan": "merak.tensor_parallel.plans",
-    "TensorParallelOptions": "merak.tensor_parallel.options",
+    "TPPlan": "merak.tensor_parallel.plans.tp_plan",
+    "TensorParallelOptions": "merak.tensor_parallel.plans.options",
     "TiedWeight": "merak.stages.split",
     "TimelineRecorder": "merak.runtime.hooks",
-    "apply_tensor_parallel": "merak.tensor_parallel.apply",
+    "apply_tensor_parallel": "merak.tensor_parallel.apply.apply",
     "auto_split": "merak.partition.auto",
     "generate": "merak.generation",
     "get_context": "merak.distributed.parallel_context",
@@ -53,10 +53,10 @@ _PUBLIC = {
     "manual_split": "merak.stages.split",
     "materialize_": "merak.materialize.meta",
     "parallelize": "merak.engine.parallelize",
-    "set_tp_layer_lists": "merak.tensor_parallel.plans",
+    "set_tp_layer_lists": "merak.tensor_parallel.plans.tp_plan",
     "simulate": "merak.schedule.simulator",
     "validate_schedule": "merak.schedule.validate",
-    "vocab_parallel_cross_entropy": "merak.tensor_parallel.layers",
+    "vocab_parallel_cross_entropy": "merak.tensor_parallel.layers.megatron",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -96,9 +96,9 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from merak.stages.split import Piece, PipelineSplit, TiedWeight, manual_split  # noqa: F401
     from merak.stages.stage import InterleavedStage, PipelineStage  # noqa: F401
     from merak.strategy.init import init  # noqa: F401
-    from merak.tensor_parallel.apply import apply_tensor_parallel  # noqa: F401
-    from merak.tensor_parallel.layers import vocab_parallel_cross_entropy  # noqa: F401
-    from merak.tensor_parallel.options import TensorParallelOptions  # noqa: F401
-    from merak.tensor_parallel.plans import TPPlan, set_tp_layer_lists  # noqa: F401
+    from merak.tensor_parallel.apply.apply import apply_tensor_parallel  # noqa: F401
+    from merak.tensor_parallel.layers.megatron import vocab_parallel_cross_entropy  # noqa: F401
+    from merak.tensor_parallel.plans.options import TensorParallelOptions  # noqa: F401
+    from merak.tensor_parallel.plans.tp_plan import TPPlan, set_tp_layer_lists  # noqa: F401
     from merak.trainer.arguments import MerakArguments, NotSupportedYetError  # noqa: F401
     from merak.trainer.trainer import MerakTrainer  # noqa: F401

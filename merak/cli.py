@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 from merak.coverage.cli import add_coverage
+from merak.dryrun.cli import add_plan
 from merak.energy.cli import add_energy
 from merak.generation.cli import add_generate
 from merak.inputs import InputError
-from merak.planner.cli import add_plan
 from merak.schedule.simulate_cli import add_simulate
-from merak.tensor_parallel.plan_cli import add_tp_plan
+from merak.tensor_parallel.apply.cli import add_tp_plan
 
 
 def _add_export(subparsers) -> None:

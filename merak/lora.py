@@ -7,11 +7,11 @@ The adapters are peft's own layers (`peft.get_peft_model`; not a copy): Merak on
   it is. A meta-built model is wrapped inside its own init record
   (`init_empty_weights(record)`), so each rank initializes its adapters exactly as the
   single-process peft model would (peft draws A after the model's draws).
-- Tensor parallelism (`merak.tensor_parallel.lora_adapters`, called by `apply_tensor_parallel` for
-  each LoRA layer the plan names): the base layer gets the plan's style; a column-parallel layer's B
-  is column-parallel too (output rows split, its input's gradient summed over TP ranks), a
-  row-parallel layer's A is row-parallel (input columns split, the rank-r product summed over TP
-  before B). The sum is the unsharded peft model's output, exactly.
+- Tensor parallelism (`merak.tensor_parallel.layers.lora_adapters`, called by
+  `apply_tensor_parallel` for each LoRA layer the plan names): the base layer gets the plan's style;
+  a column-parallel layer's B is column-parallel too (output rows split, its input's gradient summed
+  over TP ranks), a row-parallel layer's A is row-parallel (input columns split, the rank-r product
+  summed over TP before B). The sum is the unsharded peft model's output, exactly.
 - Frozen base weights: peft sets ``requires_grad=False``; the pipeline, the dp gradient
   all-reduce and the optimizer skip them (they only ever see trainable parameters).
 - Export (`adapter_tensors`, `merged_tensors`): a PEFT directory ``PeftModel.from_pretrained``

@@ -1,6 +1,6 @@
 """The one rule set: which combinations of a job's options Merak refuses, and why.
 
-`MerakArguments` (when it is made), the strategy planner's candidate list and the automatic plan
+`MerakArguments` (when it is made), the strategy search's candidate list and the automatic plan
 (when it sets the arguments to its choice) all ask `refusal`, so the planner never proposes a
 layout the trainer would refuse. A rule here is about *combinations* (ZeRO-3 with a split
 backward); a single field's range (a positive count) is checked where the field is read.
@@ -68,7 +68,7 @@ class Choices:
 
 
 def candidate_fields(candidate, recompute_ratios=None) -> dict:
-    """The `MerakArguments` field values a strategy planner candidate chooses: the one mapping
+    """The `MerakArguments` field values a strategy search candidate chooses: the one mapping
     of a candidate to options, which the automatic plan writes into the arguments
     (`merak.trainer.auto_plan`), the rules check (`Choices.with_candidate`) and the dry runs
     build (`EngineOptions.with_candidate`). `recompute_ratios`: a ``budget`` candidate's

@@ -29,7 +29,7 @@ export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" MERAK_TEST_BACKEND=nat
 'no CUDA device: torch ' + torch.__version__ + ' sees no GPU')" || exit 1
 
 # Distributions the checks import that the GPU image may lack: datasets (examples/hf_run_clm.py,
-# which the trainer test runs) with dill and multiprocess; lowtime (the energy planner's solver)
+# which the trainer test runs) with dill and multiprocess; lowtime (the clock frontier's solver)
 # and pydantic (the Perseus protocol), which no check here needs yet.
 needed="datasets dill multiprocess lowtime pydantic pydantic-core annotated-types \
 typing-inspection"
@@ -64,7 +64,7 @@ if ! error=$("$python" -c "import datasets" 2>&1); then
     exit 1
 fi
 "$python" -c "import lowtime" 2>/dev/null || echo "lowtime is absent: the checks that need" \
-    "the energy planner are skipped (scripts/gpu_wheels.sh downloads it into .whl/)"
+    "the clock frontier are skipped (scripts/gpu_wheels.sh downloads it into .whl/)"
 mkdir -p "$out"
 "$python" - <<'EOF' 2>&1 | tee "$out/machine.log"
 import importlib.metadata as metadata

@@ -1,9 +1,9 @@
 """Helpers of tests/test_clock_watchdog.py: a fake clock reset for the watchdog and a fake
 trainer that locks (fake) clocks and waits to be signalled or killed.
 
-The fake trainer loads `merak/energy/clock_guard.py` by file path: the guard imports the
-standard library only, and importing it as ``merak.energy.clock_guard`` would run the `merak`
-package's ``__init__`` (torch: seconds per process on a CPU machine).
+The fake trainer loads `merak/energy/profiling/clock_guard.py` by file path: the guard imports the
+standard library only, and importing it as ``merak.energy.profiling.clock_guard`` would run the
+`merak` package's ``__init__`` (torch: seconds per process on a CPU machine).
 
 Run as ``python clock_helpers.py MARKER_DIR [--previous] [--hold]``: it prints ``{"watchdog":
 pid, "holder": pid or null}`` once the device is locked, then sleeps until a signal ends it
@@ -36,9 +36,10 @@ def write_marker(devices: list[str]) -> None:
 
 
 def load_guard():
-    """`merak/energy/clock_guard.py` as a module of its own (no `merak` package import)."""
+    """`merak/energy/profiling/clock_guard.py` as a module of its own (no `merak` package
+    import)."""
     spec = importlib.util.spec_from_file_location(
-        "clock_guard", ROOT / "merak" / "energy" / "clock_guard.py")
+        "clock_guard", ROOT / "merak" / "energy" / "profiling" / "clock_guard.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -26,7 +26,7 @@ from merak.coverage.shrink import small_config
 from merak.engine.parallelize import tied_aliases
 from merak.materialize import safetensors as st
 from merak.materialize.conversion import CheckpointLayout, meta_model_for, to_hub_layout
-from merak.tensor_parallel.layers import ShardSpec
+from merak.tensor_parallel.layers.megatron import ShardSpec
 
 WORKER = "checkpoint_conversion.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = tuple(DP_OF_WORLD)

@@ -70,7 +70,7 @@ def test_a_ranks_part_is_described_as_boxes_of_the_whole_tensor():
     """q, k and v fused in one weight, cut over tp=2 per part: rank 1 holds the second half of
     each part, three boxes of the whole tensor, and they tile it with rank 0's."""
     from merak.checkpoint.sharded import Pieces, boxes, pieces_of
-    from merak.tensor_parallel.layers import ShardSpec
+    from merak.tensor_parallel.layers.megatron import ShardSpec
 
     whole = torch.arange(12 * 3.0).reshape(12, 3)
     covered = torch.zeros(12, 3)

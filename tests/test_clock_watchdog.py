@@ -1,7 +1,7 @@
 """Locked GPU clocks are reset however the process that locked them ends: a normal exit, SIGTERM,
 SIGABRT (handlers that then let the signal end the process as it would have), and SIGKILL (the
-watchdog process, merak/energy/clock_watchdog.py). On CPU: the resets are fakes that write files
-(tests/clock_helpers.py), the watchdog runs for real in a process of its own."""
+watchdog process, merak/energy/profiling/clock_watchdog.py). On CPU: the resets are fakes that write
+files (tests/clock_helpers.py), the watchdog runs for real in a process of its own."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from clock_helpers import DEVICE, MARKER, load_guard
 
-from merak.energy import clock_guard, clock_watchdog
+from merak.energy.profiling import clock_guard, clock_watchdog
 
 TESTS = Path(__file__).resolve().parent
 WAIT_S = 5.0
@@ -197,7 +197,7 @@ def test_guard_installs_handlers_only_while_locked(monkeypatch):
 
 def test_nvml_gpu_tells_its_guard():
     """NVMLGPU tells the guard once per locked period: before the first lock, after the reset."""
-    from merak.energy.gpu import NVMLGPU
+    from merak.energy.profiling.gpu import NVMLGPU
 
     calls = []
     nvml = SimpleNamespace(

@@ -18,17 +18,17 @@ from types import SimpleNamespace
 import pytest
 from dist_harness import check
 
-from merak.energy.deploy import ClockPlanHook
-from merak.energy.gpu import NVMLGPU, SimulatedGPU, SyntheticGPUModel
-from merak.energy.plan_file import ClockPlanError, check_clock_plan, expected_instructions
-from merak.energy.planner import EnergyPlanner
-from merak.energy.profile_data import (
+from merak.energy.planning.frontier import ClockFrontier
+from merak.energy.planning.plan_file import ClockPlanError, check_clock_plan, expected_instructions
+from merak.energy.profiling.gpu import NVMLGPU, SimulatedGPU, SyntheticGPUModel
+from merak.energy.profiling.profile_data import (
     aggregate,
     clean,
     read_profile,
     synthetic_profile,
     write_profile,
 )
+from merak.energy.training.deploy import ClockPlanHook
 from merak.schedule.actions import Action, ActionKind
 from merak.schedule.registry import SCHEDULES, make_schedule
 
@@ -42,16 +42,16 @@ def _schedule(name: str, ranks: int = 4, microbatches: int = 4):
                          recompute=info.needs_recompute)
 
 
-def _planner(schedule, model=SMALL, gpus_per_rank: int = 1, unit_time=None) -> EnergyPlanner:
+def _planner(schedule, model=SMALL, gpus_per_rank: int = 1, unit_time=None) -> ClockFrontier:
     profiles, p2p = aggregate(synthetic_profile(model, schedule.num_ranks, gpus_per_rank,
                                                 chunks=schedule.stages_per_rank))
-    return EnergyPlanner(schedule, profiles, p2p, unit_time=unit_time)
+    return ClockFrontier(schedule, profiles, p2p, unit_time=unit_time)
 
 
 @pytest.fixture(scope="module")
 def reference():
     profiles, p2p = aggregate(synthetic_profile(SyntheticGPUModel(), 4))
-    planner = EnergyPlanner(make_schedule("1f1b", 4, 8), profiles, p2p)
+    planner = ClockFrontier(make_schedule("1f1b", 4, 8), profiles, p2p)
     base = planner.evaluate(planner.max_clock_plan())
     return planner, base, planner.frontier()
 
@@ -128,9 +128,9 @@ def test_planner_names_instructions_the_profile_lacks():
     profiles, p2p = aggregate(synthetic_profile(SMALL, 2, instructions=("forward", "backward")))
     with pytest.raises(ValueError, match=r"rank 0 runs \['backward_input', 'backward_weight'\] "
                                          r"instructions, which the profile lacks"):
-        EnergyPlanner(make_schedule("zero_bubble", 2, 4), profiles, p2p)
+        ClockFrontier(make_schedule("zero_bubble", 2, 4), profiles, p2p)
     with pytest.raises(ValueError, match="the profile has 2 pipeline ranks, the schedule 4"):
-        EnergyPlanner(make_schedule("1f1b", 4, 4), profiles, p2p)
+        ClockFrontier(make_schedule("1f1b", 4, 4), profiles, p2p)
 
 
 def test_noisy_profiles_still_plan():
@@ -138,7 +138,7 @@ def test_noisy_profiles_still_plan():
     exponential fit fails the planner fits the options' lower convex hull instead."""
     from lowtime.operation import CandidateExecutionOptions, ExecutionOption
 
-    from merak.energy.planner import ConvexHullModel
+    from merak.energy.planning.frontier import ConvexHullModel
 
     options = CandidateExecutionOptions(options=[
         ExecutionOption(real_time=t, unit_time=1.0, cost=c, knob=k)
@@ -151,7 +151,7 @@ def test_noisy_profiles_still_plan():
              dataclasses.replace(r, energy=r.energy * (1 + 0.05 * (-1) ** (r.frequency // 90)))
              for r in rows]
     profiles, p2p = aggregate(noisy)
-    planner = EnergyPlanner(make_schedule("zero_bubble", 4, 4), profiles, p2p, unit_time=2e-3)
+    planner = ClockFrontier(make_schedule("zero_bubble", 4, 4), profiles, p2p, unit_time=2e-3)
     base_time, base_energy = planner.evaluate(planner.max_clock_plan())
     chosen = planner.choose(planner.frontier(), base_time)
     assert chosen.time_s <= base_time * (1 + 1e-9) and chosen.energy_j < base_energy
@@ -377,7 +377,7 @@ def test_the_planner_process_plans_the_programs_it_is_given(tmp_path):
 def test_plan_arguments_rebuild_the_interpreters_schedule():
     """`TrainerEnergy.plan_command`'s options: the CLI rebuilds exactly the programs it ran."""
     from merak.energy.cli import recompute_flags
-    from merak.energy.session import plan_arguments
+    from merak.energy.training.session import plan_arguments
 
     for schedule in (_schedule("interleaved_1f1b"), _schedule("shifted_critical_path"),
                      _schedule("zbv"), _schedule("dualpipev"),
@@ -415,12 +415,12 @@ _FRONTIER = """
 import json, sys
 if sys.argv[1] == "python":
     sys.modules["lowtime._lowtime_rs"] = None  # as if the compiled part were missing
-from merak.energy.gpu import SyntheticGPUModel
-from merak.energy.planner import EnergyPlanner
-from merak.energy.profile_data import aggregate, synthetic_profile
+from merak.energy.profiling.gpu import SyntheticGPUModel
+from merak.energy.planning.frontier import ClockFrontier
+from merak.energy.profiling.profile_data import aggregate, synthetic_profile
 from merak.schedule.registry import make_schedule
 profiles, p2p = aggregate(synthetic_profile(SyntheticGPUModel(clock_step=90), 2))
-planner = EnergyPlanner(make_schedule("1f1b", 2, 3), profiles, p2p)
+planner = ClockFrontier(make_schedule("1f1b", 2, 3), profiles, p2p)
 planner.fast = sys.argv[1] != "lowtime"  # lowtime's own PhillipsDessouky.run
 points = planner.frontier()
 import lowtime.solver
@@ -434,7 +434,7 @@ def test_fallbacks_and_the_fast_solver_give_the_same_frontier():
         [sys.executable, "-c", _FRONTIER, mode], capture_output=True, text=True, check=True,
         env={**os.environ, "MERAK_ENERGY_CHECK_CUTS": "1"}).stdout)
     (compiled_kind, compiled), (python_kind, python) = run("compiled"), run("python")
-    assert python_kind == "merak.energy.solver" != compiled_kind
+    assert python_kind == "merak.energy.planning.solver" != compiled_kind
     assert python == compiled and len(python) > 10
     _, lowtime_own = run("lowtime")  # our walk changes the speed, not the frontier
     assert lowtime_own == compiled
@@ -470,7 +470,7 @@ def test_exact_min_cuts_are_lowtimes():
     lowtime_solver = pytest.importorskip("lowtime.solver")
     import numpy as np
 
-    from merak.energy.min_cut import minimal_min_cut
+    from merak.energy.planning.min_cut import minimal_min_cut
 
     rnd = random.Random(7)
     answered = declined = 0

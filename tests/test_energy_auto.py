@@ -11,7 +11,7 @@ import pytest
 from dist_harness import check
 from energy_auto import SCHEDULE_NAMES
 
-from merak.energy.auto import spread_clocks
+from merak.energy.training.auto import spread_clocks
 
 # pooled: launches(world_size), see conftest.py
 WORKER, WORLD_SIZES = "energy_auto.py", (4,)

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from merak.energy import deploy, profiler
-from merak.energy.deploy import ClockPlanHook
-from merak.energy.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel
-from merak.energy.profiler import ClockProfiler
+from merak.energy.profiling import profiler
+from merak.energy.profiling.gpu import NVMLGPU, GPUControl, SimulatedGPU, SyntheticGPUModel
+from merak.energy.profiling.profiler import ClockProfiler
+from merak.energy.training import deploy
+from merak.energy.training.deploy import ClockPlanHook
 from merak.schedule.actions import Action, ActionKind
 
 K = ActionKind

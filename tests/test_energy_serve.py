@@ -11,11 +11,11 @@ import sys
 import pytest
 from dist_harness import check, launch
 
-from merak.energy.gpu import SyntheticGPUModel
-from merak.energy.pfo_client import PFOClient, PFOError
-from merak.energy.pfo_protocol import JobInfo, ProfilingResult, RankInfo
-from merak.energy.pfo_server import PlanRegistry, ServerThread
-from merak.energy.report import report, summarize
+from merak.energy.profiling.gpu import SyntheticGPUModel
+from merak.energy.reporting.report import report, summarize
+from merak.energy.service.pfo_client import PFOClient, PFOError
+from merak.energy.service.pfo_protocol import JobInfo, ProfilingResult, RankInfo
+from merak.energy.service.pfo_server import PlanRegistry, ServerThread
 
 CLOCKS = SyntheticGPUModel().clocks()
 
@@ -120,7 +120,7 @@ def test_trainer_energy_modes(trainer_runs, scenario):
 
 def test_energy_gpu_choices_are_checked():
     from merak import MerakArguments
-    from merak.energy.session import make_gpu
+    from merak.energy.training.session import make_gpu
 
     gpu = make_gpu("simulated", '{"forward_s": 0.01, "clock_step": 90}', num_ranks=2)
     assert gpu.supported_clocks()[:2] == [1410, 1320] and gpu.model.forward_s == 0.01

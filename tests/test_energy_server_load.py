@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from merak.energy.pfo_limits import ResultStore
-from merak.energy.pfo_protocol import JobInfo, ProfilingResult, RankInfo
-from merak.energy.pfo_server import PlanRegistry
-from merak.energy.plan_file import ClockPlanError, load_clock_plan
+from merak.energy.planning.plan_file import ClockPlanError, load_clock_plan
+from merak.energy.service.pfo_limits import ResultStore
+from merak.energy.service.pfo_protocol import JobInfo, ProfilingResult, RankInfo
+from merak.energy.service.pfo_server import PlanRegistry
 
 _SPEC = importlib.util.spec_from_file_location(
     "energy_server_load", Path(__file__).resolve().parents[1] / "bench" / "energy_server_load.py")

@@ -13,7 +13,7 @@ from merak.engine.options import EngineOptions
 from merak.options import given
 from merak.partition.options import SplitOptions
 from merak.runtime.options import RuntimeOptions
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.tensor_parallel.plans.options import TensorParallelOptions
 from merak.trainer.arguments import MerakArguments
 
 

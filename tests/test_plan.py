@@ -1,4 +1,4 @@
-"""The strategy planner (merak.strategy) in one process: model sizes, the candidates it
+"""The strategy search (merak.strategy) in one process: model sizes, the candidates it
 enumerates, its memory and time predictions' directions, its errors, and offline planning
 through `merak plan --cluster` for published configurations."""
 
@@ -170,7 +170,7 @@ def test_the_planner_proposes_nothing_the_arguments_refuse(tmp_path):
 
 
 def test_dry_runs_sample_the_layouts_predicted_near_the_best_first():
-    from merak.planner.online import _distinct
+    from merak.dryrun.online import _distinct
 
     shape = ModelShape.from_config(tiny_llama())
     small = Cluster(world_size=4, gpus_per_node=4, peak_flops=1e12, memory_bytes=GIB,

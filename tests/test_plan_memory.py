@@ -75,7 +75,7 @@ def test_online_plans_search_context_parallelism_and_its_dry_runs_train_like_cp1
 def test_a_dry_run_on_cuda_counts_the_memory_outside_the_caching_allocator(monkeypatch):
     """NCCL's communicators and the CUDA context take device memory the allocator never sees;
     a candidate is judged by its peak reservation plus that."""
-    from merak.planner.dry_run import device_peak_bytes
+    from merak.dryrun.run import device_peak_bytes
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))
@@ -173,8 +173,8 @@ def test_the_tp_proof_raises_a_ranks_own_failure_instead_of_refusing_the_plan(mo
     from torch import nn
 
     from merak.distributed.liveness import PeerFailureError
-    from merak.tensor_parallel import proof
-    from merak.tensor_parallel.proof import PlanRefused
+    from merak.tensor_parallel.tracing import proof
+    from merak.tensor_parallel.tracing.proof import PlanRefused
 
     model = nn.Sequential(nn.Linear(2, 2))
     example = proof.Example(members=["0"], skeleton=nn.Linear(2, 2), inputs=None, read=[True])

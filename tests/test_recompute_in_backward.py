@@ -1,4 +1,4 @@
-"""`recompute_in_backward` (merak/recompute/blocks.py): each checkpointed block rerun inside the
+"""`recompute_in_backward` (merak/recompute/blocks.py): each recomputed block rerun inside the
 backward, one at a time, gives the gradients of the plain model, and the activation meter's peak
 holds one recomputed block instead of all of them (what lets a long-sequence layout fit:
 docs/context-parallel.md). Single process; the multi-rank run is test_context_parallel_trainer's

@@ -17,7 +17,7 @@ from schedule_parity import scenario_names
 
 from merak import ActionKind, CostModel, Schedule, ScheduleError, make_schedule, simulate
 from merak.cli import main
-from merak.recompute.blocks import BlockRecomputation, checkpointed_blocks
+from merak.recompute.blocks import BlockRecomputation, recomputed_blocks
 from merak.recompute.meter import ActivationMeter
 from merak.recompute.stage_aware import KeptBytes, choose_ratios, predict_peaks, stage_aware_ratios
 from merak.runtime.split_backward import backward_input, backward_weight
@@ -173,7 +173,7 @@ def test_recomputed_blocks_give_the_same_gradients_and_demand_their_rerun():
     model(**data).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    assert checkpointed_blocks(5, 0.8, 3) == [[0, 1, 2], [3]]
+    assert recomputed_blocks(5, 0.8, 3) == [[0, 1, 2], [3]]
     recompute = BlockRecomputation(list(model.blocks), [[0, 1, 2], [3]], torch.device("cpu"))
     try:
         recompute.begin_forward(0)

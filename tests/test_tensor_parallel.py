@@ -18,17 +18,17 @@ from tp_parity import scenario_names
 import merak
 import merak.engine.parallelize
 from merak.distributed.parallel_context import get_context
-from merak.tensor_parallel.diagnose import explain_tp_failure
-from merak.tensor_parallel.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
-from merak.tensor_parallel.layers import ShardSpec, shard_parameter
-from merak.tensor_parallel.plan_choice import _from_config_plan, plan_for
-from merak.tensor_parallel.plans import (
+from merak.tensor_parallel.apply.choice import _from_config_plan, plan_for
+from merak.tensor_parallel.layers.megatron import ShardSpec, shard_parameter
+from merak.tensor_parallel.layers.wrappers import PartialSum, RopeGradReduce
+from merak.tensor_parallel.plans.hf_styles import STYLE_MEANINGS, plan_fields_from_hf
+from merak.tensor_parallel.plans.tp_plan import (
     FAMILY_PLANS,
     TPPlan,
     clear_registered_plan,
     registered_plan,
 )
-from merak.tensor_parallel.wrappers import PartialSum, RopeGradReduce
+from merak.tensor_parallel.tracing.diagnose import explain_tp_failure
 
 WORKER = "tp_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4, 8)
@@ -297,7 +297,7 @@ def test_tp_rng_swaps_the_cuda_generator_too_on_shadowed_modules(monkeypatch):
     """A TP region entered by a module on the meta device (generation shadows the layers other
     stages hold) seeds this rank's stream into the CUDA generator as well: leaving must put
     back both the CPU and the CUDA state, or pipeline ranks sample different tokens."""
-    from merak.tensor_parallel.rng import install_tp_rng
+    from merak.tensor_parallel.layers.rng import install_tp_rng
 
     cuda = _FakeCudaGenerator(monkeypatch)
     column, row = torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4, device="meta")

@@ -18,9 +18,9 @@ from tp_models import INFERRED, TP_FAMILIES, inferred_family
 import merak
 from merak.cli import main
 from merak.coverage.trainer_check import reference, save_small
-from merak.tensor_parallel.infer import format_plan, infer_plan
-from merak.tensor_parallel.plan_choice import plan_for
-from merak.tensor_parallel.plans import FAMILY_PLANS, TPPlan
+from merak.tensor_parallel.apply.choice import plan_for
+from merak.tensor_parallel.apply.infer import format_plan, infer_plan
+from merak.tensor_parallel.plans.tp_plan import FAMILY_PLANS, TPPlan
 
 WORKER = "tp_infer_trainer.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = tuple(LAYOUTS)

@@ -16,10 +16,10 @@ from tp_models import TP_FAMILIES
 from tp_overlap_parity import scenario_names
 
 import merak
-from merak.tensor_parallel.interleaver import Interleaver
-from merak.tensor_parallel.layers import RowParallel
-from merak.tensor_parallel.overlap import set_tp_overlap
-from merak.tensor_parallel.plans import TPPlan
+from merak.tensor_parallel.layers.megatron import RowParallel
+from merak.tensor_parallel.overlap.interleaver import Interleaver
+from merak.tensor_parallel.overlap.levels import set_tp_overlap
+from merak.tensor_parallel.plans.tp_plan import TPPlan
 
 # pooled: launches(world_size), see conftest.py
 WORKER, WORLD_SIZES = "tp_overlap_parity.py", (2,)

@@ -599,7 +599,7 @@ def test_an_explicit_tp_plan_reaches_parallelize(monkeypatch):
 
     import merak
     import merak.engine.assemble as assemble_module
-    from merak.tensor_parallel.plans import clear_registered_plan
+    from merak.tensor_parallel.plans.tp_plan import clear_registered_plan
 
     merak.init(dp=1, tp=1, pp=1)
     try:

@@ -1,7 +1,7 @@
 """The V schedules as data: ZB-V and DualPipeV (2 stages per rank placed in a V, the turn
 handed off locally) and interleaved 1F1B for any number of micro-batches. Every program
 `merak simulate --programs` prints passes the NCCL replay; the simulator's bubble and memory;
-the tools that read the registry (stage-aware recomputation, the strategy planner) take them.
+the tools that read the registry (stage-aware recomputation, the strategy search) take them.
 Their training runs at parity are in test_interleaved (the engine, workers/interleaved_parity.py)
 and test_trainer_matrix (MerakTrainer against HF Trainer, Llama and a Mixtral)."""
 

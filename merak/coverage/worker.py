@@ -82,8 +82,8 @@ def plan_row(small, tp: int) -> dict:
     is none."""
     import transformers as tf
 
-    from merak.tensor_parallel.infer import format_plan
-    from merak.tensor_parallel.plan_choice import plan_for
+    from merak.tensor_parallel.apply.choice import plan_for
+    from merak.tensor_parallel.apply.infer import format_plan
 
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(small.config)

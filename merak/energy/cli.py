@@ -160,10 +160,10 @@ def _schedule(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from merak.energy.figures import save_frontier_png
-    from merak.energy.plan_file import save_clock_plan
-    from merak.energy.planner import EnergyPlanner
-    from merak.energy.profile_data import aggregate, read_profile
+    from merak.energy.planning.frontier import ClockFrontier
+    from merak.energy.planning.plan_file import save_clock_plan
+    from merak.energy.profiling.profile_data import aggregate, read_profile
+    from merak.energy.reporting.figures import save_frontier_png
 
     schedule, recompute = _schedule(args)
     try:
@@ -177,7 +177,7 @@ def _plan(args: argparse.Namespace) -> int:
     if p2p_power is None:
         raise InputError("the profile has no p2p rows: give --p2p-power W")
     try:
-        planner = EnergyPlanner(schedule, profiles, p2p_power, unit_time=args.unit_time)
+        planner = ClockFrontier(schedule, profiles, p2p_power, unit_time=args.unit_time)
     except ValueError as error:
         raise InputError(str(error)) from None
     start = time.perf_counter()
@@ -215,8 +215,8 @@ def recompute_flags(value: str | None) -> bool | list[bool]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from merak.energy.pfo_server import serve
-    from merak.energy.plan_file import ClockPlanError
+    from merak.energy.planning.plan_file import ClockPlanError
+    from merak.energy.service.pfo_server import serve
 
     try:
         serve(args.plan, args.host, args.port, args.results_dir,
@@ -230,8 +230,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from merak.energy.plan_file import load_clock_plan
-    from merak.energy.report import report, summarize
+    from merak.energy.planning.plan_file import load_clock_plan
+    from merak.energy.reporting.report import report, summarize
 
     try:
         lines = report(summarize(args.run_steps, args.skip),

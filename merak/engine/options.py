@@ -20,7 +20,7 @@ from merak.partition.options import SplitOptions
 from merak.rules import candidate_fields
 from merak.runtime.options import RuntimeOptions
 from merak.schedule.registry import SCHEDULES
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.tensor_parallel.plans.options import TensorParallelOptions
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class EngineOptions:
                    precision=PrecisionOptions(autocast_dtype=dtype))
 
     def with_candidate(self, candidate, recompute_ratios=None) -> EngineOptions:
-        """These options with a strategy planner candidate's choices (`rules.candidate_fields`:
+        """These options with a strategy search candidate's choices (`rules.candidate_fields`:
         schedule, micro-batches, chunks, ZeRO stage, sequence parallelism and recomputation;
         `recompute_ratios`: the per-stage ratios of a ``budget`` candidate)."""
         if candidate.recompute == "budget" and recompute_ratios is None:

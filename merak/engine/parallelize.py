@@ -27,10 +27,10 @@ from merak.partition.auto import AutoSplit, auto_split
 from merak.partition.options import SplitOptions
 from merak.schedule.registry import placement_of, schedule_info
 from merak.stages.stage import InterleavedStage, PipelineStage, interleaved_stage
-from merak.tensor_parallel.apply import apply_tensor_parallel
-from merak.tensor_parallel.diagnose import explain_tp_failure
-from merak.tensor_parallel.options import TensorParallelOptions
-from merak.tensor_parallel.proof import prove_plan, refusal
+from merak.tensor_parallel.apply.apply import apply_tensor_parallel
+from merak.tensor_parallel.plans.options import TensorParallelOptions
+from merak.tensor_parallel.tracing.diagnose import explain_tp_failure
+from merak.tensor_parallel.tracing.proof import prove_plan, refusal
 
 
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -86,8 +86,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         with model chunks, the `InterleavedStage`; either is ready for `PipelineInterpreter`.
 
     Raises:
-        merak.tensor_parallel.proof.PlanRefused: on every rank, when the tensor-parallel plan
-            was inferred from the blocks (the model's family has no other) and a rank's sharded
+        merak.tensor_parallel.tracing.proof.PlanRefused: on every rank, when the tensor-parallel
+            plan was inferred from the blocks (the model's family has no other) and a rank's sharded
             block does not compute what the unsharded one does.
     """
     ctx = ctx or get_context()

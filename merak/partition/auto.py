@@ -260,14 +260,14 @@ def _tp_glue_modules(model: nn.Module, blocks: list[str]) -> list[str]:
     opaque, since their collectives only happen when they run eagerly. `blocks` are all the
     model's blocks, those the inputs never run included: a multimodal model's vision layers,
     sharded by its plan, do not run on text and are in no stage."""
-    from merak.tensor_parallel.layers import is_tensor_parallel
+    from merak.tensor_parallel.layers.megatron import is_tensor_parallel
 
     return [name for name, m in model.named_modules() if is_tensor_parallel(m)
             and not any(within(name, b) for b in blocks)]
 
 
 def _capture_hint(model: nn.Module, trace_method: str, error: Exception) -> str:
-    from merak.tensor_parallel.diagnose import explain_tp_failure
+    from merak.tensor_parallel.tracing.diagnose import explain_tp_failure
 
     tp_cause = explain_tp_failure(model, error)  # a shape error after TP: name the TP cause
     if tp_cause is not None:

@@ -2,7 +2,7 @@
 torch.export.
 
 Exporting a model takes seconds, and a process often builds the same model several times (a
-pool of test scenarios, dry runs of the strategy planner, one trainer after another). A
+pool of test scenarios, dry runs of the strategy search, one trainer after another). A
 `TraceCache` keeps the last few captures (`capture.Capture`, after the rewrites that put the
 eager blocks back) under `trace_key.trace_key`: the model's structure and attributes, the
 example inputs' names, shapes and dtypes, the capture options and torch's global state. A hit

@@ -30,7 +30,7 @@ _MAX_DEPTH = 8
 _MODULE_SKIP = {"_parameters", "_buffers", "_modules", "_state_dict_hooks",
                 "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                 "_load_state_dict_post_hooks"}
-# fields of `merak.tensor_parallel.convert.TPInfo` that the capture never reads (the unsharded
+# fields of `merak.tensor_parallel.apply.convert.TPInfo` that the capture never reads (the unsharded
 # examples a plan is proven on after the split): left out, since they hold modules and tensors
 _SKIP_FIELDS = {"TPInfo": {"examples"}}
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,

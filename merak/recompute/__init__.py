@@ -1,2 +1,2 @@
-"""Activation recomputation: checkpointed blocks rerun as a schedule action, the activation
-meter, and the stage-aware planner that chooses how many blocks each stage recomputes."""
+"""Activation recomputation: blocks whose activations are dropped and rerun as a schedule action,
+the activation meter, and the stage-aware choice of how many blocks each stage recomputes."""

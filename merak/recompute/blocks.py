@@ -2,7 +2,7 @@
 
 `torch.utils.checkpoint` recomputes inside the backward, so a schedule cannot move the
 recomputation elsewhere (Merak's `pre_recompute_1f1b` runs it while the output gradient is still
-in flight). This module keeps the autograd graph of a checkpointed block but drops the tensors it
+in flight). This module keeps the autograd graph of a recomputed block but drops the tensors it
 saves for backward (a saved-tensor pack hook stores a small handle instead). The `recompute`
 action reruns the block on its kept inputs under the same RNG state and collects the tensors the
 rerun saves, in the same order; the backward then unpacks the handles into them. Gradients flow
@@ -35,7 +35,7 @@ from merak.recompute.meter import ActivationMeter
 
 @dataclass
 class _BlockCall:
-    """One checkpointed call of one block for one micro-batch."""
+    """One recomputed call of one block for one micro-batch."""
 
     block: nn.Module
     first: bool                    # the first block of its segment
@@ -76,7 +76,7 @@ def recomputed_count(num_blocks: int, ratio: float) -> int:
     return int(ratio * num_blocks + 0.5)
 
 
-def checkpointed_blocks(num_blocks: int, ratio: float, segment_size: int) -> list[list[int]]:
+def recomputed_blocks(num_blocks: int, ratio: float, segment_size: int) -> list[list[int]]:
     """The segments of block indices a stage recomputes: the first
     `recomputed_count(num_blocks, ratio)` blocks, in segments of `segment_size` consecutive
     blocks."""
@@ -85,11 +85,11 @@ def checkpointed_blocks(num_blocks: int, ratio: float, segment_size: int) -> lis
 
 
 class BlockRecomputation:
-    """Checkpoints segments of `blocks` and recomputes them when the schedule says so.
+    """Drops what segments of `blocks` save and recomputes them when the schedule says so.
 
     Args:
         blocks: the stage's eager blocks, in call order.
-        segments: lists of indices into `blocks` (see `checkpointed_blocks`).
+        segments: lists of indices into `blocks` (see `recomputed_blocks`).
         device: the stage's device (its RNG state is saved with the CPU one).
         tp_rng: the model's `TPRandomState`, whose per-rank stream is also replayed.
         meter: counts the kept inputs and recomputed tensors as activations.
@@ -187,7 +187,7 @@ class BlockRecomputation:
         mb, index, position = handle
         record = self._records.get(mb)
         if record is None or not record.recomputed:
-            raise RuntimeError(f"micro-batch {mb}: backward reached a checkpointed block that "
+            raise RuntimeError(f"micro-batch {mb}: backward reached a recomputed block that "
                                f"was not recomputed; the schedule must place 'recompute' of "
                                f"this micro-batch before its backward")
         call = record.calls[index]
@@ -209,7 +209,7 @@ class BlockRecomputation:
 
     # -- recompute ------------------------------------------------------------------------------
     def recompute(self, mb: int, autocast: Any = None) -> None:
-        """Rerun micro-batch `mb`'s checkpointed block calls; their saved tensors are kept for
+        """Rerun micro-batch `mb`'s recomputed block calls; their saved tensors are kept for
         its backward."""
         record = self._records.get(mb)
         if record is None:

@@ -85,7 +85,7 @@ class ActivationMeter:
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Count what autograd saves inside the block (innermost saved-tensor hooks win, so
-        checkpointed blocks report theirs through `hold` instead)."""
+        recomputed blocks report theirs through `hold` instead)."""
         with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(self, t),
                                                       lambda held: held.tensor):
             yield

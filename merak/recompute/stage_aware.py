@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from merak.recompute.blocks import checkpointed_blocks, recomputed_count
+from merak.recompute.blocks import recomputed_blocks, recomputed_count
 from merak.schedule.actions import Edge
 from merak.schedule.registry import make_schedule, placement_of
 from merak.schedule.simulator import MemoryModel, simulate
@@ -41,7 +41,7 @@ def stage_segments(split: PipelineSplit, ratio: float | Sequence[float],
                          f"stages; give one per stage or a single value")
     if segment_size < 1:
         raise ValueError(f"checkpoint_num_layers must be >= 1, got {segment_size}")
-    return [checkpointed_blocks(n, r, segment_size) for n, r in zip(counts, ratios)]
+    return [recomputed_blocks(n, r, segment_size) for n, r in zip(counts, ratios)]
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def measure_kept(engine, batch, segment_size: int) -> list[KeptBytes]:
     rng = engine.rng_state()
     try:
         for k in range(max(counts) + 1):  # every stage forwards in every round (p2p lock-step)
-            segments = {s: checkpointed_blocks(counts[s], min(k, counts[s]) / max(counts[s], 1),
+            segments = {s: recomputed_blocks(counts[s], min(k, counts[s]) / max(counts[s], 1),
                                                segment_size) for s in engine.runners}
             for s, value in engine.measure_forward(batch, segments).items():
                 own[s].append(value)

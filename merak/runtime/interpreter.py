@@ -156,7 +156,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
 
     def _install_recomputation(self, segments: dict[int, Sequence[Sequence[int]]],
                                measure: str | None = None) -> None:
-        """Wrap each local stage's checkpointed blocks; `measure` "rank" (one meter: the rank's
+        """Wrap each local stage's recomputed blocks; `measure` "rank" (one meter: the rank's
         peak, whatever stages it hosts; the default with `measure_activations`) or "stage"
         (one meter per stage)."""
         measure = measure or ("rank" if self._measure else None)
@@ -170,7 +170,7 @@ class PipelineInterpreter(ForwardOnly, StepTail):
                                                   self.recompute_in_backward)
 
     def remove_recomputation(self) -> None:
-        """Give every checkpointed block its own forward back."""
+        """Give every recomputed block its own forward back."""
         for runner in self.runners.values():
             runner.recompute.remove()
 

@@ -47,7 +47,7 @@ def training_schedule(spec: str | Schedule, split: PipelineSplit, pp: int,
         if not any(a.kind is ActionKind.RECOMPUTE for a in schedule.stage_actions(s)):
             segments[s] = []  # the schedule keeps this stage's activations
         elif not segments[s]:
-            raise ValueError(f"the schedule recomputes on stage {s}, which checkpoints no "
+            raise ValueError(f"the schedule recomputes on stage {s}, which recomputes no "
                              f"blocks; raise its recompute_ratio or drop its recompute actions")
     return schedule, segments
 

@@ -10,7 +10,7 @@ a rank posts together in one ``batch_isend_irecv`` share a `group` number. A sen
 between two stages of one rank (the turn of a V) has no group: it is a local hand-off that no
 process group sees (`Action.local`). The interpreter executes the programs, the validator
 proves them runnable under NCCL's point-to-point rules, the simulator times them, the timeline
-draws them and the energy planner plans clocks over them: all read this one object.
+draws them and the clock frontier plans clocks over them: all read this one object.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class ActionKind(str, enum.Enum):
     LOAD = "load"                              # read this stage's inputs of a micro-batch
     FORWARD = "forward"
     BACKWARD = "backward"
-    RECOMPUTE = "recompute"                    # rerun checkpointed blocks before the backward
+    RECOMPUTE = "recompute"                    # rerun the recomputed blocks before the backward
     BACKWARD_INPUT = "backward_input"          # zero-bubble: input gradients only (sent on)
     BACKWARD_WEIGHT = "backward_weight"        # zero-bubble: the weight gradients, later
     SEND_ACT = "send_act"                      # activations to one downstream stage

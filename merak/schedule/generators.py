@@ -29,7 +29,7 @@ def backward_block(stage_id: int, microbatch_id: int, recompute: bool = False,
                    early: bool = False, split: bool = False) -> list[Action]:
     """Receive output grads, run and send input grads of one micro-batch's backward.
 
-    With `recompute`, the checkpointed blocks are rerun first: right before the backward, or
+    With `recompute`, the recomputed blocks are rerun first: right before the backward, or
     with `early` before the output gradient is waited for (so the rerun overlaps its transfer).
     With `split`, the backward computes input gradients only (`backward_input`)."""
     kinds = [K.RECOMPUTE] if recompute and early else []

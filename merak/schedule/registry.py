@@ -3,8 +3,8 @@ and lowered (`merak.schedule.lowering`) to the per-rank programs every tool read
 
 Each registered schedule names its generator, its placement of stages on ranks (round-robin,
 or the V of ZB-V and DualPipeV), how many stages a rank holds, and whether it needs
-recomputation or splits the backward: every tool (simulator, validator, timeline, energy
-planner, stage-aware recomputation, strategy planner, the runtime) reads these, so a new
+recomputation or splits the backward: every tool (simulator, validator, timeline, clock
+frontier, stage-aware recomputation, strategy search, the runtime) reads these, so a new
 schedule is one entry here and its generator.
 
 Merak's schedules (TPDS 2023) move recomputation off 1F1B's critical path:
@@ -138,7 +138,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
 
     Args:
         stages_per_rank: model chunks per rank (interleaved schedules; 1 for the others).
-        recompute: which stages checkpoint activations (True: all; or one flag per stage, of
+        recompute: which stages recompute activations (True: all; or one flag per stage, of
             ``num_stages * stages_per_rank``).
         edges: activation edges between stages; default the chain.
         options: the generator's own (`interleaved_1f1b`: ``group_size``).

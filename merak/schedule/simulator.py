@@ -39,7 +39,7 @@ class CostModel:
     Attributes:
         forward: forward time of one micro-batch.
         backward: backward time of one micro-batch (input and weight gradients).
-        recompute: time to rerun the checkpointed blocks (default: the forward time).
+        recompute: time to rerun the recomputed blocks (default: the forward time).
         weight_grad: the weight-gradient part of the backward, for schedules that split it
             (`backward_input` takes the rest); default half the backward.
         p2p: time from both sides of a transfer being posted to its completion.
@@ -79,7 +79,7 @@ class MemoryModel:
 
     Attributes:
         full: what a forward keeps for backward without recomputation.
-        kept: what it keeps when the stage recomputes that micro-batch (its checkpointed
+        kept: what it keeps when the stage recomputes that micro-batch (its recomputed
             blocks keep only their inputs); the `recompute` action adds back ``full - kept``
             until the backward frees it all. Default: `full` (nothing saved).
         per_stage: `full` and `kept` are indexed by stage (measured), not by rank.

@@ -1,5 +1,5 @@
-"""The strategy planner's pure half: model shapes, costs, cluster descriptions, prediction and
-search (`merak plan`); the half that runs dry runs is `merak.planner`."""
+"""The strategy search's pure half: model shapes, costs, cluster descriptions, prediction and
+search (`merak plan`); the half that runs dry runs is `merak.dryrun`."""
 
 from merak.strategy.cluster import CLUSTERS, Cluster, cluster
 from merak.strategy.predict import Candidate, Prediction, Predictor

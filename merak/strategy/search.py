@@ -2,7 +2,7 @@
 
 Every candidate is predicted (`Predictor`); those over the memory limit or that cannot run are
 dropped with their reason; the rest are ranked by predicted step time (ties: less memory). An
-online plan then dry-runs the best few (`merak.planner.dry_run`) and keeps the fastest measured.
+online plan then dry-runs the best few (`merak.dryrun.run`) and keeps the fastest measured.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def sequence_parallel_choices(config, tp_plan=None) -> tuple[bool, ...]:
     """``(False, True)`` when the tensor-parallel plan of the model `config` describes
     (`tp_plan` when the job gives one) can split the sequence (it names ``sp_gather``
     modules), else ``(False,)``."""
-    from merak.tensor_parallel.plan_choice import config_plan
-    from merak.tensor_parallel.plans import as_tp_plan
+    from merak.tensor_parallel.apply.choice import config_plan
+    from merak.tensor_parallel.plans.tp_plan import as_tp_plan
 
     plan = as_tp_plan(tp_plan) if tp_plan is not None else config_plan(config)
     return (False, True) if plan is not None and plan.sp_gather else (False,)

@@ -13,7 +13,7 @@ from merak.partition.options import SPLIT_METHODS, TRACE_METHODS
 from merak.rules import NotSupportedYetError
 from merak.schedule.registry import SCHEDULES
 from merak.stages import assign
-from merak.tensor_parallel.plans import as_tp_plan
+from merak.tensor_parallel.plans.tp_plan import as_tp_plan
 from merak.trainer.hf_fields import CHECKPOINT_KWARGS, HONOURED, REFUSED
 
 

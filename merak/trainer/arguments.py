@@ -19,7 +19,7 @@ from merak.partition.options import SPLIT_METHODS, TRACE_METHODS
 from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
 from merak.schedule.registry import SCHEDULES
 from merak.stages import assign
-from merak.tensor_parallel.plans import LAYER_LIST_KEYS, TPPlan
+from merak.tensor_parallel.plans.tp_plan import LAYER_LIST_KEYS, TPPlan
 from merak.trainer.argument_checks import ArgumentChecks
 from merak.trainer.argument_ranges import check_ranges
 from merak.trainer.config_bases import keep_declared_defaults
@@ -80,7 +80,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "every stage unless activation_checkpoint_ratio or activation_memory_budget "
         "says otherwise)"))
     checkpoint_num_layers: int = field(default=1, metadata=_help("recomputation",
-        "consecutive blocks per checkpointed chunk (only its input is kept)"))
+        "consecutive blocks per recomputed chunk (only its input is kept)"))
     recompute_in_backward: bool = field(default=False, metadata=_help("recomputation",
         "rerun each recomputed block inside the backward, one at a time (as "
         "torch.utils.checkpoint), instead of a stage's blocks all at once before it: "
@@ -186,7 +186,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         "energy (output_dir/energy_steps.csv) and is needed by the options below"))
     simulated_gpu: str | None = field(default=None, metadata=_help("energy",
         "JSON overrides of the simulated GPU model, e.g. "
-        "'{\"forward_s\": 0.01, \"clock_step\": 90}' (merak.energy.gpu."
+        "'{\"forward_s\": 0.01, \"clock_step\": 90}' (merak.energy.profiling.gpu."
         "SyntheticGPUModel)"))
     energy_profile: str | None = field(default=None, metadata=_help("energy",
         "profile mode: train() measures every compute instruction at each GPU clock, "

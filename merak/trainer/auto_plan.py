@@ -23,7 +23,7 @@ def sequence_parallel_settings(args, config, ctx) -> tuple[bool, ...]:
     """What the planner may try: sequence parallelism where the TP plan the job will use
     can split the sequence (what else excludes it is `merak.rules`')."""
     from merak.strategy.search import sequence_parallel_choices
-    from merak.tensor_parallel.plans import registered_plan
+    from merak.tensor_parallel.plans.tp_plan import registered_plan
 
     return sequence_parallel_choices(config, args.tp_plan or registered_plan(ctx))
 
@@ -40,7 +40,7 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
                              f"but per_device_train_batch_size x gradient_accumulation_steps = "
                              f"{global_batch(args)}; set them to {planned} x 1 or plan again")
     else:
-        from merak.planner.online import plan_online
+        from merak.dryrun.online import plan_online
 
         model = trainer.model
         config = getattr(model, "config", None)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from merak.tensor_parallel.collectives import reduce_from_tp
+from merak.tensor_parallel.layers.collectives import reduce_from_tp
 
 
 def shifts_labels(model) -> bool:

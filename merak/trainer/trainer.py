@@ -166,7 +166,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                                                  lambda: self.state.global_step)
         self.energy = None
         if args.energy_gpu:
-            from merak.energy.session import TrainerEnergy
+            from merak.energy.training.session import TrainerEnergy
 
             self.energy = TrainerEnergy(args, self.ctx, args.gradient_accumulation_steps)
 

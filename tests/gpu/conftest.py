@@ -14,7 +14,7 @@ import torch
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_check.sh on one")
     no_lowtime = pytest.mark.skip(
-        reason="needs lowtime (the energy planner's solver), not installed: run "
+        reason="needs lowtime (the clock frontier's solver), not installed: run "
                "scripts/gpu_wheels.sh on a machine with network and carry .whl here")
     has_lowtime = importlib.util.find_spec("lowtime") is not None
     here = str(config.rootpath / "tests" / "gpu")

@@ -61,7 +61,7 @@ def nvml():
 
 
 def test_nvml_finds_torchs_gpu_by_uuid(nvml):
-    from merak.energy.gpu import NVMLGPU, nvml_uuid
+    from merak.energy.profiling.gpu import NVMLGPU, nvml_uuid
 
     uuid = nvml_uuid(torch.cuda.current_device())
     handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
@@ -75,7 +75,7 @@ def test_nvml_finds_torchs_gpu_by_uuid(nvml):
 
 def test_nvml_energy_counter_rises_under_load(nvml):
     """Its refresh interval is a figure (bench/gpu_measurement.py)."""
-    from merak.energy.gpu import NVMLGPU, nvml_uuid
+    from merak.energy.profiling.gpu import NVMLGPU, nvml_uuid
 
     gpu = NVMLGPU(nvml_uuid(torch.cuda.current_device()), control=False)
     a = torch.randn(8192, 8192, device="cuda")

@@ -39,8 +39,8 @@ from trainer_common import dataset
 
 import merak
 from merak.distributed.host_objects import all_gather_objects
-from merak.energy.auto import PROFILE_CLOCKS
-from merak.energy.plan_file import expected_instructions
+from merak.energy.planning.plan_file import expected_instructions
+from merak.energy.training.auto import PROFILE_CLOCKS
 
 FORWARD_S = float(os.environ.get("MERAK_ENERGY_AUTO_FORWARD_S", "0.02"))
 AFTER = int(os.environ.get("MERAK_ENERGY_AUTO_AFTER", "4"))

@@ -29,12 +29,12 @@ from common import out_dir, run_scenarios
 from hf_models import CustomMLP, batch
 
 import merak
-from merak.energy.deploy import ClockPlanHook
-from merak.energy.gpu import SimulatedGPU, SyntheticGPUModel
-from merak.energy.plan_file import check_clock_plan, expected_instructions
-from merak.energy.planner import EnergyPlanner
-from merak.energy.profile_data import aggregate, write_profile
-from merak.energy.profiler import ClockProfiler, profile_clocks
+from merak.energy.planning.frontier import ClockFrontier
+from merak.energy.planning.plan_file import check_clock_plan, expected_instructions
+from merak.energy.profiling.gpu import SimulatedGPU, SyntheticGPUModel
+from merak.energy.profiling.profile_data import aggregate, write_profile
+from merak.energy.profiling.profiler import ClockProfiler, profile_clocks
+from merak.energy.training.deploy import ClockPlanHook
 from merak.schedule.registry import SCHEDULES
 
 RANKS, ROWS = 4, 1
@@ -83,7 +83,7 @@ def _plan(name: str, engine, rows, ctx) -> dict:
         write_profile(rows, out_dir() / f"profile-{name}.csv")
         try:
             profiles, p2p_power = aggregate(rows)
-            planner = EnergyPlanner(engine.schedule, profiles, p2p_power,
+            planner = ClockFrontier(engine.schedule, profiles, p2p_power,
                                     unit_time=UNIT_S)
             start = time.perf_counter()
             base_time, base_energy = planner.evaluate(planner.max_clock_plan())

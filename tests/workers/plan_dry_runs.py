@@ -24,7 +24,7 @@ from common import run_scenarios
 
 import merak
 from merak.distributed.teardown import live_process_groups
-from merak.planner import dry_run
+from merak.dryrun import run as dry_run
 from merak.strategy import costs
 from merak.strategy.predict import Candidate
 
@@ -64,7 +64,7 @@ def dry_runs_free_their_groups() -> None:
 
 
 def online_plan_frees_its_groups() -> None:
-    from merak.planner.online import plan_online
+    from merak.dryrun.online import plan_online
 
     merak.init(dp=1, tp=1, pp=2)
     costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
@@ -82,7 +82,7 @@ def online_plan_frees_its_groups() -> None:
 
 
 def online_plan_dry_runs_cp() -> None:
-    from merak.planner.online import plan_online
+    from merak.dryrun.online import plan_online
 
     merak.init(dp=1, tp=1, pp=2)
     config = tiny_llama()

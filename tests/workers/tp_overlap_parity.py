@@ -17,9 +17,9 @@ from tp_models import TP_FAMILIES, tp_batch
 
 import merak
 from merak.materialize.meta import materialize_
-from merak.tensor_parallel import overlap
-from merak.tensor_parallel.interleaver import Interleaver
-from merak.tensor_parallel.overlap import set_tp_overlap
+from merak.tensor_parallel.overlap import levels as overlap
+from merak.tensor_parallel.overlap.interleaver import Interleaver
+from merak.tensor_parallel.overlap.levels import set_tp_overlap
 
 STEPS, ROWS, LR, SEED = 3, 4, 0.05, 1234
 RTOL, ATOL = 1e-5, 1e-6

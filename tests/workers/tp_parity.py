@@ -101,7 +101,7 @@ def collectives(tp: int) -> None:
     """The tp collectives (`all_gather_single` / `reduce_scatter_single` into one buffer)
     against the list all-gather + cat and the all-reduce + slice they replace, along every
     dimension, with their autograd conjugates."""
-    from merak.tensor_parallel.collectives import gather_sequence, reduce_scatter_sequence
+    from merak.tensor_parallel.layers.collectives import gather_sequence, reduce_scatter_sequence
 
     ctx = merak.init(dp=1, tp=tp, pp=1)
     group, rank = ctx.tp_group, ctx.tp_rank
@@ -259,8 +259,8 @@ def planted_wrong_plans(tp: int) -> None:
     unsharded one)."""
     import dataclasses
 
-    from merak.tensor_parallel.infer import infer_plan
-    from merak.tensor_parallel.proof import PlanRefused, prove_plan
+    from merak.tensor_parallel.apply.infer import infer_plan
+    from merak.tensor_parallel.tracing.proof import PlanRefused, prove_plan
 
     ctx = merak.init(dp=1, tp=tp, pp=1)
     for name, wrong, module in (

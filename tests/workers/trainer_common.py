@@ -36,7 +36,7 @@ RUNS = {"llama": ("llama", {}, {}),
         "llama-deep-interleaved-zero2-bf16": ("llama-deep", {**FIVE, "bf16": True}, {
             "train_schedule": "interleaved_1f1b", "num_model_chunks": 2, "zero_stage": 2,
             "dealloc_pipeoutput": True}),
-        # the strategy planner chooses the layout, micro-batching, schedule, recomputation
+        # the strategy search chooses the layout, micro-batching, schedule, recomputation
         # and ZeRO stage (2 dry runs) for the reference's global batch; the loss curve is the
         # single-process one whatever it chose
         "llama-auto": ("llama", {}, {"auto_parallel": True, "plan_dry_runs": 2}),

@@ -23,9 +23,9 @@ from hf_models import VOCAB
 from trainer_common import dataset
 
 import merak
-from merak.energy.plan_file import ClockPlanError, load_clock_plan
-from merak.energy.profile_data import read_profile
-from merak.energy.report import report, summarize
+from merak.energy.planning.plan_file import ClockPlanError, load_clock_plan
+from merak.energy.profiling.profile_data import read_profile
+from merak.energy.reporting.report import report, summarize
 
 STEPS, SEED = 6, 5
 SIMULATED = json.dumps({"forward_s": 0.02, "clock_step": 90})  # 6 clocks, 1410..960 MHz
@@ -108,7 +108,7 @@ def profile_then_plan_from_a_file() -> None:
 
 def _serving(plan: dict, run) -> object:
     """Run `run(url)` on every rank against a server in rank 0's process; returns its registry."""
-    from merak.energy.pfo_server import PlanRegistry, ServerThread
+    from merak.energy.service.pfo_server import PlanRegistry, ServerThread
 
     registry = PlanRegistry([plan]) if dist.get_rank() == 0 else None
     with ServerThread(registry) if registry else contextlib.nullcontext() as server:

@@ -1,2 +1,0 @@
-"""The strategy planner's half that runs dry runs on the job's ranks (`merak plan --online`,
-`auto_parallel`): each candidate's real engine, built by `merak.engine`, timed for a few steps."""

@@ -1,0 +1,88 @@
+"""Sequence parallelism (Megatron-style) on the repeated blocks of a tensor-parallel model.
+
+Between the first and the last block of each block list the residual stream is split along
+the sequence across the TP ranks: norms, dropout and residual adds run on 1/tp of the tokens,
+and pipeline boundaries carry 1/tp of the hidden state. Each `sp_gather` module (attention,
+MLP) all-gathers its input sequence, and its row-parallel output layer reduce-scatters back
+to sequence shards. The first block scatters its input, the last gathers its output, so the
+glue around the blocks (embedding, final norm, LM head, loss) sees full sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from merak.tensor_parallel.layers.collectives import (
+    gather_from_tp,
+    gather_sequence,
+    scatter_to_tp,
+    tracing,
+)
+from merak.tensor_parallel.plans.tp_plan import matches
+
+
+def _with_first_tensor(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise ValueError("sequence parallelism needs the hidden states as the first argument or the "
+                     "`hidden_states` keyword")
+
+
+class _SequenceParallelBlock:
+    """Mixin: the first block of a list scatters its input, the last gathers its output."""
+
+    sp_scatter_input = False
+    sp_gather_output = False
+
+    def forward(self, *args, **kwargs):
+        dim, group = self.sp_dim, self.sp_group
+        if self.sp_scatter_input:
+            args, kwargs = _with_first_tensor(args, kwargs,
+                                              lambda x: _scatter_sequence(x, dim, group))
+        out = super().forward(*args, **kwargs)
+        if not self.sp_gather_output:
+            return out
+        gather = (lambda x: x) if tracing() else (lambda x: gather_from_tp(x, dim, group))
+        if isinstance(out, torch.Tensor):
+            return gather(out)
+        return (gather(out[0]), *out[1:])
+
+
+def _scatter_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    # while tracing, sequence shards keep the full length: every sequence-parallel collective
+    # pairs up along the same dimension, so the traced shapes stay consistent
+    return x if tracing() else scatter_to_tp(x, dim, group)
+
+
+def enable_sequence_parallel(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...],
+                             group, sequence_dim: int) -> None:
+    lists: dict[str, list[str]] = {}
+    for name in blocks:
+        lists.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    classes: dict[type, type] = {}
+    for names in lists.values():
+        for i, name in enumerate(names):
+            block = model.get_submodule(name)
+            cls = type(block)
+            if cls not in classes:
+                classes[cls] = type(f"SequenceParallel{cls.__name__}",
+                                    (_SequenceParallelBlock, cls), {})
+            block.__class__ = classes[cls]
+            block.sp_dim, block.sp_group = sequence_dim, group
+            block.sp_scatter_input, block.sp_gather_output = i == 0, i == len(names) - 1
+    gathered = 0
+    for name, module in model.named_modules():
+        if any(name.startswith(b + ".") for b in blocks) and any(matches(name, p)
+                                                                 for p in sp_gather):
+            module.register_forward_pre_hook(
+                lambda mod, args, kwargs: _with_first_tensor(
+                    args, kwargs, lambda x: x if tracing() else
+                    gather_sequence(x, sequence_dim, group)),
+                with_kwargs=True)
+            gathered += 1
+    if not gathered:
+        raise ValueError(f"sequence parallelism found none of the modules {list(sp_gather)} in "
+                         f"the blocks")

@@ -1,0 +1,1 @@
+"""Sub-pipelined tensor parallelism (`tp_overlapping_level`): all-reduces behind compute."""

@@ -1,0 +1,1 @@
+"""What a tensor-parallel plan says: `TPPlan`, the families' plans, transformers' plan styles."""
