@@ -56,7 +56,7 @@ class CheckpointMixin:
             args.output_dir, self.state.global_step, self.ctx, self.stage, state,
             save_total_limit=args.save_total_limit,
             config=getattr(self._user_model, "config", None),
-            name_prefix="model." if self._wrapped_loss else "",
+            name_prefix=self.loss_choice.name_prefix,
             keep=self.state.best_model_checkpoint, before_marker=adapter,
             optimizer=None if args.no_save_optim or args.save_only_model else self.optimizer,
             background=self._saves if args.save_async else None,
@@ -194,7 +194,7 @@ class CheckpointMixin:
         user_model = self._user_model if self.stage is not None else self.model
         if self.stage is not None:
             gathered = gather_full_tensors(self.stage, self.ctx,
-                                           "model." if self._wrapped_loss else "")
+                                           self.loss_choice.name_prefix)
             tensors = state_dict if state_dict is not None else gathered
         elif has_meta_parameters(user_model):
             raise ValueError("save_model() before train(): the model is still on the meta device "

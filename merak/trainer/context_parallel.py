@@ -38,7 +38,7 @@ class ContextParallelMixin:
         reason = unsupported_reason(base, args.cp_mode)
         if reason is not None:
             raise NotSupportedYetError(f"context parallelism (cp={ctx.cp}): {reason}")
-        own_loss = not (self._subclass_loss or self.loss_fn is not None
+        own_loss = not (self.loss_choice.subclass or self.loss_fn is not None
                         or self.compute_loss_func is not None
                         or self.label_smoother is not None)
         if not own_loss:
@@ -46,7 +46,7 @@ class ContextParallelMixin:
                 f"context parallelism (cp={ctx.cp}) trains on the model's own loss, which takes "
                 f"each rank's share of the shifted labels; a loss_fn, compute_loss_func, label "
                 f"smoothing or a subclass's compute_loss would see one rank's share of the rows")
-        if not self._counts_items:
+        if not self.loss_choice.counts_items:
             raise NotSupportedYetError(
                 f"context parallelism (cp={ctx.cp}) needs HF's token-weighted loss (each rank's "
                 f"loss divided by the whole rows' token count): {type(base).__name__}'s "

@@ -82,7 +82,8 @@ class EvaluationMixin:
             real = data.real_rows(step)
             row_losses = []  # each real row's loss (HF's "loss" for metrics): its batch's
             share = 0.0  # this rank's part of the sum over all samples of their loss
-            if last is not None and self._counts_items and not self._subclass_loss:
+            if last is not None and self.loss_choice.counts_items \
+                    and not self.loss_choice.subclass:
                 # the step's loss is the sum over dp ranks of their parts (each divided by the
                 # step's token count): every real row of the step takes it, as HF's rows take
                 # their batch's; a rank's own rows are shown HF's per-device value

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -28,18 +29,39 @@ from merak.trainer.subclasses import overrides
 from merak.trainer.token_counts import ITEMS, takes_item_count, with_own_counts, with_step_count
 
 
+@dataclass
+class LossChoice:
+    """The loss `MerakTrainer`'s last stage computes, chosen once when the trainer is made.
+
+    fn: traced into the last stage's graph after the model (None: the model's own loss); the
+        model is then wrapped with it, and its parameter names gain `name_prefix`.
+    counts_items: HF's token-weighted loss (`merak.trainer.token_counts`).
+    subclass: a Trainer subclass's ``compute_loss`` runs eagerly on the last stage from the
+        traced logits (`stage_loss`, once the engine is built).
+    """
+
+    fn: Callable | None
+    counts_items: bool
+    subclass: bool = False
+    stage_loss: SubclassLoss | None = None
+
+    @property
+    def name_prefix(self) -> str:
+        """What the wrapped model's parameter names start with that the user model's lack."""
+        return "model." if self.fn is not None else ""
+
+
 class LossSetupMixin:
     """Mixed into `MerakTrainer` (which provides args, ctx, engine, loss_fn, ...)."""
 
-    def _choose_loss(self, model: nn.Module) -> tuple[Callable | None, bool]:
+    def _choose_loss(self, model: nn.Module) -> LossChoice:
         """The loss the last stage's graph computes (None: the model's own), and whether it is
         HF's token-weighted one (`merak.trainer.token_counts`): Merak's ``loss_fn`` when it
         takes ``num_items_in_batch``; HF's ``compute_loss_func`` always; label smoothing and the
         model's own loss when the model takes loss keyword arguments (HF's rules). With a
         subclass's ``compute_loss`` the graph ends at the logits, and the count is HF's
         whenever HF Trainer would pass one to ``compute_loss``."""
-        self._subclass_loss = overrides(type(self), "compute_loss")
-        if self._subclass_loss:
+        if overrides(type(self), "compute_loss"):
             if self.loss_fn is not None:
                 raise ValueError(f"{type(self).__name__} overrides compute_loss and was given "
                                  f"loss_fn: choose one")
@@ -47,56 +69,57 @@ class LossSetupMixin:
                 raise NotSupportedYetError(
                     f"a Trainer subclass's compute_loss runs on the last pipeline stage for "
                     f"causal language models; {type(model).__name__} is not one")
-            return stage_logits, bool(self.model_accepts_loss_kwargs
-                                      or self.compute_loss_func is not None)
+            return LossChoice(stage_logits, bool(self.model_accepts_loss_kwargs
+                                                 or self.compute_loss_func is not None),
+                              subclass=True)
         if self.loss_fn is not None:
-            return self.loss_fn, takes_item_count(self.loss_fn)
+            return LossChoice(self.loss_fn, takes_item_count(self.loss_fn))
         if self.compute_loss_func is not None:
             func = self.compute_loss_func
 
             def compute_loss_func(outputs, labels, num_items_in_batch=None):
                 return func(outputs, labels, num_items_in_batch=num_items_in_batch)
 
-            return compute_loss_func, True
+            return LossChoice(compute_loss_func, True)
         if self.label_smoother is not None:  # label_smoothing_factor
             # HF's LabelSmoother on the logits the last stage makes (gathered whole by the
             # vocab-parallel LM head, so one TP rank's result is the full-vocabulary one)
-            return (LabelSmoothedLoss(self.label_smoother.epsilon, shifts_labels(model)),
-                    self.model_accepts_loss_kwargs)
+            return LossChoice(LabelSmoothedLoss(self.label_smoother.epsilon,
+                                                shifts_labels(model)),
+                              self.model_accepts_loss_kwargs)
         if "labels" not in inspect.signature(model.forward).parameters:
-            return default_loss_fn, False  # the model computes no loss of its own
-        return None, self.model_accepts_loss_kwargs
+            return LossChoice(default_loss_fn, False)  # the model computes no loss of its own
+        return LossChoice(None, self.model_accepts_loss_kwargs)
 
     def _attach_subclass_loss(self, example: dict) -> None:
         """After the interpreter is built: the subclass's ``compute_loss`` on the last stage,
         its result weighted as HF's ``training_step`` weights it. Otherwise, with HF's counts,
         the micro-batch losses are summed, times dp when counted over dp."""
-        args = self.args
-        if not self._subclass_loss:
-            if self._counts_items:
+        args, choice = self.args, self.loss_choice
+        if not choice.subclass:
+            if choice.counts_items:
                 self.engine.interpreter.loss_weight = \
                     self.ctx.dp if args.average_tokens_across_devices else 1
-            self._stage_loss = None
             return
         if args.parallel_vocab:
             raise NotSupportedYetError(
                 "parallel_vocab with a Trainer subclass's compute_loss: compute_loss needs the "
                 "whole vocabulary's logits on the last stage; turn parallel_vocab off")
-        self._stage_loss = SubclassLoss(self, self._user_model, list(example),
-                                        self._model_inputs)
-        self.engine.interpreter.attach_loss(self._stage_loss)
+        choice.stage_loss = SubclassLoss(self, self._user_model, list(example),
+                                         self._model_inputs)
+        self.engine.interpreter.attach_loss(choice.stage_loss)
         if self._run_reference_pass():  # TRL DPO's reference log-probs: new batch values
-            self._stage_loss.input_names = list(self._collate([self.train_dataset[0]]))
-            self.engine.interpreter.attach_loss(self._stage_loss)
+            choice.stage_loss.input_names = list(self._collate([self.train_dataset[0]]))
+            self.engine.interpreter.attach_loss(choice.stage_loss)
         # None: each micro-batch's loss divided by the accumulation steps (HF's training_step)
         self.engine.interpreter.loss_weight = \
-            1 if scaled_for_accumulation(self, self._counts_items) else None
+            1 if scaled_for_accumulation(self, choice.counts_items) else None
 
     def _traced_inputs(self, example: dict) -> dict:
         """What the pipeline runs of a micro-batch: with a subclass's compute_loss, the values
         it feeds the model (`merak.trainer.model_inputs`); else the whole batch, labels
         included."""
-        if self._subclass_loss:
+        if self.loss_choice.subclass:
             batch = {k: v for k, v in example.items() if k != ITEMS}  # compute_loss's count
             self._model_inputs = model_inputs(self, self._user_model, batch)
             return {k: example[k] for k in example if k in self._model_inputs or k == ITEMS}
@@ -108,7 +131,8 @@ class LossSetupMixin:
     def _running_loss(self) -> AbstractContextManager:
         """Around training and evaluation steps: a subclass's compute_loss runs (not in
         probes)."""
-        return self._stage_loss.running() if self._stage_loss is not None else nullcontext()
+        stage_loss = self.loss_choice.stage_loss
+        return stage_loss.running() if stage_loss is not None else nullcontext()
 
     def _counted(self, batch: dict | list[dict] | None, microbatches: int,
                  step: bool = False) -> dict | list[dict] | None:
@@ -116,7 +140,7 @@ class LossSetupMixin:
         counts when the loss takes them (see `token_counts`): the step's count in training
         (`step`), each micro-batch's own otherwise."""
         first = batch if isinstance(batch, dict) or batch is None else batch[0]
-        if batch is None or not self._counts_items or "labels" not in first:
+        if batch is None or not self.loss_choice.counts_items or "labels" not in first:
             return self._context_share(batch)
         if step:  # (counted over the whole rows, then cut into this cp rank's share)
             return self._context_share(with_step_count(

@@ -30,7 +30,7 @@ from merak.trainer.user_model import user_model
 
 
 class ReferenceLogpsMixin:
-    """Mixed into `MerakTrainer` (which provides args, ctx, engine, _stage_loss, _collate)."""
+    """Mixed into `MerakTrainer` (which provides args, ctx, engine, loss_choice, _collate)."""
 
     _pending_reference = None  # the batch size of a reference pass TRL asked for (no annotation:
     # an annotated class attribute gives the mixin an __annotations__, a name of Trainer's)
@@ -67,7 +67,7 @@ class ReferenceLogpsMixin:
         def compute(model, inputs):
             return [t.detach().float().cpu() for t in self.compute_ref_log_probs(model, inputs)]
 
-        with self._stage_loss.collecting(compute) as results, user_model(self):
+        with self.loss_choice.stage_loss.collecting(compute) as results, user_model(self):
             for step in range(steps):
                 first = (step * ctx.dp + ctx.dp_rank) * local
                 microbatches = []

@@ -52,7 +52,7 @@ class TextGenerationMixin:
                 do_sample=do_sample, temperature=args.temperature if temperature is None
                 else temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                 seed=args.seed if seed is None else seed,
-                prefix="model." if self._wrapped_loss else "")
+                prefix=self.loss_choice.name_prefix)
 
     def _generate_after_training(self) -> None:
         """``text_generation=True``: sample at ``temperature`` (greedy at 0) and report."""

@@ -91,7 +91,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             if lora.is_peft_model(model) and args.adapter_name in model.peft_config else None
         self.loss_fn, self.leaf_modules = loss_fn, tuple(leaf_modules)
         base = model.get_base_model() if lora.is_peft_model(model) else model
-        self._loss, self._counts_items = self._choose_loss(base)
+        self.loss_choice = self._choose_loss(base)
         # HF's rule for which labels count (a causal LM's loss shifts them)
         self._shifted_count = getattr(self, "_loss_shifts_labels", shifts_labels(base))
         self._check_context_parallel(model)
@@ -149,8 +149,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
         self._enable_context_parallel()  # before the trace: the stages attend across cp
         traced = self._traced_inputs(example)
-        loss_fn = self._loss
-        self._wrapped_loss = loss_fn is not None
+        loss_fn = self.loss_choice.fn
         if loss_fn is not None:
             model = with_loss(model, loss_fn, list(traced))
         leaf_modules, embedding = self.leaf_modules, None
@@ -189,7 +188,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         return build_engine(
             model, traced, self.ctx, self.engine_options, make_optimizer=optimizer_over,
             checkpoint=pretrained_checkpoint(self._user_model),
-            checkpoint_prefix="model." if self._wrapped_loss else "",
+            checkpoint_prefix=self.loss_choice.name_prefix,
             tp_rng=getattr(self._user_model, "merak_tp_rng", None), stage_hooks=neftune_hooks,
             hooks=[self.energy.engine_hook] if self.energy and not args.energy_profile else ())
         # (the profiler brings its own hook)

@@ -145,7 +145,7 @@ def _generates_as_hf(trainer, family: str) -> None:
     prompts = [[5, 9, 3, 7], [11, 4]]
     got = trainer.generate(prompts, max_new_tokens=4)
     full = gather_full_tensors(trainer.stage, trainer.ctx,
-                               "model." if trainer._wrapped_loss else "")
+                               trainer.loss_choice.name_prefix)
     if trainer.ctx.rank == 0:
         reference = build(family)
         missing, unexpected = reference.load_state_dict(full, strict=False)
