@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from merak import MerakArguments, NotSupportedYetError
-from merak.engine.options import EngineOptions
 from merak.schedule.registry import SCHEDULES
 from merak.trainer.argument_ranges import INTEGERS, REALS
 
@@ -139,7 +138,7 @@ def _builds_or_names_a_field(fields: dict) -> None:
     _finite_counts(args)
     for pp in (1, 2, 3):  # the engine's options for a layout (MerakTrainer makes them first)
         try:
-            EngineOptions.from_arguments(args, pp=pp, dp=2)
+            args.engine_options(pp=pp, dp=2)
         except ValueError as error:  # a per-stage list that does not fit this pp
             _names_one_of(error, fields)
 

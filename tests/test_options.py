@@ -9,7 +9,6 @@ import torch
 from hf_models import CustomMLP, batch
 
 import merak
-from merak.engine.options import EngineOptions
 from merak.options import given
 from merak.partition.options import SplitOptions
 from merak.runtime.options import RuntimeOptions
@@ -66,7 +65,7 @@ def test_engine_options_group_the_arguments_by_concern():
                           gradient_accumulation_steps=4, partition_method="parameters",
                           parallel_vocab=True, activation_checkpointing=True,
                           checkpoint_num_layers=2, max_grad_norm=0.5, torch_compile=True)
-    o = EngineOptions.from_arguments(args, pp=2, dp=2, leaf_modules=("head",))
+    o = args.engine_options(pp=2, dp=2, leaf_modules=("head",))
     assert o.split == SplitOptions(partition_method="parameters", leaf_modules=("head",))
     assert o.tensor_parallel == TensorParallelOptions(parallel_vocab=True)
     assert o.pipeline == RuntimeOptions(schedule="interleaved_1f1b", num_microbatches=4,

@@ -15,6 +15,7 @@ from transformers import TrainingArguments
 
 from merak import rules
 from merak.engine.compile import check_compile_mode
+from merak.engine.options import EngineOptions
 from merak.partition.options import SPLIT_METHODS, TRACE_METHODS
 from merak.rules import NotSupportedYetError  # noqa: F401 - MerakArguments' error, re-exported
 from merak.schedule.registry import SCHEDULES
@@ -23,6 +24,7 @@ from merak.tensor_parallel.plans.tp_plan import LAYER_LIST_KEYS, TPPlan
 from merak.trainer.argument_checks import ArgumentChecks
 from merak.trainer.argument_ranges import check_ranges
 from merak.trainer.config_bases import keep_declared_defaults
+from merak.trainer.engine_options import engine_options_of
 from merak.trainer.job import JobView
 
 
@@ -247,6 +249,12 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         return self.activation_checkpointing and (
             self.activation_memory_budget is not None
             or len(self.activation_checkpoint_ratio or ()) == 1)
+
+    def engine_options(self, *, pp: int, dp: int = 1,
+                       leaf_modules: tuple[str, ...] = ()) -> EngineOptions:
+        """The engine's options these arguments describe for a job of `pp` pipeline ranks and
+        `dp` data-parallel ranks (`leaf_modules`: the modules the split keeps opaque)."""
+        return engine_options_of(self, pp=pp, dp=dp, leaf_modules=leaf_modules)
 
     @property
     def gradient_bucket_bytes(self) -> int:

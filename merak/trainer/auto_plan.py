@@ -9,7 +9,6 @@ from pathlib import Path
 
 from merak import lora, rules
 from merak.distributed.parallel_context import ParallelContext, init
-from merak.engine.options import EngineOptions
 from merak.strategy.predict import Candidate
 from merak.strategy.search import read_strategy_plan
 
@@ -53,8 +52,8 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
                              f"give MerakArguments(plan=...), or give merak.init the degrees)")
         seq = example_rows["input_ids"].shape[-1]
         # the dry runs build the trainer's engine: its options, with each candidate's choices
-        options = EngineOptions.from_arguments(args, pp=1, dp=ctx.world_size,
-                                               leaf_modules=trainer.leaf_modules)
+        options = args.engine_options(pp=1, dp=ctx.world_size,
+                                      leaf_modules=trainer.leaf_modules)
         plan = plan_online(config, global_batch(args), seq,
                            args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
                            dry_runs=args.plan_dry_runs,

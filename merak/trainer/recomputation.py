@@ -1,5 +1,5 @@
 """`MerakArguments`' recomputation fields turned into per-stage ratios for the interpreter
-(the ratios an engine starts with: `merak.engine.options.initial_recompute_ratio`).
+(the ratios an engine starts with: `merak.trainer.engine_options.initial_recompute_ratio`).
 
 * ``activation_checkpointing`` alone: every block of every stage.
 * ``activation_checkpoint_ratio`` with one value per stage: those fractions.
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from merak.engine.options import plans_recomputation
 from merak.recompute.stage_aware import (
     choose_ratios,
     measure_kept,
     predict_peaks,
     stage_aware_ratios,
 )
+from merak.trainer.engine_options import plans_recomputation
 
 
 def plan_recomputation(engine, args, batch: dict[str, torch.Tensor]) -> list[float] | None:

@@ -28,7 +28,6 @@ from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
 from merak.distributed.timeouts import use_trainer_timeout
 from merak.engine.assemble import Engine, build_engine
-from merak.engine.options import EngineOptions
 from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
 from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.memory_probe import fits_in_memory
@@ -118,7 +117,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if self.eval_dataset is not None:
             check_eval_dataset(self.eval_dataset)
         if not (args.auto_parallel or args.plan):  # per-stage fields fit this layout
-            EngineOptions.from_arguments(args, pp=self.ctx.pp, dp=self.ctx.dp)
+            args.engine_options(pp=self.ctx.pp, dp=self.ctx.dp)
 
     @property
     def stage(self):
@@ -156,8 +155,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if args.neftune_noise_alpha is not None:  # its forward hook must run: keep it opaque
             embedding = neftune.input_embedding(self._user_model)
             leaf_modules = (*leaf_modules, *neftune.opaque_modules(model, embedding))
-        self.engine_options = EngineOptions.from_arguments(
-            args, pp=self.ctx.pp, dp=self.ctx.dp, leaf_modules=leaf_modules)
+        self.engine_options = args.engine_options(pp=self.ctx.pp, dp=self.ctx.dp,
+                                                  leaf_modules=leaf_modules)
         self.neftune_noise = None
         if embedding is not None:  # HF's NEFTune, with noise the TP ranks of a group share
             self.neftune_noise = neftune.NEFTune(args.neftune_noise_alpha, args.seed,

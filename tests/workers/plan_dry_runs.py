@@ -142,7 +142,6 @@ def dry_run_trains_as_the_trainer() -> None:
     import tempfile
     from dataclasses import replace
 
-    from merak.engine.options import EngineOptions
 
     ctx = merak.init(dp=1, tp=1, pp=2)
     config = tiny_llama()
@@ -163,7 +162,7 @@ def dry_run_trains_as_the_trainer() -> None:
             {"input_ids": row, "labels": row} for row in ids])
         trainer.train()
         trained = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        options = EngineOptions.from_arguments(args, pp=ctx.pp, dp=ctx.dp)
+        options = args.engine_options(pp=ctx.pp, dp=ctx.dp)
         # the trainer's engine came from these options (its loss wrapper keeps the split's
         # pieces opaque the same way: no leaf modules of its own here)
         assert trainer.engine_options == options, (trainer.engine_options, options)
