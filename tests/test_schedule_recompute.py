@@ -142,7 +142,8 @@ def test_orders_of_the_new_actions_are_checked():
 
 
 def test_cli_json_and_compare(tmp_path, capsys):
-    def _simulate_cli(*args: str) -> str:  # in process (test_schedules runs it as a command)
+    # in process (test_schedule_programs runs it as a command)
+    def _simulate_cli(*args: str) -> str:
         assert main(["simulate", "--stages", "4", "--microbatches", "8", *args]) == 0
         return capsys.readouterr().out
 
