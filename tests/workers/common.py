@@ -99,7 +99,9 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
         _SCENARIO.append(name)
         try:
             figures = profiler.runcall(scenario) if profiler else scenario()
-            json.dumps(figures)  # a scenario's figures must be a JSON object (or None)
+            if not isinstance(figures, dict):  # figures are a dict; other returns are not
+                figures = None
+            json.dumps(figures)  # (a scenario's figures must be JSON)
             results[name] = {"error": None, "figures": figures}
         except Exception:  # noqa: BLE001 - every failure is reported to pytest
             error = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 6)))
