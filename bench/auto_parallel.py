@@ -44,6 +44,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from _common import RESULTS
 from transformers import LlamaConfig
 
 from merak.strategy.cluster import cluster
@@ -284,7 +285,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per dry run")
     parser.add_argument("--models", default=",".join(GRID_MODELS),
                         help=f"the grid's models, of {list(GRID_MODELS)}")
-    parser.add_argument("--out", default="runs/auto_parallel",
+    parser.add_argument("--out", default=str(RESULTS / "auto_parallel"),
                         help="the grid's measurements and the plans are written here")
     parser.add_argument("--reuse-grid", action="store_true",
                         help="read the grid --out holds instead of measuring it (planner work)")

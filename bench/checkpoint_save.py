@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from worker_launch import free_port
+from _common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED = re.compile(r"done: loss .* (\d+) tokens/s after the first step")

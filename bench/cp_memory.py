@@ -5,8 +5,8 @@
     .venv/bin/python bench/cp_memory.py --seqs 4096     # a quick look
 
 A Llama of 2 blocks (hidden 512, 8 query heads, 2 key/value heads, head dim 64, vocabulary
-4096, sdpa attention) is built on the meta device by `merak.parallelize` and trained one step
-(forward and backward of one row, SGD) by the interpreter, on cp ranks launched by torchrun
+4096, sdpa attention) is built on the meta device, assembled by `build_engine` (bench/_common.py)
+and trained one step (forward and backward of one row, SGD), on cp ranks launched by torchrun
 (cp = 1: one process over the whole row, plain sdpa; cp = 2, 4: each rank holds its
 load-balanced share, attention wrapped as ring or Ulysses). Each rank reports:
 
@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import RESULTS, ROOT, build, free_port
+
 CONFIG = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1024,
           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}
 TARGETS = {2: 0.6, 4: 0.35}
@@ -77,9 +78,9 @@ def measure(seq: int, cp: int, mode: str | None) -> dict:
     if cp > 1:
         enable_context_parallel(model, ctx.cp_group, mode)
         batch = split_batch(batch, cp, ctx.cp_rank)
-    stage = merak.parallelize(model, batch, ctx)
-    engine = merak.PipelineInterpreter(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0),
-                                       1, measure_activations=True)
+    built = build(model, batch, ctx, lambda stage: torch.optim.SGD(stage.parameters(), lr=0.0),
+                  num_microbatches=1, measure_activations=True)
+    engine, stage = built.interpreter, built.stage
     engine.loss_weight = 1.0  # the model divides by the row's token count
     _reset_peak()
     before = _status_kib("VmRSS")
@@ -89,7 +90,7 @@ def measure(seq: int, cp: int, mode: str | None) -> dict:
     growth = (_status_kib("VmHWM") - before) * 1024
     result = {"seq": seq, "cp": cp, "mode": mode or "none", "peak_growth": growth,
               "saved": engine.activation_peak, "seconds": took}
-    del engine, stage, model
+    del engine, stage, built, model
     return result
 
 
@@ -118,9 +119,6 @@ def worker(cli) -> None:
 
 
 def launch(cp: int, seqs: list[int]) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from worker_launch import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
@@ -171,6 +169,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--save", default=str(RESULTS / "cp_memory.json"),
+                        help="where the rows go (JSON; default %(default)s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     cli = parser.parse_args()
@@ -184,6 +184,8 @@ def main() -> None:
         print(f"cp={cp}: {cp} rank(s)", flush=True)
         rows += launch(cp, cli.seqs)
     report(rows)
+    Path(cli.save).write_text(json.dumps(rows, indent=1))
+    print(f"rows written to {cli.save}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import RESULTS
 
 from merak.context_parallel.ring import _calls, attend_block, block_gradients
 from merak.context_parallel.split import rank_positions
@@ -98,7 +99,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--out", default=str(RESULTS / "cp_ring_block.json"),
+                        help="write the figures as JSON here (default %(default)s)")
     cli = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

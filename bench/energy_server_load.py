@@ -8,7 +8,7 @@ chunked without a length), bodies just under the cap with too many values, NaN, 
 did not register, an unknown job, broken JSON, a bad Content-Length, metadata that tries to
 leave the results directory, and bodies that stall. Prints the server's idle and peak RSS
 (VmHWM, reset after start-up) and the count per status; "no answer" counts connections that
-ended without a status line. tests/test_energy_server_load.py runs a smaller mix.
+ended without a status line. tests/test_energy_service_load.py runs a smaller mix.
 """
 
 from __future__ import annotations

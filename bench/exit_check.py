@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from worker_launch import free_port
+from _common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,23 +7,20 @@ other rank exited and whether its error named the missing rank.
     .venv/bin/python bench/fault_sweep.py --runs 12 --timeout 10
 
 The headline: ddp_timeout=20, one of 4 ranks stopped mid-step; every other rank must exit
-within 40 s naming it. tests/test_faults.py runs four fixed scenarios of the same harness.
+within 40 s naming it. tests/test_faults.py runs four fixed scenarios of the same harness
+(bench/fault_harness.py, the job bench/fault_worker.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "workers")]
-
-from fault_harness import launch  # noqa: E402
-from fault_worker import POINTS  # noqa: E402
+from fault_harness import launch
+from fault_worker import POINTS
 
 LAYOUTS = ((2, 2), (4, 2))  # (world, pp): pp=2 and dp2 x pp2
 

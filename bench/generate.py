@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import engine_options
 
 CONFIG = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -74,14 +75,13 @@ def _hf_generate(model) -> list[list[int]]:
 def _train_memory(ctx, lora: bool) -> dict:
     from merak import lora as merak_lora
     from merak.engine.assemble import build_engine
-    from merak.engine.options import EngineOptions
 
     model = _model(meta=True)
     if lora:
         model = merak_lora.wrap(model, json.dumps(LORA))
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 32))
     built = build_engine(model, {"input_ids": ids, "labels": ids}, ctx,
-                         EngineOptions(num_microbatches=2),
+                         engine_options(num_microbatches=2),
                          make_optimizer=lambda stage: torch.optim.AdamW(
                              [p for p in stage.parameters() if p.requires_grad], lr=1e-4))
     stage, optimizer, engine = built.stage, built.optimizer, built.interpreter

@@ -1,7 +1,7 @@
 """On one CUDA GPU: how well Merak's measurements read the clocks (figures, not tests; the
 project keeps clock-derived targets out of the test suite, where a busy machine would fail them).
 
-    .venv/bin/python bench/gpu_measurement.py [--out runs/gpu_measurement.json]
+    .venv/bin/python bench/gpu_measurement.py [--out bench/results/gpu_measurement.json]
 
 Prints, with its targets:
 - the CUDA-event timer (`DeviceTimer`) against torch.profiler's kernel time for 20 matmuls:
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS
 
 
 def timer_against_profiler(size: int = 4096, repeats: int = 20) -> dict:
@@ -73,7 +74,7 @@ def nvml_refresh(seconds: float = 2.0) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/gpu_measurement.json")
+    parser.add_argument("--out", default=str(RESULTS / "gpu_measurement.json"))
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(f"no CUDA device: torch {torch.__version__} sees no GPU")

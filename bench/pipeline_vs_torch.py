@@ -1,9 +1,12 @@
-"""Our 1F1B against torch.distributed.pipelining.Schedule1F1B on the same manual split.
+"""Our 1F1B against torch.distributed.pipelining.Schedule1F1B on the same split.
 
     .venv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/pipeline_vs_torch.py
+    .venv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/pipeline_vs_torch.py \
+        --hidden 64 --layers 2 --seq-len 16 --rounds 1 --steps-per-round 1   # a quick look
 
 A GPT-2-style model (untied head, so both runtimes do the same work) is cut after its first half
-of blocks into 2 stages; each runtime trains copies of it with AdamW on the same batches,
+of blocks into 2 stages (ours built by `build_engine`, bench/_common.py, with that custom
+partition; torch's by hand); each runtime trains copies of it with AdamW on the same batches,
 8 micro-batches per step. Rounds alternate between the two runtimes so machine noise hits both;
 rank 0 prints the median tokens/s of each and the ratio ours / torch (target >= 1.05).
 """
@@ -17,12 +20,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import build
 from torch import nn
 from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B
 
 import merak
-from merak.models.gpt import GPT, GPTConfig, gpt_pieces
+from merak.models.gpt import GPT, GPTConfig
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,14 +85,14 @@ def main() -> None:
     ids = torch.randint(0, 256, (batch_size, args.seq_len + 1), generator=generator)
     batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
-    def build_ours(lend_idle_cores: bool) -> merak.PipelineInterpreter:
-        model = build_model(args)
-        pieces_per_stage = [1 + cut, args.layers - cut + 1]  # embed + first half | rest + head
-        split = merak.manual_split(model, gpt_pieces(model), pieces_per_stage=pieces_per_stage)
-        stage = merak.PipelineStage(model, split, ctx.pp_rank)
-        return merak.PipelineInterpreter(stage, ctx, torch.optim.AdamW(stage.parameters(), lr=1e-4),
-                                         args.microbatches, schedule="1f1b",
-                                         lend_idle_cores=lend_idle_cores)
+    def build_ours(lend_idle_cores: bool):
+        rows = {k: v[:args.micro_batch_size] for k, v in batch.items()}
+        engine = build(build_model(args), rows, ctx,  # embed + first half | rest + head
+                       lambda stage: torch.optim.AdamW(stage.parameters(), lr=1e-4),
+                       num_microbatches=args.microbatches, schedule="1f1b",
+                       partition_method="custom", custom_partition=(0, cut, args.layers),
+                       lend_idle_cores=lend_idle_cores)
+        return engine.interpreter
 
     ours, ours_plain = build_ours(True), build_ours(False)
     ours_batch = {k: batch[k] for k in ours.batch_keys}

@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from _common import engine_options
+
 RUNS = 3
 # name, schedule, recompute every block
 VARIANTS = [("1f1b+recompute", "1f1b", True), ("pre_recompute_1f1b", "pre_recompute_1f1b", True),
@@ -71,7 +73,6 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import merak
     from merak.engine.assemble import build_engine
-    from merak.engine.options import EngineOptions
     from merak.schedule.registry import SCHEDULES
     from merak.schedule.simulator import CostModel, simulate
 
@@ -91,8 +92,8 @@ def rank_main(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         with merak.init_empty_weights():
             model = tf.LlamaForCausalLM(config)
-        options = EngineOptions(schedule=schedule, num_microbatches=args.microbatches,
-                                num_model_chunks=2)
+        options = engine_options(schedule=schedule, num_microbatches=args.microbatches,
+                                 num_model_chunks=2)
         engines.append(build_engine(model, example, ctx, options,
                                     make_optimizer=sgd).interpreter)
     engine, interleaved, vshaped = engines

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -51,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile N steps after the warm-up with torch.profiler and print "
                              "each trainer's busiest kernels and the device's busy time a step")
-    parser.add_argument("--out", default="runs/single_gpu.json")
+    parser.add_argument("--out", default=str(RESULTS / "single_gpu.json"))
     return parser.parse_args()
 
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import engine_options
 
 # ~220 M parameters: big enough that per-rank bytes dominate, small enough that 4 unsharded
 # ranks with AdamW (16 bytes per parameter each) fit in 24 GiB
@@ -55,7 +56,6 @@ def worker(out: Path, zero: int, dp: int, pp: int) -> None:
     from merak.data_parallel.shards import local
     from merak.data_parallel.zero1 import local_optimizer
     from merak.engine.assemble import build_engine
-    from merak.engine.options import EngineOptions
     from merak.runtime.hooks import InstructionHook
 
     torch.set_num_threads(1)
@@ -72,7 +72,7 @@ def worker(out: Path, zero: int, dp: int, pp: int) -> None:
                 seen["grads"] = _bytes(p.grad for p in stage.parameters() if p.grad is not None)
 
     built = build_engine(model, {"input_ids": ids, "labels": ids}, ctx,
-                         EngineOptions(num_microbatches=MICROBATCHES, zero_stage=zero),
+                         engine_options(num_microbatches=MICROBATCHES, zero_stage=zero),
                          hooks=[GradBytes()])  # AdamW at lr 1e-4 over the stage
     stage, optimizer, engine = built.stage, built.optimizer, built.interpreter
     blocks = [m for name, m in stage.named_modules() if name.endswith(tuple(

@@ -1,8 +1,12 @@
 """Run worker scripts under torchrun and collect per-scenario results.
 
-Each rank of a worker writes ``rank{r}.json``: ``{scenario: error text or null}``. A scenario
-passes when it passed on every rank. Workers without set-up of their own run in the session's
-`WorkerPool` (test modules name theirs in ``WORKER``, see conftest.py); the rest `launch` once.
+Each rank of a worker writes ``rank{r}.json``: ``{scenario: {"error": traceback or null,
+"figures": what the scenario returned or null}}`` (workers/common.py). A scenario that checks
+itself raises; a parity scenario returns its figures (measured values next to the reference's,
+`Compared`), which the test body compares with its own tolerances: `scenario_result` gives each
+rank's figures, `assert_like_reference` compares their pairs. Workers without set-up of their
+own run in the session's `WorkerPool` (test modules name theirs in ``WORKER``, see
+conftest.py); the rest `launch` once.
 """
 
 from __future__ import annotations
@@ -47,17 +51,27 @@ def _torchrun(worker: str, nproc: int, out_dir: Path, timeout_s: int, args,
     return proc.stdout + proc.stderr
 
 
-def read_results(out_dir: Path, nproc: int) -> dict[str, list[str]]:
-    """scenario -> every rank's error (empty when it passed on all) from ``rank<r>.json``."""
-    results: dict[str, list[str]] = {}
+class Results(dict):
+    """scenario -> every rank's error (empty when it passed on all); ``figures[scenario]``: each
+    rank's figures, by rank (None where that rank did not report the scenario)."""
+
+    def __init__(self, nproc: int):
+        super().__init__()
+        self.nproc, self.figures = nproc, {}
+
+
+def read_results(out_dir: Path, nproc: int) -> Results:
+    """Every rank's ``rank<r>.json`` (see the module's docstring)."""
+    results = Results(nproc)
     for rank in range(nproc):
         path = out_dir / f"rank{rank}.json"
         if not path.exists():
             continue
-        for scenario, error in json.loads(path.read_text()).items():
+        for scenario, record in json.loads(path.read_text()).items():
             results.setdefault(scenario, [])
-            if error is not None:
-                results[scenario].append(f"rank {rank}: {error}")
+            results.figures.setdefault(scenario, [None] * nproc)[rank] = record["figures"] or {}
+            if record["error"] is not None:
+                results[scenario].append(f"rank {rank}: {record['error']}")
     return results
 
 
@@ -118,3 +132,41 @@ def check(results: dict[str, list[str]], output: str, scenario: str) -> None:
                              f"{output[-6000:]}")
     if results[scenario]:
         raise AssertionError("\n".join(results[scenario]))
+
+
+def scenario_result(results: Results, output: str, scenario: str) -> list[dict]:
+    """Each rank's figures for `scenario` (``{}`` where it returned none); fails the calling
+    test with every rank's error when the scenario raised, or a rank did not report it."""
+    check(results, output, scenario)
+    figures = results.figures[scenario]
+    missing = [rank for rank, f in enumerate(figures) if f is None]
+    if missing:
+        raise AssertionError(f"scenario {scenario!r}: rank(s) {missing} did not report\n"
+                             f"{output[-6000:]}")
+    return figures
+
+
+def assert_like_reference(figures: list[dict], *, rtol: float, atol: float,
+                          grad_atol_of_max: float) -> int:
+    """Every pair each rank's figures hold (workers/common.py `Compared`) is close: floats and
+    value tensors by ``torch.testing.assert_close(actual, expected, rtol, atol)`` (floats as
+    float32 tensors), gradients with atol raised by `grad_atol_of_max` times the reference's
+    largest entry (entries that nearly cancel carry the rounding of much larger terms, which
+    differs with the order of sums). Returns the number of pairs compared."""
+    import torch
+
+    compared = 0
+    for rank, ranks_figures in enumerate(figures):
+        pairs = [("value", what, torch.tensor(a), torch.tensor(e))
+                 for what, (a, e) in ranks_figures.get("floats", {}).items()]
+        if ranks_figures.get("tensors"):
+            saved = torch.load(ranks_figures["tensors"])
+            pairs += [(kind, what, a, e) for kind in ("value", "grad")
+                      for what, (a, e) in saved[kind].items()]
+        for kind, what, actual, expected in pairs:
+            bound = atol + (grad_atol_of_max * expected.abs().max().item()
+                            if kind == "grad" and expected.numel() else 0.0)
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=bound,
+                                       msg=lambda m, w=what, r=rank: f"rank {r}: {w}: {m}")
+            compared += 1
+    return compared

@@ -1,6 +1,6 @@
 """Fault injection: one rank of a MerakTrainer job stopped (SIGSTOP) or killed (SIGKILL) in the
 middle of a step, of evaluation or of a save, at pp=2 and dp2 x pp2 (`fault_harness`, the
-worker `workers/fault_worker.py`). Every other rank must exit within the job's timeout
+worker `fault_worker.py`, both in bench/). Every other rank must exit within the job's timeout
 (ddp_timeout) plus a few seconds, its error naming the rank that did not arrive.
 
 Five scenarios, each in a launch of its own (about three minutes in all on 2 cores);

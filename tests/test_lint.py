@@ -96,3 +96,55 @@ def test_no_module_of_merak_imports_itself_back():
     graph = grimp.build_graph("merak", exclude_type_checking_imports=True)
     edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
     assert _cycles(edges) == []
+
+
+BENCH = ROOT / "bench"
+TEST_MODULES = {p.stem for d in ("tests", "tests/workers", "tests/nccl_contract")
+                for p in (ROOT / d).glob("*.py")} | {"tests", "nccl_contract"}
+
+
+def _bench_offences(source: str) -> list[str]:
+    """What ties a bench to tests/ or past `build_engine`: an import of a module of tests/ (one
+    bench/ has no file of its own for), a path into tests/, a `sys.path` edit, or the
+    interpreter built directly (`PipelineInterpreter`)."""
+    import ast
+
+    own = {p.stem for p in BENCH.glob("*.py")}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+            found += [f"line {node.lineno}: imports PipelineInterpreter" for alias in node.names
+                      if alias.name == "PipelineInterpreter"]
+        for name in names:
+            top = name.split(".")[0]
+            if top in TEST_MODULES and top not in own:
+                found.append(f"line {node.lineno}: imports {name} (tests/)")
+        if isinstance(node, ast.Attribute) and node.attr == "PipelineInterpreter":
+            found.append(f"line {node.lineno}: builds PipelineInterpreter (use build_engine)")
+        if isinstance(node, ast.Attribute) and node.attr == "path" and \
+                isinstance(node.value, ast.Name) and node.value.id == "sys":
+            found.append(f"line {node.lineno}: edits sys.path")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                (node.value == "tests" or node.value.startswith("tests/")):
+            found.append(f"line {node.lineno}: a path into tests/ ({node.value!r})")
+    return found
+
+
+def test_the_offence_finder_finds_each_offence():
+    planted = ("import sys\nfrom dist_harness import launch\nimport merak\n"
+               "from merak import PipelineInterpreter\nsys.path.insert(0, 'x')\n"
+               "engine = merak.PipelineInterpreter()\nWORKERS = ROOT / 'tests' / 'workers'\n")
+    assert len(_bench_offences(planted)) == 5, _bench_offences(planted)
+    assert _bench_offences("from _common import build\nimport merak\n") == []
+
+
+def test_benches_stand_alone():
+    """Every bench imports nothing from tests/ and builds its engine through `build_engine`
+    (bench/_common.py), so a bench runs from a checkout without the test suite."""
+    offences = {p.name: found for p in sorted(BENCH.glob("*.py"))
+                if (found := _bench_offences(p.read_text()))}
+    assert not offences, offences

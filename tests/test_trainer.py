@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dist_harness import WORKERS, check, launch, launch_together
+from dist_harness import WORKERS, check, launch, launch_together, scenario_result
 from trainer_common import (
     DP2_PP2_RUNS,
     PP2_RUNS,
@@ -48,6 +48,18 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("run", sorted(RUNS_3D))
 def test_merak_trainer_3d_matches_hf_trainer(runs, run):
     _matches_hf_trainer(runs[0], *runs[1:], run)
+    # each rank's share of the Adam state (two tensors per parameter) and of the parameters
+    # (returned by the worker): ZeRO-1 about half of the state at dp 2, ZeRO-2/3 1/dp of both
+    for rank, held in enumerate(scenario_result(*runs[1:], f"trainer-{run}")):
+        zero, share, params = held["zero_stage"], held["state_share"], held["params_held"]
+        if zero == 1:
+            assert 0.3 < share < 0.7, f"rank {rank}: ZeRO-1 kept {share:.2f} of the state"
+        if zero >= 2:
+            for what, value in (("optimizer state", share), ("parameters", params)):
+                assert abs(value - 1 / held["dp"]) < 0.1, \
+                    f"rank {rank}: ZeRO-{zero} kept {value:.2f} of the {what}"
+        else:  # ZeRO-0 and -1 keep every parameter; ZeRO-0 the whole state too
+            assert params == 1.0 and (zero == 1 or share == 1.0), f"rank {rank}: {held}"
 
 
 @pytest.mark.parametrize("run", DP2_PP2_RUNS)

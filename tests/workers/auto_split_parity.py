@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
-from common import GradSnapshot, assert_close, run_scenarios
+from common import Compared, GradSnapshot, run_scenarios
 from hf_models import FAMILIES, batch
 
 import merak
@@ -42,7 +42,7 @@ def scenario_names(world_size: int) -> list[str]:
     return [f"auto-{family}-pp{world_size}" for family in families(world_size)]
 
 
-def parity(family: str, pp: int) -> None:
+def parity(family: str, pp: int) -> dict:
     ctx = merak.init(dp=1, tp=1, pp=pp)
     torch.manual_seed(SEED)
     if family in EAGER_BUILD:
@@ -65,21 +65,23 @@ def parity(family: str, pp: int) -> None:
     reference = FAMILIES[family]()
     params = dict(reference.named_parameters())
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    compared, ref_losses = Compared(), []
     for step in range(STEPS):
         out = reference(**batch(family, step, ROWS * MICROBATCHES))
         loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
-        assert_close(torch.tensor(losses[step]), torch.tensor(loss.item()), f"loss of step {step}")
+        ref_losses.append(loss.item())
         for name, grad in grads[step].items():
-            assert_close(grad, params[name].grad, f"step {step} grad of {name}")
+            compared.value(f"step {step} grad of {name}", grad, params[name].grad)
         optimizer.step()
         optimizer.zero_grad()
+    compared.value("losses", losses, ref_losses)
     own = dict(stage.named_parameters())
-    assert own and set(grads[0]) == set(own), "some stage parameters got no gradient"
     for name, param in own.items():
-        assert_close(param.detach(), params[name].detach(), f"{name} after {STEPS} steps")
+        compared.value(f"{name} after {STEPS} steps", param, params[name].detach())
     if ctx.rank == 0:
         print(f"{family} pp={pp} {OPTIONS[family][pp]}\n{split.describe()}", flush=True)
+    return compared.figures(params=len(own), params_without_grad=sorted(set(own) - set(grads[0])))
 
 
 def scenarios(world_size: int) -> dict:

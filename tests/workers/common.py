@@ -17,10 +17,13 @@ import torch.distributed as dist
 
 import merak
 
-Scenario = Callable[[], None]
+# A scenario raises on a failure; a parity scenario returns its figures instead (`Compared`),
+# which its test compares against the reference with the test's own tolerances.
+Scenario = Callable[[], "dict | None"]
 
 
 _OUT: list[Path] = []  # the running worker's output directory (see `out_dir`)
+_SCENARIO: list[str] = []  # the running scenario's name (see `Compared.figures`)
 
 
 def out_dir() -> Path:
@@ -79,7 +82,9 @@ def _raise(text: str) -> Scenario:
 
 
 def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | None) -> None:
-    results: dict[str, str | None] = {}
+    """Each rank writes ``{scenario: {"error": traceback or null, "figures": what the scenario
+    returned (a JSON object) or null}}`` to ``<out>/rank<r>.json``."""
+    results: dict[str, dict] = {}
     seconds: dict[str, float] = {}  # each scenario's wall time (rank 0: rank0-seconds.json)
     path = out / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,14 +96,18 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
         if only and name not in only:
             continue
         profiler, start = cProfile.Profile() if profile_dir else None, time.perf_counter()
+        _SCENARIO.append(name)
         try:
-            if profiler:
-                profiler.runcall(scenario)
-            else:
-                scenario()
-            results[name] = None
+            figures = profiler.runcall(scenario) if profiler else scenario()
+            if not isinstance(figures, dict):  # figures are a dict; other returns are not
+                figures = None
+            json.dumps(figures)  # (a scenario's figures must be JSON)
+            results[name] = {"error": None, "figures": figures}
         except Exception:  # noqa: BLE001 - every failure is reported to pytest
-            results[name] = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 6)))
+            error = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 6)))
+            results[name] = {"error": error, "figures": None}
+        finally:
+            _SCENARIO.pop()
         if profiler:
             profiler.dump_stats(Path(profile_dir) / f"{name}.prof")
             print(f"[profile] {name}: {time.perf_counter() - start:.1f} s", flush=True)
@@ -112,18 +121,53 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
 
 def family_scenarios(build: Callable[[str], Any], families: Iterable[str],
                      variants: Iterable[str], world_size: int) -> dict[str, Scenario]:
-    """``{family}-pp{world_size}-{variant}`` -> ``build(family).check(variant)``, each family
-    built once, when its first scenario runs."""
+    """``{family}-pp{world_size}-{variant}`` -> ``build(family).check(variant)`` (its figures),
+    each family built once, when its first scenario runs."""
     built: dict[str, Any] = {}
 
     def scenario(family: str, variant: str) -> Scenario:
         def run() -> None:
             if family not in built:
                 built[family] = build(family)
-            built[family].check(variant)
+            return built[family].check(variant)
         return run
 
     return {f"{f}-pp{world_size}-{v}": scenario(f, v) for f in families for v in variants}
+
+
+class Compared:
+    """What a parity scenario measured next to its reference, for its test to compare with the
+    test's tolerances: ``value`` pairs (floats, or tensors compared elementwise) and ``grad``
+    pairs (gradients, whose test tolerance also scales with the reference's largest entry).
+    `figures` is the scenario's result: float pairs in the JSON, tensor pairs in
+    ``<out>/<scenario>-rank<r>.pt`` (``{"value": {what: (actual, expected)}, "grad": ...}``)."""
+
+    def __init__(self):
+        self.floats: dict[str, list] = {}
+        self.tensors: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {
+            "value": {}, "grad": {}}
+
+    def value(self, what: str, actual, expected) -> None:
+        if isinstance(actual, torch.Tensor):
+            self._tensor("value", what, actual, expected)
+        else:
+            assert what not in self.floats, f"{what!r} compared twice"
+            self.floats[what] = [actual, expected]
+
+    def grad(self, what: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        self._tensor("grad", what, actual, expected)
+
+    def _tensor(self, kind: str, what: str, actual: torch.Tensor, expected: torch.Tensor):
+        assert what not in self.tensors[kind], f"{what!r} compared twice"
+        self.tensors[kind][what] = (actual.detach().cpu().clone(), expected.detach().cpu().clone())
+
+    def figures(self, **extra) -> dict:
+        """``{"floats": {what: [actual, expected]}, "tensors": file or None, **extra}``."""
+        path = None
+        if any(self.tensors.values()):
+            path = out_dir() / f"{_SCENARIO[-1]}-rank{dist.get_rank()}.pt"
+            torch.save(self.tensors, path)
+        return {"floats": self.floats, "tensors": str(path) if path else None, **extra}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -154,7 +198,7 @@ class GradSnapshot(merak.InstructionHook):
 def train_reference(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], lr: float,
                     ) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Train the single-process `model` with SGD, one step per batch: each step's loss and
-    gradients, and the final parameters (for `assert_trained_like`)."""
+    gradients, and the final parameters (for `trained_like`)."""
     params = dict(model.named_parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], []
@@ -168,18 +212,19 @@ def train_reference(model: torch.nn.Module, batches: list[dict[str, torch.Tensor
     return losses, grads, {n: p.detach().clone() for n, p in params.items()}
 
 
-def assert_trained_like(what: str, losses: list[float], snapshot: GradSnapshot,
-                        stage: torch.nn.Module,
-                        ref_losses: list[float], ref_grads: list[dict[str, torch.Tensor]],
-                        ref_final: dict[str, torch.Tensor]) -> None:
-    """Each step's loss and every gradient `snapshot` took equal the single-process reference's;
-    every parameter of `stage` got a gradient and ends equal to the reference's."""
-    for step, loss in enumerate(losses):
-        assert_close(torch.tensor(loss), torch.tensor(ref_losses[step]),
-                     f"{what}: loss of step {step}")
-        for name, grad in snapshot.grads[step].items():
-            assert_close_grad(grad, ref_grads[step][name], f"{what}: step {step} {name}")
+def trained_like(losses: list[float], snapshot: GradSnapshot, stage: torch.nn.Module,
+                 ref_losses: list[float], ref_grads: list[dict[str, torch.Tensor]],
+                 ref_final: dict[str, torch.Tensor]) -> dict:
+    """The figures of a training run against the single-process reference (`Compared`): the
+    steps' losses, every gradient `snapshot` took, every parameter of `stage` at the end, and
+    ``params_without_grad`` (the parameters of `stage` that got no gradient)."""
+    compared = Compared()
+    compared.value("losses", list(losses), list(ref_losses[:len(losses)]))
+    for step, grads in enumerate(snapshot.grads):
+        for name, grad in grads.items():
+            compared.grad(f"step {step} {name}", grad, ref_grads[step][name])
     own = dict(stage.named_parameters())
-    assert set(snapshot.grads[0]) == set(own), f"{what}: parameters without gradient"
     for name, param in own.items():
-        assert_close(param.detach(), ref_final[name], f"{what}: {name} after training")
+        compared.value(f"{name} after training", param, ref_final[name])
+    missing = sorted(set(own) - set(snapshot.grads[0])) if snapshot.grads else sorted(own)
+    return compared.figures(params_without_grad=missing)

@@ -13,13 +13,13 @@ this run sets; the others set 100%, beyond a loaded machine's noise) and the run
 
 Measured energy and time are not asserted (the simulated GPU runs on the wall clock of a shared
 machine); each schedule's measured saving against its plan's prediction goes to
-``<out>/energy_auto_report.json`` and is printed. `bench/energy_auto.py` runs this worker with
-longer instructions and checks them: at least 90% of the predicted saving, the time within
-``energy_max_slowdown`` + 1%.
+``<out>/energy_auto_report.json`` and is printed. `bench/energy_auto.py` (a run of its own)
+measures them with longer instructions and checks them: at least 90% of the predicted saving,
+the time within ``energy_max_slowdown`` + 1%.
 
-Environment (for the bench): MERAK_ENERGY_AUTO_FORWARD_S (simulated forward, default 0.02 s),
-MERAK_ENERGY_AUTO_AFTER (planned steps measured, default 4), MERAK_ENERGY_AUTO_DRIFT (0: no
-slow-down), MERAK_ENERGY_AUTO_SCHEDULES (comma-separated).
+Environment (a longer run of this worker): MERAK_ENERGY_AUTO_FORWARD_S (simulated forward,
+default 0.02 s), MERAK_ENERGY_AUTO_AFTER (planned steps measured, default 4),
+MERAK_ENERGY_AUTO_DRIFT (0: no slow-down), MERAK_ENERGY_AUTO_SCHEDULES (comma-separated).
 """
 
 from __future__ import annotations

@@ -9,12 +9,13 @@ the interpreter's own schedule (``engine.schedule``) and the plan is deployed wi
 on every rank, and the plan measurably saves energy against all max clocks at about their speed
 (measured in the same run, step by step in turns). Measured against predicted time and energy
 (per schedule, with the planned saving) go to ``<out>/energy_report.json`` and are printed as a
-table; `bench/energy_e2e.py` runs this worker with longer instructions and checks them.
+table; `bench/energy_e2e.py` (a run of its own) measures them with longer instructions and
+checks them.
 
-Environment (for the bench): MERAK_ENERGY_E2E_FORWARD_S (simulated forward, default 0.03 s),
-MERAK_ENERGY_E2E_MICROBATCHES (default 4), MERAK_ENERGY_E2E_ROUNDS (measured steps per plan,
-default 3), MERAK_ENERGY_E2E_UNIT_S (the planner's time quantum, default forward / 20),
-MERAK_ENERGY_E2E_SCHEDULES (comma-separated, default all four).
+Environment (a longer run of this worker): MERAK_ENERGY_E2E_FORWARD_S (simulated forward,
+default 0.03 s), MERAK_ENERGY_E2E_MICROBATCHES (default 4), MERAK_ENERGY_E2E_ROUNDS (measured
+steps per plan, default 3), MERAK_ENERGY_E2E_UNIT_S (the planner's time quantum, default forward
+/ 20), MERAK_ENERGY_E2E_SCHEDULES (comma-separated, default all four).
 """
 
 from __future__ import annotations

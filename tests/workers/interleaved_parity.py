@@ -4,7 +4,8 @@ recomputation, with recomputation everywhere, with stage-aware recomputation (pe
 from measured activation bytes, each rank's stages fitted together), and (Llama) with 2 pp + 1
 micro-batches, not a multiple of the ranks; ZB-V and DualPipeV (2 stages per rank in a V, the
 turn handed off locally; GPT-2's tied embedding and head both on rank 0), ZB-V also with
-recomputation; the eval loss equals the model's (see test_interleaved).
+recomputation; the eval loss equals the model's. The scenarios return their figures
+(`trained_like`), which test_interleaved compares.
 
 The scenarios that run forward-only programs (activation measurement, eval) run after the
 others: one that deadlocks closes the process group, which fails every later scenario too."""
@@ -16,11 +17,11 @@ import os
 import torch
 import transformers as tf
 from common import (
+    Compared,
     GradSnapshot,
-    assert_close,
-    assert_trained_like,
     run_scenarios,
     train_reference,
+    trained_like,
 )
 from hf_models import LLAMA_LIKE, VOCAB, batch
 
@@ -120,7 +121,7 @@ class _Family:
             (engine.segments, ratios)
         return ratios
 
-    def check(self, variant: str) -> None:
+    def check(self, variant: str) -> dict:
         options = dict(VARIANTS[variant][0])
         stage_aware = options.get("recompute_ratio") == "stage-aware"
         if stage_aware:
@@ -146,30 +147,30 @@ class _Family:
                       for step in range(STEPS)]
         finally:
             engine.remove_recomputation()
-        assert_trained_like(variant, losses, snapshot, self.stage, self.losses, self.grads,
-                            self.final)
+        return trained_like(losses, snapshot, self.stage, self.losses, self.grads, self.final)
 
-    def check_eval(self) -> None:
+    def check_eval(self) -> dict:
         """The eval loss of the trained weights (the reference's final ones, which every
         training scenario reaches), without and with recomputation installed."""
         with torch.no_grad():
             for name, param in self.stage.named_parameters():
                 param.copy_(self.final[name])
+        compared = Compared()
         for options in ({}, {"recompute_ratio": 1.0}):
             engine = self._engine(**options)
             try:
                 eval_loss = engine.eval_step(batch(self.family, 99, ROWS * self.microbatches))
             finally:
                 engine.remove_recomputation()
-            assert_close(torch.tensor(eval_loss), torch.tensor(self.eval_loss),
-                         f"eval {options}")
+            compared.value(f"eval loss {options}", eval_loss, self.eval_loss)
+        return compared.figures()
 
 
 def scenarios(world: int) -> dict:
     built: dict[tuple[str, int, int, str], _Family] = {}
 
     def scenario(family: str, variant: str):
-        def run() -> None:
+        def run() -> dict:
             blocks, extra = VARIANTS[variant][1:] if variant in VARIANTS else (1, 0)
             # one build per placement: round-robin, or the V (both V schedules)
             schedule = "zbv" if variant.startswith(V_SCHEDULES) else "interleaved_1f1b"
@@ -177,9 +178,8 @@ def scenarios(world: int) -> dict:
             if key not in built:
                 built[key] = _Family(family, world, blocks, extra, schedule)
             if variant == EVAL:
-                built[key].check_eval()
-            else:
-                built[key].check(variant)
+                return built[key].check_eval()
+            return built[key].check(variant)
         return run
 
     return {f"{family}-pp{world}-{variant}": scenario(family, variant)

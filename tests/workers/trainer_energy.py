@@ -2,7 +2,7 @@
 -> train with the plan from a file and from `merak energy serve`; clock plans never change the
 numbers (losses equal a run without them); malformed plans stop training before its first step;
 zero-bubble with activation checkpointing profiles, plans (with the command the trainer prints)
-and follows recompute and split-backward instructions (see test_energy_serve)."""
+and follows recompute and split-backward instructions (see test_energy_service)."""
 
 from __future__ import annotations
 
@@ -95,9 +95,9 @@ def profile_then_plan_from_a_file() -> None:
     if dist.get_rank() == 0:
         print("\n".join(lines))
     # every step ran every instruction at its planned clock (the all-max run at the highest);
-    # that the plan saves energy is measured by test_energy's end-to-end run, whose plans take
-    # turns step by step: two trainer runs one after the other see different loads of the
-    # shared machine (step times swinging 3x), so their energies are not compared here
+    # that the plan saves energy is measured by test_energy_planning's end-to-end run, whose
+    # plans take turns step by step: two trainer runs one after the other see different loads
+    # of the shared machine (step times swinging 3x), so their energies are not compared here
     mine = planned.energy.hook.frequencies
     assert planned.energy.gpu.ran == Counter({(n, f): STEPS * c for (n, f), c in
                                               Counter(map(tuple, mine)).items()}), lines

@@ -38,7 +38,7 @@ from merak.data_parallel.zero1 import local_optimizer
 OUT = Path(os.environ.get("MERAK_TRAINER_OUT", "."))
 
 
-def run(name: str) -> None:
+def run(name: str) -> dict:
     family, extra, merak_only = RUNS[name]
     auto = merak_only.get("auto_parallel", False)
     dp, tp, pp = LAYOUTS.get(name, (2, 2, 2))
@@ -87,13 +87,6 @@ def run(name: str) -> None:
     held = sum(local(p).numel() for p in trainer.stage.parameters()) / \
         sum(p.numel() for p in trainer.stage.parameters())
     zero = trainer.args.zero_stage
-    if zero == 1:
-        assert 0.3 < share < 0.7, f"ZeRO-1 kept {share:.2f} of the optimizer state"
-    if zero >= 2:  # parameters (at rest) and optimizer state: this dp rank's part
-        for what, value in (("optimizer state", share), ("parameters", held)):
-            assert abs(value - 1 / dp) < 0.1, f"ZeRO-{zero} kept {value:.2f} of the {what}"
-    else:
-        assert held == 1.0 and (zero == 1 or share == 1.0), (held, share)
     if merak_only.get("dealloc_pipeoutput"):  # every sending chunk frees what it sent
         runners = trainer.engine.interpreter.runners
         assert all(r.freeable for s, r in runners.items() if s < r.split.num_stages - 1), \
@@ -108,6 +101,8 @@ def run(name: str) -> None:
             "eval_loss": metrics["eval_loss"],
             **flow}))
     dist.barrier()
+    # what this rank holds of the optimizer state and of the parameters (ZeRO's share)
+    return {"zero_stage": zero, "dp": trainer.ctx.dp, "state_share": share, "params_held": held}
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ graph, ``< FP_ERROR`` when it drops capacities before its second max flow): ties
 rounding breaks either way. `minimal_min_cut` returns None wherever such a tie could change the
 answer (and where the units do not fit scipy's 32-bit capacities), and the solver asks lowtime's
 own min cut instead; so each iteration's cut is lowtime's. ``MERAK_ENERGY_CHECK_CUTS=1`` runs
-both on every iteration and raises where they differ (`tests/test_energy.py` does).
+both on every iteration and raises where they differ (`tests/test_energy_planning.py` does).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Launch a job of `workers/fault_worker.py` with one rank stopped or killed, and time every
-rank's exit from the moment of the fault.
+"""Launch a job of `fault_worker.py` (beside this file) with one rank stopped or killed, and
+time every rank's exit from the moment of the fault (tests/test_faults.py, bench/fault_sweep.py).
 
 The ranks are started here, as torchrun's agent starts them (the TCPStore lives in this process,
 ``TORCHELASTIC_USE_AGENT_STORE``), but nothing stops the survivors when a rank dies (torchrun
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-WORKER = Path(__file__).parent / "workers" / "fault_worker.py"
+WORKER = Path(__file__).parent / "fault_worker.py"
 
 
 @dataclass

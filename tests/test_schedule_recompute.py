@@ -1,6 +1,7 @@
 """Recomputation as an action, Merak's 1F1B variants, zero bubble and stage-aware recomputation:
 schedules as data, the simulator's time and memory model and the CLI, in one process; the same
-schedules trained in real pipelines (workers/schedule_parity.py, pp 2 and 4)."""
+schedules trained in real pipelines (workers/schedule_parity.py, pp 2 and 4: their losses,
+gradients and final weights compared here with the single-process model's)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import weakref
 
 import pytest
 import torch
-from dist_harness import check
+from dist_harness import assert_like_reference, check, scenario_result
 from hf_models import CustomMLP, batch
-from schedule_parity import scenario_names
+from schedule_parity import VARIANTS, scenario_names
 
 from merak import ActionKind, CostModel, Schedule, ScheduleError, make_schedule, simulate
 from merak.cli import main
@@ -28,11 +29,30 @@ K = ActionKind
 MERAK = ("pre_recompute_1f1b", "last_no_recompute_1f1b", "shifted_critical_path")
 WORKER = "schedule_parity.py"  # pooled: launches(world_size), see conftest.py
 WORLD_SIZES = (2, 4)
+# losses and final weights: torch.testing.assert_close(ours, reference, rtol=RTOL, atol=ATOL);
+# gradients with atol + GRAD_ATOL_OF_MAX x the reference gradient's largest entry
+RTOL, ATOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-5, 1e-4
 
 
-@pytest.mark.parametrize("world_size,scenario",
-                         [(w, s) for w in WORLD_SIZES for s in scenario_names(w)])
+def _training(scenario: str) -> bool:
+    return scenario.split("-", 2)[2] in VARIANTS
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
+                                                 for s in scenario_names(w) if _training(s)])
 def test_every_schedule_trains_like_the_single_process_model(launches, world_size, scenario):
+    figures = scenario_result(*launches(world_size), scenario)
+    assert assert_like_reference(figures, rtol=RTOL, atol=ATOL,
+                                 grad_atol_of_max=GRAD_ATOL_OF_MAX) > 0
+    for rank, ours in enumerate(figures):
+        assert ours["params_without_grad"] == [], f"rank {rank}: parameters without gradient"
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
+                                                 for s in scenario_names(w) if not _training(s)])
+def test_recomputation_memory_in_a_real_pipeline(launches, world_size, scenario):
+    """Stage-aware and budgeted recomputation, dealloc_outputs: the measured peaks (checked in
+    the worker, against the simulator's prediction)."""
     check(*launches(world_size), scenario)
 
 
@@ -70,7 +90,7 @@ def test_every_size_validates_within_1f1b_memory(name):
 
 
 def test_merak_orderings_in_the_simulator():
-    """4 stages, 8 micro-batches, forward 1, backward 2, recomputation 1 (the issue's check)."""
+    """4 stages, 8 micro-batches, forward 1, backward 2, recomputation 1."""
     costs = CostModel(forward=1, backward=2, recompute=1)
     span = {name: simulate(make_schedule(name, 4, 8, recompute=True), costs).makespan
             for name in ("1f1b", *MERAK)}
@@ -122,7 +142,8 @@ def test_orders_of_the_new_actions_are_checked():
 
 
 def test_cli_json_and_compare(tmp_path, capsys):
-    def _simulate_cli(*args: str) -> str:  # in process (test_schedules runs it as a command)
+    # in process (test_schedule_programs runs it as a command)
+    def _simulate_cli(*args: str) -> str:
         assert main(["simulate", "--stages", "4", "--microbatches", "8", *args]) == 0
         return capsys.readouterr().out
 

@@ -17,8 +17,8 @@ import signal
 import time
 from pathlib import Path
 
-import sft_common as sft
 import torch
+import transformers as tf
 
 import merak
 from merak.distributed.timeouts import set_job_timeout
@@ -68,7 +68,10 @@ def main() -> None:
     training = merak.MerakArguments(**fields)
     merak.init(dp=args.dp, tp=1, pp=args.pp, timeout=args.timeout)
     with merak.init_empty_weights():
-        model = sft.model()
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0))
     rows = [{"input_ids": torch.randint(0, 512, (16,)), "labels": torch.randint(0, 512, (16,))}
             for _ in range(64)]
 

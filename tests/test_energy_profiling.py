@@ -1,5 +1,5 @@
-"""What the energy hooks do at each instruction boundary, on a GPU that records its calls (issue
-32: defects a CPU run cannot show by timing). The profiler synchronises the device, then reads
+"""What the energy hooks do at each instruction boundary, on a GPU that records its calls
+(defects a CPU run cannot show by timing). The profiler synchronises the device, then reads
 the clock and the energy counter, then sets the next clock; a clock plan synchronises before
 each clock change; measuring without a plan (the baseline) sets no clock and waits only at the
 ends of a step; NVML synchronises only when asked."""
