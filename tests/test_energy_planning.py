@@ -1,9 +1,9 @@
-"""Perseus energy planning: the planner on the reference synthetic GPU (SyntheticGPUModel), its DAG
-against the simulator for every registered schedule, plan-file validation, the GPU backends
-(simulated; NVML mocked), and profile -> plan -> deploy end to end on 4 gloo ranks with
-simulated GPUs for 1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path; the
-planner also plans ZB-V and DualPipeV (2 stages per rank in a V). (The
-precise measured-vs-predicted figures of the end-to-end run: bench/energy_e2e.py.)"""
+"""Perseus energy planning: the clock frontier on the reference synthetic GPU
+(SyntheticGPUModel), its DAG against the simulator for every registered schedule, plan-file
+validation, and profile -> plan -> deploy end to end on 4 gloo ranks with simulated GPUs for
+1F1B, zero-bubble, interleaved 1F1B and Merak's shifted critical path; the frontier also plans
+ZB-V and DualPipeV (2 stages per rank in a V). (The precise measured-vs-predicted figures of the
+end-to-end run: bench/energy_e2e.py; the GPU backends: test_energy_profiling.py.)"""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import os
 import random
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 from dist_harness import check
 
 from merak.energy.planning.frontier import ClockFrontier
 from merak.energy.planning.plan_file import ClockPlanError, check_clock_plan, expected_instructions
-from merak.energy.profiling.gpu import NVMLGPU, SimulatedGPU, SyntheticGPUModel
+from merak.energy.profiling.gpu import SyntheticGPUModel
 from merak.energy.profiling.profile_data import (
     aggregate,
     clean,
@@ -28,8 +27,7 @@ from merak.energy.profiling.profile_data import (
     synthetic_profile,
     write_profile,
 )
-from merak.energy.training.deploy import ClockPlanHook
-from merak.schedule.actions import Action, ActionKind
+from merak.schedule.actions import ActionKind
 from merak.schedule.registry import SCHEDULES, make_schedule
 
 SMALL = SyntheticGPUModel(clock_step=90)  # 6 clocks: frontiers in a second
@@ -201,103 +199,6 @@ def test_plan_is_checked_before_training(reference):
     odd[2]["frequencies"][3][1] = 1234
     with pytest.raises(ClockPlanError, match="rank 2: clocks \\[1234\\] MHz are not supported"):
         check_clock_plan(odd, 4, lambda r: r, schedule, clocks)
-
-
-class _FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-    def sleep(self, s):
-        self.now += s
-
-
-def test_simulated_gpu_times_and_charges_the_model():
-    clock = _FakeClock()
-    model = SyntheticGPUModel(switch_latency_s=0.01)
-    gpu = SimulatedGPU(model, num_ranks=2, clock=clock, sleep=clock.sleep)
-    hook = ClockPlanHook(gpu, [("forward", 1050), ("backward", 1410)], pp_rank=0)
-    hook.on_step_begin(0)
-    clock.now += 0.5  # blocked on p2p
-    for name, mb in (("forward", 0), ("backward", 0)):
-        action = Action(ActionKind(name), 0, mb)
-        hook.on_instruction_begin(name, action)
-        clock.now += 0.001  # the real CPU work, shorter than the model's
-        hook.on_instruction_end(name, action)
-    hook.on_step_end(0)
-    fwd, bwd = model.time("forward", 0, 2, 1050), model.time("backward", 0, 2, 1410)
-    expected = (0.51 * 75 + fwd * model.power(1050) + 0.01 * 75 + bwd * model.power(1410))
-    assert hook.steps[0].time_s > 0 and gpu.energy_j() == pytest.approx(expected)
-    assert clock.now == pytest.approx(0.5 + 0.01 + fwd + 0.01 + bwd)
-    hook.on_step_begin(1)
-    with pytest.raises(ClockPlanError, match="instruction 0 of the step is backward"):
-        hook.on_instruction_begin("backward", Action(ActionKind.BACKWARD, 0, 0))
-    with pytest.raises(ValueError, match="1234 MHz is not a supported clock"):
-        gpu.set_clock(1234)
-
-
-def test_simulated_gpu_times_every_instruction_kind_and_chunk():
-    model = SyntheticGPUModel()
-    forward = model.reference_time("forward", 0, 4)
-    assert forward == pytest.approx(0.04)
-    assert model.reference_time("recompute", 0, 4) == forward
-    assert model.reference_time("backward", 0, 4) == pytest.approx(2 * forward)
-    for half in ("backward_input", "backward_weight"):
-        assert model.reference_time(half, 0, 4) == pytest.approx(forward)
-    assert model.reference_time("forward", 3, 4) == pytest.approx(1.15 * forward)  # the head
-    assert model.reference_time("backward", 1, 4, chunks=2) == pytest.approx(forward)
-    with pytest.raises(ValueError, match="compute instructions only, not 'send_act'"):
-        model.reference_time("send_act", 0, 4)
-    clock = _FakeClock()
-    gpu = SimulatedGPU(model, num_ranks=4, chunks=2, clock=clock, sleep=clock.sleep)
-    gpu.set_clock(1050)
-    gpu.instruction_begin("backward_weight", 3)
-    gpu.instruction_end("backward_weight", 3)
-    assert clock.now == pytest.approx(model.time("backward_weight", 3, 4, 1050, chunks=2))
-    assert clock.now == pytest.approx(0.04 * 1.15 / 2 * model.slowdown(1050))
-
-
-def test_nvml_backend_with_a_mocked_nvml():
-    """The GPU is found by UUID (NVML's order is not CUDA's), locking is probed at start (a
-    clear PermissionError without the right), and the first locked clock is announced to the
-    guard (which resets at exit, on SIGTERM / SIGABRT and from its watchdog process:
-    tests/test_clock_watchdog.py), the reset too."""
-    calls, told = [], []
-    guard = SimpleNamespace(locking=lambda device, reset: told.append(("locking", device, reset)),
-                            released=lambda device: told.append(("released", device)))
-
-    def nvml(allowed=True):
-        def lock(h, lo, hi):
-            if not allowed:
-                raise RuntimeError("NVML_ERROR_NO_PERMISSION")
-            calls.append(("lock", h, lo, hi))
-        return SimpleNamespace(
-            nvmlInit=lambda: calls.append("init"),
-            nvmlDeviceGetHandleByUUID=lambda u: f"handle-{u}",
-            nvmlDeviceGetSupportedMemoryClocks=lambda h: [1215, 877],
-            nvmlDeviceGetSupportedGraphicsClocks=lambda h, mem: [900, 1410, 1395] if mem == 1215
-            else [],
-            nvmlDeviceSetGpuLockedClocks=lock,
-            nvmlDeviceResetGpuLockedClocks=lambda h: calls.append(("reset", h)),
-            nvmlDeviceGetTotalEnergyConsumption=lambda h: 123456)
-
-    gpu = NVMLGPU("GPU-1234", nvml=nvml(), guard=guard)
-    assert gpu.supported_clocks() == [1410, 1395, 900]
-    h = "handle-GPU-1234"
-    assert calls == ["init", ("lock", h, 1410, 1410), ("reset", h)] and not told  # the probe
-    gpu.set_clock(1395)
-    gpu.set_clock(900)
-    gpu.reset_clock()
-    assert calls[3:] == [("lock", h, 1395, 1395), ("lock", h, 900, 900), ("reset", h)]
-    assert told == [("locking", "GPU-1234", gpu.reset_clock), ("released", "GPU-1234")]  # once
-    assert gpu.energy_j() == pytest.approx(123.456)
-    with pytest.raises(ValueError, match="not a supported clock"):
-        gpu.set_clock(1000)
-    with pytest.raises(PermissionError, match="nvidia-smi -acp UNRESTRICTED"):
-        NVMLGPU("GPU-1234", nvml=nvml(allowed=False))
-    assert NVMLGPU("GPU-1234", nvml=nvml(allowed=False), control=False).energy_j() > 0
 
 
 def test_plan_command_writes_plan_and_picture(tmp_path):
