@@ -49,6 +49,8 @@ def test_tensor_parallel_trains_like_the_model(launches, world_size, scenario):
             assert ours["params"] and ours["params_without_grad"] == [], f"rank {rank}: {ours}"
         if "sharded_params" in ours:
             assert ours["sharded_params"] > 0, f"rank {rank}: no parameter was sharded"
+        if "adapters" in ours:  # LoRA: this rank's stage holds adapters (and only they train)
+            assert ours["adapters"] > 0, f"rank {rank}: no adapter"
         if "tied" in ours:  # a full checkpoint loaded into this rank's shards
             assert ours["tied"], f"rank {rank}: the tie was lost"
             assert ours["rank_params"] < 0.75 * ours["total_params"], f"rank {rank}: {ours}"
@@ -57,7 +59,7 @@ def test_tensor_parallel_trains_like_the_model(launches, world_size, scenario):
 @pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
                                                  for s in scenario_names(w) if s in SELF_CHECKED])
 def test_tensor_parallel_scenario_checked_in_the_worker(launches, world_size, scenario):
-    """The dropout draws, refused plans, LoRA, generation and host objects on TP layouts."""
+    """The dropout draws, refused plans, generation and host objects on TP layouts."""
     check(*launches(world_size), scenario)
 
 

@@ -1,10 +1,11 @@
 """LoRA through peft on (dp, tp, pp) layouts against the single-process peft model: meta build
 -> `merak.lora.wrap` (adapters join the meta model's init record) -> `merak.parallelize` ->
-1f1b interpreter, 3 SGD steps over the trainable (adapter) parameters. Loss, every adapter
-gradient (against this rank's slice) and the final adapters match; the base weights are
-bit-identical to the reference's and never get a gradient; the gathered adapter exports as a
-PEFT directory that `PeftModel.from_pretrained` loads to the same logits, and merged as HF
-weights (see test_lora)."""
+1f1b interpreter, 3 SGD steps over the trainable (adapter) parameters. Returned next to the
+reference's (`Compared`, compared in test_tensor_parallel's body): each step's loss, every
+adapter gradient (against this rank's slice), the final adapters, and the logits of the
+gathered adapter exported as a PEFT directory that `PeftModel.from_pretrained` loads and merged
+as HF weights (see test_lora). Checked here: the base weights are bit-identical to the
+reference's and never get a gradient, and every adapter got a gradient."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from common import GradSnapshot, assert_close, assert_close_grad
+from common import Compared, GradSnapshot
 from hf_models import FAMILIES, batch
 from host_objects import no_object_collectives
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -38,7 +39,7 @@ def _slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return spec.take(full) if spec is not None else full
 
 
-def parity(family: str, dp: int, tp: int, pp: int) -> None:
+def parity(family: str, dp: int, tp: int, pp: int) -> dict:
     ctx = merak.init(dp=dp, tp=tp, pp=pp)
     torch.manual_seed(SEED)
     with merak.init_empty_weights():
@@ -64,29 +65,31 @@ def parity(family: str, dp: int, tp: int, pp: int) -> None:
     params = dict(reference.get_base_model().named_parameters())  # the stage's names
     optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
     own = dict(stage.named_parameters())
+    compared = Compared()
     for step in range(STEPS):
         loss = reference(**batch(family, step, rows * dp)).loss
         loss.backward()
-        assert_close(torch.tensor(losses[step]), torch.tensor(loss.item()), f"loss of step {step}")
+        compared.value(f"loss of step {step}", float(losses[step]), loss.item())
         got = snapshot.grads[step]
         assert set(got) == {n for n, p in own.items() if p.requires_grad}, \
             f"gradients of {sorted(set(got) ^ {n for n, p in own.items() if p.requires_grad})}"
         for name, grad in got.items():
-            assert_close_grad(grad, _slice(own[name], params[name].grad),
-                              f"step {step} grad of {name}")
+            compared.grad(f"step {step} grad of {name}", grad,
+                          _slice(own[name], params[name].grad))
         optimizer.step()
         optimizer.zero_grad()
     for name, param in own.items():
         want = _slice(param, params[name].detach())
         if param.requires_grad:
-            assert_close(param.detach(), want, f"{name} at the end")
+            compared.value(f"{name} at the end", param.detach(), want)
         else:
             assert param.grad is None, f"frozen {name} got a gradient"
             assert torch.equal(param.detach(), want), f"frozen {name} changed"
-    _export_loads(stage, ctx, family, reference)
+    _export_loads(stage, ctx, family, reference, compared)
+    return compared.figures(adapters=len(trainable))
 
 
-def _export_loads(stage, ctx, family: str, reference) -> None:
+def _export_loads(stage, ctx, family: str, reference, compared: Compared) -> None:
     """The gathered adapter as a PEFT directory, and merged as HF weights, give the trained
     reference's logits."""
     with no_object_collectives():  # shards travel through host memory, one at a time
@@ -99,13 +102,13 @@ def _export_loads(stage, ctx, family: str, reference) -> None:
                                         os.path.join(tmp, "adapter"))
             torch.manual_seed(SEED)
             loaded = PeftModel.from_pretrained(FAMILIES[family](), os.path.join(tmp, "adapter"))
-            assert_close(loaded(input_ids=ids).logits, want, "logits of the exported adapter")
+            compared.value("logits of the exported adapter", loaded(input_ids=ids).logits, want)
             merged = lora.merged_tensors(tensors, lora_config(family), "default")
             save_hf_directory(merged, reference.get_base_model(), os.path.join(tmp, "merged"))
             from transformers import AutoModelForCausalLM
 
             plain = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "merged"))
-            assert_close(plain(input_ids=ids).logits, want, "logits of the merged weights")
+            compared.value("logits of the merged weights", plain(input_ids=ids).logits, want)
     dist.barrier()
 
 
