@@ -13,7 +13,7 @@ import transformers as tf
 from dist_harness import assert_like_reference, check, scenario_result
 from hf_models import CustomMLP
 from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES
-from tp_parity import SELF_CHECKED, scenario_names
+from tp_parity import GENERATION, SELF_CHECKED, scenario_names
 
 import merak
 import merak.engine.parallelize
@@ -39,7 +39,7 @@ RTOL, ATOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-5, 1e-4
 
 @pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
                                                  for s in scenario_names(w)
-                                                 if s not in SELF_CHECKED])
+                                                 if s not in SELF_CHECKED | GENERATION])
 def test_tensor_parallel_trains_like_the_model(launches, world_size, scenario):
     figures = scenario_result(*launches(world_size), scenario)
     assert assert_like_reference(figures, rtol=RTOL, atol=ATOL,
@@ -57,9 +57,25 @@ def test_tensor_parallel_trains_like_the_model(launches, world_size, scenario):
 
 
 @pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
+                                                 for s in scenario_names(w) if s in GENERATION])
+def test_pipelined_generation_matches_hf_generate(launches, world_size, scenario):
+    """Greedy tokens equal HF generate's on every rank; after the prefill, each hidden-state
+    transfer carries one position (the KV cache); sampling follows the seed, alike on every
+    rank."""
+    for rank, ours in enumerate(scenario_result(*launches(world_size), scenario)):
+        assert ours["tokens"] == ours["hf_tokens"], f"rank {rank}: {ours}"
+        if "positions_sent" in ours:
+            sent = ours["positions_sent"]
+            assert sent[0] == ours["prompt_width"] and set(sent[1:]) == {1}, \
+                f"rank {rank}: transfers carried {sent} positions (no KV cache?)"
+        assert ours["same_seed_same"] and ours["other_seed_differs"], f"rank {rank}: {ours}"
+        assert ours["ranks_sampled_alike"], f"rank {rank}: ranks sampled differently"
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
                                                  for s in scenario_names(w) if s in SELF_CHECKED])
 def test_tensor_parallel_scenario_checked_in_the_worker(launches, world_size, scenario):
-    """The dropout draws, refused plans, generation and host objects on TP layouts."""
+    """The dropout draws, refused plans and host objects on TP layouts."""
     check(*launches(world_size), scenario)
 
 

@@ -339,9 +339,10 @@ SCENARIOS[4].update(host_objects.SCENARIOS[4])  # objects through host memory
 
 # the scenarios that check themselves (raise on a failure) and return no figures
 SELF_CHECKED = {"tp2-dropout-rng", "tp2-planted-wrong-plans-refused",
-                *(name for table in (generation_parity.SCENARIOS, host_objects.SCENARIOS)
-                  for size in table
-                  for name in table[size])}
+                *(name for size in host_objects.SCENARIOS
+                  for name in host_objects.SCENARIOS[size])}
+GENERATION = {name for size in generation_parity.SCENARIOS
+              for name in generation_parity.SCENARIOS[size]}
 
 
 def scenario_names(world_size: int) -> list[str]:
