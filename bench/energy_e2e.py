@@ -2,13 +2,14 @@
 
 One torchrun launch (this file, `--worker`) runs, per schedule (1F1B, zero-bubble, interleaved
 1F1B with 2 chunks per rank, shifted critical path with recomputation), a small MLP's engine
-built by `build_engine` (bench/_common.py): the clock profiler over its training steps, rank 0's
-plan over the engine's own schedule, then the plan and all max clocks taking turns step by step
-(the minimum over the measured steps of each), and prints per schedule: the all-max and planned
-iteration (predicted and measured), the planned and measured energy saving, the saving next to
-1F1B's, and measured vs predicted time and energy, checked against TARGET: within 10% for every
-schedule (run it on an idle machine). tests/test_energy_planning.py runs the same pipeline with
-shorter instructions and asserts what a loaded machine's noise cannot break.
+built by `build_engine` (bench/_common.py) through `energy_turns.profile_plan_measure`: the clock
+profiler over its training steps, rank 0's plan over the engine's own schedule, then the plan
+and all max clocks taking turns step by step (the minimum over the measured steps of each),
+and prints per schedule: the all-max and planned iteration (predicted and measured), the
+planned and measured energy saving, the saving next to 1F1B's, and measured vs predicted time
+and energy, checked against TARGET: within 10% for every schedule (run it on an idle machine).
+tests/test_energy_planning.py runs the same procedure with shorter instructions and asserts
+what a loaded machine's noise cannot break.
 
     python bench/energy_e2e.py [--forward-s 0.1] [--microbatches 8] [--rounds 4]
                                [--schedules 1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path]
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from _common import RESULTS, build, launch_self
+from energy_turns import profile_plan_measure
 
 TARGET = 0.10  # |measured / predicted - 1|, time and energy, all-max and planned steps
 RANKS, CHUNKS = 4, 2  # pipeline ranks; model chunks per rank of the interleaved schedule
@@ -71,17 +72,12 @@ def _model():
 
 
 def _run_schedule(name: str, cli) -> dict | None:
-    """Every rank: one schedule's profile, plan and measurement; rank 0 returns its figures."""
+    """Every rank: one schedule's profile, plan and measurement (`energy_turns`); rank 0
+    returns its figures."""
     import torch
-    import torch.distributed as dist
 
     import merak
-    from merak.energy.planning.frontier import ClockFrontier
-    from merak.energy.planning.plan_file import check_clock_plan, expected_instructions
     from merak.energy.profiling.gpu import SimulatedGPU, SyntheticGPUModel
-    from merak.energy.profiling.profile_data import aggregate
-    from merak.energy.profiling.profiler import ClockProfiler, profile_clocks
-    from merak.energy.training.deploy import ClockPlanHook
 
     ctx = merak.init(dp=1, tp=1, pp=RANKS)
     info = merak.SCHEDULES[name]
@@ -89,65 +85,14 @@ def _run_schedule(name: str, cli) -> dict | None:
                    schedule=name, num_microbatches=cli.microbatches,
                    num_model_chunks=CHUNKS if info.several_stages_per_rank else 1,
                    recompute_ratio=1.0 if info.needs_recompute else 0.0).interpreter
-    schedule = engine.schedule
     gpu = SimulatedGPU(SyntheticGPUModel(clock_step=90, forward_s=cli.forward_s),
-                       num_ranks=RANKS, chunks=schedule.stages_per_rank)
+                       num_ranks=RANKS, chunks=engine.schedule.stages_per_rank)
     seed = iter(range(1, 10**6))
-
-    def step() -> None:
-        engine.train_step(_rows(cli.microbatches, next(seed)))
-
-    began = time.perf_counter()
-    engine.hooks = [profiler := ClockProfiler(gpu, ctx.pp_rank)]
-    rows = profile_clocks(step, profiler, ctx)
-    profiled = time.perf_counter()
-    plan = [None]
-    if ctx.rank == 0:
-        profiles, p2p_power = aggregate(rows)
-        planner = ClockFrontier(schedule, profiles, p2p_power,
-                                unit_time=cli.unit_time or cli.forward_s / 40)
-        start = time.perf_counter()
-        base = planner.evaluate(planner.max_clock_plan())
-        chosen = planner.choose(planner.frontier(), base[0])
-        plan[0] = {"schedules": planner.schedules(chosen.plan), "p2p_power": p2p_power,
-                   "predicted_base": list(base), "planner_s": time.perf_counter() - start,
-                   "predicted_plan": [chosen.time_s, chosen.energy_j]}
-    dist.broadcast_object_list(plan, src=0)
-    plan = plan[0]
-    mine = check_clock_plan(plan["schedules"], ctx.world_size, lambda r: r, schedule,
-                            gpu.supported_clocks())[ctx.rank]
-    hooks = {"base": ClockPlanHook(gpu, None, ctx.pp_rank),
-             "plan": ClockPlanHook(gpu, mine, ctx.pp_rank)}
-    measured: dict[str, list] = {"base": [], "plan": []}
-    for round_ in range(cli.rounds + 1):  # the plans take turns; the first round warms up
-        for which, hook in hooks.items():
-            engine.hooks = [hook]
-            if which == "base":
-                gpu.reset_clock()  # all max: from the GPU's own clock, not the plan's last
-            dist.barrier()
-            start, energy = time.perf_counter(), gpu.energy_j()
-            step()
-            dist.barrier()  # every GPU idles until the slowest rank is done
-            if round_:
-                measured[which].append([time.perf_counter() - start, gpu.energy_j() - energy])
-    engine.hooks = []
+    turns = profile_plan_measure(
+        engine, gpu, ctx, lambda: engine.train_step(_rows(cli.microbatches, next(seed))),
+        rounds=cli.rounds, unit_time=cli.unit_time or cli.forward_s / 40)
     engine.remove_recomputation()
-    figures = {}
-    for which, values in measured.items():
-        times, energies = torch.tensor(values, dtype=torch.float64).T.clone()
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        dist.all_reduce(energies)
-        figures[which] = [times.min().item(), energies.min().item()]
-    if ctx.rank:
-        return None
-    base_energy, plan_energy = plan["predicted_base"][1], plan["predicted_plan"][1]
-    return {"schedule": name, "chunks": schedule.stages_per_rank,
-            "instructions": [len(expected_instructions(schedule, r)) for r in range(RANKS)],
-            "p2p_power": plan["p2p_power"], "planner_s": plan["planner_s"],
-            "profile_s": profiled - began, "predicted_base": plan["predicted_base"],
-            "measured_base": figures["base"], "predicted_plan": plan["predicted_plan"],
-            "measured_plan": figures["plan"], "planned_saving": 1 - plan_energy / base_energy,
-            "measured_saving": 1 - figures["plan"][1] / figures["base"][1]}
+    return {"schedule": name, **turns.report} if ctx.rank == 0 else None
 
 
 def worker(cli) -> None:

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 
 _CONTRACT = Path(__file__).parent / "nccl_contract"  # (on this process's path: pyproject.toml)
+_BENCH = Path(__file__).parent.parent / "bench"
 # Every process of the suite (this one, torchrun's ranks, the CLIs tests start) runs
 # point-to-point under NCCL's contract (tests/nccl_contract): its sitecustomize installs it
 # wherever torch.distributed is imported. MERAK_TEST_BACKEND=gloo runs the suite on plain gloo.
+# Workers may run a procedure a bench measures (bench/energy_turns.py), so bench/ is on their
+# path as it is on this process's.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(_CONTRACT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    [str(_CONTRACT), str(_BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 import nccl_contract  # noqa: E402 - installs itself unless MERAK_TEST_BACKEND=gloo
 from dist_harness import WorkerPool  # noqa: E402
