@@ -30,18 +30,14 @@ def engine_options(**fields):
     import dataclasses
 
     from merak.engine.options import EngineOptions
+    from merak.options import by_class
 
-    groups = {f.name: f.type for f in dataclasses.fields(EngineOptions)}
-    made, left = {}, dict(fields)
-    for group in groups:
-        kind = type(getattr(EngineOptions(), group))
-        names = {f.name for f in dataclasses.fields(kind)}
-        mine = {k: left.pop(k) for k in list(left) if k in names}
-        if mine:
-            made[group] = kind(**mine)
-    if left:
-        raise TypeError(f"no EngineOptions group has the field(s) {sorted(left)}")
-    return EngineOptions(**made)
+    groups = [f.name for f in dataclasses.fields(EngineOptions)]
+    defaults = EngineOptions()
+    kinds = [type(getattr(defaults, group)) for group in groups]
+    parts = by_class(fields, kinds, "engine_options")
+    return EngineOptions(**{group: kind(**part) for group, kind, part in zip(groups, kinds, parts)
+                            if part})
 
 
 def build(model, example, ctx, make_optimizer=None, checkpoint=None, **fields):

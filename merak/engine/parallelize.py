@@ -22,7 +22,7 @@ from merak.distributed.parallel_context import ParallelContext, get_context
 from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoint
-from merak.options import field_names, given
+from merak.options import by_class, given
 from merak.partition.auto import AutoSplit, auto_split
 from merak.partition.options import SplitOptions
 from merak.schedule.registry import placement_of, schedule_info
@@ -91,16 +91,10 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
             block does not compute what the unsharded one does.
     """
     ctx = ctx or get_context()
-    tp_names, split_names = field_names(TensorParallelOptions), field_names(SplitOptions)
-    unknown = sorted(set(fields) - set(tp_names) - set(split_names))
-    if unknown:
-        raise TypeError(f"parallelize got unknown option(s) {unknown}; its options are "
-                        f"TensorParallelOptions' fields ({', '.join(tp_names)}) and "
-                        f"SplitOptions' ({', '.join(split_names)})")
-    tensor_parallel = given(TensorParallelOptions, tensor_parallel,
-                            {k: v for k, v in fields.items() if k in tp_names}, "parallelize")
-    split = given(SplitOptions, split, {k: v for k, v in fields.items() if k in split_names},
-                  "parallelize")
+    tp_fields, split_fields = by_class(fields, [TensorParallelOptions, SplitOptions],
+                                       "parallelize")
+    tensor_parallel = given(TensorParallelOptions, tensor_parallel, tp_fields, "parallelize")
+    split = given(SplitOptions, split, split_fields, "parallelize")
     if lora.is_peft_model(model):  # LoRA: the peft layers live in the model peft wraps,
         model = model.get_base_model()  # whose forward is the peft model's (with **kwargs)
     if checkpoint is None:
