@@ -104,7 +104,8 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
             json.dumps(figures)  # (a scenario's figures must be JSON)
             results[name] = {"error": None, "figures": figures}
         except Exception:  # noqa: BLE001 - every failure is reported to pytest
-            error = traceback.format_exc(limit=int(os.environ.get("TB_LIMIT", 6)))
+            # the innermost frames: where it failed (TB_LIMIT of them)
+            error = traceback.format_exc(limit=-int(os.environ.get("TB_LIMIT", 12)))
             results[name] = {"error": error, "figures": None}
         finally:
             _SCENARIO.pop()

@@ -121,8 +121,8 @@ def _reduced_in_last_backward(trainer):
     def recording(self, stage_id):
         with original(self, stage_id):
             yield
-        if self is not trainer.engine.zero:
-            return
+        if trainer.engine is None or self is not trainer.engine.zero:
+            return  # (a dry run's sharding, before the trainer's engine is built)
         root = next(r for r in self.roots if r.stage_id == stage_id)
         shards = [p.sharded_param for unit in fully_shard.state(root)._state_ctx.all_states
                   for group in unit._fsdp_param_groups for p in group.fsdp_params
