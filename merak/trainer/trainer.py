@@ -43,6 +43,7 @@ from merak.trainer.data import (
     loader_options,
     model_input_filter,
 )
+from merak.trainer.energy_mode import EnergyMixin
 from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
 from merak.trainer.loss_setup import LossSetupMixin
@@ -54,7 +55,8 @@ from merak.trainer.text_generation import TextGenerationMixin
 
 
 class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, CheckpointMixin,
-                   EvaluationMixin, TrainingFlowMixin, TextGenerationMixin, Trainer):
+                   EvaluationMixin, TrainingFlowMixin, TextGenerationMixin, EnergyMixin,
+                   Trainer):
     """A drop-in `transformers.Trainer` for models trained with dp x tp x pp.
 
     Args (besides `Trainer`'s):
@@ -162,11 +164,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             self.neftune_noise = neftune.NEFTune(args.neftune_noise_alpha, args.seed,
                                                  self.ctx.dp_rank,
                                                  lambda: self.state.global_step)
-        self.energy = None
-        if args.energy_gpu:
-            from merak.energy.training.session import TrainerEnergy
-
-            self.energy = TrainerEnergy(args, self.ctx, args.gradient_accumulation_steps)
+        self._start_energy()
 
         def optimizer_over(stage):  # HF's create_optimizer, over this rank's stage
             self.model = self.model_wrapped = stage
@@ -354,45 +352,6 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self._finish_current_push()  # HF's: wait for the uploads of the saves
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
-
-    def _energy_metrics(self, metrics: dict) -> None:
-        """The energy figures of the run into the final `metrics` (and the steps' file and
-        plot, on rank 0)."""
-        self.energy.close()
-        path = self.energy.write_steps(self.args.output_dir)
-        figures = self.energy.metrics()
-        metrics.update(figures)
-        if path is None:
-            return
-        print(f"energy per step: {path} and {path.with_suffix('.png')} (compare runs with "
-              f"`merak energy report`)")
-        if "energy_saved" in figures:
-            print(f"energy: {figures['energy_saved']:.2%} saved per step at "
-                  f"{figures['energy_step_time_change']:+.2%} step time from step "
-                  f"{figures['energy_plan_step']} (the plan predicted "
-                  f"{figures['energy_predicted_saved']:.2%} at "
-                  f"{figures['energy_predicted_time_change']:+.2%}), against the all-max steps "
-                  f"of this run")
-
-    def _profile_energy(self, data: StageBatches) -> TrainOutput:
-        """Profile mode (`energy_profile`): training steps at each GPU clock, then the CSV."""
-        m = self.args.gradient_accumulation_steps
-
-        def batches():  # real training steps: with HF's token counts when the loss takes them
-            for epoch in range(1_000_000):
-                yield from (self._counted(batch, m, step=True) for batch in data.epoch(epoch))
-
-        stream = batches()
-        start = time.perf_counter()
-        with self._running_loss():
-            path, clocks = self.energy.profile(self.engine.interpreter, lambda: next(stream))
-        self.energy.close()
-        metrics = {"train_runtime": round(time.perf_counter() - start, 4),
-                   "profiled_clocks": clocks}
-        if self.is_world_process_zero():
-            print(f"energy profile: {path} ({clocks} clocks); plan with "
-                  f"`{self.energy.plan_command(path)}`")
-        return TrainOutput(0, float("nan"), metrics)
 
     # ---------------------------------------------------------------- logging
     def _should_log(self) -> bool:
