@@ -3,8 +3,9 @@ meta build -> apply_tensor_parallel -> auto_split -> materialize own stage -> 1f
 3 SGD steps; the parity scenarios return the loss, every gradient (against this rank's slice of
 the full gradient) and the final parameters next to the reference's (`Compared`), which
 test_tensor_parallel compares; the same for families sharded by the plan inferred from their
-blocks (test_tp_infer). Wrong plans that are refused, the dropout draws and the LoRA, generation
-and host-object scenarios check themselves.
+blocks (test_tp_infer). Wrong plans that are refused and the dropout draws check themselves;
+the LoRA, generation and host-object scenarios return what test_tensor_parallel and
+test_host_objects assert.
 The 4- and 8-rank launches also run lora_parity.py's scenarios (LoRA through peft on TP
 layouts) and generation_parity.py's (pipelined generation against HF generate); the 4-rank one
 host_objects.py's (objects between ranks through host memory)."""
@@ -338,9 +339,8 @@ SCENARIOS[4].update(host_objects.SCENARIOS[4])  # objects through host memory
 
 
 # the scenarios that check themselves (raise on a failure) and return no figures
-SELF_CHECKED = {"tp2-dropout-rng", "tp2-planted-wrong-plans-refused",
-                *(name for size in host_objects.SCENARIOS
-                  for name in host_objects.SCENARIOS[size])}
+SELF_CHECKED = {"tp2-dropout-rng", "tp2-planted-wrong-plans-refused"}
+HOST_OBJECTS = {name for size in host_objects.SCENARIOS for name in host_objects.SCENARIOS[size]}
 GENERATION = {name for size in generation_parity.SCENARIOS
               for name in generation_parity.SCENARIOS[size]}
 
