@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 import transformers as tf
-from dist_harness import check
+from dist_harness import scenario_result
 
 from merak.strategy import costs
 
@@ -54,22 +54,57 @@ def test_block_cost_probes_are_built_one_at_a_time_and_only_the_head_probe_has_l
     assert measured.optimizer_s_per_param > 0
 
 
+def _figures(launches, scenario: str) -> list[dict]:
+    figures = scenario_result(*launches(2), scenario)
+    assert len(figures) == 2 and all(figures), figures
+    return figures
+
+
 def test_the_dry_run_and_the_trainer_build_one_engine_from_one_options_object(launches):
-    """The planner measures the engine the trainer runs; same step losses."""
-    check(*launches(2), "dry-run-trains-as-the-trainer")
+    """The planner measures the engine the trainer runs (MerakTrainer's engine options,
+    unchanged by the dry run): the same step losses, and it learned."""
+    for rank, ours in enumerate(_figures(launches, "dry-run-trains-as-the-trainer")):
+        assert ours["same_options"] and ours["options_unchanged"], f"rank {rank}"
+        trained, measured = ours["trainer_losses"], ours["dry_run_losses"]
+        assert len(trained) == len(measured) == 4, (trained, measured)
+        torch.testing.assert_close(torch.tensor(measured), torch.tensor(trained),
+                                   rtol=1e-5, atol=1e-6)
+        assert trained[-1] < trained[0], trained
 
 
 def test_dry_runs_leave_no_process_group_behind(launches):
-    check(*launches(2), "dry-runs-free-their-groups")
+    for rank, ours in enumerate(_figures(launches, "dry-runs-free-their-groups")):
+        before = ours["groups_before"]
+        assert [label for label, *_ in ours["measured"]] == [
+            "dp1 tp1 pp2 mb1x2 1f1b rc:off zero0", "dp2 tp1 pp1 mb1x2 1f1b rc:off zero1",
+            "dp1 tp2 pp1 mb1x2 1f1b rc:off zero0"], ours["measured"]
+        assert all(step_s > 0 and peak > 0 for _, step_s, peak in ours["measured"]), ours
+        assert all(n > before for n in ours["groups_inside"]), ours  # each run made groups
+        assert ours["groups_after"] == [before] * 3, f"rank {rank}: {ours}"
+        assert ours["default_context_kept"], f"rank {rank}"
 
 
 def test_an_online_plan_leaves_the_same_groups_whatever_its_number_of_dry_runs(launches):
-    check(*launches(2), "online-plan-frees-its-groups")
+    for rank, ours in enumerate(_figures(launches, "online-plan-frees-its-groups")):
+        assert ours["measured"] == ours["dry_runs"], f"rank {rank}: {ours}"
+        left = ours["groups_left"]  # only the final default layout's groups, whatever count
+        assert left[0] == left[1], f"rank {rank}: {ours}"
 
 
 def test_online_plans_search_context_parallelism_and_its_dry_runs_train_like_cp1(launches):
     """cp in the online planner; a cp=2 dry run's losses are a pp=2 dry run's."""
-    check(*launches(2), "online-plan-dry-runs-cp")
+    for ours in _figures(launches, "online-plan-dry-runs-cp"):
+        losses = ours["losses"]
+        assert len(losses) == 3, losses
+        first, *others = losses.values()
+        for other in others:
+            torch.testing.assert_close(torch.tensor(other), torch.tensor(first), rtol=1e-5,
+                                       atol=1e-6, msg=lambda text, at=losses: f"{at}: {text}")
+        assert 2 in ours["searched_cp"], ours
+        measured = ours["only_cp_measured"]
+        assert len(measured) == 2 and all(" cp2:" in label and seconds > 0
+                                          for label, seconds in measured.items()), measured
+        assert ours["only_cp_chosen_cp"] == 2, ours
 
 
 def test_a_dry_run_on_cuda_counts_the_memory_outside_the_caching_allocator(monkeypatch):
@@ -134,7 +169,11 @@ def test_the_batch_size_probe_holds_the_optimizer_state_beside_the_step(monkeypa
 
 
 def test_zero1_sets_aside_only_this_ranks_shard_of_the_state(launches):
-    check(*launches(2), "zero1-pending-state-is-the-shard")
+    """This rank's shard of AdamW's two fp32 moments; the ranks' shares sum to the whole."""
+    for rank, ours in enumerate(_figures(launches, "zero1-pending-state-is-the-shard")):
+        assert 0 < ours["mine"] < ours["total"], f"rank {rank}: {ours}"
+        assert ours["pending"] == 8 * ours["mine"], f"rank {rank}: {ours}"
+        assert ours["summed"] == 8 * ours["total"], f"rank {rank}: {ours}"
 
 
 def test_out_of_memory_in_the_collective_shape_discovery_is_raised_not_an_answer(monkeypatch):

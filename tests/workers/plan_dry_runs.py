@@ -2,16 +2,19 @@
 test_plan_memory):
 
 - dry-runs-free-their-groups: candidate after candidate (pp2 with tied embeddings, so
-  tied-weight groups too; dp2 with ZeRO-1; tp2), each run makes process groups
-  (a mesh, tied groups) and the count of live groups is back where it was after each, whatever
-  the number of candidates; the caller's default context is the default again.
-- online-plan-frees-its-groups: `plan_online` with one and with two dry runs leaves the same
-  number of live groups behind (its final default layout's).
-- online-plan-dry-runs-cp: a cp=2 dry run (each rank training its share of the rows through
-  ring or Ulysses attention) has the step losses of a pp=2 dry run on the same rows; the
-  online plan searches cp, and dry-runs and chooses cp=2 candidates.
+  tied-weight groups too; dp2 with ZeRO-1; tp2): the live process groups before, during and
+  after each run, and whether the caller's default context is the default again.
+- online-plan-frees-its-groups: the groups `plan_online` leaves behind with one and with two
+  dry runs.
+- online-plan-dry-runs-cp: the step losses of a pp=2 and of cp=2 dry runs (ring, Ulysses) on
+  the same rows; the cp degrees an online plan searched, and what a cp-only plan measured and
+  chose.
 - zero1-pending-state-is-the-shard: the optimizer state the batch-size probe sets aside under
-  ZeRO-1 is this rank's shard of AdamW's two moments, the ranks' shares summing to the whole.
+  ZeRO-1 on this rank, its shard's size and the ranks' sum.
+- dry-run-trains-as-the-trainer: MerakTrainer's step losses and a dry run's built from the
+  same options.
+
+Each returns its figures; test_plan_memory asserts them.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ def tiny_llama() -> tf.LlamaConfig:
                           tie_word_embeddings=True)
 
 
-def dry_runs_free_their_groups() -> None:
+def dry_runs_free_their_groups() -> dict:
     ctx = merak.init(dp=1, tp=1, pp=2)
     before = live_process_groups()
-    inside, after = [], []
+    inside, after, figures = [], [], []
     run = dry_run._run
 
     def counted(*args, **kwargs):
@@ -53,35 +56,34 @@ def dry_runs_free_their_groups() -> None:
         for c in (Candidate(1, 1, 2, 1, 2), Candidate(2, 1, 1, 1, 2, zero=1),
                   Candidate(1, 2, 1, 1, 2)):
             measured = dry_run.dry_run(c, tiny_llama(), SEQ, steps=1)
-            assert measured.step_s > 0 and measured.peak_bytes > 0, (c.label, measured)
+            figures.append([c.label, measured.step_s, measured.peak_bytes])
             after.append(live_process_groups())
     finally:
         dry_run._run = run
-    assert all(n > before for n in inside), (before, inside)  # each run did make groups
-    assert after == [before] * len(after), (before, after)
-    assert merak.get_context() is ctx
     torch.distributed.barrier(ctx.pp_group)  # the caller's groups still work
+    return {"measured": figures, "groups_before": before, "groups_inside": inside,
+            "groups_after": after, "default_context_kept": merak.get_context() is ctx}
 
 
-def online_plan_frees_its_groups() -> None:
+def online_plan_frees_its_groups() -> dict:
     from merak.dryrun.online import plan_online
 
     merak.init(dp=1, tp=1, pp=2)
     costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
     try:
-        left = []
+        left, measured = [], []
         for count in (1, 2):
             before = live_process_groups()
             plan = plan_online(tiny_llama(), 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(1,),
                                dry_runs=count, steps=1)
-            assert len(plan.measured) == count, plan.measured
+            measured.append(len(plan.measured))
             left.append(live_process_groups() - before)
     finally:
         costs.MIN_SAMPLE_S = sample_s
-    assert left[0] == left[1], left  # only the final default layout's groups, whatever count
+    return {"dry_runs": [1, 2], "measured": measured, "groups_left": left}
 
 
-def online_plan_dry_runs_cp() -> None:
+def online_plan_dry_runs_cp() -> dict:
     from merak.dryrun.online import plan_online
 
     merak.init(dp=1, tp=1, pp=2)
@@ -98,10 +100,6 @@ def online_plan_dry_runs_cp() -> None:
     for c in (Candidate(1, 1, 2, mbs, m), Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ring"),
               Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ulysses")):
         losses[c.label] = dry_run.dry_run(c, config, SEQ, steps=steps, batches=rows).losses
-    first, *others = losses.values()
-    for other in others:
-        torch.testing.assert_close(torch.tensor(other), torch.tensor(first), rtol=1e-5,
-                                   atol=1e-6, msg=lambda text: f"{losses}: {text}")
     costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
     try:
         searched = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(1,),
@@ -110,14 +108,12 @@ def online_plan_dry_runs_cp() -> None:
                               dry_runs=2, steps=1, context_parallel=(2,))
     finally:
         costs.MIN_SAMPLE_S = sample_s
-    assert any(p.candidate.cp == 2 for p in searched.ranked), searched.table(40)
-    assert len(only_cp.measured) == 2 and all(
-        " cp2:" in label and seconds > 0 for label, seconds in only_cp.measured.items()), \
-        only_cp.measured
-    assert only_cp.chosen.cp == 2, only_cp.chosen
+    return {"losses": {label: list(values) for label, values in losses.items()},
+            "searched_cp": sorted({p.candidate.cp for p in searched.ranked}),
+            "only_cp_measured": only_cp.measured, "only_cp_chosen_cp": only_cp.chosen.cp}
 
 
-def zero1_pending_state_is_the_shard() -> None:
+def zero1_pending_state_is_the_shard() -> dict:
     from merak.data_parallel.zero1 import local_optimizer, zero1
     from merak.runtime.memory_probe import pending_optimizer_state_bytes
 
@@ -128,20 +124,17 @@ def zero1_pending_state_is_the_shard() -> None:
     mine = sum(p.numel() for g in local_optimizer(optimizer).param_groups for p in g["params"])
     total = sum(p.numel() for p in model.parameters())
     pending = pending_optimizer_state_bytes(optimizer)
-    assert 0 < mine < total and pending == 8 * mine, (mine, total, pending)
     shares = torch.tensor([pending])
     torch.distributed.all_reduce(shares, group=ctx.dp_group)
-    assert shares.item() == 8 * total, (shares.item(), total)
+    return {"mine": mine, "total": total, "pending": pending, "summed": shares.item()}
 
 
-def dry_run_trains_as_the_trainer() -> None:
+def dry_run_trains_as_the_trainer() -> dict:
     """One options object, two builders: MerakTrainer trains a tied-embedding Llama at pp=2
     (1F1B, 4 micro-batches of 2 rows, AdamW, clipping) and the planner's dry run of the same
     candidate, built from the options the trainer used, steps the same rows: every step's
     loss is the same."""
     import tempfile
-    from dataclasses import replace
-
 
     ctx = merak.init(dp=1, tp=1, pp=2)
     config = tiny_llama()
@@ -165,7 +158,7 @@ def dry_run_trains_as_the_trainer() -> None:
         options = args.engine_options(pp=ctx.pp, dp=ctx.dp)
         # the trainer's engine came from these options (its loss wrapper keeps the split's
         # pieces opaque the same way: no leaf modules of its own here)
-        assert trainer.engine_options == options, (trainer.engine_options, options)
+        same_options = trainer.engine_options == options
     rows = mbs * m
     measured = dry_run.dry_run(
         Candidate(1, 1, 2, mbs, m), config, SEQ, steps=steps, options=options,
@@ -173,11 +166,9 @@ def dry_run_trains_as_the_trainer() -> None:
                                                        weight_decay=0.0),
         batches=lambda k: {"input_ids": ids[k * rows:(k + 1) * rows],
                            "labels": ids[k * rows:(k + 1) * rows]})
-    assert replace(options) == options  # (frozen, unchanged by the dry run)
-    assert len(trained) == steps + 1 == len(measured.losses), (trained, measured.losses)
-    torch.testing.assert_close(torch.tensor(measured.losses), torch.tensor(trained),
-                               rtol=1e-5, atol=1e-6)
-    assert trained[-1] < trained[0]  # (it learned: the steps did update the weights)
+    return {"same_options": same_options,
+            "options_unchanged": options == args.engine_options(pp=ctx.pp, dp=ctx.dp),
+            "trainer_losses": trained, "dry_run_losses": list(measured.losses)}
 
 
 SCENARIOS = {"dry-run-trains-as-the-trainer": dry_run_trains_as_the_trainer,
