@@ -5,6 +5,7 @@ and on 2 ranks. `MerakArguments` alone: test_trainer_arguments.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -14,7 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dist_harness import WORKERS, check, launch, launch_together, scenario_result
+from dist_harness import (
+    WORKERS,
+    assert_like_reference,
+    check,
+    launch,
+    launch_together,
+    scenario_result,
+)
 from trainer_common import (
     DP2_PP2_RUNS,
     PP2_RUNS,
@@ -121,8 +129,23 @@ def test_label_smoothing_over_vocab_parallel_logits(two_ranks):
 
 @pytest.mark.parametrize("scenario", ["kill-and-resume", "kill-and-resume-zero3-fp16"])
 def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(four_ranks, scenario):
+    """Killed while writing its step-6 checkpoint, a run resumes from step 3 (warning about the
+    half-written one) and logs the uninterrupted run's losses at steps 4-6, its history kept;
+    `finetune` starts a fresh run from the checkpoint."""
     results, output = four_ranks
-    check(results["trainer_resume.py"], output, scenario)
+    for rank, ours in enumerate(scenario_result(results["trainer_resume.py"], output, scenario)):
+        where = f"rank {rank}: {ours}"
+        plain, after = ours["uninterrupted"], ours["resumed"]
+        assert all(math.isfinite(v) for v in plain.values()), where
+        if ours["skipped_steps"] is not None:  # fp16: not every step overflowed
+            assert ours["skipped_steps"] < 5, where
+        assert ours["crashed"] and ours["left"] == ["checkpoint-3", "checkpoint-6.partial"], where
+        assert any("half-written checkpoint" in w for w in ours["warnings"]), where
+        assert sorted(after, key=int) == [str(step) for step in range(1, 7)], where  # history
+        for step in ("4", "5", "6"):
+            assert after[step] == plain[step], f"rank {rank}: step {step}"
+        if scenario == "kill-and-resume":
+            assert ours["finetuned_steps"] == [1], f"rank {rank}: finetune must start afresh"
 
 
 def test_hf_trainer_api_save_model_metrics_and_a_partial_eval_batch(runs):
@@ -174,7 +197,17 @@ def test_no_private_hf_trainer_name_is_reused_with_another_meaning():
 @pytest.mark.parametrize("scenario", ["reshard-dp1-tp1-pp4", "reshard-dp4-tp1-pp1",
                                       "export-from_pretrained", "from_pretrained-on-meta"])
 def test_a_checkpoint_loads_into_another_layout_and_exports_to_hf(runs, reshards, scenario):
-    check(*reshards, scenario)
+    """The next step's loss after resuming in another layout, and the exported checkpoint's
+    loss under `from_pretrained`, are the original run's; a from_pretrained model inside
+    init_empty_weights holds no memory and trains from its own shards."""
+    figures = scenario_result(*reshards, scenario)
+    assert assert_like_reference(figures, rtol=1e-4, atol=1e-5, grad_atol_of_max=0.0) > 0
+    for rank, ours in enumerate(figures):
+        if scenario.startswith("reshard-"):
+            dp, tp, pp = (int(part[2:]) for part in scenario.split("-")[1:])
+            assert ours["layout"] == [dp, tp, pp], f"rank {rank}: {ours}"
+        if scenario == "from_pretrained-on-meta":
+            assert ours["loaded_on_meta"] and ours["layout"] == [1, 2, 2], f"rank {rank}"
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +249,15 @@ def two_ranks(tmp_path_factory):
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(two_ranks):
-    check(*two_ranks[1:], "fp16-overflow")
+    """An inf in step 3's forward: every rank skips that step (parameters unchanged) and
+    halves the scale (2**8 -> 2**7); the next step trains, with finite losses."""
+    for rank, ours in enumerate(scenario_result(*two_ranks[1:], "fp16-overflow")):
+        where = f"rank {rank}: {ours}"
+        assert ours["steps"] == [1, 2, 3, 4, 5], where
+        assert ours["loss_scale"] == [256.0, 256.0, 128.0, 128.0, 128.0], where
+        assert ours["skipped_steps"][-1] == 1, where
+        assert ours["changed"] == {"2": True, "3": False, "4": True, "5": True}, where
+        assert all(math.isfinite(ours["loss"][i]) for i in (0, 1, 3, 4)), where
 
 
 def test_lora_config_trains_like_peft_exports_and_generates(two_ranks):
@@ -244,15 +285,40 @@ def test_auto_find_batch_size_halves_until_every_rank_fits(two_ranks):
 
 
 def test_torch_compile_compiles_the_blocks_with_eager_losses(two_ranks):
-    check(*two_ranks[1:], "torch-compile-pp2")
+    """The compiled blocks train to the eager losses, with and without recomputation (which
+    reruns the compiled blocks); the stage's state_dict keys are the eager ones."""
+    for rank, ours in enumerate(scenario_result(*two_ranks[1:], "torch-compile-pp2")):
+        for recompute in (False, True):
+            run = ours[f"recompute={recompute}"]
+            where = f"rank {rank}, recompute={recompute}: {run}"
+            assert run["torch_compile"] and run["recomputes"] == recompute, where
+            assert run["blocks"] and len(run["compiled"]) == run["blocks"], where
+            assert run["keys"] == ours["eager_keys"], "compiling changed the state_dict keys"
+            torch.testing.assert_close(torch.tensor(run["losses"]),
+                                       torch.tensor(ours["eager_losses"]), rtol=1e-5, atol=0.0)
 
 
 def test_neftune_noise_matches_a_single_process_reference(two_ranks):
-    check(*two_ranks[1:], "neftune-pp2")
+    """The losses equal a single-process model's with the same noise (`merak.trainer.neftune`'s
+    seeding, dp rank 0) on its embedding and differ from the noise-free ones; the eval loss has
+    no noise."""
+    for ours in scenario_result(*two_ranks[1:], "neftune-pp2"):
+        losses = torch.tensor(ours["losses"])
+        torch.testing.assert_close(losses, torch.tensor(ours["noised_reference"]), rtol=1e-4,
+                                   atol=1e-5)
+        assert (losses - torch.tensor(ours["clean_reference"])).abs().min() > 1e-3, ours
+        torch.testing.assert_close(torch.tensor(ours["eval_loss"]),
+                                   torch.tensor(ours["noised_reference_eval"]), rtol=1e-4,
+                                   atol=1e-5)
 
 
 def test_neftune_noise_is_the_same_on_the_tp_ranks(two_ranks):
-    check(*two_ranks[1:], "neftune-tp2")
+    """At tp2 (vocab-parallel embedding) both TP ranks add the same noise, so their replicated
+    parameters stay identical."""
+    for rank, ours in enumerate(scenario_result(*two_ranks[1:], "neftune-tp2")):
+        assert ours["kept"] == ours["expected_kept"] > 0, f"rank {rank}: {ours}"
+        assert ours["same_noise"], f"rank {rank}: the TP ranks added different noise"
+        assert ours["replicated"] and ours["replicated_differ"] == [], f"rank {rank}: {ours}"
 
 
 def test_checkpoint_flags_without_optimizer_or_rng(tmp_path):

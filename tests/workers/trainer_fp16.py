@@ -1,20 +1,20 @@
 """The 2-rank MerakTrainer launch of test_trainer (dp1 x tp1 x pp2):
 
-- fp16 with dynamic loss scaling: an inf injected into step 3's forward makes every rank skip
-  that optimizer step (parameters unchanged) and halve the scale; training then goes on with
-  finite losses.
+- fp16 with dynamic loss scaling: an inf injected into step 3's forward; each step's scale,
+  skipped count, loss and whether it changed the parameters (test_trainer asserts the step
+  is skipped everywhere and the scale halved, and training goes on).
 - trainer_common.PP2_RUNS, among them HF's training flow on the zero-bubble schedule: each
   run's summary goes to $MERAK_TRAINER_OUT/merak-pp2-<run>.json for test_trainer to compare
   with the single-process HF Trainer's.
 - Label smoothing over logits split along the vocabulary across the 2 ranks (a TP group's
   view): the loss and its gradient equal HF's LabelSmoother on the whole logits.
-- torch_compile (pp2): the compiled blocks train to the eager losses, with and without
-  recomputation (which reruns the compiled blocks); the stage's state_dict keys are the eager
-  ones.
-- neftune_noise_alpha (pp2): the losses equal a single-process model's with the same noise
-  (`merak.trainer.neftune`'s seeding, dp rank 0) added to its embedding, and differ from the
-  noise-free ones; the eval loss has no noise. At tp2 (vocab-parallel embedding) both TP ranks
-  add the same noise, so their replicated parameters stay identical.
+- torch_compile (pp2): the compiled blocks' losses and the eager ones, with and without
+  recomputation (which reruns the compiled blocks); the stage's state_dict keys.
+- neftune_noise_alpha (pp2): the losses, and a single-process model's with the same noise
+  (`merak.trainer.neftune`'s seeding, dp rank 0) added to its embedding and without it; the
+  eval loss. At tp2 (vocab-parallel embedding): whether both TP ranks added the same noise and
+  kept their replicated parameters identical.
+Each scenario returns its figures; test_trainer asserts them.
 - `trainer_fields.SCENARIOS`: push_to_hub, ignore_data_skip, dataloader workers and
   auto_find_batch_size (see that module).
 """
@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -62,7 +61,9 @@ class Snapshots(TrainerCallback):
             n: p.detach().clone() for n, p in self.trainer.stage.named_parameters()}
 
 
-def fp16_overflow() -> None:
+def fp16_overflow() -> dict:
+    """The loss scale, skipped steps and losses each step logged, and which steps changed the
+    parameters, with an inf in step POISONED_STEP's forward."""
     merak.init(dp=1, tp=1, pp=2)
     with merak.init_empty_weights():
         model = build("llama")
@@ -88,17 +89,16 @@ def fp16_overflow() -> None:
                                  callbacks=[snapshots])
     snapshots.trainer = trainer
     trainer.train()
-    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
-    scales = [logs[s]["loss_scale"] for s in sorted(logs)]
-    assert scales == [2.0 ** START_POWER] * (POISONED_STEP - 1) + \
-        [2.0 ** (START_POWER - 1)] * (6 - POISONED_STEP), scales
-    assert logs[5]["skipped_steps"] == 1
-    before, after = snapshots.after_step[POISONED_STEP - 1], snapshots.after_step[POISONED_STEP]
-    assert all(torch.equal(before[n], after[n]) for n in before), "the overflow step updated"
-    changed = snapshots.after_step[POISONED_STEP + 1]
-    assert any(not torch.equal(after[n], changed[n]) for n in after), "training stopped"
-    for step in (1, 2, 4, 5):
-        assert math.isfinite(logs[step]["loss"]), logs[step]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    after = snapshots.after_step
+
+    def changed(step: int) -> bool:  # did step `step` change any parameter
+        return any(not torch.equal(after[step - 1][n], after[step][n]) for n in after[step])
+
+    return {"steps": [h["step"] for h in logs], "loss_scale": [h["loss_scale"] for h in logs],
+            "skipped_steps": [h["skipped_steps"] for h in logs],
+            "loss": [h["loss"] for h in logs],
+            "changed": {step: changed(step) for step in range(2, 6)}}
 
 
 def pp2_run(name: str) -> None:
@@ -172,14 +172,16 @@ def _short_run(name: str, eval_dataset=None, **fields):
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def torch_compile_pp2() -> None:
+def torch_compile_pp2() -> dict:
+    """The eager run's losses and, compiled with and without recomputation, each run's losses,
+    whether it recomputes, which blocks hold a compiled forward and the state_dict keys."""
     from torch._dynamo.utils import counters
 
     from merak.stages.stage import block_names
 
     merak.init(dp=1, tp=1, pp=2)
     eager, expected = _short_run("compile-eager", learning_rate=1e-3)
-    keys = list(eager.stage.state_dict())
+    figures = {"eager_losses": expected, "eager_keys": list(eager.stage.state_dict())}
     for recompute in (False, True):
         frames, start = counters["frames"]["ok"], time.perf_counter()
         trainer, losses = _short_run(f"compile-{recompute}", learning_rate=1e-3,
@@ -188,15 +190,15 @@ def torch_compile_pp2() -> None:
         print(f"rank {dist.get_rank()}: torch_compile ({COMPILE_BACKEND}, recompute={recompute})"
               f" run {time.perf_counter() - start:.1f} s, "
               f"{counters['frames']['ok'] - frames} frames compiled", flush=True)
-        assert trainer.args.torch_compile
         stage, engine = trainer.stage, trainer.engine.interpreter
-        assert bool(engine.segments[stage.stage_id]) == recompute, engine.segments
+        recomputes = bool(engine.segments[stage.stage_id])
         engine.remove_recomputation()  # the compiled forward comes back
-        for name in block_names(stage.split, stage.stage_id):
-            assert "forward" in vars(stage.get_submodule(name)), f"{name} is not compiled"
-        assert list(stage.state_dict()) == keys, "compiling changed the state_dict keys"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5,
-                                   atol=0.0)
+        blocks = block_names(stage.split, stage.stage_id)
+        figures[f"recompute={recompute}"] = {
+            "torch_compile": trainer.args.torch_compile, "recomputes": recomputes,
+            "blocks": len(blocks), "losses": losses, "keys": list(stage.state_dict()),
+            "compiled": [n for n in blocks if "forward" in vars(stage.get_submodule(n))]}
+    return figures
 
 
 NEFTUNE_ALPHA, NEFTUNE_LR = 5.0, 1e-2
@@ -245,7 +247,9 @@ def _neftune_reference(noise: bool, eval_rows: list) -> tuple[list[float], float
     return losses, eval_loss
 
 
-def neftune_pp2() -> None:
+def neftune_pp2() -> dict:
+    """The run's losses and eval loss; a single-process model's with the same noise, and
+    without."""
     merak.init(dp=1, tp=1, pp=2)
     eval_rows = eval_set()[:4 * MICRO_BATCH]
     trainer, losses = _short_run("neftune", eval_dataset=eval_rows,
@@ -254,11 +258,8 @@ def neftune_pp2() -> None:
     eval_loss = trainer.evaluate()["eval_loss"]
     expected, expected_eval = _neftune_reference(True, eval_rows)
     clean, _ = _neftune_reference(False, eval_rows)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4,
-                               atol=1e-5)
-    assert all(abs(a - b) > 1e-3 for a, b in zip(losses, clean)), (losses, clean)
-    torch.testing.assert_close(torch.tensor(eval_loss), torch.tensor(expected_eval),
-                               rtol=1e-4, atol=1e-5)
+    return {"losses": losses, "eval_loss": eval_loss, "noised_reference": expected,
+            "noised_reference_eval": expected_eval, "clean_reference": clean}
 
 
 class _EmbeddingOutputs(TrainerCallback):
@@ -276,7 +277,9 @@ class _EmbeddingOutputs(TrainerCallback):
         self.embedding.register_forward_hook(keep)
 
 
-def neftune_tp2() -> None:
+def neftune_tp2() -> dict:
+    """At tp2: how many noised embedding outputs were kept, whether both TP ranks' were equal,
+    and the replicated parameters that differ between the TP ranks after training."""
     merak.init(dp=1, tp=2, pp=1)
     with merak.init_empty_weights():
         model = build("llama")
@@ -287,18 +290,21 @@ def neftune_tp2() -> None:
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                                  callbacks=[kept])
     trainer.train()
-    assert len(kept.outputs) == SHORT["max_steps"] * SHORT["gradient_accumulation_steps"]
     mine = torch.stack(kept.outputs)
     theirs = [torch.empty_like(mine) for _ in range(2)]
     dist.all_gather(theirs, mine)
-    assert torch.equal(theirs[0], theirs[1]), "the TP ranks added different noise"
     replicated = [(n, p.detach()) for n, p in trainer.stage.named_parameters()
                   if getattr(p, "tp_shard", None) is None]
-    assert replicated
+    differ = []
     for name, param in replicated:
         both = [torch.empty_like(param) for _ in range(2)]
         dist.all_gather(both, param.contiguous())
-        assert torch.equal(both[0], both[1]), f"{name} differs between the TP ranks"
+        if not torch.equal(both[0], both[1]):
+            differ.append(name)
+    return {"kept": len(kept.outputs),
+            "expected_kept": SHORT["max_steps"] * SHORT["gradient_accumulation_steps"],
+            "same_noise": torch.equal(theirs[0], theirs[1]), "replicated": len(replicated),
+            "replicated_differ": differ}
 
 
 if __name__ == "__main__":

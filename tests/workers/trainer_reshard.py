@@ -1,8 +1,8 @@
 """Resume a dp2 x tp2 x pp2 ZeRO-3 checkpoint with 2 chunks per rank (trainer_parity's
 RESHARD_SOURCE run) on 4 ranks as dp1 x tp1 x pp4 and dp4 x tp1 x pp1 under ZeRO-2: the next step's
-loss must be the one the original run logged; `merak export` of the same checkpoint loads with
-`from_pretrained` and gives that loss too (see test_trainer). The same launch makes trainer_parity's
-dp2 x pp2 runs.
+loss against the one the original run logged; `merak export` of the same checkpoint loaded with
+`from_pretrained`, its loss against that one too (test_trainer compares them). The same launch
+makes trainer_parity's dp2 x pp2 runs.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import transformers as tf
-from common import assert_close, run_scenarios
+from common import Compared, run_scenarios
 from trainer_common import (
     COMMON,
     DP,
@@ -38,7 +37,7 @@ def expected_next_loss() -> float:
         RESHARD_SAVE_STEP]  # step RESHARD_SAVE_STEP + 1's
 
 
-def resume(dp: int, pp: int, **fields) -> None:
+def resume(dp: int, pp: int, **fields) -> dict:
     ctx = merak.init(dp=dp, tp=1, pp=pp)
     with merak.init_empty_weights():
         model = build_deep_llama()
@@ -50,30 +49,33 @@ def resume(dp: int, pp: int, **fields) -> None:
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=fine_tuning_set())
     trainer.train(resume_from_checkpoint=str(CHECKPOINT))
     logs = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-    assert_close(torch.tensor(logs[RESHARD_SAVE_STEP + 1]), torch.tensor(expected_next_loss()),
-                 f"step {RESHARD_SAVE_STEP + 1} loss after resharding to dp{dp} pp{pp}")
-    assert ctx.world_size == 4
+    compared = Compared()
+    compared.value(f"step {RESHARD_SAVE_STEP + 1} loss after resharding to dp{dp} pp{pp}",
+                   logs[RESHARD_SAVE_STEP + 1], expected_next_loss())
+    return compared.figures(layout=[ctx.dp, ctx.tp, ctx.pp])
 
 
-def export_and_load() -> None:
+def export_and_load() -> dict:
     ctx = merak.init(dp=1, tp=1, pp=4)
-    if ctx.rank == 0:
+    compared = Compared()
+    if ctx.rank == 0:  # (the others have nothing to compare)
         out = export_checkpoint(CHECKPOINT, OUT / "exported")
         model = tf.AutoModelForCausalLM.from_pretrained(out)
         start = RESHARD_SAVE_STEP * GLOBAL_BATCH
         batch = tf.default_data_collator(fine_tuning_set()[start:start + GLOBAL_BATCH])
-        loss = model(**batch).loss
-        assert_close(loss.detach(), torch.tensor(expected_next_loss()), "exported model's loss")
+        compared.value("exported model's loss", model(**batch).loss.item(),
+                       expected_next_loss())
+    return compared.figures()
 
 
-def from_pretrained() -> None:
+def from_pretrained() -> dict:
     """A model loaded with from_pretrained inside init_empty_weights holds no memory; each rank
     loads its own shard when the trainer builds it: step 1's loss is the full model's."""
     ctx = merak.init(dp=1, tp=2, pp=2)
     path = os.environ["MERAK_PRETRAINED"]
     with merak.init_empty_weights():
         model = tf.AutoModelForCausalLM.from_pretrained(path)
-    assert all(p.is_meta for p in model.parameters())
+    all_meta = all(p.is_meta for p in model.parameters())
     args = merak.MerakArguments(output_dir=str(OUT / "pretrained"),
                                 per_device_train_batch_size=MICRO_BATCH, parallel_vocab=True,
                                 **{**COMMON, "max_steps": 1})
@@ -82,8 +84,9 @@ def from_pretrained() -> None:
     first = trainer.state.log_history[0]["loss"]
     full = tf.AutoModelForCausalLM.from_pretrained(path)
     batch = tf.default_data_collator(train_set()[:GLOBAL_BATCH // DP])
-    assert_close(torch.tensor(first), full(**batch).loss.detach(), "step 1 loss")
-    assert ctx.tp == 2
+    compared = Compared()
+    compared.value("step 1 loss", first, full(**batch).loss.item())
+    return compared.figures(loaded_on_meta=all_meta, layout=[ctx.dp, ctx.tp, ctx.pp])
 
 
 def scenarios(world_size: int) -> dict:

@@ -1,11 +1,10 @@
 """Kill-and-resume with MerakTrainer (GPT-2 with dropout; dp=1 x tp=2 x pp=2, and dp=2 x pp=2
 with ZeRO-3 in fp16): a run that saves at step 3 and crashes while writing its step-6 checkpoint
-resumes from step 3 and logs the same losses at steps 4-6 as an uninterrupted run (see
-test_trainer)."""
+resumes from step 3; the losses of both and of an uninterrupted run go to test_trainer, which
+asserts steps 4-6 are the same."""
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from pathlib import Path
@@ -47,17 +46,19 @@ def losses(t: merak.MerakTrainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
 
 
-def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
+def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> dict:
+    """An uninterrupted run's losses; a run killed while writing its step-6 checkpoint (the
+    checkpoint names it left, whether the crash happened); the resumed run's losses and
+    warnings; a `finetune` run's logged steps (not with ZeRO fields)."""
     merak.init(dp=dp, tp=tp, pp=2)
     # one directory all ranks write into
     shared = Path(os.environ["MERAK_RESUME_DIR"]) / f"dp{dp}-tp{tp}"
     out = str(shared / "run")
     plain = trainer(str(shared / "plain"), save_strategy="no", **fields)
     plain.train()
-    uninterrupted = losses(plain)
-    assert all(math.isfinite(v) for v in uninterrupted.values()), uninterrupted
-    if plain.engine.scaler is not None:  # fp16: the optimizer stepped (not every step overflowed)
-        assert plain.engine.scaler.skipped_steps < STEPS - 1, plain.engine.scaler.skipped_steps
+    figures = {"uninterrupted": losses(plain),
+               "skipped_steps": plain.engine.scaler.skipped_steps
+               if plain.engine.scaler is not None else None}
     crashing = trainer(out, save_steps=SAVE, save_total_limit=1, **fields)
     real_save = torch.save
 
@@ -67,29 +68,24 @@ def kill_and_resume(dp: int = 1, tp: int = 2, **fields) -> None:
             raise SimulatedCrash(f"killed while saving step {STEPS}")
         real_save(obj, path, *a, **k)
 
+    figures["crashed"] = False
     with mock.patch("torch.save", crash_on_second_save):
         try:
             crashing.train()
-            raise AssertionError("the simulated crash did not happen")
         except SimulatedCrash:
-            pass
-    names = sorted(p.name for p in Path(out).iterdir())
-    assert names == [f"checkpoint-{SAVE}", f"checkpoint-{STEPS}.partial"], names
+            figures["crashed"] = True
+    figures["left"] = sorted(p.name for p in Path(out).iterdir())
     resumed = trainer(out, save_strategy="no", **fields)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed.train(resume_from_checkpoint=True)
-    assert any("half-written checkpoint" in str(w.message) for w in caught), \
-        [str(w.message) for w in caught]
-    after = losses(resumed)
-    assert sorted(after) == list(range(1, STEPS + 1)), sorted(after)  # history kept
-    for step in range(SAVE + 1, STEPS + 1):
-        assert after[step] == uninterrupted[step], (step, after[step], uninterrupted[step])
-    if fields:
-        return  # (finetune is not ZeRO's business)
-    finetuned = trainer(out, save_strategy="no", finetune=True, max_steps=1)
-    finetuned.train(resume_from_checkpoint=str(Path(out) / f"checkpoint-{SAVE}"))
-    assert list(losses(finetuned)) == [1], "finetune must start a fresh run"
+    figures["warnings"] = [str(w.message) for w in caught]
+    figures["resumed"] = losses(resumed)
+    if not fields:  # (finetune is not ZeRO's business)
+        finetuned = trainer(out, save_strategy="no", finetune=True, max_steps=1)
+        finetuned.train(resume_from_checkpoint=str(Path(out) / f"checkpoint-{SAVE}"))
+        figures["finetuned_steps"] = list(losses(finetuned))
+    return figures
 
 
 def scenarios(world_size: int) -> dict:
