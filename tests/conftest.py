@@ -52,3 +52,17 @@ def launches(request, worker_pool):
     worker (backend None: the suite's)."""
     worker = request.module.WORKER
     return lambda world_size, backend=None: worker_pool.get(worker, world_size, backend)
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """MerakTrainer's one 2-rank launch (dp1 x tp1 x pp2; tp2 for neftune): trainer_fp16.py's
+    scenarios, for test_trainer and test_trainer_fields. Returns (out dir, results, output)."""
+    from dist_harness import launch
+
+    out = tmp_path_factory.mktemp("two-ranks")
+    os.environ["MERAK_TRAINER_OUT"] = str(out)
+    try:
+        return (out, *launch("trainer_fp16.py", 2, out / "ranks"))
+    finally:
+        del os.environ["MERAK_TRAINER_OUT"]

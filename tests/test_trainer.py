@@ -237,17 +237,6 @@ def reshards(runs, four_ranks):
     return results["trainer_reshard.py"], output
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """The one 2-rank launch (dp1 x tp1 x pp2; tp2 for neftune): trainer_fp16.py's scenarios."""
-    out = tmp_path_factory.mktemp("two-ranks")
-    os.environ["MERAK_TRAINER_OUT"] = str(out)
-    try:
-        return (out, *launch("trainer_fp16.py", 2, out / "ranks"))
-    finally:
-        del os.environ["MERAK_TRAINER_OUT"]
-
-
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(two_ranks):
     """An inf in step 3's forward: every rank skips that step (parameters unchanged) and
     halves the scale (2**8 -> 2**7); the next step trains, with finite losses."""
@@ -258,30 +247,6 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(two_ranks):
         assert ours["skipped_steps"][-1] == 1, where
         assert ours["changed"] == {"2": True, "3": False, "4": True, "5": True}, where
         assert all(math.isfinite(ours["loss"][i]) for i in (0, 1, 3, 4)), where
-
-
-def test_lora_config_trains_like_peft_exports_and_generates(two_ranks):
-    check(*two_ranks[1:], "lora-trainer")
-
-
-def test_push_to_hub_uploads_the_gathered_model_and_checkpoints(two_ranks):
-    check(*two_ranks[1:], "push-to-hub")
-
-
-def test_ignore_data_skip_restarts_the_resumed_epoch(two_ranks):
-    check(*two_ranks[1:], "ignore-data-skip")
-
-
-def test_dataloader_workers_collate_the_same_batches(two_ranks):
-    check(*two_ranks[1:], "dataloader-workers")
-
-
-def test_compute_metrics_per_step_with_inputs_and_losses(two_ranks):
-    check(*two_ranks[1:], "eval-metrics-inputs")
-
-
-def test_auto_find_batch_size_halves_until_every_rank_fits(two_ranks):
-    check(*two_ranks[1:], "auto-find-batch-size")
 
 
 def test_torch_compile_compiles_the_blocks_with_eager_losses(two_ranks):
