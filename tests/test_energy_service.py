@@ -5,11 +5,12 @@ malformed plans refused before the first step), and `merak energy report`."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
-from dist_harness import check, launch
+from dist_harness import assert_like_reference, launch, scenario_result
 
 from merak.energy.profiling.gpu import SyntheticGPUModel
 from merak.energy.reporting.report import report, summarize
@@ -110,12 +111,72 @@ def trainer_runs(tmp_path_factory):
     return out, *launch("trainer_energy.py", 2, out)
 
 
-@pytest.mark.parametrize("scenario", ["profile-then-plan-from-a-file", "plan-from-a-server",
-                                      "malformed-plans-stop-before-training",
-                                      "every-instruction-kind"])
-def test_trainer_energy_modes(trainer_runs, scenario):
+def _seen(trainer_runs, scenario: str) -> list[dict]:
     _, results, output = trainer_runs
-    check(results, output, scenario)
+    figures = scenario_result(results, output, scenario)
+    assert len(figures) == 2 and all(figures), figures
+    return figures
+
+
+def test_trainer_profiles_plans_and_trains_with_the_plan_from_a_file(trainer_runs):
+    """profile -> `merak energy plan` -> train with the plan: every step ran every instruction
+    at its planned clock (the all-max run at the highest), the plan lowers some clocks, and
+    clocks never change the numbers (the losses of the run without them)."""
+    figures = _seen(trainer_runs, "profile-then-plan-from-a-file")
+    first = figures[0]
+    assert first["profile_stages"] == [0, 1], first
+    assert first["profile_instructions"] == ["backward", "forward", "p2p"], first
+    assert first["plan_returncode"] == 0 and first["plan_written"], first["plan_stderr"]
+    for rank, ours in enumerate(figures):
+        where = f"rank {rank}: {ours}"
+        assert ours["all_max_logs_energy"] and ours["profiled_clocks"] >= 3, where
+        assert ours["steps_in_file"] == [1, 2, 3, 4, 5, 6], where
+        assert ours["ran_as_planned"] and ours["all_max_clocks"] == [1410], where
+        assert min(ours["plan_clocks"]) < 1410, where
+    assert assert_like_reference(figures, rtol=1e-6, atol=0.0, grad_atol_of_max=0.0) == 24
+
+
+def test_trainer_takes_its_plan_from_a_server(trainer_runs):
+    """`pfo_server_url`: both ranks register, report 3 windows of 2 steps' energies, and train
+    to the losses of the run without clocks."""
+    figures = _seen(trainer_runs, "plan-from-a-server")
+    first = figures[0]
+    assert first["jobs"] == 1 and first["job_ranks"] == [0, 1], first
+    assert first["result_ranks"] == [0, 0, 0, 1, 1, 1], first
+    assert first["energies_per_result"] == [2] * 6, first
+    assert assert_like_reference(figures, rtol=1e-6, atol=0.0, grad_atol_of_max=0.0) == 6
+
+
+@pytest.mark.parametrize("plan,message", [
+    ("ranks", r"meta.stages must be a pipeline degree dividing its 1 ranks"),  # when read
+    ("ranks-no-meta", r"schedules for ranks \[0\], this job has 2 ranks"),  # against the job
+    ("order", r"instruction order differs from the schedule at position 0"),
+    ("clock", r"clocks \[1400\] MHz are not supported"),
+    ("served-order", r"instruction order differs")])
+def test_malformed_plans_stop_before_training(trainer_runs, plan, message):
+    for rank, ours in enumerate(_seen(trainer_runs, "malformed-plans-stop-before-training")):
+        run = ours[plan]
+        assert run["error"] and re.search(message, run["error"]), f"rank {rank}: {run}"
+        assert run["steps"] == 0 and not run["steps_file"], f"rank {rank}: {run}"
+
+
+def test_the_plan_follows_every_instruction_kind(trainer_runs):
+    """Zero-bubble with recomputation: the trainer prints the plan command with its schedule;
+    the profile and the plan hold recompute, backward_input and backward_weight; each step
+    consumed the whole plan in the interpreter's order."""
+    figures = _seen(trainer_runs, "every-instruction-kind")
+    first = figures[0]
+    assert first["profile_instructions"] == ["backward_input", "backward_weight", "forward",
+                                             "p2p", "recompute"], first
+    assert first["plan_returncode"] == 0, first["plan_stderr"]
+    for rank, ours in enumerate(figures):
+        command, expected = ours["command"], ours["schedule_actions"]
+        assert command == ["merak", "energy", "plan", ours["profile"], "--schedule",
+                           "zero_bubble", "--stages", "2", "--microbatches", "2",
+                           "--recompute"], f"rank {rank}: {command}"
+        assert ours["planned_actions"] == expected, f"rank {rank}: {ours}"
+        assert ours["consumed"] == [len(expected)] * 6, f"rank {rank}: {ours}"
+        assert {"recompute", "backward_input", "backward_weight"} <= set(expected), expected
 
 
 def test_energy_gpu_choices_are_checked():
