@@ -45,11 +45,11 @@ SCHEDULE_NAMES = os.environ.get(
     "1f1b,zero_bubble,interleaved_1f1b,shifted_critical_path").split(",")
 CHUNKS = 2  # model chunks per rank for interleaved_1f1b
 MODEL = SyntheticGPUModel(clock_step=90, forward_s=FORWARD_S)  # 6 clocks, 1410..960 MHz
-# Measured time and energy against the prediction are not asserted here: a simulated GPU's time
-# is the wall clock and its idle energy follows it, which a loaded machine stretches beyond the
-# profile (24% on time and 15% on energy seen under load, 1-5% on an idle machine);
+# Measured time and energy against the prediction are not asserted by the test: a simulated
+# GPU's time is the wall clock and its idle energy follows it, which a loaded machine stretches
+# beyond the profile (24% on time and 15% on energy seen under load, 1-5% on an idle machine);
 # bench/energy_e2e.py checks them. The plan against all max clocks, measured in the same steps
-# taken in turns, is asserted.
+# taken in turns, is.
 REPORT: dict[str, dict] = {}
 
 
@@ -73,7 +73,10 @@ def _steps():
         step += 1
 
 
-def _scenario(name: str) -> None:
+def _scenario(name: str) -> dict:
+    """Profile -> plan on rank 0 -> measure the plan and all max clocks in turns: the profiled
+    and the scheduled instruction kinds, the plan's order against the program's, each run's
+    consumed instructions per step, and the measured report."""
     # NCCL's timing, as the planner's DAG and the simulator model it: a rank's host goes on past
     # a group that only sends (so does the suite's NCCL-contract backend: its stream completes
     # the send while the host computes)
@@ -85,24 +88,19 @@ def _scenario(name: str) -> None:
     turns = profile_plan_measure(engine, gpu, ctx, lambda: engine.train_step(next(data)),
                                  rounds=ROUNDS, unit_time=UNIT_S,
                                  profile_path=out_dir() / f"profile-{name}.csv")
-    kinds = {r.instruction for r in turns.rows if r.pp_rank == ctx.pp_rank} - {"p2p"}
-    assert kinds == {a.name for a in schedule.compute_actions(ctx.pp_rank)}, kinds
     expected = expected_instructions(schedule, ctx.pp_rank)
-    assert [n for n, _ in turns.mine] == expected
-    # the hook follows the plan instruction by instruction (a wrong name raises) and checks
-    # that each step consumed it exactly; every step of both runs ran the whole program
-    for hook in turns.hooks.values():
-        assert hook.consumed == [len(expected)] * (ROUNDS + 1), (hook.consumed, len(expected))
     engine.remove_recomputation()
-
     report = REPORT[name] = {"schedule": name, **turns.report}
     if ctx.rank == 0:
         (out_dir() / "energy_report.json").write_text(json.dumps(REPORT, indent=1))
-    assert report["planned_saving"] >= 0.03, report
-    # the plan must save energy as measured (at least a quarter of the planned saving: a loaded
-    # machine's delays add idle energy to both runs) at about all-max speed
-    assert report["measured_saving"] >= report["planned_saving"] / 4, report
-    assert report["measured_plan"][0] <= report["measured_base"][0] * 1.15, report
+    return {"profiled_kinds": sorted({r.instruction for r in turns.rows
+                                      if r.pp_rank == ctx.pp_rank} - {"p2p"}),
+            "scheduled_kinds": sorted({a.name for a in schedule.compute_actions(ctx.pp_rank)}),
+            "plan_follows_the_program": [n for n, _ in turns.mine] == expected,
+            # the hook follows the plan instruction by instruction (a wrong name raises); each
+            # step of both runs consumed the whole program
+            "consumed": {str(key): hook.consumed for key, hook in turns.hooks.items()},
+            "instructions": len(expected), "steps": ROUNDS + 1, "report": report}
 
 
 def table(report: dict[str, dict]) -> str:
