@@ -22,6 +22,10 @@ high-precision weights and resumes with or without fp8.
 Without an fp8-capable GPU (CPU, or CUDA below compute capability 8.9) torchao emulates the fp8
 matmuls (``emulate=True``): the same casts and scales, the products in high precision.
 
+In a pipeline stage only the blocks are modules; what lies outside them (the embedding, the final
+norm, the LM head) the split's graph runs as traced ops, which stay in high precision: the LM
+head is listed as kept all the same.
+
 Tensor parallelism is refused (`check_layout`): a shard's own amax would give each rank a
 different scale from the full tensor's, and torchao's scale all-reduce works on DTensors, which
 Merak's TP layers are not.
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +43,7 @@ from torch import nn
 from merak.rules import NotSupportedYetError
 
 RECIPES = ("tensorwise", "rowwise")
-logger = logging.getLogger(__name__)
+HEAD = "the LM head (the logits' softmax needs more range than fp8)"
 
 
 def check_recipe(recipe: str | None, owner: str = "fp8") -> None:
@@ -89,7 +92,7 @@ def kept_reason(name: str, module: nn.Linear, exclude: tuple[str, ...] = (),
     if found:
         return f"fp8_exclude {found[0]!r}"
     if parts[-1] == "lm_head" or id(module.weight) in embedding_weights:
-        return "the LM head (the logits' softmax needs more range than fp8)"
+        return HEAD
     if parts[-1] in ("gate", "router") or "router" in parts[-1]:
         return "an MoE router (its top-k choice would flip under fp8 rounding)"
     if module.in_features % 16 or module.out_features % 16:
@@ -131,6 +134,9 @@ def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
                                   if isinstance(m, nn.Embedding))
     seen: set[int] = set()
     for name, linear in module.named_modules():
+        if _traced_head(name, linear):
+            report.kept[name] = f"{HEAD} (a traced op of the stage's graph)"
+            continue
         if not isinstance(linear, nn.Linear) or isinstance(linear, Float8Linear) \
                 or id(linear) in seen:
             continue
@@ -145,6 +151,13 @@ def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
         _to_float8_(linear, config, Float8Linear)
         report.converted.append(name)
     return report
+
+
+def _traced_head(name: str, module: nn.Module) -> bool:
+    """The LM head of a pipeline stage: outside the blocks, the split's graph runs it as a traced
+    linear op on a plain holder of its weight, which no conversion reaches."""
+    return type(module) is nn.Module and name.split(".")[-1] == "lm_head" \
+        and "weight" in module._parameters
 
 
 def _is_tensor_parallel(module: nn.Module) -> bool:
@@ -164,7 +177,8 @@ def _to_float8_(linear: nn.Linear, config, float8_class: type) -> None:
 
 def apply_fp8(stage: nn.Module, precision, ctx) -> Float8Report | None:
     """`build_engine`'s step: convert `stage` per `precision` (`PrecisionOptions`: ``fp8``,
-    ``fp8_exclude``) and log what stayed in high precision on each stage's first rank."""
+    ``fp8_exclude``) and print what stayed in high precision, on the first rank of each
+    pipeline stage (rank 0 for the first stage: each stage knows only its own layers)."""
     if precision.fp8 is None:
         return None
     check_layout(precision.fp8, ctx)
@@ -173,6 +187,5 @@ def apply_fp8(stage: nn.Module, precision, ctx) -> Float8Report | None:
     first = all(getattr(ctx, f"{axis}_rank", 0) == 0 for axis in ("dp", "tp", "cp"))
     if first:
         where = f"stage {getattr(ctx, 'pp_rank', 0)}: "
-        for line in report.lines():
-            logger.info(where + line)
+        print("\n".join(where + line for line in report.lines()), flush=True)
     return report

@@ -8,6 +8,7 @@ its own, accumulating gradients, as the pipeline does). The scenarios return the
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 import transformers as tf
@@ -40,7 +41,7 @@ def cut(batch: dict, parts: int) -> list[dict]:
     return [{k: v.chunk(parts)[i] for k, v in batch.items()} for i in range(parts)]
 
 
-def reference(recipe: str, steps: list[list[dict]]):
+def reference(recipe: str, steps: list[list[dict]], autocast: torch.dtype | None = None):
     """The single-process fp8 model trained with SGD, each step over its micro-batches one at a
     time (loss / micro-batches, gradients accumulated): the steps' mean losses, gradients and
     the final parameters."""
@@ -53,7 +54,8 @@ def reference(recipe: str, steps: list[list[dict]]):
     for microbatches in steps:
         total = 0.0
         for data in microbatches:
-            loss = model(**data).loss
+            with torch.autocast("cpu", autocast) if autocast is not None else nullcontext():
+                loss = model(**data).loss
             (loss / len(microbatches)).backward()
             total += loss.item() / len(microbatches)
         losses.append(total)
@@ -63,7 +65,8 @@ def reference(recipe: str, steps: list[list[dict]]):
     return losses, grads, {n: p.detach().clone() for n, p in params.items()}
 
 
-def trains_like_one_process(recipe: str, dp: int, pp: int) -> dict:
+def trains_like_one_process(recipe: str, dp: int, pp: int,
+                            autocast: torch.dtype | None = None) -> dict:
     ctx = merak.init(dp=dp, tp=1, pp=pp)
     global_rows = ROWS * MICROBATCHES * dp
     batches = [rows(step, global_rows) for step in range(STEPS)]
@@ -78,7 +81,7 @@ def trains_like_one_process(recipe: str, dp: int, pp: int) -> dict:
         return snapshots
 
     options = EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICROBATCHES),
-                            precision=PrecisionOptions(fp8=recipe))
+                            precision=PrecisionOptions(fp8=recipe, autocast_dtype=autocast))
     engine = build_engine(model, cut(mine[0], MICROBATCHES)[0], ctx, options,
                           make_optimizer=lambda s: torch.optim.SGD(s.parameters(), lr=LR),
                           stage_hooks=snapshot)
@@ -86,11 +89,12 @@ def trains_like_one_process(recipe: str, dp: int, pp: int) -> dict:
     assert all(type(m).__name__ == "Float8Linear" for n, m in engine.stage.named_modules()
                if n in engine.fp8.converted)
     assert all(not n.endswith("lm_head") for n in engine.fp8.converted), engine.fp8.converted
+    assert ("lm_head" in engine.fp8.kept) == ctx.is_last_pp_rank, engine.fp8.kept
     losses = [engine.interpreter.train_step(b) for b in mine]
     # the reference's micro-batches: each dp rank's, in turn (the dp all-reduce averages them)
     steps = [[mb for r in range(dp) for mb in cut(cut(b, dp)[r], MICROBATCHES)]
              for b in batches]
-    ref_losses, ref_grads, ref_final = reference(recipe, steps)
+    ref_losses, ref_grads, ref_final = reference(recipe, steps, autocast)
     return trained_like(losses, snapshots[0], engine.stage, ref_losses, ref_grads, ref_final)
 
 
@@ -99,11 +103,19 @@ def scenario_names(world_size: int) -> list[str]:
 
 
 def scenarios(world_size: int) -> dict:
-    assert world_size == 2, f"fp8_parity runs on 2 ranks, not {world_size}"
+    """At 2 ranks (dp1 pp2) and (dp2 pp1) with each recipe, and pp2 under bf16 autocast; at 4
+    ranks (dp2 pp2). tp > 1 is refused with fp8 (merak.engine.fp8)."""
+    assert world_size in (2, 4), f"fp8_parity runs on 2 or 4 ranks, not {world_size}"
     table = {}
+    if world_size == 4:
+        for recipe in RECIPES:
+            table[f"llama-dp2-pp2-{recipe}"] = lambda r=recipe: trains_like_one_process(r, 2, 2)
+        return table
     for recipe in RECIPES:
         table[f"llama-pp2-{recipe}"] = lambda r=recipe: trains_like_one_process(r, 1, 2)
         table[f"llama-dp2-{recipe}"] = lambda r=recipe: trains_like_one_process(r, 2, 1)
+    table["llama-pp2-tensorwise-bf16"] = lambda: trains_like_one_process(
+        "tensorwise", 1, 2, torch.bfloat16)
     return table
 
 
