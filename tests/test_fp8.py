@@ -196,3 +196,38 @@ def test_a_tied_llama_keeps_its_head():
     model = tf.AutoModelForCausalLM.from_config(config)
     report = convert_(model, "tensorwise", emulate=True)
     assert "lm_head" in report.kept and type(model.lm_head) is nn.Linear
+
+
+def test_a_trainer_checkpoint_saved_in_fp8_resumes_without_it(tmp_path):
+    """MerakTrainer (one process) trains 2 steps in fp8 and saves; a trainer without fp8 resumes
+    from that checkpoint: its step-3 loss is the plain model's on the saved weights."""
+    from torchao.float8.float8_linear import Float8Linear
+    from trainer_common import train_set
+    from transformers import default_data_collator
+
+    import merak
+
+    merak.init(dp=1, tp=1, pp=1)
+
+    def trainer(fp8: str | None, steps: int) -> merak.MerakTrainer:
+        torch.manual_seed(0)
+        with merak.init_empty_weights():
+            model = make_llama()
+        args = MerakArguments(output_dir=str(tmp_path), max_steps=steps, save_steps=2,
+                              save_strategy="steps", per_device_train_batch_size=4,
+                              learning_rate=1e-2, report_to="none", disable_tqdm=True,
+                              use_cpu=True, train_sampling_strategy="sequential", fp8=fp8)
+        return merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+
+    first = trainer("tensorwise", 2)
+    first.train()
+    assert sum(isinstance(m, Float8Linear) for m in first.stage.modules()) == 14
+    saved = {n: p.detach().clone() for n, p in first.stage.named_parameters()}
+    resumed = trainer(None, 3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert not any(isinstance(m, Float8Linear) for m in resumed.stage.modules())
+    plain = make_llama()
+    plain.load_state_dict(saved)  # the fp8 stage's parameter names are the HF model's
+    rows = default_data_collator(train_set()[8:12])
+    logged = [e["loss"] for e in resumed.state.log_history if "loss" in e]
+    assert logged[-1] == pytest.approx(plain(**rows).loss.item(), rel=1e-5)
