@@ -66,7 +66,7 @@ def reference(recipe: str, steps: list[list[dict]], autocast: torch.dtype | None
 
 
 def trains_like_one_process(recipe: str, dp: int, pp: int,
-                            autocast: torch.dtype | None = None) -> dict:
+                            autocast: torch.dtype | None = None, recompute: float = 0.0) -> dict:
     ctx = merak.init(dp=dp, tp=1, pp=pp)
     global_rows = ROWS * MICROBATCHES * dp
     batches = [rows(step, global_rows) for step in range(STEPS)]
@@ -80,7 +80,8 @@ def trains_like_one_process(recipe: str, dp: int, pp: int,
         snapshots.append(GradSnapshot(stage))
         return snapshots
 
-    options = EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICROBATCHES),
+    options = EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICROBATCHES,
+                                                    recompute_ratio=recompute),
                             precision=PrecisionOptions(fp8=recipe, autocast_dtype=autocast))
     engine = build_engine(model, cut(mine[0], MICROBATCHES)[0], ctx, options,
                           make_optimizer=lambda s: torch.optim.SGD(s.parameters(), lr=LR),
@@ -90,6 +91,8 @@ def trains_like_one_process(recipe: str, dp: int, pp: int,
                if n in engine.fp8.converted)
     assert all(not n.endswith("lm_head") for n in engine.fp8.converted), engine.fp8.converted
     assert ("lm_head" in engine.fp8.kept) == ctx.is_last_pp_rank, engine.fp8.kept
+    if recompute:
+        assert any(engine.interpreter.segments), engine.interpreter.segments  # blocks recomputed
     losses = [engine.interpreter.train_step(b) for b in mine]
     # the reference's micro-batches: each dp rank's, in turn (the dp all-reduce averages them)
     steps = [[mb for r in range(dp) for mb in cut(cut(b, dp)[r], MICROBATCHES)]
@@ -103,7 +106,8 @@ def scenario_names(world_size: int) -> list[str]:
 
 
 def scenarios(world_size: int) -> dict:
-    """At 2 ranks (dp1 pp2) and (dp2 pp1) with each recipe, and pp2 under bf16 autocast; at 4
+    """At 2 ranks (dp1 pp2) and (dp2 pp1) with each recipe, and pp2 under bf16 autocast and
+    with recomputation; at 4
     ranks (dp2 pp2). tp > 1 is refused with fp8 (merak.engine.fp8)."""
     assert world_size in (2, 4), f"fp8_parity runs on 2 or 4 ranks, not {world_size}"
     table = {}
@@ -116,6 +120,8 @@ def scenarios(world_size: int) -> dict:
         table[f"llama-dp2-{recipe}"] = lambda r=recipe: trains_like_one_process(r, 2, 1)
     table["llama-pp2-tensorwise-bf16"] = lambda: trains_like_one_process(
         "tensorwise", 1, 2, torch.bfloat16)
+    table["llama-pp2-rowwise-recompute"] = lambda: trains_like_one_process(
+        "rowwise", 1, 2, recompute=1.0)  # every block's forward run again before its backward
     return table
 
 
