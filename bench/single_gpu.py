@@ -3,6 +3,7 @@ sequence length, in bf16: tokens/s, MFU and peak memory, Merak's as ratios to HF
 
     torchrun --nproc_per_node 1 bench/single_gpu.py            # a Llama of about 1.1 B
     torchrun --nproc_per_node 1 bench/single_gpu.py --tiny      # a smoke run (CPU too)
+    torchrun --nproc_per_node 1 bench/single_gpu.py --fp8 tensorwise  # and MerakTrainer in fp8
 
 Target: Merak >= 1.0x HF Trainer's tokens/s and MFU >= 45% on an H100/H200.
 Both trainers run the same steps on the same random token windows, one after the other in this
@@ -52,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile N steps after the warm-up with torch.profiler and print "
                              "each trainer's busiest kernels and the device's busy time a step")
+    parser.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
+                        help="also run MerakTrainer with fp8=this (torchao's float8 linears; "
+                             "emulated without an fp8 GPU): 'merak-fp8'")
     parser.add_argument("--out", default=str(RESULTS / "single_gpu.json"))
     return parser.parse_args()
 
@@ -130,8 +134,9 @@ def run(name: str, cli, config: LlamaConfig, device: torch.device) -> dict:
     else:
         with merak.init_empty_weights():
             model = AutoModelForCausalLM.from_config(config)
-        trainer = MerakTrainer(model=model, args=MerakArguments(**common), train_dataset=data,
-                               callbacks=[clock])
+        fp8 = cli.fp8 if name == "merak-fp8" else None
+        trainer = MerakTrainer(model=model, args=MerakArguments(**common, fp8=fp8),
+                               train_dataset=data, callbacks=[clock])
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -141,12 +146,13 @@ def run(name: str, cli, config: LlamaConfig, device: torch.device) -> dict:
     step_s = sorted(clock.times)[len(clock.times) // 2] if clock.times else float("nan")
     tokens = cli.batch * cli.accumulation * cli.seq_len
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     del trainer, model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"step_s": step_s, "tokens_per_s": tokens / step_s, "peak_bytes": peak,
-            "params": params}
+            "params": params, "losses": losses}
 
 
 def main() -> None:
@@ -157,21 +163,26 @@ def main() -> None:
     if peak_tflops is None and device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    results = {name: run(name, cli, config, device) for name in ("hf", "merak")}
+    names = ("hf", "merak", *(("merak-fp8",) if cli.fp8 else ()))
+    results = {name: run(name, cli, config, device) for name in names}
     matmul_params = results["hf"]["params"] - config.vocab_size * config.hidden_size  # not the
     per_token = 6 * matmul_params + 12 * config.num_hidden_layers \
         * config.hidden_size * cli.seq_len  # input embedding: a lookup, no FLOPs
     print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: Llama "
           f"{results['hf']['params'] / 1e9:.2f} B, seq {cli.seq_len}, "
           f"{cli.batch} x {cli.accumulation} rows per step")
-    print(f"{'':8}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}")
+    print(f"{'':10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}{'last loss':>11}")
     for name, r in results.items():
         r["mfu"] = per_token * r["tokens_per_s"] / (peak_tflops * 1e12) if peak_tflops else None
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "n/a"
-        print(f"{name:8}{r['tokens_per_s']:12.0f}{mfu:>8}{peak:>10}")
+        last = f"{r['losses'][-1]:.4f}" if r["losses"] else "n/a"
+        print(f"{name:10}{r['tokens_per_s']:12.0f}{mfu:>8}{peak:>10}{last:>11}")
     ratio = results["merak"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     print(f"merak / HF tokens/s: {ratio:.3f} (target >= 1.0)")
+    if cli.fp8:
+        fp8_ratio = results["merak-fp8"]["tokens_per_s"] / results["merak"]["tokens_per_s"]
+        print(f"merak fp8 ({cli.fp8}) / merak tokens/s: {fp8_ratio:.3f}")
     if results["merak"]["mfu"] is not None:
         print(f"merak MFU: {results['merak']['mfu']:.1%} (target >= 45%)")
     if results["hf"]["peak_bytes"]:

@@ -37,21 +37,26 @@ class Choices:
     cp: int = 1                        # context parallelism (merak.init's cp)
     cp_mode: str = "ring"
     packing: bool = False              # packed / padding-free rows (TRL's packing, padding_free)
+    fp8: str | None = None             # torchao float8 linears' recipe (merak.engine.fp8)
+    fp16: bool = False
+    tp: int = 1                        # tensor parallelism (merak.init's tp)
 
     @classmethod
     def from_arguments(cls, args, *, lora: bool | None = None, cp: int | None = None
                        ) -> Choices:
         """The choices of `MerakArguments` `args` (read by field name); `lora`: whether the
         model carries adapters (default: whether `args.lora_config` asks for them); `cp`: the
-        context-parallel degree (default: the one of the last `merak.init`, else 1)."""
+        context-parallel degree (default: the one of the last `merak.init`, else 1); the
+        tensor-parallel degree: the last `merak.init`'s, else 1."""
         values = {f.name: getattr(args, f.name) for f in fields(cls)
-                  if f.name not in ("lora", "divides_gradients", "cp", "packing")
+                  if f.name not in ("lora", "divides_gradients", "cp", "packing", "tp")
                   and hasattr(args, f.name)}
         values["lora"] = args.lora_config is not None if lora is None else lora
+        context = default_context()
         if cp is None:
-            context = default_context()
             cp = context.cp if context is not None else 1
         values["cp"] = cp
+        values["tp"] = context.tp if context is not None else 1
         values["packing"] = bool(getattr(args, "packing", False)
                                  or getattr(args, "padding_free", False))
         values["divides_gradients"] = bool(args.prescale_gradients) \
@@ -60,11 +65,11 @@ class Choices:
 
     def with_candidate(self, candidate) -> Choices:
         """These choices with a planner candidate's (`candidate_fields`): schedule, ZeRO
-        stage, recomputation, sequence parallelism and context parallelism."""
+        stage, recomputation, sequence parallelism, context and tensor parallelism."""
         chosen = candidate_fields(candidate)
         own = {f.name for f in fields(self)}
         return replace(self, **{k: v for k, v in chosen.items() if k in own},
-                       cp=getattr(candidate, "cp", self.cp))
+                       cp=getattr(candidate, "cp", self.cp), tp=getattr(candidate, "tp", self.tp))
 
 
 def candidate_fields(candidate, recompute_ratios=None) -> dict:
@@ -136,7 +141,32 @@ def refusal(c: Choices, owner: str = "MerakArguments") -> Refusal | None:
                        f"work without sequence parallelism and TP overlap; set "
                        f"sequence_parallel=False and tp_overlapping_level=0",
                        not_supported_yet=False)
-    return _context_parallel_refusal(c, owner)
+    return _fp8_refusal(c, owner) or _context_parallel_refusal(c, owner)
+
+
+def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
+    """What fp8 (torchao's float8 linears, `merak.engine.fp8`) does not compose with yet."""
+    if c.fp8 is None:
+        return None
+    name = f"{owner}.fp8={c.fp8!r}"
+    for other, wrong, why, instead in (
+            ("fp16", c.fp16, "fp16's loss scale over float8 (e5m2) gradients is untested",
+             "use bf16=True or fp32 with fp8"),
+            ("zero_stage", c.zero_stage >= 2, "torchao's float8 all-gather is not wired into "
+             "Merak's FSDP2, and FSDP2 over float8 linears is untested",
+             "use zero_stage 0 or 1 with fp8"),
+            ("lora_config", c.lora, "peft's adapters wrap the very linears fp8 converts",
+             "train the adapters without fp8"),
+            ("torch_compile", c.torch_compile, "compiled blocks over float8 linears are "
+             "untested", "leave torch_compile off with fp8"),
+            ("tp", c.tp > 1, "each rank would scale its shard by the shard's own amax, not the "
+             "full tensor's", "train fp8 with tp=1 (dp and pp compose)"),
+            ("cp", c.cp > 1, "float8 linears over a split sequence are untested",
+             "train fp8 with cp=1")):
+        if wrong:
+            shown = f"{other}={getattr(c, other.replace('_config', ''))!r}"
+            return Refusal("fp8", f"{name} with {shown} is not supported yet ({why}); {instead}")
+    return None
 
 
 def _context_parallel_refusal(c: Choices, owner: str) -> Refusal | None:

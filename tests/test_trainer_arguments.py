@@ -205,6 +205,7 @@ WORKING = {"train_schedule", "partition_method", "split_method", "custom_split_p
            "lora_config", "adapter_name", "text_generation", "out_seq_length", "temperature",
            "zero_allow_untested_optimizer", "dealloc_pipeoutput",
            "cp_mode", "recompute_in_backward",  # test_context_parallel_trainer.py
+           "fp8", "fp8_exclude",  # test_fp8.py
            "auto_parallel", "plan", "plan_memory_gib", "plan_dry_runs",  # test_plan.py
            "zero_allgather_bucket_size"}  # the last refused with the reason (FSDP2's unit)
 

@@ -1,6 +1,7 @@
 """`build_engine`: the one assembly of a rank's training engine, in one documented order.
 
     parallelize (TP -> split -> materialize or load this rank's stage)
+    -> fp8: the stage's linears as torchao float8 linears (`merak.engine.fp8`)
     -> torch.compile of the blocks (before recomputation wraps them)
     -> ZeRO-2/3 (FSDP2, before anything holds the parameters)
     -> optimizer over the stage -> ZeRO-1 (its state sharded over dp)
@@ -25,6 +26,7 @@ from merak.data_parallel.zero1 import zero1
 from merak.distributed.parallel_context import ParallelContext
 from merak.distributed.timeouts import set_job_timeout
 from merak.engine.compile import compile_blocks
+from merak.engine.fp8 import Float8Report, apply_fp8, check_layout
 from merak.engine.grad_norm import GradNormClipper
 from merak.engine.loss_scale import LossScaler
 from merak.engine.options import EngineOptions
@@ -49,6 +51,7 @@ class Engine:
     clipper: GradNormClipper
     scaler: LossScaler | None
     timers: WallClockBreakdown | None
+    fp8: Float8Report | None = None
 
 
 def default_optimizer(stage: nn.Module) -> torch.optim.Optimizer:
@@ -77,10 +80,12 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
         hooks: more hooks, run last (the energy plan's clock hook).
     """
     o = options
+    check_layout(o.precision.fp8, ctx)  # before anything is built
     stage = parallelize(model, example, ctx, tensor_parallel=o.tensor_parallel, split=o.split,
                         schedule=o.pipeline.schedule, num_model_chunks=o.pipeline.chunks,
                         checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix,
                         autocast_dtype=o.precision.autocast_dtype)
+    fp8 = apply_fp8(stage, o.precision, ctx)  # the stage's own linears, before anything holds them
     if o.compile.enabled:  # before the interpreter wraps the blocks for recomputation
         compile_blocks(stage, o.compile.backend, o.compile.mode)
     precision = o.precision
@@ -104,4 +109,4 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
     if scaler is not None:
         scaler.bind(interpreter)
     set_job_timeout()  # the groups made here (tied weights, ZeRO) wait at most the job's timeout
-    return Engine(stage, optimizer, interpreter, zero, clipper, scaler, timers)
+    return Engine(stage, optimizer, interpreter, zero, clipper, scaler, timers, fp8)

@@ -38,13 +38,17 @@ class LossScaling:
 @dataclass(frozen=True)
 class PrecisionOptions:
     """Mixed precision and ZeRO: forwards under autocast to `autocast_dtype` (parameters stay
-    fp32), fp16's `loss_scaling`, and the ZeRO stage (1: optimizer state sharded over dp; 2/3:
-    FSDP2 gradients and parameters)."""
+    fp32), fp16's `loss_scaling`, the ZeRO stage (1: optimizer state sharded over dp; 2/3:
+    FSDP2 gradients and parameters), and fp8: the stage's linears as torchao float8 linears
+    with the `fp8` recipe (``tensorwise`` or ``rowwise``), but for the modules matching an
+    `fp8_exclude` pattern and those `merak.engine.fp8` keeps in high precision."""
 
     autocast_dtype: torch.dtype | None = None
     loss_scaling: LossScaling | None = None
     zero_stage: int = 0
     zero_allow_untested_optimizer: bool = False
+    fp8: str | None = None
+    fp8_exclude: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,23 @@ class ArgumentChecks:
         if self.save and str(self.save_strategy).lower().endswith("no"):
             self.save_strategy = "steps"
 
+    def _check_fp8(self) -> None:
+        """The recipe's name, ``fp8_exclude`` only with fp8, and torchao installed; the
+        combinations fp8 does not compose with yet are `merak.rules`'."""
+        from merak.engine.fp8 import check_recipe
+
+        check_recipe(self.fp8, "MerakArguments.fp8")
+        if self.fp8 is None:
+            if self.fp8_exclude:
+                raise ValueError("MerakArguments.fp8_exclude only applies with fp8='tensorwise' "
+                                 "or 'rowwise'")
+            return
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as error:
+            raise ImportError(f"MerakArguments.fp8={self.fp8!r} trains through torchao's "
+                              f"float8 linears: pip install merak3d[fp8] ({error})") from None
+
     def _check_fsdp(self) -> None:
         """The bucket fields ZeRO-2/3 (FSDP2) ignores; its refused combinations are
         `merak.rules`'."""

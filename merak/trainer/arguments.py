@@ -164,6 +164,14 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
     consecutive_hysteresis: bool = field(default=False, metadata=_help("fp16",
         "restore the hysteresis allowance on every step without overflow"))
     min_loss_scale: float = field(default=1.0, metadata=_help("fp16", "lowest dynamic scale"))
+    # ---- fp8 (torchao's float8 linears; pip install merak3d[fp8])
+    fp8: str | None = field(default=None, metadata=_help("fp8",
+        "train the stage's linear layers in float8 through torchao: 'tensorwise' or 'rowwise' "
+        "dynamic scales (emulated without an fp8 GPU); the LM head, MoE routers and layers "
+        "whose features do not divide by 16 stay in high precision; tp=1"))
+    fp8_exclude: list[str] | None = field(default=None, metadata=_help("fp8",
+        "module-name patterns (globs matched anywhere in the name, e.g. 'layers.0.*' or "
+        "'down_proj') kept in high precision under fp8"))
     # ---- evaluation and generation
     eval_iters: int | None = field(default=None, metadata=_help("evaluation",
         "evaluation steps per evaluate() (default: the whole eval set)"))
@@ -222,6 +230,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
         self._check_tp_plan()
         self._check_choices()
         self._check_buckets_and_scaler()
+        self._check_fp8()
         self._check_inherited()
         check_compile_mode(self.torch_compile_mode)
         rules.check(rules.Choices.from_arguments(self))  # the combinations (merak.rules)

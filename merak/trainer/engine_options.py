@@ -51,7 +51,8 @@ def engine_options_of(args, *, pp: int, dp: int = 1,
         precision=PrecisionOptions(
             autocast_dtype=autocast_dtype(args.bf16, args.fp16), loss_scaling=scaling,
             zero_stage=args.zero_stage,
-            zero_allow_untested_optimizer=args.zero_allow_untested_optimizer),
+            zero_allow_untested_optimizer=args.zero_allow_untested_optimizer,
+            fp8=args.fp8, fp8_exclude=tuple(args.fp8_exclude or ())),
         compile=CompileOptions(args.torch_compile, args.torch_compile_backend,
                                args.torch_compile_mode),
         hooks=HookOptions(args.max_grad_norm or 0.0, args.wall_clock_breakdown))
