@@ -20,6 +20,7 @@ The adapters are peft's own layers (`peft.get_peft_model`; not a copy): Merak on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -75,6 +76,26 @@ def is_lora_layer(module: nn.Module) -> bool:
 def base_layer(module: nn.Module) -> nn.Module:
     """The layer a LoRA layer adapts (the module itself otherwise): what the TP plan shards."""
     return module.get_base_layer() if is_lora_layer(module) else module
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module):
+    """Inside: every LoRA layer of `module` computes its base layer alone (peft's own switch,
+    which also stops the adapters' gradients); yields a function that switches them off again
+    (for code inside that turns them back on, as TRL's reference forwards do on exit);
+    enabled again on exit."""
+    layers = [m for m in module.modules() if is_lora_layer(m) and not m.disable_adapters]
+
+    def off() -> None:
+        for layer in layers:
+            layer.enable_adapters(False)
+
+    off()
+    try:
+        yield off
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def wrap(model: nn.Module, lora_config, adapter_name: str = "default",

@@ -11,7 +11,8 @@ pass as evaluation steps (eval mode, no gradients) over every row of the trainin
 ``batch_size`` rows per micro-batch and per dp rank. On the last stage each micro-batch's
 results are TRL's own ``compute_ref_log_probs`` on a `StageModel` of its logits; every rank then
 takes every row's values and adds the two columns to its training set, as TRL's dataset gets
-them.
+them. With LoRA adapters (TRL's ``peft_config``) the reference is the model with its adapters
+off: the pass runs with every stage's adapters switched off (peft's own switch).
 
 Reference log-probabilities of an evaluation set (TRL's ``eval_dataset``, ``evaluate(dataset)``)
 are refused by name: MerakTrainer's evaluation cuts one collated batch into micro-batches by row,
@@ -20,10 +21,12 @@ which a preference collator's batch (chosen and rejected rows of a prompt togeth
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 
+from merak import lora
 from merak.distributed.host_objects import all_gather_objects
 from merak.trainer.arguments import NotSupportedYetError
 from merak.trainer.user_model import user_model
@@ -64,15 +67,26 @@ class ReferenceLogpsMixin:
         steps = math.ceil(rows / (local * ctx.dp))
         mine: list[int] = []
 
-        def compute(model, inputs):
-            return [t.detach().float().cpu() for t in self.compute_ref_log_probs(model, inputs)]
+        adapted = any(lora.is_lora_layer(m) for m in self.stage.modules())
+        with contextlib.ExitStack() as stack:
+            # LoRA: the reference is the model with its adapters off, on every stage
+            adapters_off = stack.enter_context(lora.adapters_disabled(self.stage)) \
+                if adapted else None
 
-        with self.loss_choice.stage_loss.collecting(compute) as results, user_model(self):
+            def compute(model, inputs):
+                values = self.compute_ref_log_probs(model, inputs)
+                if adapters_off is not None:  # TRL's own adapter switch turned them on again
+                    adapters_off()
+                return [t.detach().float().cpu() for t in values]
+
+            results = stack.enter_context(self.loss_choice.stage_loss.collecting(compute))
+            stack.enter_context(user_model(self))
             for step in range(steps):
                 first = (step * ctx.dp + ctx.dp_rank) * local
                 microbatches = []
                 for mb in range(m):
-                    index = list(range(first + mb * batch_size, first + (mb + 1) * batch_size))
+                    index = list(range(first + mb * batch_size,
+                                       first + (mb + 1) * batch_size))
                     mine += index
                     # rows past the end: copies of row 0 whose results are dropped
                     microbatches.append(self._collate([dataset[i if i < rows else 0]

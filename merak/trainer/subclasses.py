@@ -69,7 +69,8 @@ def check_overrides(cls: type, args) -> None:
                                    f"with {why}")
 
 
-def _is_dpo(cls: type) -> bool:
+def is_dpo(cls: type) -> bool:
+    """Whether `cls` is (a subclass of) TRL's DPOTrainer."""
     return any((k.__module__, k.__qualname__) == _DPO for k in cls.__mro__)
 
 
@@ -77,7 +78,7 @@ def check_dpo(cls: type, args, model, keywords: dict) -> None:
     """What of TRL's DPOTrainer a pipeline cannot run yet, refused by name with the reason,
     before anything is built (the reference log-probabilities run through the pipeline:
     `merak.trainer.reference_logps`)."""
-    if not _is_dpo(cls):
+    if not is_dpo(cls):
         return
     name = cls.__name__
     if keywords.get("ref_model") is not None:
@@ -91,15 +92,12 @@ def check_dpo(cls: type, args, model, keywords: dict) -> None:
             f"{name} with precompute_ref_log_probs=False: DPOTrainer's compute_loss then runs a "
             f"reference model on each micro-batch, which cannot run on the last pipeline stage; "
             f"set precompute_ref_log_probs=True")
-    if keywords.get("peft_config") is not None or hasattr(model, "peft_config"):
+    if hasattr(model, "peft_config") or getattr(args, "lora_config", None) is not None:
         raise NotSupportedYetError(
-            f"{name} with peft adapters: its reference is the model with the adapters off, a "
-            f"forward the pipeline does not run; fine-tune without adapters")
-    if model is not None and any(p.is_meta for p in model.parameters()):
-        raise NotSupportedYetError(
-            f"{name} with precompute_ref_log_probs=True hashes the model's weights in its "
-            f"__init__ (the key of its reference log-probabilities cache), which a model built "
-            f"under merak.init_empty_weights() does not have; build the model with its weights")
+            f"{name} on a model that already carries adapters (a PeftModel, or "
+            f"MerakArguments.lora_config): TRL then trains against a copy of them made in its "
+            f"__init__, which MerakTrainer does not make; pass the LoraConfig as {name}'s "
+            f"peft_config instead (the reference is then the model with its adapters off)")
 
 
 def trainer_keywords(positional: tuple, keywords: dict) -> dict:

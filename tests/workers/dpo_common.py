@@ -15,6 +15,9 @@ ROWS, STEPS, MICROBATCHES, GLOBAL_MICRO_BATCH = 32, 5, 2, 4
 FIELDS = {**sft.FIELDS, "max_steps": STEPS, "max_length": 48, "beta": 0.1,
           "precompute_ref_log_probs": True}
 LAYOUTS = {"dpo-dp1tp2pp2": (1, 2, 2), "dpo-dp2tp1pp2": (2, 1, 2)}
+# LoRA through DPOTrainer's peft_config: the reference is the model with its adapters off
+LORA_LAYOUTS = {"dpo-lora-dp1tp2pp2": (1, 2, 2), "dpo-lora-dp2tp1pp2": (2, 1, 2)}
+LORA_TARGETS = "all-linear"
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
           "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -43,13 +46,15 @@ def reference_order(dp: int) -> list[int]:
     return sft.reference_order(dp, ROWS)
 
 
-def single_process() -> dict[str, list[float]]:
-    """Plain single-process DPOTrainer on the rows in `reference_order`: what it logs."""
+def single_process(lora: bool = False) -> dict[str, list[float]]:
+    """Plain single-process DPOTrainer on the rows in `reference_order` (with `lora`, LoRA
+    adapters through its peft_config): what it logs."""
     import trl
 
     trainer = trl.DPOTrainer(
         model=sft.model(), processing_class=sft.tokenizer(),
         train_dataset=dataset(reference_order(2)),
+        peft_config=sft.peft_config(LORA_TARGETS) if lora else None,
         args=trl.DPOConfig(output_dir="out", per_device_train_batch_size=GLOBAL_MICRO_BATCH,
                            **FIELDS))
     trainer.train()

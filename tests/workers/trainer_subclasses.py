@@ -45,10 +45,10 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
         (out_dir() / f"merak-{name}.json").write_text(json.dumps(logged))
 
 
-def run_dpo(name: str, layout: tuple[int, int, int]) -> None:
-    """MerakDPOTrainer with precompute_ref_log_probs=True: the reference log-probabilities are
-    a pipelined evaluation pass before training. TRL hashes the model's weights in its
-    __init__, so the model is built with them (not on the meta device)."""
+def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False) -> None:
+    """MerakDPOTrainer with precompute_ref_log_probs=True on a model built on the meta device:
+    the reference log-probabilities are a pipelined evaluation pass before training (with
+    `lora`, LoRA adapters through DPOTrainer's peft_config, off in that pass)."""
     import trl
 
     Config, MerakDPOTrainer = sft.merak_classes(trl.DPOConfig, trl.DPOTrainer)
@@ -57,8 +57,11 @@ def run_dpo(name: str, layout: tuple[int, int, int]) -> None:
     args = Config(output_dir=str(out_dir() / name),
                   per_device_train_batch_size=dpo.GLOBAL_MICRO_BATCH // dp, **dpo.FIELDS)
     order = None if dp == 2 else dpo.reference_order(2)
-    trainer = MerakDPOTrainer(model=sft.model(), args=args, train_dataset=dpo.dataset(order),
-                              processing_class=sft.tokenizer())
+    with merak.init_empty_weights():
+        model = sft.model()
+    trainer = MerakDPOTrainer(model=model, args=args, train_dataset=dpo.dataset(order),
+                              processing_class=sft.tokenizer(),
+                              peft_config=sft.peft_config(dpo.LORA_TARGETS) if lora else None)
     trainer.train()
     if dist.get_rank() == 0:
         (out_dir() / f"merak-{name}.json").write_text(json.dumps(
@@ -81,6 +84,8 @@ def scenarios(world_size: int) -> dict:
                for name, (layout, targets) in sft.LORA_LAYOUTS.items()}
     preference = {name: (lambda name=name, layout=layout: run_dpo(name, layout))
                   for name, layout in dpo.LAYOUTS.items()}
+    preference.update({name: (lambda name=name, layout=layout: run_dpo(name, layout, lora=True))
+                       for name, layout in dpo.LORA_LAYOUTS.items()})
     variants = {name: (lambda name=name, layout=layout, fields=fields: run(name, layout, **fields))
                 for name, (layout, fields) in sft.LOSS_TYPES.items()}  # loss_type="dft"
     return {**plain, **adapted, **preference, **variants, **configured}
