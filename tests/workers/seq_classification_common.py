@@ -33,13 +33,15 @@ RUNS = {"llama-regression-right-dp1pp2": ("llama", 1, "right", (1, 1, 2)),
         "qwen2-classes-right-dp1pp2": ("qwen2", 3, "right", (1, 1, 2)),
         "gpt2-regression-right-dp1pp2": ("gpt2", 1, "right", (1, 1, 2)),
         "llama-classes-right-dp2pp2": ("llama", 3, "right", (2, 1, 2)),
-        "qwen2-regression-right-dp2pp1": ("qwen2", 1, "right", (2, 1, 1))}
+        "qwen2-regression-right-dp2pp1": ("qwen2", 1, "right", (2, 1, 1)),
+        "llama-classes-right-tp2pp2": ("llama", 3, "right", (1, 2, 2))}
 # TRL RewardTrainer runs -> (layout, RewardConfig fields, with margins)
 REWARD_RUNS = {"reward-dp1pp2": ((1, 1, 2), {}, False),
                "reward-center-margin-dp1pp2": ((1, 1, 2), {"center_rewards_coefficient": 0.01},
                                                True),
                "reward-dp2pp1": ((2, 1, 1), {}, False),
-               "reward-center-dp2pp2": ((2, 1, 2), {"center_rewards_coefficient": 0.01}, False)}
+               "reward-center-dp2pp2": ((2, 1, 2), {"center_rewards_coefficient": 0.01}, False),
+               "reward-margin-tp2pp2": ((1, 2, 2), {}, True)}
 REWARD_LOGGED = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward",
                  "max_reward", "num_tokens")
 
