@@ -126,3 +126,23 @@ def test_a_subclass_loss_on_a_model_that_neither_generates_nor_classifies_is_ref
     with pytest.raises(NotSupportedYetError, match="causal language models and sequence "
                                                    "classifiers; BertForMaskedLM is neither"):
         MerakSubclass(model=model, args=merak.MerakArguments("out", use_cpu=True))
+
+
+def test_reward_trainer_evaluate_is_refused_by_name():
+    """evaluate() with a set given then: the evaluation step's collated rows are refused
+    (two per example), before any step runs."""
+    trl = pytest.importorskip("trl")
+    from sft_common import merak_classes
+
+    Config, MerakRewardTrainer = merak_classes(trl.RewardConfig, trl.RewardTrainer)
+    merak.init(dp=1, tp=1, pp=1)
+    rows = common.preference_rows(4)
+    with merak.init_empty_weights():
+        model = common.model("llama", 1)
+    trainer = MerakRewardTrainer(model=model, train_dataset=rows,
+                                 args=Config("out", use_cpu=True, bf16=False,
+                                             per_device_train_batch_size=2,
+                                             per_device_eval_batch_size=2, report_to="none"),
+                                 processing_class=common.tokenizer())
+    with pytest.raises(NotSupportedYetError, match="a preference collator, TRL's reward"):
+        trainer.evaluate(rows)
