@@ -63,6 +63,22 @@ def test_sequence_classification_matches_hf_trainer(launches, run, world_size):
     assert figures["label_ids"] == reference["label_ids"]
 
 
+@pytest.mark.parametrize("run, world_size", [(run, common.world_size(common.RUNS[base][3]))
+                                             for run, base in common.AVERAGED.items()])
+def test_hf_rule_with_average_tokens_across_devices(launches, run, world_size):
+    """HF's default average_tokens_across_devices: the loss the model computes ignores HF's
+    count, and HF multiplies it by the processes; so does Merak, so at dp 2 the loss, grad norm
+    and evaluation loss are twice single-process HF Trainer's, the logits the same."""
+    figures = scenario_result(*launches(world_size), run)[0]
+    reference = _reference(common.AVERAGED[run])
+    dp = common.RUNS[common.AVERAGED[run]][3][0]
+    for key in ("loss", "grad_norm"):
+        _close([x / dp for x in figures[key]], reference[key], key)
+    assert figures["eval_loss"] / dp == pytest.approx(reference["eval_loss"], rel=1e-5)
+    torch.testing.assert_close(torch.tensor(figures["logits"]), torch.tensor(reference["logits"]),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("run, world_size", [(run, common.world_size(layout))
                                              for run, (layout, *_) in common.REWARD_RUNS.items()])
 def test_trl_reward_trainer_matches_single_process(launches, run, world_size):

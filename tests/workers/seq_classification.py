@@ -14,7 +14,7 @@ import merak
 
 
 def run(name: str) -> dict:
-    family, num_labels, _, (dp, tp, pp) = common.RUNS[name]
+    family, num_labels, _, (dp, tp, pp) = common.RUNS[common.AVERAGED.get(name, name)]
     merak.init(dp=dp, tp=tp, pp=pp)
     with merak.init_empty_weights():
         model = common.model(family, num_labels)
@@ -36,7 +36,8 @@ def run_reward(name: str) -> dict:
 
 
 def scenarios(world_size: int) -> dict:
-    plain = {name: (lambda name=name: run(name)) for name, (*_, layout) in common.RUNS.items()
+    runs = {**common.RUNS, **{n: common.RUNS[base] for n, base in common.AVERAGED.items()}}
+    plain = {name: (lambda name=name: run(name)) for name, (*_, layout) in runs.items()
              if common.world_size(layout) == world_size}
     reward = {name: (lambda name=name: run_reward(name))
               for name, (layout, *_) in common.REWARD_RUNS.items()

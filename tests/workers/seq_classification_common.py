@@ -35,6 +35,10 @@ RUNS = {"llama-regression-right-dp1pp2": ("llama", 1, "right", (1, 1, 2)),
         "llama-classes-right-dp2pp2": ("llama", 3, "right", (2, 1, 2)),
         "qwen2-regression-right-dp2pp1": ("qwen2", 1, "right", (2, 1, 1)),
         "llama-classes-right-tp2pp2": ("llama", 3, "right", (1, 2, 2))}
+# runs with average_tokens_across_devices on (HF's default) -> the run they repeat: HF's rule
+# multiplies the loss by the processes (the model ignores the count), so at dp 2 the loss, grad
+# norm and evaluation loss are twice the single-process ones (as under HF DDP)
+AVERAGED = {"qwen2-regression-right-dp2pp1-averaged": "qwen2-regression-right-dp2pp1"}
 # TRL RewardTrainer runs -> (layout, RewardConfig fields, with margins)
 REWARD_RUNS = {"reward-dp1pp2": ((1, 1, 2), {}, False),
                "reward-center-margin-dp1pp2": ((1, 1, 2), {"center_rewards_coefficient": 0.01},
@@ -152,13 +156,13 @@ def train_and_evaluate(trainer_cls, args_cls, run: str, model_=None, output_dir:
     """One run of RUNS with `trainer_cls` (HF Trainer, or MerakTrainer with Merak's layout
     already set): each step's loss and grad norm, the evaluation loss, and predict's logits
     (on the dp ranks' share of each step at dp > 1, the reference's order otherwise)."""
-    family, num_labels, side, (dp, _, _) = RUNS[run]
+    family, num_labels, side, (dp, _, _) = RUNS[AVERAGED.get(run, run)]
     single = trainer_cls is tf.Trainer
     order = reference_order(dp) if single else None
     args = args_cls(output_dir=output_dir, per_device_eval_batch_size=GLOBAL_MICRO_BATCH // dp
                     if not single else GLOBAL_MICRO_BATCH,
                     per_device_train_batch_size=GLOBAL_MICRO_BATCH // (1 if single else dp),
-                    **FIELDS)
+                    **{**FIELDS, "average_tokens_across_devices": run in AVERAGED})
     trainer = trainer_cls(model=model_ if model_ is not None else model(family, num_labels),
                           args=args, train_dataset=rows(ROWS, num_labels, order=order),
                           data_collator=Collator(side))
