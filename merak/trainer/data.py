@@ -182,7 +182,8 @@ class EvalBatches:
             raise NotSupportedYetError(
                 f"evaluation collates each evaluation step's {self.rows} rows in one call and "
                 f"cuts them into micro-batches by row, but the data collator returned {rows} "
-                f"rows (a padding-free or packing collator flattens a batch into one row); "
+                f"rows (a padding-free or packing collator flattens a batch into one row; a "
+                f"preference collator, TRL's reward and DPO ones, makes two rows per example); "
                 f"evaluate with a collator that keeps one row per example (TRL: "
                 f"padding_free=False and eval_packing=False)")
         if real < self.rows:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from merak.trainer.arguments import NotSupportedYetError
-from merak.trainer.losses import LabelSmoothedLoss, shifts_labels
+from merak.trainer.losses import LabelSmoothedLoss, classifies_sequences, shifts_labels
 from merak.trainer.model_inputs import model_inputs
 from merak.trainer.model_setup import default_loss_fn
 from merak.trainer.subclass_loss import (
@@ -65,10 +65,11 @@ class LossSetupMixin:
             if self.loss_fn is not None:
                 raise ValueError(f"{type(self).__name__} overrides compute_loss and was given "
                                  f"loss_fn: choose one")
-            if not shifts_labels(model):
+            if not (shifts_labels(model) or classifies_sequences(model)):
                 raise NotSupportedYetError(
                     f"a Trainer subclass's compute_loss runs on the last pipeline stage for "
-                    f"causal language models; {type(model).__name__} is not one")
+                    f"causal language models and sequence classifiers; {type(model).__name__} "
+                    f"is neither")
             return LossChoice(stage_logits, bool(self.model_accepts_loss_kwargs
                                                  or self.compute_loss_func is not None),
                               subclass=True)
@@ -112,8 +113,10 @@ class LossSetupMixin:
             choice.stage_loss.input_names = list(self._collate([self.train_dataset[0]]))
             self.engine.interpreter.attach_loss(choice.stage_loss)
         # None: each micro-batch's loss divided by the accumulation steps (HF's training_step)
+        # (HF counts only batches with labels: TRL's reward and DPO batches have none)
+        counted = choice.counts_items and "labels" in example
         self.engine.interpreter.loss_weight = \
-            1 if scaled_for_accumulation(self, choice.counts_items) else None
+            1 if scaled_for_accumulation(self, counted) else None
 
     def _traced_inputs(self, example: dict) -> dict:
         """What the pipeline runs of a micro-batch: with a subclass's compute_loss, the values

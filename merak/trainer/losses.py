@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+)
 
 from merak.tensor_parallel.layers.collectives import reduce_from_tp
 
@@ -22,6 +25,12 @@ from merak.tensor_parallel.layers.collectives import reduce_from_tp
 def shifts_labels(model) -> bool:
     """HF's rule: the labels are shifted when the model's class is a causal LM."""
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def classifies_sequences(model) -> bool:
+    """Whether `model` is an HF ``*ForSequenceClassification``: one row of ``num_labels``
+    logits per sequence, pooled at its last non-pad token."""
+    return type(model).__name__ in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values()
 
 
 class LabelSmoothedLoss:

@@ -9,7 +9,10 @@ TRL's ``compute_loss`` make, as the whole HF causal LM would for that micro-batc
   the model's output with ``logits`` and, given labels, the model's own loss
   (``model.loss_function``, HF's token-weighted one when given the count);
 - ``model(**inputs, fused_lm_head=True)`` on a model whose forward TRL patched with its fused LM
-  head (`merak.trainer.fused_head`).
+  head (`merak.trainer.fused_head`);
+- on a ``*ForSequenceClassification`` (TRL's reward models), ``model(**inputs)``: the pooled
+  logits the last stage made (one row per sequence) and, given labels, HF's loss of them
+  (``ForSequenceClassificationLoss``: its ``problem_type`` rules).
 
 Any other call (other inputs than the micro-batch's, keywords that change what the forward
 computes) would need the whole model again and cannot be answered from the last stage: it
@@ -21,10 +24,12 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.loss.loss_utils import ForSequenceClassificationLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
 
 from merak.trainer.arguments import NotSupportedYetError
 from merak.trainer.fused_head import fused_outputs
+from merak.trainer.losses import classifies_sequences
 
 # keywords of a call that select what the loss is computed against, not what the forward does
 LOSS_KEYWORDS = ("labels", "shift_labels", "num_items_in_batch")
@@ -62,6 +67,7 @@ class StageModel:
         self.training = training
         self.config = getattr(user_model, "config", None)
         self.fused_head = takes_fused_head(user_model)
+        self.classifier = classifies_sequences(user_model)
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
         if args:
@@ -77,6 +83,10 @@ class StageModel:
                                            "add_fused_lm_head did not patch it)")
             return fused_outputs(self.logits, labels, shift_labels, count)
         loss = None
+        if self.classifier:  # the logits are the pooled ones: [rows, num_labels]
+            if labels is not None:
+                loss = ForSequenceClassificationLoss(labels, self.logits, self.config)
+            return SequenceClassifierOutputWithPast(loss=loss, logits=self.logits)
         if labels is not None or shift_labels is not None:
             extra = {k: kwargs[k] for k in ("num_items_in_batch", "shift_labels") if k in kwargs}
             loss = self.user_model.loss_function(

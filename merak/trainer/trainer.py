@@ -51,7 +51,7 @@ from merak.trainer.loss_setup import LossSetupMixin
 from merak.trainer.losses import shifts_labels
 from merak.trainer.model_setup import with_loss
 from merak.trainer.reference_logps import ReferenceLogpsMixin
-from merak.trainer.subclasses import check_dpo, check_overrides, trainer_keywords
+from merak.trainer.subclasses import check_dpo, check_overrides, check_reward, trainer_keywords
 from merak.trainer.text_generation import TextGenerationMixin
 
 
@@ -76,6 +76,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
         check_overrides(type(self), args)
         check_dpo(type(self), args, model, trainer_kwargs)
+        check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))
         self.ctx = get_context()
         use_trainer_timeout(args.ddp_timeout)  # every wait of the job: at most ddp_timeout
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
