@@ -30,14 +30,18 @@ def references():
     return {}
 
 
-@pytest.mark.parametrize("scenario", [*dpo.LAYOUTS, *dpo.LORA_LAYOUTS])
+@pytest.mark.parametrize("scenario", [*dpo.LAYOUTS, *dpo.VARIANTS])
 def test_trl_dpo_trainer_matches_single_process_dpo(launches, worker_pool, references,
-                                                    scenario):
-    """Built on the meta device, with and without LoRA (DPOTrainer's peft_config)."""
-    lora = scenario in dpo.LORA_LAYOUTS
-    if lora not in references:
-        references[lora] = dpo.single_process(lora)
-    reference = references[lora]
+                                                    scenario, tmp_path_factory):
+    """Built on the meta device: precomputed references, LoRA (DPOTrainer's peft_config),
+    DPOConfig's defaults (TRL's reference: a frozen copy loaded from the policy's path; ours:
+    the pipeline's pass with the initial weights), LoRA without precomputing, IPO's loss."""
+    _, lora, fields, pretrained = dpo.VARIANTS.get(scenario, (None, False, {}, False))
+    key = json.dumps([lora, fields, pretrained])
+    if key not in references:
+        path = dpo.save_policy(tmp_path_factory.mktemp("policy")) if pretrained else None
+        references[key] = dpo.single_process(lora, path, **fields)
+    reference = references[key]
     results, output = launches(4)
     check(results, output, scenario)
     ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
@@ -68,8 +72,8 @@ def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
         return MerakDPOTrainer(model=model, args=Config("out", use_cpu=True, **fields),
                                **kwargs)
 
-    with pytest.raises(NotSupportedYetError, match="precompute_ref_log_probs=False"):
-        build()
+    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True"):
+        build(sync_ref_model=True)
     with pytest.raises(NotSupportedYetError, match="given a ref_model.*own pipeline"):
         build(ref_model=sft.model(), precompute_ref_log_probs=True)
     with pytest.raises(NotSupportedYetError, match="DPOTrainer.training_step cannot run"):

@@ -9,6 +9,10 @@ reference log-probabilities through the pipeline on every run, `merak.trainer.re
 so the key only has to be a deterministic name of the model: `weightless_hash` builds it from
 what identifies the weights without reading them, the parameters' names, dtypes and shapes and
 the files of the checkpoint each rank will load (their names, sizes and modification times).
+
+Without ``precompute_ref_log_probs`` TRL loads a second, frozen copy of the model from its path
+as the reference; the pipeline computes the same reference log-probabilities from the initial
+weights instead (`reference_before_training`).
 """
 
 from __future__ import annotations
@@ -38,18 +42,45 @@ def weightless_hash(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def weightless_dpo_init(trainer_class: type, model: nn.Module | None):
-    """Inside: TRL's DPOTrainer hashes a meta `model` with `weightless_hash` (other trainers and
-    models with weights are untouched)."""
+def dpo_init(trainer_class: type, model: nn.Module | None, args):
+    """Inside a DPOTrainer's ``__init__``: a meta `model` is hashed with `weightless_hash`;
+    without ``precompute_ref_log_probs`` no reference copy of the model is loaded (see
+    `reference_before_training`). Other trainers are untouched."""
     from merak.trainer.subclasses import is_dpo
 
-    if model is None or not is_dpo(trainer_class) \
-            or not any(p.is_meta for p in model.parameters()):
+    if not is_dpo(trainer_class):
         yield
         return
     from unittest import mock
 
     import trl.trainer.dpo_trainer as dpo_trainer
 
-    with mock.patch.object(dpo_trainer, "hash_module", weightless_hash):
+    with contextlib.ExitStack() as stack:
+        if model is not None and any(p.is_meta for p in model.parameters()):
+            stack.enter_context(mock.patch.object(dpo_trainer, "hash_module", weightless_hash))
+        if not args.precompute_ref_log_probs:
+            stack.enter_context(mock.patch.object(dpo_trainer, "create_model_from_path",
+                                                  _no_reference_copy))
         yield
+
+
+def _no_reference_copy(*_, **__) -> None:
+    """In place of TRL's loading of a second, frozen copy of the model as the reference."""
+    return None
+
+
+def reference_before_training(trainer) -> None:
+    """DPOTrainer without ``precompute_ref_log_probs``: its reference (a frozen copy of the
+    initial model, or the model with its LoRA adapters off) never changes during training, so
+    its log-probabilities on every training row are those of one forward-only pass of the
+    pipeline with the initial weights before the first step, the pass precomputed references
+    take (`merak.trainer.reference_logps`): exact, and no second copy of the weights on any
+    rank. TRL's loss then reads them from the batch, as with precomputed references."""
+    from merak.trainer.subclasses import is_dpo
+
+    args = trainer.args
+    if not is_dpo(type(trainer)) or args.precompute_ref_log_probs:
+        return
+    trainer.precompute_ref_logps = True
+    trainer._pending_reference = args.precompute_ref_batch_size \
+        or args.per_device_train_batch_size

@@ -108,13 +108,13 @@ def check_dpo(cls: type, args, model, keywords: dict) -> None:
         raise NotSupportedYetError(
             f"{name} was given a ref_model: a second model would need its own pipeline, built "
             f"and sharded like the policy, which MerakTrainer does not build yet; leave "
-            f"ref_model out and set precompute_ref_log_probs=True (the reference is then the "
-            f"initial policy, run through the pipeline before training)")
-    if not getattr(args, "precompute_ref_log_probs", False):
+            f"ref_model out (the reference is then the initial policy, run through the "
+            f"pipeline before training)")
+    if getattr(args, "sync_ref_model", False):
         raise NotSupportedYetError(
-            f"{name} with precompute_ref_log_probs=False: DPOTrainer's compute_loss then runs a "
-            f"reference model on each micro-batch, which cannot run on the last pipeline stage; "
-            f"set precompute_ref_log_probs=True")
+            f"{name} with sync_ref_model=True: the reference then follows the policy during "
+            f"training, and MerakTrainer computes it once, through the pipeline, before the "
+            f"first step; leave sync_ref_model off")
     if hasattr(model, "peft_config") or getattr(args, "lora_config", None) is not None:
         raise NotSupportedYetError(
             f"{name} on a model that already carries adapters (a PeftModel, or "

@@ -43,7 +43,7 @@ from merak.trainer.data import (
     loader_options,
     model_input_filter,
 )
-from merak.trainer.dpo_setup import weightless_dpo_init
+from merak.trainer.dpo_setup import dpo_init, reference_before_training
 from merak.trainer.energy_mode import EnergyMixin
 from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
@@ -84,9 +84,10 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             model = lora.wrap(model, args.lora_config, args.adapter_name, seed=args.seed)
         # by name: a Trainer subclass may take other parameters second (DPOTrainer: ref_model);
         # adapters it adds (TRL's peft_config) join the meta model's init record
-        # (a DPOTrainer's cache key of a meta model: merak.trainer.dpo_setup)
-        with adapters_join_record(model), weightless_dpo_init(type(self), model):
+        # (a DPOTrainer's reference: merak.trainer.dpo_setup)
+        with adapters_join_record(model), dpo_init(type(self), model, args):
             super().__init__(model, args=args, **trainer_keywords(trainer_args, trainer_kwargs))
+        reference_before_training(self)
         if self.model is not None:
             model = self.model  # as the subclass left it (peft-wrapped)
             check_adapters_recorded(model)

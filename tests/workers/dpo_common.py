@@ -15,9 +15,18 @@ ROWS, STEPS, MICROBATCHES, GLOBAL_MICRO_BATCH = 32, 5, 2, 4
 FIELDS = {**sft.FIELDS, "max_steps": STEPS, "max_length": 48, "beta": 0.1,
           "precompute_ref_log_probs": True}
 LAYOUTS = {"dpo-dp1tp2pp2": (1, 2, 2), "dpo-dp2tp1pp2": (2, 1, 2)}
-# LoRA through DPOTrainer's peft_config: the reference is the model with its adapters off
-LORA_LAYOUTS = {"dpo-lora-dp1tp2pp2": (1, 2, 2), "dpo-lora-dp2tp1pp2": (2, 1, 2)}
 LORA_TARGETS = "all-linear"
+# name -> (layout, LoRA through DPOTrainer's peft_config (the reference: the model with its
+# adapters off), DPOConfig fields over FIELDS, policy loaded from a saved directory)
+VARIANTS = {
+    "dpo-lora-dp1tp2pp2": ((1, 2, 2), True, {}, False),
+    "dpo-lora-dp2tp1pp2": ((2, 1, 2), True, {}, False),
+    # DPOConfig's defaults: TRL's reference is a frozen copy loaded from the policy's path
+    "dpo-defaults-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False}, True),
+    "dpo-defaults-dp2tp1pp2": ((2, 1, 2), False, {"precompute_ref_log_probs": False}, True),
+    "dpo-lora-per-step-dp2tp1pp2": ((2, 1, 2), True, {"precompute_ref_log_probs": False},
+                                    False),
+    "dpo-ipo-dp1tp2pp2": ((1, 2, 2), False, {"loss_type": ["ipo"]}, False)}
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
           "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -46,17 +55,31 @@ def reference_order(dp: int) -> list[int]:
     return sft.reference_order(dp, ROWS)
 
 
-def single_process(lora: bool = False) -> dict[str, list[float]]:
+def policy(pretrained: str | None = None):
+    """The policy: `sft.model`, or loaded from `pretrained` (where `save_policy` wrote it)."""
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(pretrained) if pretrained else sft.model()
+
+
+def save_policy(directory) -> str:
+    sft.model().save_pretrained(directory)
+    return str(directory)
+
+
+def single_process(lora: bool = False, pretrained: str | None = None,
+                   **fields) -> dict[str, list[float]]:
     """Plain single-process DPOTrainer on the rows in `reference_order` (with `lora`, LoRA
-    adapters through its peft_config): what it logs."""
+    adapters through its peft_config; `fields` over FIELDS; the policy loaded from
+    `pretrained`): what it logs."""
     import trl
 
     trainer = trl.DPOTrainer(
-        model=sft.model(), processing_class=sft.tokenizer(),
+        model=policy(pretrained), processing_class=sft.tokenizer(),
         train_dataset=dataset(reference_order(2)),
         peft_config=sft.peft_config(LORA_TARGETS) if lora else None,
         args=trl.DPOConfig(output_dir="out", per_device_train_batch_size=GLOBAL_MICRO_BATCH,
-                           **FIELDS))
+                           **{**FIELDS, **fields}))
     trainer.train()
     return logged(trainer.state.log_history)
 

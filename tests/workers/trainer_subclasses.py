@@ -45,20 +45,27 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
         (out_dir() / f"merak-{name}.json").write_text(json.dumps(logged))
 
 
-def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False) -> None:
-    """MerakDPOTrainer with precompute_ref_log_probs=True on a model built on the meta device:
-    the reference log-probabilities are a pipelined evaluation pass before training (with
-    `lora`, LoRA adapters through DPOTrainer's peft_config, off in that pass)."""
+def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
+            pretrained: bool = False) -> None:
+    """MerakDPOTrainer on a model built on the meta device (with `pretrained`, loaded with
+    from_pretrained inside init_empty_weights): the reference log-probabilities are a pipelined
+    evaluation pass before training, with and without precompute_ref_log_probs (with `lora`,
+    LoRA adapters through DPOTrainer's peft_config, off in that pass)."""
     import trl
 
     Config, MerakDPOTrainer = sft.merak_classes(trl.DPOConfig, trl.DPOTrainer)
     dp, tp, pp = layout
     merak.init(dp=dp, tp=tp, pp=pp)
     args = Config(output_dir=str(out_dir() / name),
-                  per_device_train_batch_size=dpo.GLOBAL_MICRO_BATCH // dp, **dpo.FIELDS)
+                  per_device_train_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
+                  **{**dpo.FIELDS, **(fields or {})})
     order = None if dp == 2 else dpo.reference_order(2)
+    path = out_dir() / "dpo-policy"
+    if pretrained and dist.get_rank() == 0 and not path.exists():
+        dpo.save_policy(path)
+    dist.barrier()
     with merak.init_empty_weights():
-        model = sft.model()
+        model = dpo.policy(str(path) if pretrained else None)
     trainer = MerakDPOTrainer(model=model, args=args, train_dataset=dpo.dataset(order),
                               processing_class=sft.tokenizer(),
                               peft_config=sft.peft_config(dpo.LORA_TARGETS) if lora else None)
@@ -84,8 +91,8 @@ def scenarios(world_size: int) -> dict:
                for name, (layout, targets) in sft.LORA_LAYOUTS.items()}
     preference = {name: (lambda name=name, layout=layout: run_dpo(name, layout))
                   for name, layout in dpo.LAYOUTS.items()}
-    preference.update({name: (lambda name=name, layout=layout: run_dpo(name, layout, lora=True))
-                       for name, layout in dpo.LORA_LAYOUTS.items()})
+    preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v))
+                       for name, variant in dpo.VARIANTS.items()})
     variants = {name: (lambda name=name, layout=layout, fields=fields: run(name, layout, **fields))
                 for name, (layout, fields) in sft.LOSS_TYPES.items()}  # loss_type="dft"
     return {**plain, **adapted, **preference, **variants, **configured}
