@@ -65,8 +65,6 @@ def check_expert_parallel(ctx: ParallelContext, options: EngineOptions) -> None:
     """What expert parallelism (ep > 1) does not combine with yet, refused before any build."""
     checks = (("zero_stage", options.precision.zero_stage, 0,
                "ZeRO shards over all replicas, but expert weights are reduced over edp"),
-              ("max_grad_norm", options.hooks.max_grad_norm, 0,
-               "the gradient norm would count each rank's experts as replicated"),
               ("tp", ctx.tp, 1, "experts split over tp and ep together are untested"))
     for field, value, fine, why in checks:
         if value != fine:
