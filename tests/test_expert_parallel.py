@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 import transformers as tf
 from dist_harness import assert_like_reference, check, scenario_result
-from ep_parity import COMMON, SELF_CHECKED, scenario_names
+from ep_parity import COMMON, SELF_CHECKED, SEQ, scenario_names
 
 import merak
 from merak.distributed.expert_groups import expert_rank_lists
@@ -40,6 +40,12 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
         assert len(counts) == (2 if "pp2" in scenario else 4), f"rank {rank}: {counts}"
         assert all(mine * ours["ep"] == whole for mine, whole in counts.values()), counts
         assert not ours.get("params_without_grad"), ours["params_without_grad"]
+    if scenario.startswith("hf-"):  # every routed pair computed once (dropless), 2 layers
+        pairs = 4 * SEQ * COMMON["num_experts_per_tok"]  # each rank's rows x top-k
+        received = [f["received"] for f in figures]
+        assert [sum(layer) for layer in zip(*received)] == [pairs * world_size] * 2, received
+        if scenario.endswith("skewed"):  # all to ep rank 0's experts: ep rank 1 gets none
+            assert all(r == [0, 0] for r in received[1::2]), received
     if "pp2" in scenario:  # each stage holds one of the 2 layers
         assert [f["experts_modules"] for f in figures] == \
             [["model.layers.0.mlp.experts"]] * 2 + [["model.layers.1.mlp.experts"]] * 2

@@ -23,7 +23,7 @@ from common import Compared, GradSnapshot
 import merak
 from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions, HookOptions
-from merak.expert_parallel import experts_modules, shard_experts
+from merak.expert_parallel import dispatch, experts_modules, shard_experts
 from merak.runtime.options import RuntimeOptions
 
 VOCAB, SEQ, SEED, STEPS, MICRO, ROWS_PER_MICRO = 128, 12, 11, 3, 2, 2
@@ -68,12 +68,28 @@ def _max_diff(compared: Compared) -> float:
     return max(diffs, default=0.0)
 
 
-def hf_direct(family: str) -> dict:
-    """One forward and backward of the HF model with sharded experts, per replica's rows."""
+def _skew(model) -> None:
+    """Every routed pair to experts 0 and 1 (ep rank 0's): the other ranks receive nothing."""
+    def hook(module, args, output):
+        logits, scores, indices = output
+        return logits, scores, indices % 2
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+
+
+def hf_direct(family: str, skewed: bool = False) -> dict:
+    """One forward and backward of the HF model with sharded experts, per replica's rows;
+    `skewed`: every pair routed to ep rank 0's experts (`_skew`)."""
     ctx = merak.init(dp=dist.get_world_size(), tp=1, pp=1, ep=2)
+    _RECEIVED.clear()
     reference = _reference(family)
     model = copy.deepcopy(reference)
     kept = shard_experts(model, ctx)
+    if skewed:
+        for m in (model, reference):
+            _skew(m)
     experts = set(kept)
     group_ranks = dist.get_process_group_ranks(ctx.ep_group)
     rows_per = 4
@@ -100,8 +116,27 @@ def hf_direct(family: str) -> dict:
         else:
             compared.grad(f"grad of {name}", param.grad, mine_grads[name])
     counts = _expert_counts(model, reference, experts)
+    received = [int(t) for t in _RECEIVED]
+    _RECEIVED.clear()
     return compared.figures(max_abs_diff=_max_diff(compared), expert_counts=counts, ep=ctx.ep,
-                            kept=kept)
+                            kept=kept, received=received)
+
+
+_RECEIVED: list[int] = []  # pairs the local experts of this rank received, per layer call
+
+
+def _counting(inner_forward):
+    def chosen(module, name):
+        run = inner_forward(module, name)
+
+        def counted(arrived, *args):
+            _RECEIVED.append(arrived.shape[0])
+            return run(arrived, *args)
+        return counted
+    return chosen
+
+
+dispatch._inner_forward = _counting(dispatch._inner_forward)
 
 
 def _expert_counts(model, reference, experts: set[str]) -> dict[str, list[int]]:
@@ -225,6 +260,7 @@ def scenarios(world_size: int) -> dict:
     out = {}
     for family in CONFIGS:
         out[f"hf-{family}-dp{world_size}-ep2"] = lambda f=family: hf_direct(f)
+    out[f"hf-qwen3_moe-dp{world_size}-ep2-skewed"] = lambda: hf_direct("qwen3_moe", True)
     if world_size == 2:
         for family in CONFIGS:
             for opt in OPTIMIZERS:
