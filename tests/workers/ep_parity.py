@@ -18,7 +18,7 @@ import copy
 import torch
 import torch.distributed as dist
 import transformers as tf
-from common import Compared, GradSnapshot
+from common import Compared, GradSnapshot, out_dir
 
 import merak
 from merak.engine.assemble import build_engine
@@ -146,10 +146,11 @@ def _expert_counts(model, reference, experts: set[str]) -> dict[str, list[int]]:
             if _is_expert(n, experts)}
 
 
-def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0) -> dict:
+def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep: int = 2,
+           ) -> dict:
     """`clip` > 0: gradients clipped to that global norm (`max_grad_norm`), as
     `clip_grad_norm_` clips the single-process model's."""
-    ctx = merak.init(dp=dp, tp=1, pp=pp, ep=2)
+    ctx = merak.init(dp=dp, tp=1, pp=pp, ep=ep)
     rows_per = MICRO * ROWS_PER_MICRO
     with merak.init_empty_weights():
         model = _reference(family)  # (seeded: materialized as the reference initializes)
@@ -237,6 +238,14 @@ def refusals() -> None:
         assert "zero_stage=1" in str(error), error
     else:
         raise AssertionError("ep=2 with zero_stage=1 was not refused")
+    args = merak.MerakArguments(output_dir=str(out_dir() / "trainer"), save_strategy="no",
+                                report_to=[])
+    try:
+        merak.MerakTrainer(model=model, args=args, train_dataset=[rows(0, 0, 1)])
+    except NotSupportedYetError as error:
+        assert "MerakTrainer with expert parallelism" in str(error), error
+    else:
+        raise AssertionError("MerakTrainer took ep=2")
 
 
 def layout() -> None:
@@ -271,6 +280,8 @@ def scenarios(world_size: int) -> dict:
         out["engine-qwen3_moe-dp4-ep2-sgd"] = lambda: engine("qwen3_moe", 4, 1, "sgd")
         out["engine-qwen3_moe-dp2-ep2-pp2-sgd"] = lambda: engine("qwen3_moe", 2, 2, "sgd")
         out["engine-qwen3_moe-dp4-ep2-sgd-clip"] = lambda: engine("qwen3_moe", 4, 1, "sgd", 0.5)
+        # one expert per rank, an ep group of 4, edp groups of one rank
+        out["engine-qwen3_moe-dp4-ep4-adamw"] = lambda: engine("qwen3_moe", 4, 1, "adamw", ep=4)
         out["layout"] = layout
     return out
 
