@@ -146,18 +146,37 @@ def _expert_counts(model, reference, experts: set[str]) -> dict[str, list[int]]:
             if _is_expert(n, experts)}
 
 
+def _loaded(family: str) -> torch.nn.Module:
+    """The model with every weight moved off its initialization (what a checkpoint holds)."""
+    model = _reference(family)
+    g = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=g))
+    return model
+
+
 def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep: int = 2,
-           ) -> dict:
+           load: bool = False) -> dict:
     """`clip` > 0: gradients clipped to that global norm (`max_grad_norm`), as
-    `clip_grad_norm_` clips the single-process model's."""
+    `clip_grad_norm_` clips the single-process model's. `load`: the engine loads its stage
+    from the `save_pretrained` files of `_loaded` (Mixtral's: per-expert tensors, merged on
+    load), then keeps its experts."""
     ctx = merak.init(dp=dp, tp=1, pp=pp, ep=ep)
     rows_per = MICRO * ROWS_PER_MICRO
+    checkpoint = None
+    if load:  # (rank 0 writes it: transformers saves on the main process only)
+        checkpoint = out_dir() / f"checkpoint-{family}"
+        if ctx.rank == 0:
+            _loaded(family).save_pretrained(checkpoint)
+        dist.barrier()
     with merak.init_empty_weights():
         model = _reference(family)  # (seeded: materialized as the reference initializes)
     options = EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICRO),
                             hooks=HookOptions(max_grad_norm=clip))
     built = build_engine(model, rows(0, 0, ROWS_PER_MICRO), ctx, options,
-                         make_optimizer=lambda stage: OPTIMIZERS[optimizer](stage.parameters()))
+                         make_optimizer=lambda stage: OPTIMIZERS[optimizer](stage.parameters()),
+                         checkpoint=checkpoint)
     norms = []
     built.interpreter.hooks.append(_NormProbe(built.clipper, norms))
     stage = built.stage
@@ -165,7 +184,7 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     built.interpreter.hooks.append(snapshot)
     losses = [built.interpreter.train_step(rows(step, ctx.dp_rank * rows_per, rows_per))
               for step in range(STEPS)]
-    reference = _reference(family)
+    reference = _loaded(family) if load else _reference(family)
     ref_opt = OPTIMIZERS[optimizer](reference.parameters())
     ref_losses, ref_grads, ref_norms = [], [], []
     for step in range(STEPS):
@@ -275,6 +294,9 @@ def scenarios(world_size: int) -> dict:
             for opt in OPTIMIZERS:
                 out[f"engine-{family}-dp2-ep2-{opt}"] = lambda f=family, o=opt: engine(f, 2, 1, o)
         out["engine-qwen3_moe-dp2-ep2-sgd-clip"] = lambda: engine("qwen3_moe", 2, 1, "sgd", 0.5)
+        for family in CONFIGS:
+            out[f"engine-{family}-dp2-ep2-sgd-loaded"] = lambda f=family: engine(
+                f, 2, 1, "sgd", load=True)
         out["refusals"] = refusals
     if world_size == 4:
         out["engine-qwen3_moe-dp4-ep2-sgd"] = lambda: engine("qwen3_moe", 4, 1, "sgd")
