@@ -44,6 +44,9 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
         pairs = 4 * SEQ * COMMON["num_experts_per_tok"]  # each rank's rows x top-k
         received = [f["received"] for f in figures]
         assert [sum(layer) for layer in zip(*received)] == [pairs * world_size] * 2, received
+        inner = scenario.rsplit("-", 1)[1]
+        assert {f["inner"] for f in figures} == \
+            {inner if inner in ("eager", "batched_mm") else "grouped_mm"}, figures
         if scenario.endswith("skewed"):  # all to ep rank 0's experts: ep rank 1 gets none
             assert all(r == [0, 0] for r in received[1::2]), received
     if "pp2" in scenario:  # each stage holds one of the 2 layers

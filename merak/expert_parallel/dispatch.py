@@ -10,9 +10,9 @@ For one layer's routed tokens (hidden ``[T, H]``, top-k indices and weights ``[T
    of ``[ep, E/ep]`` counts), so both sides know the split sizes;
 3. the tokens go to their owners (all-to-all with split sizes, differentiable);
 4. the owner runs its local experts over what it received with the family's own
-   implementation (``grouped_mm``, ``batched_mm`` or eager: each groups the rows by local
-   expert, i.e. permutes them expert-major, runs the experts and restores the order), with
-   weight 1 per row;
+   implementation, with weight 1 per row: ``grouped_mm`` permutes the rows expert-major, runs
+   each local expert on its run of rows and restores the order; ``batched_mm`` and eager
+   index each row's expert;
 5. the results go back (the reverse all-to-all), are put back in (token, k) order and
    combined with the router's weights, as transformers combines them.
 

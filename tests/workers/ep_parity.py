@@ -79,12 +79,16 @@ def _skew(model) -> None:
             module.register_forward_hook(hook)
 
 
-def hf_direct(family: str, skewed: bool = False) -> dict:
+def hf_direct(family: str, skewed: bool = False, inner: str | None = None) -> dict:
     """One forward and backward of the HF model with sharded experts, per replica's rows;
-    `skewed`: every pair routed to ep rank 0's experts (`_skew`)."""
+    `skewed`: every pair routed to ep rank 0's experts (`_skew`); `inner`: the experts
+    implementation the model runs (default: transformers' choice, grouped_mm), which then
+    runs each rank's local experts."""
     ctx = merak.init(dp=dist.get_world_size(), tp=1, pp=1, ep=2)
     _RECEIVED.clear()
     reference = _reference(family)
+    if inner is not None:
+        reference.config._experts_implementation = inner
     model = copy.deepcopy(reference)
     kept = shard_experts(model, ctx)
     if skewed:
@@ -119,7 +123,8 @@ def hf_direct(family: str, skewed: bool = False) -> dict:
     received = [int(t) for t in _RECEIVED]
     _RECEIVED.clear()
     return compared.figures(max_abs_diff=_max_diff(compared), expert_counts=counts, ep=ctx.ep,
-                            kept=kept, received=received)
+                            kept=kept, received=received,
+                            inner=next(iter(experts_modules(model).values())).merak_ep.inner)
 
 
 _RECEIVED: list[int] = []  # pairs the local experts of this rank received, per layer call
@@ -290,6 +295,8 @@ def scenarios(world_size: int) -> dict:
         out[f"hf-{family}-dp{world_size}-ep2"] = lambda f=family: hf_direct(f)
     out[f"hf-qwen3_moe-dp{world_size}-ep2-skewed"] = lambda: hf_direct("qwen3_moe", True)
     if world_size == 2:
+        for inner in ("eager", "batched_mm"):
+            out[f"hf-qwen3_moe-dp2-ep2-{inner}"] = lambda i=inner: hf_direct("qwen3_moe", inner=i)
         for family in CONFIGS:
             for opt in OPTIMIZERS:
                 out[f"engine-{family}-dp2-ep2-{opt}"] = lambda f=family, o=opt: engine(f, 2, 1, o)
