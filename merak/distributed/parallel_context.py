@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from merak.distributed import attempt_store, gloo_interface, liveness, timeouts
+from merak.distributed.expert_groups import check_ep, make_expert_groups
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 CP_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")  # with context parallelism (cp > 1)
@@ -54,6 +55,24 @@ class ParallelContext:
     cp: int = 1  # context-parallel degree: each row's sequence split over cp ranks
     # dp x cp flattened (cp > 1), kept here: torch deprecates slicing it from the root mesh
     dp_cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    ep: int = 1  # expert-parallel degree: carved from the dp x cp replicas (expert_groups)
+    # (ep group, edp group) when ep > 1
+    expert_groups: tuple | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def ep_rank(self) -> int:
+        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The replicas splitting each MoE layer's experts (None when ep == 1)."""
+        return self.expert_groups[0] if self.expert_groups else None
+
+    @property
+    def edp_group(self) -> dist.ProcessGroup:
+        """The replicas holding the same experts (dp*cp/ep of them): expert gradients are
+        reduced over it (the `replica_group` when ep == 1)."""
+        return self.expert_groups[1] if self.expert_groups else self.replica_group
 
     @property
     def cp_rank(self) -> int:
@@ -144,6 +163,7 @@ class ParallelContext:
         return (f"rank {self.rank}/{self.world_size} backend={self.backend} "
                 f"pp={self.pp_rank}/{self.pp} dp={self.dp_rank}/{self.dp} "
                 + (f"cp={self.cp_rank}/{self.cp} " if self.cp > 1 else "")
+                + (f"ep={self.ep_rank}/{self.ep} " if self.ep > 1 else "")
                 + f"tp={self.tp_rank}/{self.tp}")
 
 
@@ -266,7 +286,7 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
          backend: str | None = None, *, timeout: datetime.timedelta | float | None = None,
-         cp: int | None = None) -> ParallelContext:
+         cp: int | None = None, ep: int = 1) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh.
 
     Args:
@@ -292,6 +312,9 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             ``args = MerakArguments(...)``, ``merak.init(timeout=args.ddp_timeout)``, or
             ``merak.init`` first with the timeout you will give ``ddp_timeout``) so that the
             group's creation is bounded by it too.
+        ep: expert-parallel degree (default 1): each MoE layer's experts are split over ep of
+            a stage's dp x cp replicas (`merak.expert_parallel`); it adds no ranks and must
+            divide dp * cp (checked before any group is made).
 
     With NCCL, this process uses CUDA device ``LOCAL_RANK % torch.cuda.device_count()`` (so a
     process that sees one GPU uses it whatever its local rank), made current before the process
@@ -304,8 +327,8 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         The `ParallelContext`; it also becomes the default returned by `get_context()`.
 
     Raises:
-        ValueError: a degree is not a positive int, or dp * cp * tp * pp differs from the world
-            size.
+        ValueError: a degree is not a positive int, dp * cp * tp * pp differs from the world
+            size, or ep does not divide dp * cp.
     """
     global _default_context
     if dp is None and tp is None and pp is None and cp is None:
@@ -313,6 +336,7 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             int(os.environ.get("WORLD_SIZE", "1"))
     dp, tp, pp, cp = (1 if d is None else d for d in (dp, tp, pp, cp))
     _check_degrees(dp, tp, pp, cp)
+    check_ep(ep, dp, cp)
     explicit = timeout is not None
     if explicit:
         timeout = timeouts.given_to_init(timeout)
@@ -358,10 +382,12 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
                                     mesh_dim_names=CP_MESH_DIM_NAMES)
             flat = mesh["dp", "cp"]._flatten("dp_cp")  # (torch's 1-D mesh of two dimensions)
         host_groups = make_host_groups(mesh, backend)
+        experts = make_expert_groups(dp, tp, pp, cp, ep) if ep > 1 else None
     timeouts.set_job_timeout()  # the new groups too
     context = ParallelContext(dp=dp, tp=tp, pp=pp, rank=dist.get_rank(), world_size=world_size,
                               backend=backend, device=device, mesh=mesh,
-                              host_groups=host_groups, cp=cp, dp_cp_mesh=flat)
+                              host_groups=host_groups, cp=cp, dp_cp_mesh=flat, ep=ep,
+                              expert_groups=experts)
     _default_context = context
     return context
 

@@ -1,12 +1,14 @@
 """`build_engine`: the one assembly of a rank's training engine, in one documented order.
 
     parallelize (TP -> split -> materialize or load this rank's stage)
+    -> experts: each MoE layer keeps this rank's (ep > 1, `merak.expert_parallel`)
     -> fp8: the stage's linears as torchao float8 linears (`merak.engine.fp8`)
     -> torch.compile of the blocks (before recomputation wraps them)
     -> ZeRO-2/3 (FSDP2, before anything holds the parameters)
     -> optimizer over the stage -> ZeRO-1 (its state sharded over dp)
     -> hooks (fp16 loss scale, gradient clipping, wall-clock timers, then the caller's)
     -> `PipelineInterpreter`
+
 
 `MerakTrainer`, the planner's dry runs, `merak coverage` and the benches all build through
 here, from an `EngineOptions`: the planner measures the engine the trainer runs.
@@ -32,6 +34,8 @@ from merak.engine.loss_scale import LossScaler
 from merak.engine.options import EngineOptions
 from merak.engine.parallelize import parallelize
 from merak.engine.timers import WallClockBreakdown
+from merak.expert_parallel.shard import shard_experts
+from merak.rules import NotSupportedYetError
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.stages.stage import InterleavedStage, PipelineStage
@@ -59,6 +63,18 @@ def default_optimizer(stage: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(stage.parameters(), lr=1e-4)
 
 
+def check_expert_parallel(ctx: ParallelContext, options: EngineOptions) -> None:
+    """What expert parallelism (ep > 1) does not combine with yet, refused before any build."""
+    checks = (("zero_stage", options.precision.zero_stage, 0,
+               "ZeRO shards over all replicas, but expert weights are reduced over edp"),
+              ("tp", ctx.tp, 1, "experts split over tp and ep together are untested"))
+    for field, value, fine, why in checks:
+        if value != fine:
+            raise NotSupportedYetError(
+                f"expert parallelism (ep={ctx.ep}) with {field}={value} is not supported yet: "
+                f"{why}; use {field}={fine} with ep > 1, or ep=1")
+
+
 def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: ParallelContext,
                  options: EngineOptions, *,
                  make_optimizer: OptimizerFactory = default_optimizer,
@@ -81,10 +97,13 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
     """
     o = options
     check_layout(o.precision.fp8, ctx)  # before anything is built
+    if ctx.ep > 1:
+        check_expert_parallel(ctx, options)
     stage = parallelize(model, example, ctx, tensor_parallel=o.tensor_parallel, split=o.split,
                         schedule=o.pipeline.schedule, num_model_chunks=o.pipeline.chunks,
                         checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix,
                         autocast_dtype=o.precision.autocast_dtype)
+    shard_experts(stage, ctx)  # (ep > 1: this rank's experts of each MoE layer)
     fp8 = apply_fp8(stage, o.precision, ctx)  # the stage's own linears, before anything holds them
     if o.compile.enabled:  # before the interpreter wraps the blocks for recomputation
         compile_blocks(stage, o.compile.backend, o.compile.mode)

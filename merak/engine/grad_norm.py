@@ -5,7 +5,9 @@ Each logical parameter is counted once: a tensor-parallel shard contributes its 
 a parameter replicated over the tp ranks contributes 1/tp on each; a weight tied across k
 ranks contributes 1/k on each; dp replicas hold identical (already averaged) gradients, so the
 world-wide sum is divided by dp (times cp: context-parallel ranks hold the same weights too),
-except for a ZeRO-2/3 shard, which each of those ranks holds a different part of.
+except for a ZeRO-2/3 shard, which each of those ranks holds a different part of, and an
+expert-parallel expert tensor, which only the dp x cp / ep ranks of its edp group hold (counted
+ep times on each).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class GradNormClipper(InstructionHook):
                 weight /= ctx.tp
             if is_sharded(param):
                 weight *= ctx.replicas
+            elif getattr(param, "expert_parallel", False):
+                weight *= ctx.ep
             self.weighted.append((param, weight))
         self.last_norm: float | None = None
 

@@ -126,8 +126,13 @@ class PipelineInterpreter(ForwardOnly, StepTail):
                             if q.requires_grad and getattr(q, "tp_partial_grad", False)]
         self._tied = tied_parameter_groups(ctx, split, {i: r.stage for i, r in
                                                         self.runners.items()}, self.placement)
+        # expert-parallel experts (merak.expert_parallel): their gradients already hold the
+        # whole ep group's tokens; summed over edp in the step's tail (`_reduce_grads`)
+        self._experts = [q for q in params
+                         if q.requires_grad and getattr(q, "expert_parallel", False)]
         self.grad_averager = GradientAverager(
-            [q for q in params if not is_sharded(q)], ctx.replica_group, o.bucket_bytes,
+            [q for q in params if not is_sharded(q) and not getattr(q, "expert_parallel", False)],
+            ctx.replica_group, o.bucket_bytes,
             o.grad_predivide, late=self._tp_partial + [q for _, g in self._tied for q in g],
             stages={s: list(r.stage.parameters()) for s, r in self.runners.items()})
         self._discovery_program = forward_program(split, p, ctx.pp_rank, v, 1,

@@ -91,14 +91,15 @@ class StepTail:
     """The per-step actions (`reduce_tied_grads`, `reduce_grads`, `optimizer_step`) of an
     interpreter holding ``ctx``, ``optimizer``, ``grad_averager`` (`GradientAverager`),
     ``_tied`` (`tied_weight_groups`), ``_tp_partial`` (replicated parameters that saw only this
-    TP rank's share), ``skip_optimizer_step`` (set by an fp16 loss scaler) and ``zero`` (ZeRO-2/3
-    sharding, or None)."""
+    TP rank's share), ``_experts`` (expert-parallel parameters), ``skip_optimizer_step`` (set
+    by an fp16 loss scaler) and ``zero`` (ZeRO-2/3 sharding, or None)."""
 
     ctx: ParallelContext
     optimizer: torch.optim.Optimizer
     grad_averager: GradientAverager
     _tied: TiedGroups
     _tp_partial: list[torch.nn.Parameter]
+    _experts: list[torch.nn.Parameter]
     skip_optimizer_step: bool
     zero: ZeroSharding | None
 
@@ -129,6 +130,11 @@ class StepTail:
                                   *launch_all_reduce(self._tp_partial, self.ctx.tp_group))
         with liveness.waiting("the dp gradient all-reduce", group=self.ctx.dp_group):
             self.grad_averager.average()
+        if self._experts:  # each rank's expert gradients hold its ep group's losses' share:
+            # summed over the replicas holding the same experts, divided by every replica
+            with liveness.waiting("the expert gradient all-reduce", group=self.ctx.edp_group):
+                finish_all_reduce(self._experts, *launch_all_reduce(
+                    self._experts, self.ctx.edp_group), divisor=self.ctx.replicas)
 
     def _optimizer_step(self, _: None = None) -> None:
         if self.skip_optimizer_step:

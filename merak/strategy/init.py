@@ -22,10 +22,12 @@ def degrees_from_plan(path: str | Path) -> tuple[int, int, int, int]:
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
          backend: str | None = None, *, timeout: datetime.timedelta | float | None = None,
-         plan: str | Path | None = None, cp: int | None = None) -> ParallelContext:
+         plan: str | Path | None = None, cp: int | None = None, ep: int = 1,
+         ) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh; see
     `merak.distributed.parallel_context.init` for every argument but `plan` (`cp`: the
-    context-parallel degree, default 1, see docs/context-parallel.md).
+    context-parallel degree, default 1, see docs/context-parallel.md; `ep`: the
+    expert-parallel degree, default 1, see docs/expert-parallel.md).
 
     Args:
         plan: a ``merak plan`` file (plan.json): its chosen degrees (the degree arguments must
@@ -41,4 +43,4 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             raise ValueError(f"merak.init: (dp, tp, pp, cp) = {given} disagree with the plan "
                              f"{plan}'s {planned}; leave the degrees out to use the plan's")
         dp, tp, pp, cp = planned
-    return parallel_context.init(dp, tp, pp, backend, timeout=timeout, cp=cp)
+    return parallel_context.init(dp, tp, pp, backend, timeout=timeout, cp=cp, ep=ep)

@@ -32,7 +32,7 @@ from merak.materialize.adapters import adapters_join_record, check_adapters_reco
 from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.memory_probe import fits_in_memory
 from merak.trainer import neftune, recomputation
-from merak.trainer.arguments import MerakArguments
+from merak.trainer.arguments import MerakArguments, NotSupportedYetError
 from merak.trainer.auto_plan import apply_strategy_plan
 from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.context_parallel import ContextParallelMixin
@@ -100,6 +100,11 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         # HF's rule for which labels count (a causal LM's loss shifts them)
         self._shifted_count = getattr(self, "_loss_shifts_labels", shifts_labels(base))
         self._check_context_parallel(model)
+        if self.ctx.ep > 1:  # its saves would write one rank's experts as the layer's
+            raise NotSupportedYetError(
+                f"MerakTrainer with expert parallelism (merak.init(ep={self.ctx.ep})) is not "
+                f"supported yet: its checkpoints and saved models do not gather the experts' "
+                f"shards; train through merak.engine.assemble.build_engine, or use ep=1")
         self._check_inputs()  # before any model is built from their first items
         self.generation_prompts, self.generations = generation_prompts, None
         self.engine: Engine | None = None  # built at train() (or for evaluation, generation)

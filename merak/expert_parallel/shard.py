@@ -1,0 +1,83 @@
+"""`shard_experts`: split every MoE experts module of a model (or pipeline stage) over the
+expert-parallel group, and route it through the expert-parallel implementation.
+
+An experts module is one transformers' ``use_experts_implementation`` decorated (Qwen3-MoE,
+Mixtral, ... : merged 3-D ``gate_up_proj`` / ``down_proj`` tensors, ``[num_experts, ...]``,
+optional biases). ep rank r keeps experts ``[r*E/ep, (r+1)*E/ep)`` of each of them; its
+parameters are marked ``expert_parallel`` so the interpreter reduces their gradients over the
+expert-data-parallel group (`ParallelContext.edp_group`) rather than over all replicas.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from merak.distributed.parallel_context import ParallelContext
+from merak.expert_parallel.dispatch import IMPLEMENTATION, ExpertShard, register
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether `module` is a transformers experts module (``use_experts_implementation``)."""
+    return hasattr(module, "_is_expert_parallel") and isinstance(
+        getattr(module, "num_experts", None), int) and hasattr(module, "config")
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if is_experts_module(m)}
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters `shard_experts` split (their gradients are reduced over edp)."""
+    return [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
+
+
+def _per_expert(module: nn.Module, num_experts: int) -> dict[str, nn.Parameter]:
+    """The module's own parameters indexed by expert (first dimension num_experts)."""
+    return {name: p for name, p in module.named_parameters(recurse=False)
+            if p.dim() >= 2 and p.shape[0] == num_experts}
+
+
+def check_divisible(modules: dict[str, nn.Module], ep: int) -> None:
+    for name, module in modules.items():
+        if module.num_experts % ep:
+            raise ValueError(
+                f"expert parallelism: {name} ({type(module).__name__}) has "
+                f"{module.num_experts} experts, which ep={ep} does not divide; choose an ep "
+                f"that divides {module.num_experts} (merak.init(ep=))")
+
+
+def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int, int]]:
+    """Keep this ep rank's experts of every experts module of `model` and dispatch them through
+    the expert-parallel implementation. Returns ``{module name: (first expert, count)}``
+    (empty when ``ctx.ep == 1``: nothing changes).
+
+    Raises:
+        ValueError: ep does not divide some module's number of experts (before any change).
+    """
+    if ctx.ep == 1:
+        return {}
+    modules = experts_modules(model)
+    check_divisible(modules, ctx.ep)
+    register()
+    inner_of: dict[int, str | None] = {}  # per config object: the implementation it had
+    kept = {}
+    for name, module in modules.items():
+        if getattr(module, "merak_ep", None) is not None:
+            raise ValueError(f"expert parallelism: {name} is sharded already")
+        config = module.config
+        if id(config) not in inner_of:
+            inner_of[id(config)] = config._experts_implementation
+        shard = ExpertShard(ctx.ep_group, ctx.ep, ctx.ep_rank, module.num_experts,
+                            inner_of[id(config)])
+        lo, hi = shard.first, shard.first + shard.local
+        for pname, param in _per_expert(module, module.num_experts).items():
+            local = nn.Parameter(param.detach()[lo:hi].clone(),
+                                 requires_grad=param.requires_grad)
+            local.expert_parallel = True
+            setattr(module, pname, local)
+        module.num_experts = shard.local
+        module.merak_ep = shard
+        kept[name] = (lo, shard.local)
+    for module in modules.values():
+        module.config._experts_implementation = IMPLEMENTATION
+    return kept

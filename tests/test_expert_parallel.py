@@ -1,0 +1,114 @@
+"""Expert parallelism (merak/expert_parallel): a tiny Qwen3-MoE and Mixtral at dp2 ep2 (2 ranks),
+dp4 ep2 and dp2 ep2 pp2 (4 ranks) against the single-process model in fp32 (pooled worker
+ep_parity.py): losses, router load-balancing losses, gradients and parameters after 3 SGD or
+AdamW steps; and in one process the argument checks, which fail before any process group."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+import transformers as tf
+from dist_harness import assert_like_reference, check, scenario_result
+from ep_parity import COMMON, SELF_CHECKED, SEQ, scenario_names
+
+import merak
+from merak.distributed.expert_groups import expert_rank_lists
+from merak.engine.assemble import check_expert_parallel
+from merak.engine.options import EngineOptions, PrecisionOptions
+from merak.expert_parallel import experts_modules
+from merak.expert_parallel.shard import check_divisible
+from merak.rules import NotSupportedYetError
+
+WORKER = "ep_parity.py"  # pooled: launches(world_size), see conftest.py
+WORLD_SIZES = (2, 4)
+# fp32; AdamW divides by the root of small second moments, which magnifies rounding
+RTOL, ATOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-5, 1e-4
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
+                                                 for s in scenario_names(w)
+                                                 if s not in SELF_CHECKED])
+def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
+    figures = scenario_result(*launches(world_size), scenario)
+    assert assert_like_reference(figures, rtol=RTOL, atol=ATOL,
+                                 grad_atol_of_max=GRAD_ATOL_OF_MAX) > 0
+    for rank, ours in enumerate(figures):
+        counts = ours["expert_counts"]
+        # (gate_up_proj, down_proj) x the rank's layers: 2, or 1 a stage at pp2
+        assert len(counts) == (2 if "pp2" in scenario else 4), f"rank {rank}: {counts}"
+        assert all(mine * ours["ep"] == whole for mine, whole in counts.values()), counts
+        assert not ours.get("params_without_grad"), ours["params_without_grad"]
+    if scenario.startswith("hf-"):  # every routed pair computed once (dropless), 2 layers
+        pairs = 4 * SEQ * COMMON["num_experts_per_tok"]  # each rank's rows x top-k
+        received = [f["received"] for f in figures]
+        assert [sum(layer) for layer in zip(*received)] == [pairs * world_size] * 2, received
+        inner = scenario.rsplit("-", 1)[1]
+        assert {f["inner"] for f in figures} == \
+            {inner if inner in ("eager", "batched_mm") else "grouped_mm"}, figures
+        if scenario.endswith("skewed"):  # all to ep rank 0's experts: ep rank 1 gets none
+            assert all(r == [0, 0] for r in received[1::2]), received
+    if "pp2" in scenario:  # each stage holds one of the 2 layers
+        assert [f["experts_modules"] for f in figures] == \
+            [["model.layers.0.mlp.experts"]] * 2 + [["model.layers.1.mlp.experts"]] * 2
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
+                                                 for s in scenario_names(w) if s in SELF_CHECKED])
+def test_expert_parallel_refusals_and_layout(launches, world_size, scenario):
+    check(*launches(world_size), scenario)
+
+
+@pytest.mark.parametrize("degrees,match", [
+    ({"dp": 3, "ep": 2}, "ep=2 does not divide dp = 3.*e.g. ep=1"),
+    ({"dp": 2, "cp": 3, "ep": 4}, r"dp \* cp = 2 \* 3 = 6.*e.g. ep=3"),
+    ({"dp": 2, "ep": 0}, "ep must be positive"),
+])
+def test_ep_that_does_not_divide_the_replicas_fails_before_any_group(degrees, match):
+    groups = _groups()
+    with pytest.raises(ValueError, match=match):
+        merak.init(tp=1, pp=1, **degrees)
+    assert _groups() == groups, "a process group was made before the check"
+
+
+def _groups() -> int:
+    """How many process groups this process has (0 before torch.distributed starts)."""
+    return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+
+
+def test_ep_must_be_an_int():
+    with pytest.raises(TypeError, match="ep must be a positive int"):
+        merak.init(dp=2, tp=1, pp=1, ep=2.0)
+
+
+def test_expert_groups_are_carved_from_the_replicas():
+    # dp2 cp2 tp2 pp1, ep2: the replicas of tp rank 0 are ranks 0, 2, 4, 6 (tp innermost)
+    ep_lists, edp_lists = expert_rank_lists(dp=2, tp=2, pp=1, cp=2, ep=2)
+    assert ep_lists == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert edp_lists == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    ep_lists, edp_lists = expert_rank_lists(dp=4, tp=1, pp=2, cp=1, ep=4)  # one group a stage
+    assert ep_lists == [[0, 1, 2, 3], [4, 5, 6, 7]] and edp_lists == [[r] for r in range(8)]
+
+
+def test_experts_ep_does_not_divide_are_refused():
+    model = tf.AutoModelForCausalLM.from_config(tf.Qwen3MoeConfig(
+        **{**COMMON, "num_experts_per_tok": 1}, head_dim=8, num_experts=3,
+        moe_intermediate_size=16))
+    modules = experts_modules(model)
+    assert sorted(modules) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    with pytest.raises(ValueError, match="has 3 experts, which ep=2 does not divide"):
+        check_divisible(modules, 2)
+    check_divisible(modules, 3)
+
+
+@pytest.mark.parametrize("options,field", [
+    (EngineOptions(precision=PrecisionOptions(zero_stage=2)), "zero_stage=2"),
+])
+def test_engine_options_ep_does_not_combine_with_yet(options, field):
+    ctx = SimpleNamespace(ep=2, tp=1)
+    with pytest.raises(NotSupportedYetError, match=field):
+        check_expert_parallel(ctx, options)
+    with pytest.raises(NotSupportedYetError, match="tp=2"):
+        check_expert_parallel(SimpleNamespace(ep=2, tp=2), EngineOptions())
+    check_expert_parallel(ctx, EngineOptions())
