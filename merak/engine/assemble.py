@@ -9,7 +9,6 @@
     -> hooks (fp16 loss scale, gradient clipping, wall-clock timers, then the caller's)
     -> `PipelineInterpreter`
 
-
 `MerakTrainer`, the planner's dry runs, `merak coverage` and the benches all build through
 here, from an `EngineOptions`: the planner measures the engine the trainer runs.
 """
