@@ -11,6 +11,7 @@ with a margin.
 
 from __future__ import annotations
 
+import sft_common as sft
 import torch
 import transformers as tf
 
@@ -107,17 +108,8 @@ class Collator:
 
 
 def reference_order(dp: int, n: int = ROWS) -> list[int]:
-    """The rows in the order that gives a single process's micro-batch i the rows of every dp
-    rank's micro-batch i (Merak gives dp rank r the r-th slice of each step)."""
-    step_rows = GLOBAL_MICRO_BATCH * MICROBATCHES
-    per_rank, per_mb = step_rows // dp, GLOBAL_MICRO_BATCH // dp
-    order = []
-    for start in range(0, n, step_rows):
-        for mb in range(MICROBATCHES):
-            for rank in range(dp):
-                first = start + rank * per_rank + mb * per_mb
-                order += range(first, first + per_mb)
-    return order
+    """`sft_common.reference_order` for this module's steps."""
+    return sft.reference_order(dp, n, GLOBAL_MICRO_BATCH, MICROBATCHES)
 
 
 def logged(log_history: list[dict], keys=("loss", "grad_norm")) -> dict[str, list[float]]:

@@ -79,15 +79,17 @@ def peft_config(targets: str | tuple[str, ...]):
     return LoraConfig(**lora_fields(targets))
 
 
-def reference_order(dp: int, rows: int = ROWS) -> list[int]:
-    """The rows in the order that gives a single process's micro-batch i the rows of every dp
-    rank's micro-batch i (Merak gives dp rank r the r-th slice of each step, then cuts it into
-    micro-batches; TRL's per-micro-batch metrics gather over the dp ranks)."""
-    step_rows = GLOBAL_MICRO_BATCH * MICROBATCHES
-    per_rank, per_mb = step_rows // dp, GLOBAL_MICRO_BATCH // dp
+def reference_order(dp: int, rows: int = ROWS, micro_batch: int = GLOBAL_MICRO_BATCH,
+                    microbatches: int = MICROBATCHES) -> list[int]:
+    """The rows in the order that gives a single process's micro-batch i (of `micro_batch`
+    rows, `microbatches` a step) the rows of every dp rank's micro-batch i (Merak gives dp rank
+    r the r-th slice of each step, then cuts it into micro-batches; TRL's per-micro-batch
+    metrics gather over the dp ranks)."""
+    step_rows = micro_batch * microbatches
+    per_rank, per_mb = step_rows // dp, micro_batch // dp
     order = []
     for start in range(0, rows, step_rows):
-        for mb in range(MICROBATCHES):
+        for mb in range(microbatches):
             for rank in range(dp):
                 first = start + rank * per_rank + mb * per_mb
                 order += range(first, first + per_mb)
