@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from merak.distributed import parallel_context as pc
+from merak.distributed.backends import handles_cpu_tensors
 
 
 @pytest.mark.parametrize("local_rank,count,expected",
@@ -28,7 +29,7 @@ def test_no_visible_device_is_a_clear_error():
 @pytest.mark.parametrize("backend,cpu", [("gloo", True), ("nccl", False),
                                          ("cpu:gloo,cuda:nccl", True), ("NCCL", False)])
 def test_which_backends_take_host_tensors(backend, cpu):
-    assert pc.handles_cpu_tensors(backend) is cpu
+    assert handles_cpu_tensors(backend) is cpu
 
 
 def test_nccl_device_comes_from_local_rank_and_visible_devices(monkeypatch):

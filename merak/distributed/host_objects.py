@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from merak.distributed.parallel_context import default_context, handles_cpu_tensors
+from merak.distributed.backends import handles_cpu_tensors
+from merak.distributed.parallel_context import default_context
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

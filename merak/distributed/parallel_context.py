@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from merak.distributed import attempt_store, gloo_interface, liveness, timeouts
+from merak.distributed.backends import is_nccl as _is_nccl
+from merak.distributed.backends import make_host_groups
 from merak.distributed.expert_groups import check_ep, make_expert_groups
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
@@ -185,33 +187,6 @@ def local_device_index(local_rank: int, device_count: int) -> int:
     if local_rank < 0:
         raise ValueError(f"LOCAL_RANK must be >= 0, got {local_rank}")
     return local_rank % device_count
-
-
-def _is_nccl(backend: str) -> bool:
-    """NCCL alone, or in a per-device backend string such as ``cpu:gloo,cuda:nccl``."""
-    return "nccl" in str(backend).lower()
-
-
-def handles_cpu_tensors(backend: str) -> bool:
-    """Whether a process group of `backend` takes CPU tensors (gloo, alone or in a per-device
-    string such as ``cpu:gloo,cuda:nccl``)."""
-    backend = str(backend).lower()
-    return "gloo" in backend or not _is_nccl(backend)
-
-
-def make_host_groups(mesh: DeviceMesh, backend: str) -> dict[str, dist.ProcessGroup]:
-    """The groups of `ParallelContext.host_group`: the mesh's own and the world where
-    `backend` moves CPU tensors; else new gloo groups (every rank creates every group of each
-    dimension, in one order, as `new_group` requires)."""
-    if handles_cpu_tensors(backend):
-        return {"world": dist.group.WORLD,
-                **{dim: mesh.get_group(dim) for dim in mesh.mesh_dim_names}}
-    groups = {"world": dist.new_group(backend="gloo")}
-    for index, dim in enumerate(mesh.mesh_dim_names):
-        lines = mesh.mesh.movedim(index, -1).reshape(-1, mesh.size(index))
-        groups[dim], _ = dist.new_subgroups_by_enumeration([row.tolist() for row in lines],
-                                                           backend="gloo")
-    return groups
 
 
 def process_group_timeout_s(device: torch.device) -> float | None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import merak
 import merak.distributed.host_objects as host
-from merak.distributed.parallel_context import make_host_groups
+from merak.distributed.backends import make_host_groups
 from merak.trainer.evaluation import EvaluationMixin
 
 OBJECT_COLLECTIVES = ("gather_object", "all_gather_object", "broadcast_object_list",
