@@ -280,13 +280,13 @@ def _lora_reference(items, lr: float) -> tuple[list[float], torch.nn.Module]:
     return losses, model
 
 
-def lora_trainer() -> None:
-    """`lora_config` through MerakTrainer at pp=2: the losses of single-process peft, base
-    weights unchanged; `text_generation` (greedy) after training gives HF generate's tokens on
-    the trained peft model, as do `trainer.generate` and `merak generate` on the saved
-    checkpoint; `save_model` writes a PEFT directory
-    that loads to the trained model's logits; `merak export` turns the checkpoint into one too,
-    or merges it into HF weights."""
+def lora_trainer() -> dict:
+    """`lora_config` through MerakTrainer at pp=2, against single-process peft: the losses,
+    which parameters train and whether the frozen ones kept the base weights; `text_generation`
+    (greedy) after training, `trainer.generate` and `merak generate` on the saved checkpoint
+    against HF generate on the trained peft model; and (rank 0) the logits of what
+    `save_model`, `merak export` and `merak export --merge` wrote, loaded back, against the
+    trained peft model's (`Compared`)."""
     import json
 
     from peft import PeftModel
@@ -300,52 +300,55 @@ def lora_trainer() -> None:
                        save_steps=STEPS, text_generation=True, out_seq_length=5,
                        temperature=0.0)
     trainer.generation_prompts = PROMPTS
-    before = {n: p.detach().clone() for n, p in trainer._user_model.named_parameters()
-              if not p.is_meta}
-    assert not before, "the meta model was materialized outside its stage"
+    materialized = [n for n, p in trainer._user_model.named_parameters() if not p.is_meta]
     trainer.train()
     trainer.save_model(str(out / "final"))
     want, reference = _lora_reference(items, 1e-3)
-    got = _losses(trainer)
-    np.testing.assert_allclose(got, want, rtol=1e-4, err_msg="losses against single-process peft")
+    compared = Compared()
+    compared.value("losses against single-process peft", _losses(trainer), want)
     base = dict(build("llama").named_parameters())
+    trainable, frozen_changed = [], []
     for name, param in trainer.stage.named_parameters():
-        plain = name.replace(".base_layer.", ".")
-        if ".lora_" in name:
-            assert param.requires_grad
-        else:
-            assert not param.requires_grad and torch.equal(param.detach(), base[plain]), name
-    want = []  # text_generation: greedy, as HF generate on the trained peft model
+        if param.requires_grad:
+            trainable.append(name)
+        elif ".lora_" in name or not torch.equal(param.detach(),
+                                                 base[name.replace(".base_layer.", ".")]):
+            frozen_changed.append(name)
+    generated = []  # text_generation: greedy, as HF generate on the trained peft model
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         new = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=5, do_sample=False)[0, len(prompt):].tolist()
         eos = reference.generation_config.eos_token_id
-        want.append(new[:new.index(eos) + 1] if eos in new else new)
-    assert trainer.generations == want, f"generated {trainer.generations}, HF {want}"
-    assert trainer.generate([PROMPTS[0]], max_new_tokens=3) == [want[0][:3]]
+        generated.append(new[:new.index(eos) + 1] if eos in new else new)
+    figures = {"materialized_outside_the_stage": materialized, "trainable": trainable,
+               "frozen_changed": frozen_changed, "hf_generated": generated,
+               "text_generation": trainer.generations,
+               "generate": trainer.generate([PROMPTS[0]], max_new_tokens=3)}
     with mock.patch("builtins.print") as printed:  # `merak generate` on the checkpoint
         from merak.cli import main
 
         main(["generate", str(out / f"checkpoint-{STEPS}"), "--pp", "2", "--max-new-tokens",
               "5", *[a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]])
     if dist.get_rank() == 0:
-        lines = [c.args[0] for c in printed.call_args_list]
-        assert lines == [f"prompt_ids={p} generated_ids={w}" for p, w in zip(PROMPTS, want)], \
-            lines
+        figures["cli_lines"] = [c.args[0] for c in printed.call_args_list]
+        figures["cli_expected"] = [f"prompt_ids={p} generated_ids={w}"
+                                   for p, w in zip(PROMPTS, generated)]
         rows = (out / "generations.jsonl").read_text().splitlines()
-        assert [json.loads(r)["generated_ids"] for r in rows] == want
+        figures["generations_file"] = [json.loads(r)["generated_ids"] for r in rows]
         ids = items[0]["input_ids"][None]
-        logits = reference(input_ids=ids).logits
-        loaded = PeftModel.from_pretrained(build("llama"), str(out / "final"))
-        torch.testing.assert_close(loaded(input_ids=ids).logits, logits, msg="save_model")
-        adapter = export_checkpoint(out / f"checkpoint-{STEPS}", out / "exported")
-        loaded = PeftModel.from_pretrained(build("llama"), str(adapter))
-        torch.testing.assert_close(loaded(input_ids=ids).logits, logits, msg="merak export")
-        merged = export_checkpoint(out / f"checkpoint-{STEPS}", out / "merged", merge=True)
-        plain = AutoModelForCausalLM.from_pretrained(str(merged))
-        torch.testing.assert_close(plain(input_ids=ids).logits, logits, msg="export --merge")
+        with torch.no_grad():
+            logits = reference(input_ids=ids).logits
+            loaded = PeftModel.from_pretrained(build("llama"), str(out / "final"))
+            compared.value("save_model's logits", loaded(input_ids=ids).logits, logits)
+            adapter = export_checkpoint(out / f"checkpoint-{STEPS}", out / "exported")
+            loaded = PeftModel.from_pretrained(build("llama"), str(adapter))
+            compared.value("merak export's logits", loaded(input_ids=ids).logits, logits)
+            merged = export_checkpoint(out / f"checkpoint-{STEPS}", out / "merged", merge=True)
+            plain = AutoModelForCausalLM.from_pretrained(str(merged))
+            compared.value("export --merge's logits", plain(input_ids=ids).logits, logits)
     dist.barrier()
+    return compared.figures(**figures)
 
 
 SCENARIOS = {"lora-trainer": lora_trainer, "push-to-hub": push_to_hub,
