@@ -78,6 +78,11 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         check_dpo(type(self), args, model, trainer_kwargs)
         check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))
         self.ctx = get_context()
+        if self.ctx.ep > 1:  # its saves would write one rank's experts as the layer's
+            raise NotSupportedYetError(
+                f"MerakTrainer with expert parallelism (merak.init(ep={self.ctx.ep})) is not "
+                f"supported yet: its checkpoints and saved models do not gather the experts' "
+                f"shards; train through merak.engine.assemble.build_engine, or use ep=1")
         use_trainer_timeout(args.ddp_timeout)  # every wait of the job: at most ddp_timeout
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)
@@ -100,11 +105,6 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         # HF's rule for which labels count (a causal LM's loss shifts them)
         self._shifted_count = getattr(self, "_loss_shifts_labels", shifts_labels(base))
         self._check_context_parallel(model)
-        if self.ctx.ep > 1:  # its saves would write one rank's experts as the layer's
-            raise NotSupportedYetError(
-                f"MerakTrainer with expert parallelism (merak.init(ep={self.ctx.ep})) is not "
-                f"supported yet: its checkpoints and saved models do not gather the experts' "
-                f"shards; train through merak.engine.assemble.build_engine, or use ep=1")
         self._check_inputs()  # before any model is built from their first items
         self.generation_prompts, self.generations = generation_prompts, None
         self.engine: Engine | None = None  # built at train() (or for evaluation, generation)
