@@ -20,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from pathlib import Path
+from unittest import mock
 
 from torch import nn
 
 from merak.materialize.safetensors import pretrained_checkpoint
+from merak.trainer.subclasses import is_dpo
 
 
 def weightless_hash(module: nn.Module) -> str:
@@ -46,14 +48,10 @@ def dpo_init(trainer_class: type, model: nn.Module | None, args):
     """Inside a DPOTrainer's ``__init__``: a meta `model` is hashed with `weightless_hash`;
     without ``precompute_ref_log_probs`` no reference copy of the model is loaded (see
     `reference_before_training`). Other trainers are untouched."""
-    from merak.trainer.subclasses import is_dpo
-
     if not is_dpo(trainer_class):
         yield
         return
-    from unittest import mock
-
-    import trl.trainer.dpo_trainer as dpo_trainer
+    import trl.trainer.dpo_trainer as dpo_trainer  # (trl: only where a DPOTrainer is made)
 
     with contextlib.ExitStack() as stack:
         if model is not None and any(p.is_meta for p in model.parameters()):
@@ -76,8 +74,6 @@ def reference_before_training(trainer) -> None:
     pipeline with the initial weights before the first step, the pass precomputed references
     take (`merak.trainer.reference_logps`): exact, and no second copy of the weights on any
     rank. TRL's loss then reads them from the batch, as with precomputed references."""
-    from merak.trainer.subclasses import is_dpo
-
     args = trainer.args
     if not is_dpo(type(trainer)) or args.precompute_ref_log_probs:
         return
