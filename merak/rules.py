@@ -40,6 +40,7 @@ class Choices:
     fp8: str | None = None             # torchao float8 linears' recipe (merak.engine.fp8)
     fp16: bool = False
     tp: int = 1                        # tensor parallelism (merak.init's tp)
+    ep: int = 1                        # expert parallelism (merak.init's ep)
 
     @classmethod
     def from_arguments(cls, args, *, lora: bool | None = None, cp: int | None = None
@@ -47,9 +48,9 @@ class Choices:
         """The choices of `MerakArguments` `args` (read by field name); `lora`: whether the
         model carries adapters (default: whether `args.lora_config` asks for them); `cp`: the
         context-parallel degree (default: the one of the last `merak.init`, else 1); the
-        tensor-parallel degree: the last `merak.init`'s, else 1."""
+        tensor- and expert-parallel degrees: the last `merak.init`'s, else 1."""
         values = {f.name: getattr(args, f.name) for f in fields(cls)
-                  if f.name not in ("lora", "divides_gradients", "cp", "packing", "tp")
+                  if f.name not in ("lora", "divides_gradients", "cp", "packing", "tp", "ep")
                   and hasattr(args, f.name)}
         values["lora"] = args.lora_config is not None if lora is None else lora
         context = default_context()
@@ -57,6 +58,7 @@ class Choices:
             cp = context.cp if context is not None else 1
         values["cp"] = cp
         values["tp"] = context.tp if context is not None else 1
+        values["ep"] = context.ep if context is not None else 1
         values["packing"] = bool(getattr(args, "packing", False)
                                  or getattr(args, "padding_free", False))
         values["divides_gradients"] = bool(args.prescale_gradients) \
@@ -65,11 +67,11 @@ class Choices:
 
     def with_candidate(self, candidate) -> Choices:
         """These choices with a planner candidate's (`candidate_fields`): schedule, ZeRO
-        stage, recomputation, sequence parallelism, context and tensor parallelism."""
+        stage, recomputation, sequence parallelism, context, tensor and expert parallelism."""
         chosen = candidate_fields(candidate)
         own = {f.name for f in fields(self)}
         return replace(self, **{k: v for k, v in chosen.items() if k in own},
-                       cp=getattr(candidate, "cp", self.cp), tp=getattr(candidate, "tp", self.tp))
+                       cp=candidate.cp, tp=candidate.tp, ep=candidate.ep)
 
 
 def candidate_fields(candidate, recompute_ratios=None) -> dict:
@@ -141,7 +143,8 @@ def refusal(c: Choices, owner: str = "MerakArguments") -> Refusal | None:
                        f"work without sequence parallelism and TP overlap; set "
                        f"sequence_parallel=False and tp_overlapping_level=0",
                        not_supported_yet=False)
-    return _fp8_refusal(c, owner) or _context_parallel_refusal(c, owner)
+    return (_fp8_refusal(c, owner) or _context_parallel_refusal(c, owner)
+            or _expert_parallel_refusal(c, owner))
 
 
 def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
@@ -195,6 +198,21 @@ def _context_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
             shown = "lora_config" if other == "lora" else other
             return Refusal(other, f"{owner}.{shown} with context parallelism (cp={c.cp}) is not "
                            f"supported yet ({why})")
+    return None
+
+
+def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
+    """What expert parallelism (ep > 1) does not combine with yet."""
+    if c.ep == 1:
+        return None
+    for other, value, fine, why in (
+            ("zero_stage", c.zero_stage, 0, "ZeRO shards over all replicas, but expert "
+             "weights are reduced over the expert-data-parallel group"),
+            ("tp", c.tp, 1, "experts split over tp and ep together are untested")):
+        if value != fine:
+            return Refusal(other, f"{owner}: expert parallelism (ep={c.ep}) with "
+                           f"{other}={value} is not supported yet ({why}); use {other}={fine} "
+                           f"with ep > 1, or ep=1")
     return None
 
 

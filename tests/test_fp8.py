@@ -182,7 +182,8 @@ def test_the_build_refuses_tensor_parallel_layouts():
 
 def test_a_planner_candidate_with_tp_is_refused_under_fp8():
     candidate = SimpleNamespace(micro_batch=1, microbatches=4, schedule="1f1b", zero=0,
-                                sequence_parallel=False, recompute="off", chunks=1, tp=2, cp=1)
+                                sequence_parallel=False, recompute="off", chunks=1, tp=2, cp=1,
+                                ep=1)
     job = rules.Choices(fp8="tensorwise")
     assert rules.refusal(job.with_candidate(candidate)).field == "fp8"
     assert rules.refusal(job.with_candidate(SimpleNamespace(**{**vars(candidate), "tp": 1}))) \

@@ -13,8 +13,8 @@ from merak.cli import main as merak_main
 from merak.rules import Choices
 from merak.schedule.registry import SCHEDULES
 from merak.strategy.cluster import GIB, Cluster, cluster
-from merak.strategy.costs import analytic_costs
-from merak.strategy.predict import Candidate, Predictor, state_bytes
+from merak.strategy.costs import analytic_costs, state_bytes
+from merak.strategy.predict import Candidate, Predictor
 from merak.strategy.search import candidates, layouts, read_strategy_plan, search
 from merak.strategy.shape import ModelShape
 
@@ -274,7 +274,7 @@ def test_plan_json_round_trips_into_init_degrees(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"chosen": Candidate(2, 1, 2, 1, 4).__dict__,
                                 "chosen_ratios": [0.0, 0.0]}))
-    assert degrees_from_plan(path) == (2, 1, 2, 1)
+    assert degrees_from_plan(path) == (2, 1, 2, 1, 1)
     path.write_text(json.dumps({"chosen": None}))
     with pytest.raises(ValueError, match="no chosen plan"):
         degrees_from_plan(path)

@@ -51,6 +51,11 @@ def add_plan(subparsers) -> None:
     parser.add_argument("--no-context-parallel", action="store_true",
                         help="plan without context parallelism (cp = 1): for a job whose rows "
                              "are padded (cp splits whole, unpadded rows)")
+    parser.add_argument("--no-expert-parallel", action="store_true",
+                        help="plan an MoE model without expert parallelism (ep = 1)")
+    parser.add_argument("--expert-imbalance", type=positive_float, default=1.0,
+                        help="MoE: the busiest rank's routed (token, expert) pairs over the "
+                             "mean, as a real batch routes them (1: even)")
     parser.add_argument("--dry-runs", type=positive_int, default=5,
                         help="online: candidates to run")
     parser.add_argument("--dry-run-steps", type=positive_int, default=3)
@@ -95,6 +100,7 @@ def _plan(args: argparse.Namespace) -> int:
         sequence_parallel_choices(config)
     sizes = args.micro_batch_sizes
     memory = args.memory_gib * GIB if args.memory_gib else None
+    experts = (1,) if args.no_expert_parallel else None  # (None: every degree that divides)
     if args.cluster:
         world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or None
         described = _cluster(args.cluster, world)
@@ -104,8 +110,11 @@ def _plan(args: argparse.Namespace) -> int:
             context_parallel_degrees(described.world_size, args.seq_len)
         plan = search(shape, costs, described, args.global_batch, args.seq_len, memory,
                       args.parallel_vocab, sequence_parallel=sequence_parallel,
-                      context_parallel=degrees, recompute_choices=(*RECOMPUTE_CHOICES, BLOCK))
-        print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters on "
+                      context_parallel=degrees, recompute_choices=(*RECOMPUTE_CHOICES, BLOCK),
+                      expert_parallel=experts, imbalance=args.expert_imbalance)
+        moe = (f" ({shape.experts} experts of {shape.expert_params * shape.layers / 1e9:.2f} B "
+               f"per block set, {shape.experts_per_token} per token)" if shape.experts else "")
+        print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters{moe} on "
               f"{described.world_size} x {described.name}")
     else:
         from merak.dryrun.online import plan_online
@@ -116,7 +125,8 @@ def _plan(args: argparse.Namespace) -> int:
         plan = plan_online(config, args.global_batch, args.seq_len, memory, sizes,
                            dry_runs=args.dry_runs, steps=args.dry_run_steps,
                            parallel_vocab=args.parallel_vocab,
-                           sequence_parallel=sequence_parallel, context_parallel=degrees)
+                           sequence_parallel=sequence_parallel, context_parallel=degrees,
+                           expert_parallel=experts, imbalance=args.expert_imbalance)
         if plan is None:  # not rank 0
             return 0
     print(plan.table(args.top))

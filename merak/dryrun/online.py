@@ -53,7 +53,7 @@ def _averaged(costs: BlockCosts, ctx) -> BlockCosts:
 
 
 def _distinct(ranked: list[Prediction], count: int, within: float = 1.5) -> list[Prediction]:
-    """The `count` candidates to dry-run: first the best of each layout (dp x tp x pp x cp,
+    """The `count` candidates to dry-run: first the best of each layout (dp x tp x pp x cp x ep,
     sequence parallelism) predicted within `within` times the best, then the best of each layout and
     micro-batch size, then of each layout and schedule, then the next best. The model errs
     most between layouts (ranks sharing cores or links, collectives), then between micro-batch
@@ -62,9 +62,9 @@ def _distinct(ranked: list[Prediction], count: int, within: float = 1.5) -> list
         return []
     near = [p for p in ranked if p.step_s <= within * ranked[0].step_s]
     taken: list[Prediction] = []
-    for key in (lambda c: (c.dp, c.tp, c.pp, c.cp, c.sequence_parallel),
-                lambda c: (c.dp, c.tp, c.pp, c.cp, c.sequence_parallel, c.micro_batch),
-                lambda c: (c.dp, c.tp, c.pp, c.cp, c.sequence_parallel, c.schedule)):
+    for key in (lambda c: (c.dp, c.tp, c.pp, c.cp, c.ep, c.sequence_parallel),
+                lambda c: (c.dp, c.tp, c.pp, c.cp, c.ep, c.sequence_parallel, c.micro_batch),
+                lambda c: (c.dp, c.tp, c.pp, c.cp, c.ep, c.sequence_parallel, c.schedule)):
         seen = {key(p.candidate) for p in taken}
         for p in near:
             if len(taken) == count:
@@ -81,7 +81,9 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
                 dtype: torch.dtype | None = None, parallel_vocab: bool = False,
                 sequence_parallel: tuple[bool, ...] | None = None,
                 options: EngineOptions | None = None, job: Choices | None = None,
-                context_parallel: tuple[int, ...] = (1,)) -> StrategyPlan:
+                context_parallel: tuple[int, ...] = (1,),
+                expert_parallel: tuple[int, ...] | None = (1,), imbalance: float = 1.0
+                ) -> StrategyPlan:
     """The plan for `config` on this job (every rank calls it; every rank gets the plan);
     `parallel_vocab` as the job will build its TP model; `sequence_parallel`: the settings
     to try where tp > 1 (default: `sequence_parallel_choices` of the config). `options`: the
@@ -90,13 +92,16 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
     `merak.rules` accepts for it are searched. `context_parallel`: the cp degrees to search
     (`merak.strategy.search.context_parallel_degrees`; 1 only by default: a job's rows must
     be unpadded for cp, which the planner cannot see); a cp candidate's dry run splits its
-    rows as `MerakTrainer` does."""
+    rows as `MerakTrainer` does. `expert_parallel`: the ep degrees to search for an MoE model
+    (None: every one that divides; `merak.strategy.search.candidates`), `imbalance`: its
+    routing's (`merak.strategy.predict.Predictor`)."""
     options = options or EngineOptions.for_dry_runs(dtype, parallel_vocab)
     start = time.perf_counter()
     with transient_process_groups():  # (the measuring layout's groups too)
         plan, best, memory = _plan_and_dry_run(config, global_batch, seq, memory_bytes,
                                                micro_batch_sizes, dry_runs, steps, options,
-                                               sequence_parallel, job, context_parallel)
+                                               sequence_parallel, job, context_parallel,
+                                               expert_parallel, imbalance)
     if best is None:
         label = min(plan.measured_memory, key=plan.measured_memory.get)
         raise ValueError(f"every dry run went over the memory limit of {memory / 2**30:.3g} "
@@ -119,7 +124,8 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
 def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float | None,
                       micro_batch_sizes, dry_runs: int, steps: int, options: EngineOptions,
                       sequence_parallel: tuple[bool, ...] | None, job: Choices | None,
-                      context_parallel: tuple[int, ...] = (1,)
+                      context_parallel: tuple[int, ...] = (1,),
+                      expert_parallel: tuple[int, ...] | None = (1,), imbalance: float = 1.0
                       ) -> tuple[StrategyPlan, Prediction | None, float]:
     """`plan_online`'s measurements, search and dry runs: the plan, the fastest measured
     prediction within the memory limit (None when none is) and that limit."""
@@ -137,7 +143,8 @@ def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float |
     plan = search(shape, costs, cluster, global_batch, seq, memory,
                   options.tensor_parallel.parallel_vocab, micro_batch_sizes=sizes,
                   sequence_parallel=sequence_parallel, job=job,
-                  context_parallel=context_parallel)
+                  context_parallel=context_parallel, expert_parallel=expert_parallel,
+                  imbalance=imbalance)
     best = None
     for prediction in _distinct(plan.ranked, dry_runs):
         c = prediction.candidate

@@ -111,7 +111,7 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions,
     but the process groups (the caller destroys those)."""
     from transformers import AutoModelForCausalLM
 
-    ctx = init(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp)
+    ctx = init(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep)
     cuda = ctx.device.type == "cuda"
     torch.manual_seed(0)
     with init_empty_weights():

@@ -22,6 +22,7 @@ from merak.strategy.shape import ModelShape
 
 # AdamW reads weight, gradient and two moments and writes weight and moments, all fp32
 ADAMW_BYTES_PER_PARAM = 4 * (4 + 3)
+ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 MIN_SAMPLE_S = 0.1  # each timed sample of a block measurement lasts about this long
 
 
@@ -234,3 +235,25 @@ def _timed(device, run: Callable[[], None], count: int = 1,
         run()
     synchronize(device)
     return (time.perf_counter() - start) / count
+
+
+def stage_blocks(layers: int, stages: int) -> list[int]:
+    """Blocks per stage, as even as possible (the earlier stages take the remainder)."""
+    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+
+
+def state_bytes(params: float, zero: int, dp: int, largest_block: float) -> float:
+    """Bytes of one rank's model states for `params` parameters (its tp share) under `zero`.
+
+    Merak's ZeRO-2/3 are FSDP2 units that accumulate unsharded gradients over the step's
+    micro-batches and reduce-scatter them in the tail; ZeRO-2 keeps the gathered weights
+    through the step, ZeRO-3 one gathered unit (block) at a time."""
+    weights, grads, adam = 4 * params, 4 * params, ADAM_STATE_BYTES * params
+    if zero == 0:
+        return weights + grads + adam
+    if zero == 1:
+        return weights + grads + adam / dp
+    sharded = (weights + grads + adam) / dp
+    if zero == 2:
+        return sharded + weights + grads
+    return sharded + grads + 2 * 4 * largest_block  # a block gathered, the next prefetched

@@ -14,15 +14,15 @@ from merak.distributed.parallel_context import ParallelContext
 from merak.strategy.search import read_strategy_plan
 
 
-def degrees_from_plan(path: str | Path) -> tuple[int, int, int, int]:
-    """(dp, tp, pp, cp) of the layout a ``merak plan`` file chose."""
+def degrees_from_plan(path: str | Path) -> tuple[int, int, int, int, int]:
+    """(dp, tp, pp, cp, ep) of the layout a ``merak plan`` file chose."""
     chosen = read_strategy_plan(path)[0]
-    return chosen.dp, chosen.tp, chosen.pp, getattr(chosen, "cp", 1)
+    return chosen.dp, chosen.tp, chosen.pp, chosen.cp, chosen.ep
 
 
 def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
          backend: str | None = None, *, timeout: datetime.timedelta | float | None = None,
-         plan: str | Path | None = None, cp: int | None = None, ep: int = 1,
+         plan: str | Path | None = None, cp: int | None = None, ep: int | None = None,
          ) -> ParallelContext:
     """Initialize torch.distributed (if needed) and build the (pp, dp, cp, tp) device mesh; see
     `merak.distributed.parallel_context.init` for every argument but `plan` (`cp`: the
@@ -38,9 +38,9 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
     """
     if plan is not None:
         planned = degrees_from_plan(plan)
-        given = (dp, tp, pp, cp)
+        given = (dp, tp, pp, cp, ep)
         if any(g is not None and g != p for g, p in zip(given, planned)):
-            raise ValueError(f"merak.init: (dp, tp, pp, cp) = {given} disagree with the plan "
-                             f"{plan}'s {planned}; leave the degrees out to use the plan's")
-        dp, tp, pp, cp = planned
-    return parallel_context.init(dp, tp, pp, backend, timeout=timeout, cp=cp, ep=ep)
+            raise ValueError(f"merak.init: (dp, tp, pp, cp, ep) = {given} disagree with the "
+                             f"plan {plan}'s {planned}; leave the degrees out to use the plan's")
+        dp, tp, pp, cp, ep = planned
+    return parallel_context.init(dp, tp, pp, backend, timeout=timeout, cp=cp, ep=ep or 1)

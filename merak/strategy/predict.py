@@ -26,10 +26,9 @@ from merak.recompute.stage_aware import KeptBytes
 from merak.schedule.registry import make_schedule, placement_of
 from merak.schedule.simulator import CostModel, MemoryModel, simulate
 from merak.strategy.cluster import Cluster
-from merak.strategy.costs import BlockCosts
+from merak.strategy.costs import BlockCosts, stage_blocks, state_bytes
 from merak.strategy.shape import ModelShape
 
-ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 RECOMPUTE_CHOICES = ("off", "full", "budget")
 # every block recomputed inside the backward, one at a time (`recompute_in_backward`): searched
 # where asked (`merak plan` offline)
@@ -53,6 +52,7 @@ class Candidate:
     sequence_parallel: bool = False  # the blocks' residual stream split over the TP ranks
     cp: int = 1  # context parallelism: each row's sequence split over cp ranks
     cp_mode: str = "ring"  # its attention: "ring" or "ulysses"
+    ep: int = 1  # expert parallelism: each MoE block's experts split over ep of the replicas
 
     @property
     def replicas(self) -> int:
@@ -64,7 +64,8 @@ class Candidate:
         chunks = f" v{self.chunks}" if self.chunks > 1 else ""
         sp = "+sp" if self.sequence_parallel else ""
         cp = f" cp{self.cp}:{self.cp_mode}" if self.cp > 1 else ""
-        return (f"dp{self.dp} tp{self.tp}{sp}{cp} pp{self.pp}{chunks} mb{self.micro_batch}x"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"dp{self.dp}{ep} tp{self.tp}{sp}{cp} pp{self.pp}{chunks} mb{self.micro_batch}x"
                 f"{self.microbatches} {self.schedule} rc:{self.recompute} zero{self.zero}")
 
 
@@ -85,28 +86,6 @@ class Prediction:
         return self.error is None
 
 
-def stage_blocks(layers: int, stages: int) -> list[int]:
-    """Blocks per stage, as even as possible (the earlier stages take the remainder)."""
-    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
-
-
-def state_bytes(params: float, zero: int, dp: int, largest_block: float) -> float:
-    """Bytes of one rank's model states for `params` parameters (its tp share) under `zero`.
-
-    Merak's ZeRO-2/3 are FSDP2 units that accumulate unsharded gradients over the step's
-    micro-batches and reduce-scatter them in the tail; ZeRO-2 keeps the gathered weights
-    through the step, ZeRO-3 one gathered unit (block) at a time."""
-    weights, grads, adam = 4 * params, 4 * params, ADAM_STATE_BYTES * params
-    if zero == 0:
-        return weights + grads + adam
-    if zero == 1:
-        return weights + grads + adam / dp
-    sharded = (weights + grads + adam) / dp
-    if zero == 2:
-        return sharded + weights + grads
-    return sharded + grads + 2 * 4 * largest_block  # a block gathered, the next prefetched
-
-
 class Predictor:
     """Predicts candidates of one model on one cluster (the global batch and sequence length
     are those the block costs and the candidates' micro-batching were made for).
@@ -118,11 +97,15 @@ class Predictor:
         memory_bytes: the per-rank limit (default the cluster's).
         parallel_vocab: the embedding and LM head are split over the TP ranks (Merak's
             ``parallel_vocab``); otherwise every TP rank holds and runs them whole.
+        imbalance: under expert parallelism, the busiest rank's routed pairs over the mean
+            (1: an even routing); the other ranks wait for it in every MoE block.
     """
 
     def __init__(self, shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
-                 memory_bytes: float | None = None, parallel_vocab: bool = False):
+                 memory_bytes: float | None = None, parallel_vocab: bool = False,
+                 imbalance: float = 1.0):
         self.shape, self.costs, self.cluster = shape, costs, cluster
+        self.imbalance = imbalance
         self.memory_bytes = memory_bytes or cluster.memory_bytes
         self.parallel_vocab = parallel_vocab
         self._cache: dict[tuple, tuple[float, list[float]]] = {}
@@ -132,13 +115,34 @@ class Predictor:
     def _stage_params(self, c: Candidate) -> list[float]:
         shape, stages = self.shape, c.pp * c.chunks
         counts = stage_blocks(shape.layers, stages)
-        params = [n * shape.block_params / c.tp for n in counts]
+        params = [n * self._block_params(c) for n in counts]
         vocab_tp = c.tp if self.parallel_vocab else 1
         params[0] += shape.embedding_params / vocab_tp
         head = shape.head_params - shape.hidden  # the final norm stays whole
         params[-1] += shape.hidden + (head + (shape.embedding_params if shape.tied and stages > 1
                                               else 0)) / vocab_tp
         return params
+
+    def _block_params(self, c: Candidate) -> float:
+        """One block's parameters on a rank: tp splits all of them but the routed experts
+        under ep > 1, which ep splits instead."""
+        shape = self.shape
+        if c.ep == 1:
+            return shape.block_params / c.tp
+        return shape.block_params_outside_experts / c.tp + shape.expert_params / c.ep
+
+    def expert_parallel_s(self, c: Candidate, cost: BlockCosts) -> float:
+        """Seconds one block adds per pass (forward or backward) for the token exchange under
+        ep > 1: the pairs out to their experts' ranks and the results back, two all-to-alls
+        whose traffic is the ``(ep - 1) / ep`` of the pairs bound elsewhere; with the expert
+        compute of the busiest rank above the mean by `imbalance` (the ranks wait for it)."""
+        if c.ep == 1:
+            return 0.0
+        shape, cl = self.shape, self.cluster
+        pairs = shape.exchange_bytes(cost.rows, cost.seq, cost.dtype_bytes)
+        waiting = (self.imbalance - 1.0) * shape.expert_share(cost.rows, cost.seq) \
+            * cost.forward_s
+        return 2 * cl.all_gather_s(pairs, c.ep, c.tp) + waiting
 
     def _rank_cost(self, c: Candidate, cost: BlockCosts) -> BlockCosts:
         """What one cp rank computes and keeps of a micro-batch: 1/cp of its tokens."""
@@ -180,6 +184,8 @@ class Predictor:
         """Per-rank durations (a rank's stages summed; the simulator gives each 1/v)."""
         cl, tp = self.cluster, c.tp
         cp_forward, cp_backward = self.context_parallel_s(c, cost)
+        exchange = self.expert_parallel_s(c, cost)
+        cp_forward, cp_backward = cp_forward + exchange, cp_backward + exchange
         message = cost.boundary_bytes
         if c.sequence_parallel:
             # an all-gather and a reduce-scatter in place of each all-reduce; the model's
@@ -245,7 +251,7 @@ class Predictor:
             result.error = f"{self.shape.layers} blocks cannot fill {stages} stages"
             return result
         params = self._stage_params(c)
-        largest = self.shape.block_params / c.tp
+        largest = self._block_params(c)
         states = [0.0] * c.pp
         placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, p in enumerate(params):
@@ -283,7 +289,8 @@ class Predictor:
                   counts: list[int], recomputed: list[int]) -> tuple[float, list[float]]:
         """(makespan, per-rank activation peak); the same for every ZeRO stage (cached)."""
         block = c.recompute == BLOCK
-        key = (c.tp, c.sequence_parallel, c.pp, c.dp, c.cp, c.cp_mode, c.chunks, c.micro_batch,
+        key = (c.tp, c.sequence_parallel, c.pp, c.dp, c.cp, c.cp_mode, c.ep, c.chunks,
+               c.micro_batch,
                c.microbatches, c.schedule, tuple(recomputed), block)
         if key in self._cache:
             return self._cache[key]
@@ -356,8 +363,12 @@ class Predictor:
         dp = c.replicas  # (the replicas of a weight: tp-strided, dp x cp of them)
         for rank in range(c.pp):
             mine = sum(p for s, p in enumerate(params) if placement[s] == rank)
+            # expert gradients are reduced over the ep rank's own replicas (dp x cp / ep)
+            experts = 0.0 if c.ep == 1 else self.shape.expert_params / c.ep * sum(
+                n for s, n in enumerate(counts) if placement[s] == rank)
+            mine -= experts
             grads = 4 * mine
-            step = cost.optimizer_s_per_param * (mine / dp if c.zero >= 1 else mine)
+            step = cost.optimizer_s_per_param * ((mine / dp if c.zero >= 1 else mine) + experts)
             if c.zero >= 2:
                 sync = cl.all_gather_s(grads, dp, c.tp)  # reduce-scatter
                 if c.zero == 3:  # every micro-batch gathers each block for forward and backward
@@ -365,7 +376,8 @@ class Predictor:
                 else:  # the weights gathered once per step, after the optimizer
                     sync += cl.all_gather_s(4 * mine, dp, c.tp)
             else:
-                sync = cl.all_reduce_s(grads, dp, c.tp)
+                sync = cl.all_reduce_s(grads, dp, c.tp) \
+                    + cl.all_reduce_s(4 * experts, dp // c.ep, c.tp * c.ep)
                 # buckets start during the rank's last backward: what outlasts it shows
                 last_backward = sum(n for s, n in enumerate(counts) if placement[s] == rank) \
                     * cost.backward_s / c.tp / c.chunks

@@ -61,7 +61,8 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
                sequence_parallel: Iterable[bool] = (False, True),
                job: Choices | None = None,
                context_parallel: Iterable[int] = (1,),
-               recompute_choices: Iterable[str] = RECOMPUTE_CHOICES) -> Iterator[Candidate]:
+               recompute_choices: Iterable[str] = RECOMPUTE_CHOICES,
+               expert_parallel: Iterable[int] | None = None) -> Iterator[Candidate]:
     """Every layout x sequence parallelism x micro-batch size x schedule x recomputation x
     ZeRO stage that the sizes allow (a global batch divisible by dp x micro-batch size;
     sequence parallelism needs tp > 1 dividing the sequence of `seq` tokens; interleaving
@@ -74,14 +75,18 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
     `context_parallel`: the cp degrees to try (`context_parallel_degrees`; each with the cp
     modes the heads allow, `cp_modes`). `recompute_choices`: add ``"block"`` (every block
     rerun inside the backward, `recompute_in_backward`) to search it, with the schedules that
-    do not move a recompute action."""
+    do not move a recompute action. `expert_parallel`: the ep degrees to try (default: every
+    degree that divides a layout's dp x cp and the experts, `ModelShape.ep_degrees`; 1 for a
+    dense model)."""
     job = job or Choices()
     schedules = list(schedules or SCHEDULES)
     for cp, (dp, tp, pp) in _layouts(shape, world_size, seq, context_parallel):
         local = seq // cp  # the tokens of a row on one cp rank
         sp_settings = [sp for sp in sequence_parallel if not sp or (tp > 1 and local % tp == 0)]
-        for sp, mb, mode in itertools.product(sp_settings or [False], micro_batch_sizes,
-                                              cp_modes(shape, tp, cp)):
+        eps = [e for e in shape.ep_degrees(dp * cp)
+               if expert_parallel is None or e in expert_parallel]
+        for sp, mb, mode, ep in itertools.product(sp_settings or [False], micro_batch_sizes,
+                                                  cp_modes(shape, tp, cp), eps):
             if global_batch % (dp * mb):
                 continue
             m = global_batch // (dp * mb)
@@ -95,7 +100,7 @@ def candidates(shape: ModelShape, world_size: int, global_batch: int, seq: int,
                         continue
                     for zero in zero_stages if dp * cp > 1 else (0,):  # (over dp x cp)
                         c = Candidate(dp, tp, pp, mb, m, name, recompute, zero, chunks, sp,
-                                      cp, mode)
+                                      cp, mode, ep)
                         if refusal(job.with_candidate(c)) is None:
                             yield c
 
@@ -209,9 +214,9 @@ def read_strategy_plan(path: str | Path) -> tuple[Candidate, list[float] | None,
 
 def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
            global_batch: int, seq: int, memory_bytes: float | None = None,
-           parallel_vocab: bool = False, **options) -> StrategyPlan:
-    """Predict every candidate (`candidates`' keyword options) and rank them (`parallel_vocab`:
-    see `Predictor`).
+           parallel_vocab: bool = False, imbalance: float = 1.0, **options) -> StrategyPlan:
+    """Predict every candidate (`candidates`' keyword options) and rank them (`parallel_vocab`,
+    `imbalance`: see `Predictor`).
 
     Raises:
         ValueError: the global batch is not a positive multiple of some dp degree, no layout
@@ -228,12 +233,12 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                          f"{shape.name}: tp must divide {shape.heads} heads and "
                          f"{shape.kv_heads} key-value heads, pp at most {shape.layers} blocks")
     sizes = [m for m in options.pop("micro_batch_sizes", MICRO_BATCH_SIZES) if m in costs]
-    predictor = Predictor(shape, costs, cluster, memory_bytes, parallel_vocab)
+    predictor = Predictor(shape, costs, cluster, memory_bytes, parallel_vocab, imbalance)
     ranked, dropped = [], []
     done: dict[tuple, Prediction] = {}
     for candidate in candidates(shape, cluster.world_size, global_batch, seq, sizes, **options):
         c = candidate
-        base = (c.dp, c.tp, c.sequence_parallel, c.cp, c.cp_mode, c.pp, c.micro_batch,
+        base = (c.dp, c.tp, c.sequence_parallel, c.cp, c.cp_mode, c.ep, c.pp, c.micro_batch,
                 c.schedule, c.zero)
         if c.recompute == "budget":  # only between an "off" that fails and a "full" that fits
             off, full = done.get((*base, "off")), done.get((*base, "full"))
@@ -270,14 +275,15 @@ def explain(ranked: list[Prediction]) -> str:
     lines = [f"{c.label}: predicted {best.step_s:.4g} s per step ({best.pipeline_s:.4g} s "
              f"pipeline, {best.tail_s:.4g} s exposed data-parallel traffic), "
              f"{best.peak_bytes / 2**30:.3g} GiB on its fullest rank"]
-    seen = {(c.dp, c.tp, c.pp, c.cp)}
+    seen = {(c.dp, c.tp, c.pp, c.cp, c.ep)}
     for p in ranked[1:]:
         o = p.candidate
-        if (o.dp, o.tp, o.pp, o.cp) in seen:
+        if (o.dp, o.tp, o.pp, o.cp, o.ep) in seen:
             continue
-        seen.add((o.dp, o.tp, o.pp, o.cp))
+        seen.add((o.dp, o.tp, o.pp, o.cp, o.ep))
         cp = f" cp{o.cp}" if o.cp > 1 else ""
-        lines.append(f"  best with dp{o.dp} tp{o.tp}{cp} pp{o.pp}: {o.label}, "
+        ep = f" ep{o.ep}" if o.ep > 1 else ""
+        lines.append(f"  best with dp{o.dp}{ep} tp{o.tp}{cp} pp{o.pp}: {o.label}, "
                      f"{p.step_s / best.step_s:.2f}x the time")
         if len(seen) > 4:
             break

@@ -65,7 +65,7 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
             plan.write(Path(args.output_dir) / "plan.json")
         candidate = plan.chosen
         ratios = plan.chosen_prediction().recompute_ratios
-    size = candidate.dp * candidate.tp * candidate.pp * candidate.cp
+    size = candidate.dp * candidate.tp * candidate.pp * candidate.cp  # (ep adds no ranks)
     if size != ctx.world_size:
         raise ValueError(f"the plan's layout {candidate.label} needs {size} ranks, this job "
                          f"has {ctx.world_size}")
@@ -74,7 +74,7 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
         raise found.error()
     _set_arguments(args, candidate, ratios)
     trainer._train_batch_size = candidate.micro_batch  # what evaluation cuts micro-batches by
-    return init(candidate.dp, candidate.tp, candidate.pp, cp=candidate.cp)
+    return init(candidate.dp, candidate.tp, candidate.pp, cp=candidate.cp, ep=candidate.ep)
 
 
 def _set_arguments(args, c: Candidate, ratios: list[float] | None) -> None:
