@@ -75,8 +75,8 @@ def test_stage_aware_and_budgeted_recomputation_in_a_real_pipeline(launches, wor
                 assert ratios[-1] < ratios[0] and ratios == sorted(ratios, reverse=True), \
                     f"rank {rank}: ratios do not fall: {ratios}"
             else:
-                assert all(a <= b * 1.1 for a, b in zip(measured, seen["budget"])), \
-                    f"rank {rank}: over budget: {measured} > {seen['budget']}"
+                assert all(a <= b * 1.1 for a, b in zip(measured, seen["budget_bytes"])), \
+                    f"rank {rank}: over budget: {measured} > {seen['budget_bytes']}"
                 assert 0 < sum(ratios) < pp, \
                     f"rank {rank}: the budget should need some recomputation: {ratios}"
 

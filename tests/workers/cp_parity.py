@@ -3,7 +3,7 @@ Llama and Qwen2, each rank holding its load-balanced share of every row (`split_
 model's attention wrapped through transformers' registry (Ulysses or ring, around eager or
 sdpa); the parity scenarios return the summed loss and every gradient (summed over the cp
 ranks, which hold the same weights) next to the single-process model's (`Compared`), which
-test_context_parallel compares; the refusals and the layout check themselves. cp is the world
+test_context_parallel compares; the refusals and the layout return what it checks. cp is the world
 size (2 or 4)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Every schedule, with and without recomputation, trains an auto-split HF model exactly like
 the single-process model: the training scenarios return their figures (`trained_like`), which
-test_schedule_recompute compares; the memory scenarios check themselves."""
+test_schedule_recompute compares; the memory scenarios return the peaks, ratios and budgets it
+checks."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def stage_aware_memory() -> dict:
     """Stage-aware and budgeted recomputation over a 1F1B step: for each mode, the ratios, each
     stage's measured peak activation bytes and the simulator's prediction (its test checks
     they agree within 10%, that no stage peaks above the first, that the budgets are met), and
-    the ``budget`` per stage."""
+    the ``budget_bytes`` per stage."""
     pp, m = int(os.environ["WORLD_SIZE"]), 8
     ctx = merak.init(dp=1, tp=1, pp=pp)
     config = tf.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=4 * pp, **LLAMA_LIKE)
@@ -120,7 +121,7 @@ def stage_aware_memory() -> dict:
     least = predict_peaks("1f1b", pp, m, kept, [1.0] * pp, edges)
     most = predict_peaks("1f1b", pp, m, kept, [0.0] * pp, edges)
     budget = [(lo + hi) / 2 for lo, hi in zip(least, most)]
-    report, seen = [], {"budget": budget}
+    report, seen = [], {"budget_bytes": budget}
     try:
         for mode in ("stage-aware", "budget"):
             ratios = stage_aware_ratios("1f1b", pp, m, kept, 0.5, edges) \
