@@ -119,9 +119,12 @@ class WorkerPool:
 def launch_together(workers: list[str], nproc: int, out_dir: Path, timeout_s: int = 1800,
                     backend: str | None = None) -> tuple[dict[str, dict[str, list[str]]], str]:
     """Run several workers one after another in one launch (`workers/run_many.py`). Returns
-    (worker -> its results, launcher output)."""
+    (worker -> its results, launcher output). MERAK_TEST_ONLY=a,b: only those scenarios run
+    (with ``-k`` on their tests, to rerun a few without their whole launch)."""
+    only = os.environ.get("MERAK_TEST_ONLY")
     output = _torchrun("run_many.py", nproc, out_dir, timeout_s,
-                       ["--workers", ",".join(workers)], backend)
+                       ["--workers", ",".join(workers), *(["--only", only] if only else [])],
+                       backend)
     return {w: read_results(out_dir / Path(w).stem, nproc) for w in workers}, output
 
 

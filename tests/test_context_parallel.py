@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 import transformers as tf
-from cp_parity import SELF_CHECKED, scenario_names
-from dist_harness import assert_like_reference, check, scenario_result
+from cp_parity import LAYOUT, NOT_COMPARED, RING_WINDOW, ULYSSES_HEADS, scenario_names
+from dist_harness import assert_like_reference, scenario_result
 
 import merak
 from merak.context_parallel import rank_positions, shift_labels, split_batch, unsupported_reason
@@ -25,7 +25,7 @@ RTOL, ATOL = 1e-5, 1e-5
 
 @pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
                                                  for s in scenario_names(w)
-                                                 if s not in SELF_CHECKED])
+                                                 if s not in NOT_COMPARED])
 def test_context_parallel_trains_like_the_model(launches, world_size, scenario):
     figures = scenario_result(*launches(world_size), scenario)
     assert assert_like_reference(figures, rtol=RTOL, atol=ATOL, grad_atol_of_max=0.0) > 0
@@ -33,10 +33,37 @@ def test_context_parallel_trains_like_the_model(launches, world_size, scenario):
         assert ours["attention_calls"] == 2 * ours["layers"], f"rank {rank}: {ours}"
 
 
-@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
-                                                 for s in scenario_names(w) if s in SELF_CHECKED])
-def test_context_parallel_refusals_and_layout(launches, world_size, scenario):
-    check(*launches(world_size), scenario)
+def test_ring_attention_refuses_a_sliding_window_the_split_cuts(launches):
+    for rank, ours in enumerate(scenario_result(*launches(2), RING_WINDOW)):
+        refusal = ours["refusal"]
+        assert refusal is not None, f"rank {rank}: ring attention ran a sliding window"
+        assert "mistral" in refusal and "sliding-window" in refusal, f"rank {rank}: {refusal}"
+
+
+def test_ulysses_refuses_query_heads_cp_does_not_divide(launches):
+    for rank, ours in enumerate(scenario_result(*launches(4), ULYSSES_HEADS)):
+        refusal = ours["refusal"]
+        assert refusal is not None, f"rank {rank}: Ulysses ran 6 query heads at cp=4"
+        assert "llama" in refusal and "6 query heads" in refusal, f"rank {rank}: {refusal}"
+
+
+def test_the_pp_dp_cp_tp_rank_layout(launches):
+    """tp innermost, then cp, dp, pp; cp ranks share their dp rank (the same rows) and
+    gradients are reduced over dp x cp; with cp = 1 the (pp, dp, tp) layout as before."""
+    for rank, seen in enumerate(scenario_result(*launches(4), LAYOUT)):
+        assert seen["rank"] == rank
+        dp_cp, tp_cp, dp_tp = seen["dp2cp2"], seen["tp2cp2"], seen["dp2tp2"]
+        assert (dp_cp["dp_rank"], dp_cp["cp_rank"]) == divmod(rank, 2), dp_cp["describe"]
+        assert dp_cp["cp_group"] == [rank - rank % 2, rank - rank % 2 + 1], dp_cp
+        assert dp_cp["dp_group"] == [rank % 2, rank % 2 + 2], dp_cp
+        assert dp_cp["replica_group"] == [0, 1, 2, 3] and dp_cp["replicas"] == 4, dp_cp
+        assert dp_cp["rank_of_dp1_cp0"] == 2, dp_cp
+        assert (tp_cp["cp_rank"], tp_cp["tp_rank"]) == divmod(rank, 2), tp_cp
+        assert tp_cp["cp_group"] == [rank % 2, rank % 2 + 2], tp_cp
+        assert tp_cp["replica_group"] == tp_cp["cp_group"] and "cp=" in tp_cp["describe"], tp_cp
+        assert dp_tp["cp"] == 1 and dp_tp["cp_group_is_none"], dp_tp
+        assert dp_tp["mesh_dims"] == ["pp", "dp", "tp"], dp_tp
+        assert dp_tp["replica_group"] == dp_tp["dp_group"], dp_tp
 
 
 def test_each_rank_holds_a_chunk_and_its_mirror():

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from dist_harness import assert_like_reference, scenario_result
-from interleaved_parity import scenario_names
+from interleaved_parity import CHUNKS, FIRST_RATIO, V_SCHEDULES, VARIANTS, scenario_names
 
 from merak import Action, ActionKind, CostModel, Schedule, ScheduleError, make_schedule, simulate
 from merak.cli import main as cli_main
@@ -279,3 +279,33 @@ def test_runtime_parity(launches, world_size, scenario):
     for rank, ours in enumerate(figures):
         assert ours.get("params_without_grad", []) == [], \
             f"rank {rank}: parameters without gradient {ours['params_without_grad']}"
+        if "variant" in ours:  # a training run: the engine the variant asked for
+            _engine_as_asked(f"rank {rank}", ours)
+
+
+def _engine_as_asked(where: str, ours: dict) -> None:
+    """The schedule, this rank's stages (round-robin, or a V), the stages that recompute and
+    what stage-aware ratios promise (the first rank's stages at FIRST_RATIO, every other rank
+    within the first rank's predicted peak or recomputing all it can, some stage free)."""
+    variant, pp, rank = ours["variant"], ours["pp"], ours["pp_rank"]
+    assert ours["schedule"] == VARIANTS[variant][0].get("schedule", "interleaved_1f1b"), \
+        f"{where}: {variant} ran {ours['schedule']}"
+    expected = ([rank, 2 * pp - 1 - rank] if variant.startswith(V_SCHEDULES)
+                else list(range(rank, pp * CHUNKS, pp)))
+    assert ours["runners"] == expected, f"{where}: stages {ours['runners']}, not {expected}"
+    aware = ours["stage_aware"]
+    if aware is None:
+        recomputing = ours["runners"] if "recompute" in variant else []
+    else:
+        ratios, peaks, stages = aware["ratios"], aware["peaks"], pp * CHUNKS
+        assert aware["kept_blocks"] == [2] * stages, f"{where}: {aware}"
+        assert all(ratios[s] == FIRST_RATIO for s in range(0, stages, pp)), f"{where}: {ratios}"
+        for other in range(1, pp):
+            assert peaks[other] <= peaks[0] or \
+                all(ratios[s] == 1.0 for s in range(other, stages, pp)), \
+                f"{where}: rank {other} peaks above the first: {ratios}, {peaks}"
+        assert any(r == 0 for r in ratios), f"{where}: every stage recomputes: {ratios}"
+        assert aware["segment_blocks"] == [2 * r for r in ratios], f"{where}: {aware}"
+        recomputing = [s for s in ours["runners"] if ratios[s] > 0]
+    assert ours["recomputing"] == recomputing, \
+        f"{where}: {variant} recomputes stages {ours['recomputing']}, not {recomputing}"

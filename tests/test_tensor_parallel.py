@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers as tf
-from dist_harness import assert_like_reference, check, scenario_result
+from dist_harness import assert_like_reference, scenario_result
 from hf_models import CustomMLP
 from tp_models import HF_PLAN_FAMILIES, TP_FAMILIES
-from tp_parity import GENERATION, HOST_OBJECTS, SELF_CHECKED, scenario_names
+from tp_parity import DROPOUT, GENERATION, HOST_OBJECTS, WRONG_PLANS, scenario_names
 
 import merak
 import merak.engine.parallelize
@@ -39,7 +39,7 @@ RTOL, ATOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-5, 1e-4
 
 @pytest.mark.parametrize("world_size,scenario",
                          [(w, s) for w in WORLD_SIZES for s in scenario_names(w)
-                          if s not in SELF_CHECKED | GENERATION | HOST_OBJECTS])
+                          if s not in {DROPOUT, WRONG_PLANS} | GENERATION | HOST_OBJECTS])
 def test_tensor_parallel_trains_like_the_model(launches, world_size, scenario):
     figures = scenario_result(*launches(world_size), scenario)
     assert assert_like_reference(figures, rtol=RTOL, atol=ATOL,
@@ -49,6 +49,12 @@ def test_tensor_parallel_trains_like_the_model(launches, world_size, scenario):
             assert ours["params"] and ours["params_without_grad"] == [], f"rank {rank}: {ours}"
         if "sharded_params" in ours:
             assert ours["sharded_params"] > 0, f"rank {rank}: no parameter was sharded"
+        if "plan_source" in ours:  # a family sharded by its config's base_model_tp_plan
+            assert ours["plan_source"] == "base_model_tp_plan", f"rank {rank}: {ours}"
+            assert ours["misshapen"] == [], \
+                f"rank {rank}: shards not shaped as the plan slices them: {ours['misshapen']}"
+            assert ours["stray_grads"] == [], \
+                f"rank {rank}: gradients the unsharded model's lack: {ours['stray_grads']}"
         if "adapters" in ours:  # LoRA: this rank's stage holds adapters (and only they train)
             assert ours["adapters"] > 0, f"rank {rank}: no adapter"
         if "tied" in ours:  # a full checkpoint loaded into this rank's shards
@@ -72,11 +78,32 @@ def test_pipelined_generation_matches_hf_generate(launches, world_size, scenario
         assert ours["ranks_sampled_alike"], f"rank {rank}: ranks sampled differently"
 
 
-@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in WORLD_SIZES
-                                                 for s in scenario_names(w) if s in SELF_CHECKED])
-def test_tensor_parallel_scenario_checked_in_the_worker(launches, world_size, scenario):
-    """The dropout draws and refused plans on TP layouts."""
-    check(*launches(world_size), scenario)
+def test_tp_dropout_draws_agree_on_replicated_activations_only(launches):
+    """Draws on replicated activations (GPT-2's dropout after the row-parallel projection, and
+    after the attention block) are alike on every TP rank; draws inside a column-parallel layer
+    differ between them."""
+    for rank, seen in enumerate(scenario_result(*launches(2), DROPOUT)):
+        assert seen["replicated_alike"], f"rank {rank}: replicated draws differ between TP ranks"
+        assert seen["outside_alike"], f"rank {rank}: draws after the block differ between ranks"
+        assert not seen["inside_alike"], \
+            f"rank {rank}: draws between column- and row-parallel layers are alike on TP ranks"
+
+
+def test_planted_wrong_plans_are_refused_naming_the_module(launches):
+    """BioGPT's row-parallel fc2 marked column and OpenAI-GPT's fused q/k/v split as one part:
+    inferred plans (to be proven) refused by merak.parallelize and by the proof alone."""
+    for rank, families in enumerate(scenario_result(*launches(2), WRONG_PLANS)):
+        assert sorted(families) == ["biogpt", "openai-gpt"], f"rank {rank}: {families}"
+        for name, seen in families.items():
+            where = f"rank {rank}, {name}"
+            assert seen["check"] and seen["source"] == "inferred", f"{where}: {seen}"
+            module = seen["module"]
+            for step in ("parallelize", "proof"):
+                refusal = seen[step]
+                assert refusal is not None, f"{where}: {step} let the wrong plan through"
+                assert f"{module} " in refusal or f"{module}." in refusal, \
+                    f"{where}: {step}'s refusal does not name {module}: {refusal}"
+            assert "never used" in seen["parallelize"], f"{where}: {seen['parallelize']}"
 
 
 def _ctx(tp: int, rank: int = 0):

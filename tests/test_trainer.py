@@ -67,6 +67,31 @@ def test_merak_trainer_3d_matches_hf_trainer(runs, run):
                     f"rank {rank}: ZeRO-{zero} kept {value:.2f} of the {what}"
         else:  # ZeRO-0 and -1 keep every parameter; ZeRO-0 the whole state too
             assert params == 1.0 and (zero == 1 or share == 1.0), f"rank {rank}: {held}"
+        _ran_as_asked(f"rank {rank}", held)
+
+
+def _ran_as_asked(where: str, held: dict) -> None:
+    """A 3D run's logs (one per step, timed), ZeRO-2/3's reduce-scatters inside each chunk's
+    last backward, auto_parallel's plan, the eval steps (24 of 32 rows: 2, then 1 with
+    eval_iters=1), predict()'s loss, the freed sends and the generated tokens."""
+    logs, steps = held["logs"], held["max_steps"]
+    assert len(logs) == steps, f"{where}: {len(logs)} training logs"
+    assert all(h["tokens_per_second"] > 0 and h["time_forward_ms"] > 0 for h in logs), where
+    if held["zero_stage"] >= 2:
+        reduced = held["reduced_in_last_backward"]
+        assert len(reduced) == held["chunks"] * steps and all(reduced), f"{where}: {reduced}"
+    if "planned" in held:
+        plan = held["planned"]
+        assert plan["chosen_dp"] == plan["dp"] and plan["measured"] == 2, f"{where}: {plan}"
+    if "eval_steps" in held:
+        assert held["eval_steps"] == [2, 1], f"{where}: eval steps {held['eval_steps']}"
+    if "test_loss" in held:
+        assert held["test_loss"] == held["eval_loss"], f"{where}: predict's loss differs"
+    assert held.get("senders_freeing_nothing", []) == [], f"{where}: {held}"
+    if held.get("generation"):  # (rank 0)
+        made = held["generation"]
+        assert not made["unexpected"] and set(made["missing"]) <= {"lm_head.weight"}, made
+        assert made["tokens"] == made["hf_tokens"], f"{where}: {made}"
 
 
 @pytest.mark.parametrize("run", DP2_PP2_RUNS)
@@ -149,15 +174,28 @@ def test_kill_during_a_save_then_resume_continues_the_same_loss_curve(four_ranks
 
 
 def test_hf_trainer_api_save_model_metrics_and_a_partial_eval_batch(runs):
-    """save_model() on dp2 x tp2 x pp2 writes an HF directory (equal to `merak export` of the
-    checkpoint of the same step, checked in the worker); HF Trainer evaluating that directory
-    on the same 21 rows (a partial last batch, another batch size) gives Merak's eval loss and
-    compute_metrics over preprocess_logits_for_metrics."""
+    """save_model() on dp2 x tp2 x pp2 writes an HF directory equal to `merak export` of the
+    checkpoint of the same step, with save_state's, the metrics' and the model card's files;
+    21 eval rows, 3 per dp rank, run 3 steps (the last partial), the logits over the whole
+    vocabulary; HF Trainer evaluating that directory on the same 21 rows (a partial last batch,
+    another batch size) gives Merak's eval loss and compute_metrics over
+    preprocess_logits_for_metrics."""
     import transformers as tf
     from trainer_common import dataset, token_accuracy
 
     out, results, output = runs
-    check(results, output, "hf-api")
+    for rank, seen in enumerate(scenario_result(results, output, "hf-api")):
+        assert (seen["process_index"], seen["world_size"]) == (rank, 8), f"rank {rank}: {seen}"
+        assert seen["should_log"] == seen["should_save"] == (rank == 0), f"rank {rank}: {seen}"
+        assert seen["eval_steps"] == 3, f"rank {rank}: {seen}"
+        if seen["last_stage"]:
+            assert seen["logits_widths"] == [seen["vocab"]], f"rank {rank}: {seen}"
+        if rank == 0:
+            assert {"trainer_state.json", "eval_results.json", "README.md", "model",
+                    "checkpoint-2"} <= set(seen["files"]), seen["files"]
+            assert seen["global_step"] == 2, seen
+            assert seen["saved_names_apart"] == [], seen
+            assert seen["saved_unlike_exported"] == [], seen
     ours = json.loads((out / "hf-api" / "merak-eval.json").read_text())
     model = tf.AutoModelForCausalLM.from_pretrained(out / "hf-api" / "model")
     args = tf.TrainingArguments(output_dir=str(out / "hf-api-reference"), report_to="none",

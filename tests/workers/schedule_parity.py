@@ -1,6 +1,7 @@
 """Every schedule, with and without recomputation, trains an auto-split HF model exactly like
 the single-process model: the training scenarios return their figures (`trained_like`), which
-test_schedule_recompute compares; the memory scenarios check themselves."""
+test_schedule_recompute compares; the memory scenarios return the peaks, ratios and budgets it
+checks."""
 
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ class _Family:
             LR)
 
     def check(self, variant: str) -> dict:
+        """The training run's figures (`trained_like`), with ``recomputes``: whether this
+        stage's program recomputes, and ``last_stage``."""
         options = dict(VARIANTS[variant])
         pp = self.ctx.pp
         if options.get("recompute_ratio") == "falling":  # stage-aware: later stages recompute less
@@ -89,21 +92,20 @@ class _Family:
             self.stage, self.ctx, torch.optim.SGD(self.stage.parameters(), lr=LR),
             num_microbatches=MICROBATCHES, hooks=[snapshot], **options)
         try:
-            kinds = {a.kind.value for a in engine.program}
-            if options.get("recompute_ratio") == 1.0 and variant != "1f1b-recompute" and \
-                    not self.ctx.is_last_pp_rank:
-                assert "recompute" in kinds, \
-                    f"{variant}: stage {self.ctx.pp_rank} never recomputes"
+            recomputes = any(a.kind.value == "recompute" for a in engine.program)
             losses = [engine.train_step(batch(self.family, step, ROWS * MICROBATCHES))
                       for step in range(STEPS)]
         finally:
             engine.remove_recomputation()
-        return trained_like(losses, snapshot, self.stage, self.losses, self.grads, self.final)
+        figures = trained_like(losses, snapshot, self.stage, self.losses, self.grads, self.final)
+        return {**figures, "recomputes": recomputes, "last_stage": self.ctx.is_last_pp_rank}
 
 
-def stage_aware_memory() -> None:
-    """Stage-aware and budgeted recomputation: each stage's measured peak activation bytes over a
-    1F1B step within 10% of the simulator's prediction; no stage above the first; budgets met."""
+def stage_aware_memory() -> dict:
+    """Stage-aware and budgeted recomputation over a 1F1B step: for each mode, the ratios, each
+    stage's measured peak activation bytes and the simulator's prediction (its test checks
+    they agree within 10%, that no stage peaks above the first, that the budgets are met), and
+    the ``budget_bytes`` per stage."""
     pp, m = int(os.environ["WORLD_SIZE"]), 8
     ctx = merak.init(dp=1, tp=1, pp=pp)
     config = tf.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=4 * pp, **LLAMA_LIKE)
@@ -119,7 +121,7 @@ def stage_aware_memory() -> None:
     least = predict_peaks("1f1b", pp, m, kept, [1.0] * pp, edges)
     most = predict_peaks("1f1b", pp, m, kept, [0.0] * pp, edges)
     budget = [(lo + hi) / 2 for lo, hi in zip(least, most)]
-    report = []
+    report, seen = [], {"budget_bytes": budget}
     try:
         for mode in ("stage-aware", "budget"):
             ratios = stage_aware_ratios("1f1b", pp, m, kept, 0.5, edges) \
@@ -131,26 +133,21 @@ def stage_aware_memory() -> None:
             predicted = predict_peaks("1f1b", pp, m, kept, ratios, edges)
             report.append(f"{mode}: ratios {ratios} predicted {[int(p) for p in predicted]} "
                           f"measured {measured}")
-            for s, (actual, expected) in enumerate(zip(measured, predicted)):
-                assert abs(actual - expected) <= 0.1 * expected, \
-                    f"{mode}: stage {s} measured {actual} bytes, predicted {expected:.0f}"
-            if mode == "stage-aware":
-                assert max(measured[1:]) <= measured[0], "a stage peaks above the first"
-                assert ratios[-1] < ratios[0] and ratios == sorted(ratios, reverse=True), ratios
-            else:
-                assert all(a <= b * 1.1 for a, b in zip(measured, budget)), (measured, budget)
-                assert 0 < sum(ratios) < pp, f"the budget should need some recomputation {ratios}"
+            seen[mode] = {"ratios": list(ratios), "measured": measured,
+                          "predicted": [float(p) for p in predicted]}
     finally:
         engine.remove_recomputation()
         if ctx.rank == 0:
             print("\n".join(report), flush=True)
+    return seen
 
 
-def dealloc_memory() -> None:
-    """dealloc_outputs (``dealloc_pipeoutput``): over a 1F1B step each stage but the last keeps
-    at least one micro-batch's sent activation less at its peak, by the activation meter (which
-    counts the outputs held for backward); the last stage, which sends nothing, the same; the
-    loss unchanged."""
+def dealloc_memory() -> dict:
+    """dealloc_outputs (``dealloc_pipeoutput``) off and on over a 1F1B step: the stage's peak
+    by the activation meter (which counts the outputs held for backward), whether its outputs
+    were freeable, and the loss; ``hidden``, one micro-batch's sent activation in bytes (each
+    stage but the last should keep at least that much less at its peak; the last, which sends
+    nothing, the same, with the loss unchanged)."""
     pp, m = int(os.environ["WORLD_SIZE"]), 4
     ctx = merak.init(dp=1, tp=1, pp=pp)
     config = tf.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2 * pp, **LLAMA_LIKE)
@@ -167,18 +164,15 @@ def dealloc_memory() -> None:
                                            dealloc_outputs=dealloc)
         losses[dealloc] = engine.train_step(data)
         peaks[dealloc] = engine.activation_peak
-        freeable[dealloc] = engine.runners[ctx.pp_rank].freeable
+        freeable[dealloc] = bool(engine.runners[ctx.pp_rank].freeable)  # any output freed
     hidden = ROWS * data["input_ids"].shape[1] * config.hidden_size * 4  # one sent fp32 h
     if ctx.rank == 0:
         print(f"dealloc pp={pp}: stage 0 peak {peaks[False]} -> {peaks[True]} bytes "
               f"(one sent activation: {hidden})", flush=True)
-    if ctx.is_last_pp_rank:
-        assert not freeable[True] and peaks[True] == peaks[False], (freeable, peaks)
-    else:
-        assert freeable[True] and not freeable[False], freeable
-        assert peaks[False] - peaks[True] >= hidden, (peaks, hidden)
-    if ctx.is_last_pp_rank:
-        assert losses[True] == losses[False], losses
+    return {"last_stage": ctx.is_last_pp_rank, "hidden": hidden,
+            **{f"{key}_{'on' if dealloc else 'off'}": values[dealloc]
+               for key, values in (("peak", peaks), ("freeable", freeable), ("loss", losses))
+               for dealloc in (False, True)}}
 
 
 def scenarios(world: int) -> dict:
