@@ -5,10 +5,11 @@ As for SFT (examples/trl_sft.py), two classes: a config that is both Merak's and
 (`DPOConfig`'s fields are command-line flags) and a trainer that is both. Merak runs DPO with
 the reference log-probabilities computed once before training (`precompute_ref_log_probs`, set
 here: the initial policy's, by a gradient-free pass through the pipeline); a separate
-`ref_model`, peft adapters and a model built on the meta device are refused with the reason
-(docs/trainer.md). The degrees come from DP, TP and PP (default 1 x 1 x 2). Preference
-rows made from examples/data/train.txt (prompt: a sentence's first words; chosen: its rest;
-rejected: the second half of a sentence further on), 4 CPU ranks at dp=1 x tp=2 x pp=2:
+`ref_model` is refused with the reason (docs/trainer.md, which also runs DPO with LoRA through
+`peft_config` and on models built on the meta device). The degrees come from DP, TP and PP
+(default 1 x 1 x 2). Preference rows made from examples/data/train.txt (prompt: a sentence's
+first words; chosen: its rest; rejected: the second half of a sentence further on), 4 CPU
+ranks at dp=1 x tp=2 x pp=2:
 
     DP=1 TP=2 PP=2 .venv/bin/python -m torch.distributed.run --nproc_per_node 4 \\
         examples/trl_dpo.py --output_dir runs/trl_dpo --max_steps 10 --learning_rate 1e-2 \\

@@ -7,7 +7,7 @@ stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batc
 ``training_step`` never runs, so a subclass overriding it is refused by name, unless the
 override is known to only wrap HF's step in a context that is off (`BYPASSED`). What of TRL's
 DPOTrainer and RewardTrainer a pipeline cannot run yet is refused by name (`check_dpo`,
-`check_reward`).
+`check_reward`), and so is KTOTrainer (`check_kto`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ BYPASSED[("trl.trainer.reward_trainer", "RewardTrainer")] = \
     BYPASSED[("trl.trainer.sft_trainer", "SFTTrainer")]
 _DPO = ("trl.trainer.dpo_trainer", "DPOTrainer")
 _REWARD = ("trl.trainer.reward_trainer", "RewardTrainer")
+_KTO = ("trl.trainer.kto_trainer", "KTOTrainer")
 
 
 def _owner(cls: type, name: str) -> type:
@@ -95,6 +96,23 @@ def check_reward(cls: type, keywords: dict) -> None:
             f"collates a whole evaluation step and cuts it into micro-batches by row, which "
             f"would part a pair; train without an eval_dataset (training collates each "
             f"micro-batch on its own)")
+
+
+def check_kto(cls: type, args) -> None:
+    """TRL's KTOTrainer, refused by name before anything is built. With its default loss
+    (``loss_type="kto"``) every batch runs the model twice: on the rows' completions and, without
+    gradients, on mismatched "KL" completions (each prompt with another row's completion), and
+    its reference pass does the same; a pipeline schedule runs one forward per micro-batch, and
+    its last stage holds the logits of the rows' completions only. The reference
+    log-probabilities it precomputes (``ref_logps``, ``ref_KL_logps``) are not those of
+    `merak.trainer.reference_logps` (DPO's chosen and rejected columns) either."""
+    if _derives(cls, _KTO):
+        raise NotSupportedYetError(
+            f"{cls.__name__} (TRL's KTOTrainer, loss_type={getattr(args, 'loss_type', None)!r})"
+            f": its loss runs the model a second time per batch, on mismatched KL completions, "
+            f"and a MerakTrainer step runs one pipeline forward per micro-batch; train on "
+            f"paired preferences with TRL's DPOTrainer through MerakTrainer instead "
+            f"(precompute_ref_log_probs=True, a LoRA peft_config, or DPOConfig's defaults)")
 
 
 def check_dpo(cls: type, args, model, keywords: dict) -> None:

@@ -51,7 +51,13 @@ from merak.trainer.loss_setup import LossSetupMixin
 from merak.trainer.losses import shifts_labels
 from merak.trainer.model_setup import with_loss
 from merak.trainer.reference_logps import ReferenceLogpsMixin
-from merak.trainer.subclasses import check_dpo, check_overrides, check_reward, trainer_keywords
+from merak.trainer.subclasses import (
+    check_dpo,
+    check_kto,
+    check_overrides,
+    check_reward,
+    trainer_keywords,
+)
 from merak.trainer.text_generation import TextGenerationMixin
 
 
@@ -74,6 +80,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                  generation_prompts: Sequence | None = None, **trainer_kwargs):
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
+        check_kto(type(self), args)
         check_overrides(type(self), args)
         check_dpo(type(self), args, model, trainer_kwargs)
         check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))

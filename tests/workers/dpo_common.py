@@ -26,7 +26,8 @@ VARIANTS = {
     "dpo-defaults-dp2tp1pp2": ((2, 1, 2), False, {"precompute_ref_log_probs": False}, True),
     "dpo-lora-per-step-dp2tp1pp2": ((2, 1, 2), True, {"precompute_ref_log_probs": False},
                                     False),
-    "dpo-ipo-dp1tp2pp2": ((1, 2, 2), False, {"loss_type": ["ipo"]}, False)}
+    "dpo-ipo-dp1tp2pp2": ((1, 2, 2), False, {"loss_type": ["ipo"]}, False),
+    "dpo-ipo-dp2tp1pp2": ((2, 1, 2), False, {"loss_type": ["ipo"]}, False)}
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
           "rewards/margins", "logps/chosen", "logps/rejected")
 
