@@ -114,14 +114,19 @@ def test_engine_options_ep_does_not_combine_with_yet(options, field):
     check_expert_parallel(ctx, EngineOptions())
 
 
-def test_merak_trainer_refuses_expert_parallelism_before_building_anything(monkeypatch):
-    """Its checkpoints and saved models would write one rank's experts as the layer's."""
+def test_merak_trainer_checks_the_rules_with_ep_before_building_anything(monkeypatch):
+    """Arguments made before merak.init(ep=2) are checked again with the trainer's ep."""
+    import merak.rules as rules_module
     import merak.trainer.trainer as trainer_module
 
-    monkeypatch.setattr(trainer_module, "get_context", lambda: SimpleNamespace(ep=2))
     model = tf.AutoModelForCausalLM.from_config(tf.Qwen3MoeConfig(
         **{**COMMON, "num_experts_per_tok": 1}, head_dim=8, num_experts=2,
         moe_intermediate_size=16))
-    args = merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none")
-    with pytest.raises(NotSupportedYetError, match=r"expert parallelism \(merak.init\(ep=2\)\)"):
+    args = merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none",
+                                text_generation=True)
+    context = SimpleNamespace(ep=2, tp=1, cp=1)
+    monkeypatch.setattr(trainer_module, "get_context", lambda: context)
+    monkeypatch.setattr(rules_module, "default_context", lambda: context)
+    with pytest.raises(NotSupportedYetError,
+                       match=r"text_generation=True with expert parallelism \(ep=2\)"):
         merak.MerakTrainer(model=model, args=args)
