@@ -21,6 +21,7 @@ import transformers as tf
 from common import Compared, GradSnapshot, out_dir
 
 import merak
+from merak.coverage.shrink import small_config
 from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions, HookOptions
 from merak.expert_parallel import dispatch, experts_modules, shard_experts
@@ -36,13 +37,28 @@ CONFIGS = {
     "mixtral": lambda: tf.MixtralConfig(**{**COMMON, "intermediate_size": 16},
                                         num_local_experts=4),
 }
+# more experts-interface families, at engine parity (dp2 ep2, SGD) only: the coverage's small
+# configs (4 layers, 4 experts, top-2; DeepSeek-V3's first layer dense, with shared experts and
+# group-limited routing; GPT-OSS's experts with biases), load-balancing loss on where they have
+# one
+MORE_FAMILIES = ("olmoe", "deepseek_v3", "gpt_oss")
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
 
 
+def _config(family: str):
+    if family in CONFIGS:
+        return CONFIGS[family]()
+    config = small_config(family)
+    config.output_router_logits = True
+    if getattr(config, "router_aux_loss_coef", None) is not None:
+        config.router_aux_loss_coef = 0.1
+    return config
+
+
 def _reference(family: str):
     torch.manual_seed(SEED)
-    return tf.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    return tf.AutoModelForCausalLM.from_config(_config(family))
 
 
 def rows(step: int, first: int, count: int) -> dict[str, torch.Tensor]:
@@ -303,6 +319,8 @@ def scenarios(world_size: int) -> dict:
         for family in CONFIGS:
             out[f"engine-{family}-dp2-ep2-sgd-loaded"] = lambda f=family: engine(
                 f, 2, 1, "sgd", load=True)
+        for family in MORE_FAMILIES:
+            out[f"engine-{family}-dp2-ep2-sgd"] = lambda f=family: engine(f, 2, 1, "sgd")
         out["refusals"] = refusals
     if world_size == 4:
         out["engine-qwen3_moe-dp4-ep2-sgd"] = lambda: engine("qwen3_moe", 4, 1, "sgd")
