@@ -44,6 +44,11 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
         assert len(counts) == expected, f"rank {rank}: {counts}"
         assert all(mine * ours["ep"] == whole for mine, whole in counts.values()), counts
         assert not ours.get("params_without_grad"), ours["params_without_grad"]
+    if scenario.endswith("zero1"):  # dense state over the 4 replicas, experts' over edp (2)
+        assert {f["optimizer"] for f in figures} == {"ExpertZero1"}, figures
+        dense, experts = (sum(f["states"][i] for f in figures) for i in (0, 1))
+        assert (dense, experts) == (figures[0]["params"][0], 2 * figures[0]["params"][1])
+        assert all(0 < f["states"][1] < f["params"][1] for f in figures), figures
     if scenario.startswith("hf-"):  # every routed pair computed once (dropless), 2 layers
         pairs = 4 * SEQ * COMMON["num_experts_per_tok"]  # each rank's rows x top-k
         received = [f["received"] for f in figures]

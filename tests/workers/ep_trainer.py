@@ -1,13 +1,14 @@
 """MerakTrainer with expert parallelism (see test_expert_parallel_trainer): a tiny Qwen3-MoE and
 Mixtral (2 layers, 4 experts, top-2, load-balancing loss on) written by `save_pretrained` (the
-Hub's layout) and loaded under `init_empty_weights` train 4 steps at dp2 ep2 (2 ranks) or dp2
-ep2 pp2 (4 ranks) on right-padded rows of lengths 5..12, saving a checkpoint every 2 steps;
-`save_model` writes the Hub layout with every expert and `merak export` of the last checkpoint
-writes the same tensors. Then the checkpoint of step 2 resumes in another layout (dp2 ep1 on 2
-ranks, dp4 ep4 pp1 on 4), optimizer state included, and trains steps 3 and 4 again, and both
-runs evaluate their final weights (the same loss at the same dp: a step's eval loss holds each
-dp rank's load-balancing loss, see docs/expert-parallel.md). The test runs single-process HF
-Trainer (`reference`) on the same directory and rows and compares."""
+Hub's layout) and loaded under `init_empty_weights` train 4 steps at dp2 ep2 (2 ranks; Qwen3-MoE
+under ZeRO-1) or dp2 ep2 pp2 (4 ranks) on right-padded rows of lengths 5..12, saving a
+checkpoint every 2 steps; `save_model` writes the Hub layout with every expert and `merak
+export` of the last checkpoint writes the same tensors. Then the checkpoint of step 2 resumes in
+another layout (dp2 ep1 on 2 ranks, dp4 ep2 pp1 under ZeRO-1 on 4), optimizer state included,
+and trains steps 3 and 4 again, and both runs evaluate their final weights (the same loss at the
+same dp: a step's eval loss holds each dp rank's load-balancing loss, see
+docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
+directory and rows and compares."""
 
 from __future__ import annotations
 
@@ -41,9 +42,12 @@ FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_nor
           "train_sampling_strategy": "sequential", "report_to": "none", "disable_tqdm": True,
           "use_cpu": True, "per_device_train_batch_size": MICRO_BATCH,
           "per_device_eval_batch_size": MICRO_BATCH}
-# scenario -> (family, (dp, pp, ep) trained, (dp, pp, ep) resumed)
-RUNS = {2: {f"trainer-{family}-dp2-ep2": (family, (2, 1, 2), (2, 1, 1)) for family in CONFIGS},
-        4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2), (4, 1, 4))}}
+# scenario -> (family, (dp, pp, ep, zero_stage) trained, the same resumed): ZeRO-1 saves the
+# optimizer state of its shards (dp2 ep2: the dense state over 2 ranks, the experts' over edp
+# groups of 1) and loads it into others (dp4 ep2: the experts' over edp groups of 2)
+RUNS = {2: {"trainer-qwen3_moe-dp2-ep2-zero1": ("qwen3_moe", (2, 1, 2, 1), (2, 1, 1, 0)),
+            "trainer-mixtral-dp2-ep2": ("mixtral", (2, 1, 2, 0), (2, 1, 1, 0))},
+        4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0), (4, 1, 2, 1))}}
 
 
 def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -94,19 +98,19 @@ def logged(trainer) -> dict[str, list[float]]:
     return {"loss": [h["loss"] for h in steps], "grad_norm": [h["grad_norm"] for h in steps]}
 
 
-def _trainer(hub: Path, output: Path, layout: tuple[int, int, int], **fields):
-    dp, pp, ep = layout
+def _trainer(hub: Path, output: Path, layout: tuple[int, int, int, int], **fields):
+    dp, pp, ep, zero = layout
     merak.init(dp=dp, tp=1, pp=pp, ep=ep)
     with merak.init_empty_weights():
         model = tf.AutoModelForCausalLM.from_pretrained(hub)
     args = merak.MerakArguments(output_dir=str(output), max_steps=STEPS,
                                 gradient_accumulation_steps=MICRO_BATCH * MICROBATCHES * DP
-                                // (MICRO_BATCH * dp), **FIELDS, **fields)
+                                // (MICRO_BATCH * dp), zero_stage=zero, **FIELDS, **fields)
     return merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
                               eval_dataset=eval_set())
 
 
-def run(family: str, trained: tuple[int, int, int], resumed: tuple[int, int, int]) -> dict:
+def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...]) -> dict:
     root = out_dir() / f"trainer-{family}-{'-'.join(map(str, trained))}"
     hub = root / "hub"
     if dist.get_rank() == 0:
@@ -134,6 +138,7 @@ def run(family: str, trained: tuple[int, int, int], resumed: tuple[int, int, int
     return {"curve": curve, "resumed": logged(again), "eval_loss": evaluated,
             "resumed_eval_loss": again.evaluate()["eval_loss"], "held": held,
             "dps": [trainer.ctx.dp, again.ctx.dp],
+            "optimizers": [type(t.optimizer).__name__ for t in (trainer, again)],
             "ep_rank": trainer.ctx.ep_rank if trainer.ctx.ep > 1 else 0,
             "saved": str(root / "saved"), "hub": str(hub), "same_export": same_export}
 
