@@ -33,29 +33,33 @@ def zero1(optimizer: torch.optim.Optimizer, ctx) -> torch.optim.Optimizer:
         return _zero(groups, optimizer, ctx.replica_group)
     dense = [{**g, "params": [p for p in g["params"]
                               if not getattr(p, "expert_parallel", False)]} for g in groups]
-    parts = [_zero([g for g in dense if g["params"]], optimizer, ctx.replica_group)] \
-        if any(g["params"] for g in dense) else []
-    parts.append(_zero([g for g in experts if g["params"]], optimizer, ctx.edp_group))
-    return ExpertZero1(parts)
+    parts, owners = [], []  # owners[k][j]: the group of `groups` part k's group j comes from
+    for split, group in ((dense, ctx.replica_group), (experts, ctx.edp_group)):
+        kept = [i for i, g in enumerate(split) if g["params"]]
+        if kept:
+            parts.append(_zero([split[i] for i in kept], optimizer, group))
+            owners.append(kept)
+    return ExpertZero1(groups, parts, owners)
 
 
 class ExpertZero1(torch.optim.Optimizer):
     """ZeRO-1 under expert parallelism: one `ZeroRedundancyOptimizer` over the dp (x cp) group
-    for the dense parameters and one over the edp group for the experts, stepped together.
-    Its ``param_groups`` are theirs (a learning-rate scheduler sets both); ``parts`` are the
-    two (the experts' last)."""
+    for the dense parameters and one over the edp group for the experts, stepped together
+    (``parts``, the experts' last). Its ``param_groups`` are the optimizer's own (the same
+    number, so a learning-rate scheduler's state fits any layout); each step first copies their
+    hyperparameters (the scheduler's learning rate) into the parts' groups made from them."""
 
-    def __init__(self, parts: list[ZeroRedundancyOptimizer]):
-        self.parts = parts
-        groups = [g for part in parts for g in part.param_groups]
-        # Optimizer's own bookkeeping (step hooks; schedulers check the type), then its groups
-        # are the parts' own dicts
-        super().__init__([p for g in groups for p in g["params"]], dict(parts[0].defaults))
-        self.param_groups = groups
+    def __init__(self, groups: list[dict], parts: list[ZeroRedundancyOptimizer],
+                 owners: list[list[int]]):
+        self.parts, self.owners = parts, owners
+        # Optimizer's own bookkeeping (step hooks; schedulers check the type); no state
+        super().__init__(groups, dict(parts[0].defaults))
 
     @torch.no_grad()
     def step(self, closure=None):
-        for part in self.parts:
+        for part, owner in zip(self.parts, self.owners):
+            for group, i in zip(part.param_groups, owner):
+                group.update({k: v for k, v in self.param_groups[i].items() if k != "params"})
             part.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
