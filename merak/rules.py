@@ -210,9 +210,8 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
     if c.ep == 1:
         return None
     for other, wrong, why, instead in (
-            ("zero_stage", c.zero_stage >= 1, "FSDP2 shards over all replicas, but expert "
-             "weights are reduced over the edp group; ZeRO-1's expert-parallel optimizer "
-             "(build_engine's) does not yet resume a checkpoint at parity", "use zero_stage=0"),
+            ("zero_stage", c.zero_stage >= 2, "FSDP2 shards over all replicas, but expert "
+             "weights are reduced over the edp group", "use zero_stage 0 or 1"),
             ("tp", c.tp > 1, "experts split over tp and ep together are untested",
              "use tp=1 (dp, pp and cp compose)"),
             ("text_generation", c.text_generation, "a generation step's all-to-all would need "

@@ -5,7 +5,6 @@ expert-data-parallel group instead (`ExpertZero1`)."""
 from __future__ import annotations
 
 import inspect
-from collections import ChainMap
 from types import SimpleNamespace
 
 import torch
@@ -68,9 +67,11 @@ class ExpertZero1(torch.optim.Optimizer):
 
     def local(self) -> SimpleNamespace:
         """What this rank steps: its shards' optimizers' groups and state, as one optimizer's."""
+        # a plain dict of the parts' own per-parameter dicts (a ChainMap would look a parameter
+        # up in the first part's defaultdict first, which makes it an empty state there)
         return SimpleNamespace(
             param_groups=[g for part in self.parts for g in part.optim.param_groups],
-            state=ChainMap(*(part.optim.state for part in self.parts)))
+            state={p: s for part in self.parts for p, s in part.optim.state.items()})
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer):
