@@ -41,6 +41,7 @@ class Choices:
     fp16: bool = False
     tp: int = 1                        # tensor parallelism (merak.init's tp)
     ep: int = 1                        # expert parallelism (merak.init's ep)
+    planned: bool = False              # auto_parallel or a plan file chooses the layout
 
     @classmethod
     def from_arguments(cls, args, *, lora: bool | None = None, cp: int | None = None
@@ -50,7 +51,8 @@ class Choices:
         context-parallel degree (default: the one of the last `merak.init`, else 1); the
         tensor- and expert-parallel degrees: the last `merak.init`'s, else 1."""
         values = {f.name: getattr(args, f.name) for f in fields(cls)
-                  if f.name not in ("lora", "divides_gradients", "cp", "packing", "tp", "ep")
+                  if f.name not in ("lora", "divides_gradients", "cp", "packing", "tp", "ep",
+                                    "planned")
                   and hasattr(args, f.name)}
         values["lora"] = args.lora_config is not None if lora is None else lora
         context = default_context()
@@ -59,6 +61,8 @@ class Choices:
         values["cp"] = cp
         values["tp"] = context.tp if context is not None else 1
         values["ep"] = context.ep if context is not None else 1
+        values["planned"] = bool(getattr(args, "auto_parallel", False)
+                                 or getattr(args, "plan", None))
         values["packing"] = bool(getattr(args, "packing", False)
                                  or getattr(args, "padding_free", False))
         values["divides_gradients"] = bool(args.prescale_gradients) \
@@ -67,11 +71,11 @@ class Choices:
 
     def with_candidate(self, candidate) -> Choices:
         """These choices with a planner candidate's (`candidate_fields`): schedule, ZeRO
-        stage, recomputation, sequence parallelism, context, tensor and expert parallelism."""
+        stage, recomputation, sequence parallelism, context and tensor parallelism."""
         chosen = candidate_fields(candidate)
         own = {f.name for f in fields(self)}
         return replace(self, **{k: v for k, v in chosen.items() if k in own},
-                       cp=candidate.cp, tp=candidate.tp, ep=candidate.ep)
+                       cp=getattr(candidate, "cp", self.cp), tp=getattr(candidate, "tp", self.tp))
 
 
 def candidate_fields(candidate, recompute_ratios=None) -> dict:
@@ -143,8 +147,8 @@ def refusal(c: Choices, owner: str = "MerakArguments") -> Refusal | None:
                        f"work without sequence parallelism and TP overlap; set "
                        f"sequence_parallel=False and tp_overlapping_level=0",
                        not_supported_yet=False)
-    return (_fp8_refusal(c, owner) or _context_parallel_refusal(c, owner)
-            or _expert_parallel_refusal(c, owner))
+    return _fp8_refusal(c, owner) or _context_parallel_refusal(c, owner) \
+        or _expert_parallel_refusal(c, owner)
 
 
 def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
@@ -202,17 +206,27 @@ def _context_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
 
 
 def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
-    """What expert parallelism (ep > 1) does not combine with yet."""
+    """What expert parallelism (ep > 1) does not combine with yet, and why."""
     if c.ep == 1:
         return None
-    for other, value, fine, why in (
-            ("zero_stage", c.zero_stage, 0, "ZeRO shards over all replicas, but expert "
-             "weights are reduced over the expert-data-parallel group"),
-            ("tp", c.tp, 1, "experts split over tp and ep together are untested")):
-        if value != fine:
-            return Refusal(other, f"{owner}: expert parallelism (ep={c.ep}) with "
-                           f"{other}={value} is not supported yet ({why}); use {other}={fine} "
-                           f"with ep > 1, or ep=1")
+    for other, wrong, why, instead in (
+            ("zero_stage", c.zero_stage >= 2, "FSDP2 shards over all replicas, but expert "
+             "weights are reduced over the edp group", "use zero_stage 0 or 1"),
+            ("tp", c.tp > 1, "experts split over tp and ep together are untested",
+             "use tp=1 (dp, pp and cp compose)"),
+            ("text_generation", c.text_generation, "a generation step's all-to-all would need "
+             "every rank of the ep group to decode in lockstep", "generate in a job with ep=1 "
+             "(a checkpoint resumes in any ep)"),
+            ("auto_find_batch_size", c.auto_find_batch_size, "its memory probe is untested with "
+             "the experts' all-to-all", "set per_device_train_batch_size yourself"),
+            ("auto_parallel", c.planned, "the planner's candidates and dry runs have ep=1",
+             "give the layout to merak.init(dp=, tp=, pp=, ep=)")):
+        if wrong:
+            shown = f"merak.init(tp={c.tp})" if other == "tp" else \
+                f"{owner}.auto_parallel (or plan)" if other == "auto_parallel" else \
+                f"{owner}.{other}={getattr(c, other)!r}"
+            return Refusal(other, f"{shown} with expert parallelism (ep={c.ep}) is not "
+                           f"supported yet ({why}); {instead}, or ep=1")
     return None
 
 

@@ -36,10 +36,19 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
                                  grad_atol_of_max=GRAD_ATOL_OF_MAX) > 0
     for rank, ours in enumerate(figures):
         counts = ours["expert_counts"]
-        # (gate_up_proj, down_proj) x the rank's layers: 2, or 1 a stage at pp2
-        assert len(counts) == (2 if "pp2" in scenario else 4), f"rank {rank}: {counts}"
+        # (gate_up_proj, down_proj) x the rank's layers: 2, or 1 a stage at pp2; the coverage's
+        # 4-layer configs: 4 MoE layers (DeepSeek-V3: 3), GPT-OSS's biases too
+        family = scenario.split("-")[1]
+        expected = {"olmoe": 8, "deepseek_v3": 6, "gpt_oss": 16}.get(
+            family, 2 if "pp2" in scenario else 4)
+        assert len(counts) == expected, f"rank {rank}: {counts}"
         assert all(mine * ours["ep"] == whole for mine, whole in counts.values()), counts
         assert not ours.get("params_without_grad"), ours["params_without_grad"]
+    if scenario.endswith("zero1"):  # dense state over the 4 replicas, experts' over edp (2)
+        assert {f["optimizer"] for f in figures} == {"ExpertZero1"}, figures
+        dense, experts = (sum(f["states"][i] for f in figures) for i in (0, 1))
+        assert (dense, experts) == (figures[0]["params"][0], 2 * figures[0]["params"][1])
+        assert all(0 < f["states"][1] < f["params"][1] for f in figures), figures
     if scenario.startswith("hf-"):  # every routed pair computed once (dropless), 2 layers
         pairs = 4 * SEQ * COMMON["num_experts_per_tok"]  # each rank's rows x top-k
         received = [f["received"] for f in figures]
@@ -114,14 +123,19 @@ def test_engine_options_ep_does_not_combine_with_yet(options, field):
     check_expert_parallel(ctx, EngineOptions())
 
 
-def test_merak_trainer_refuses_expert_parallelism_before_building_anything(monkeypatch):
-    """Its checkpoints and saved models would write one rank's experts as the layer's."""
+def test_merak_trainer_checks_the_rules_with_ep_before_building_anything(monkeypatch):
+    """Arguments made before merak.init(ep=2) are checked again with the trainer's ep."""
+    import merak.rules as rules_module
     import merak.trainer.trainer as trainer_module
 
-    monkeypatch.setattr(trainer_module, "get_context", lambda: SimpleNamespace(ep=2))
     model = tf.AutoModelForCausalLM.from_config(tf.Qwen3MoeConfig(
         **{**COMMON, "num_experts_per_tok": 1}, head_dim=8, num_experts=2,
         moe_intermediate_size=16))
-    args = merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none")
-    with pytest.raises(NotSupportedYetError, match=r"expert parallelism \(merak.init\(ep=2\)\)"):
+    args = merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none",
+                                text_generation=True)
+    context = SimpleNamespace(ep=2, tp=1, cp=1)
+    monkeypatch.setattr(trainer_module, "get_context", lambda: context)
+    monkeypatch.setattr(rules_module, "default_context", lambda: context)
+    with pytest.raises(NotSupportedYetError,
+                       match=r"text_generation=True with expert parallelism \(ep=2\)"):
         merak.MerakTrainer(model=model, args=args)

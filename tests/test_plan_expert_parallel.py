@@ -56,12 +56,15 @@ def test_ep_degrees_divide_the_replicas_and_the_experts():
     for c in found:
         assert (c.dp * c.cp) % c.ep == 0 and 8 % c.ep == 0
         if c.ep > 1:  # what the rules refuse with ep, the planner does not propose
-            assert c.zero == 0 and c.tp == 1
+            assert c.zero < 2 and c.tp == 1
             assert refusal(Choices().with_candidate(c)) is None
+    assert {c.ep for c in found if c.zero == 1} > {1}
     assert {c.ep for c in candidates(dense, 8, 16, 128)} == {1}
     assert {c.ep for c in candidates(moe, 8, 16, 128, expert_parallel=(1,))} == {1}
-    zero = Candidate(4, 1, 2, 1, 4, zero=1, ep=2)
+    zero = Candidate(4, 1, 2, 1, 4, zero=2, ep=2)
     assert refusal(Choices().with_candidate(zero)).field == "zero_stage"
+    # the trainer's automatic plan (a job whose layout is planned) keeps ep = 1
+    assert refusal(Choices(planned=True).with_candidate(Candidate(4, 1, 2, 1, 4, ep=2)))
 
 
 def test_ep_divides_the_expert_memory_and_adds_the_token_exchange():
@@ -75,6 +78,10 @@ def test_ep_divides_the_expert_memory_and_adds_the_token_exchange():
     for ep, p in by_ep.items():
         assert p.fits, p.error
         assert p.state_bytes[0] == pytest.approx(outside + experts / ep)
+    # ZeRO-1: each part's Adam state over its own replicas (8, and 8 / ep for the experts)
+    zero1 = predictor.predict(Candidate(8, 1, 1, 1, 4, zero=1, ep=2))
+    assert zero1.state_bytes[0] == pytest.approx((8 + 8 / 8) * outside / 16
+                                                 + (8 + 8 / 4) * experts / 2 / 16)
     # the same compute, plus the all-to-alls' time, which grows with the share sent away
     assert by_ep[1].pipeline_s < by_ep[2].pipeline_s < by_ep[8].pipeline_s
     uneven = Predictor(shape, costs, h100, memory_bytes=10**15, imbalance=1.5)

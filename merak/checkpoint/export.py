@@ -1,6 +1,6 @@
 """HF-format model directories from Merak models: config.json + model.safetensors with whole
-tensors, loadable by ``AutoModelForCausalLM.from_pretrained(dir)``, whatever (dp, tp, pp) layout
-the weights were trained in.
+tensors, loadable by ``AutoModelForCausalLM.from_pretrained(dir)``, whatever (dp, tp, pp, cp,
+ep) layout the weights were trained in.
 
 - `export_checkpoint` (``merak export <checkpoint> <dir>``): from a Merak checkpoint on disk.
 - `gather_full_tensors` + `save_hf_directory` (``MerakTrainer.save_model``): from the live
@@ -23,6 +23,7 @@ from torch import nn
 
 from merak import lora
 from merak.checkpoint.io import MARKER, full_tensors, persistent_buffers
+from merak.checkpoint.sharded import shard_spec
 from merak.data_parallel.shards import is_sharded, whole
 from merak.distributed.host_objects import receive_each
 from merak.materialize.conversion import meta_model_for, to_hub_layout
@@ -64,8 +65,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
 def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | None:
     """The whole model's parameters and persistent buffers under their original names
     (`name_prefix` removed), on global rank 0 (None elsewhere); a collective. Each (pp, tp)
-    rank of dp rank 0 sends its stage's tensors as CPU tensors; tensor-parallel shards are put
-    back together (`ShardSpec.assemble`).
+    rank of dp rank 0 sends its stage's tensors as CPU tensors, and with expert parallelism
+    the other ranks of its ep group their experts; tensor-parallel and expert-parallel shards
+    are put back together (`ShardSpec.assemble`, `ExpertSlice.assemble`).
 
     The shards travel through host memory over the job's host group (`ParallelContext.host_group`)
     and rank 0 takes them one rank at a time (`receive_each`): besides the model it assembles, it
@@ -79,9 +81,12 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     buffers = persistent_buffers(stage)  # (what save_pretrained writes besides parameters)
     params += list(buffers.items())
     tensors += list(buffers.values())
-    if ctx.dp_rank == 0 and ctx.cp_rank == 0:
-        mine = [(name, getattr(p, "tp_shard", None), t.detach().cpu())
-                for (name, p), t in zip(params, tensors)]
+    replica = ctx.dp_rank * ctx.cp + ctx.cp_rank
+    # replica 0 sends every tensor; with ep > 1 replicas 1 .. ep-1 (the rest of its ep group)
+    # send their experts too
+    mine = [(name, shard_spec(p), t.detach().cpu()) for (name, p), t in zip(params, tensors)
+            if replica == 0 or (replica < ctx.ep and getattr(p, "ep_shard", None) is not None)]
+    mine = mine or None
     shards: dict[str, dict] = {}
     specs = {}
 

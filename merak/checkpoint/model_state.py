@@ -1,14 +1,13 @@
 """The model's weights in a checkpoint, on torch.distributed.checkpoint (DCP), resharded on load
-into any layout.
-
-Every parameter and persistent buffer of a stage is stored under its name (the stage's
-``named_parameters()``: the user's model's names) as the whole logical tensor. Each rank
+into any layout. Every parameter and persistent buffer of a stage is stored under its name (the
+stage's ``named_parameters()``: the user's model's names) as the whole logical tensor. Each rank
 describes the boxes of it it holds (`merak.checkpoint.sharded`: tensor-parallel parts, ZeRO-2/3
-rows); DCP writes each box once (replicas over dp and cp, and the copies of a tied weight on two
-stages, are written by one rank) with its offsets in the whole tensor. A resume in any (dp, tp,
-pp, cp) layout, schedule, stage placement or ZeRO stage reads for each rank just the slices its
-own parameters need, straight into them; `read_whole_tensors` rebuilds whole tensors in one
-process (``merak export``) without a process group.
+rows, expert-parallel ranges of experts); DCP writes each box once (replicas over dp and cp, and
+the copies of a tied weight on two stages, are written by one rank) with its offsets in the
+whole tensor. A resume in any (dp, tp, pp, cp, ep) layout, schedule, stage placement or ZeRO
+stage reads for each rank just the slices its own parameters need, straight into them;
+`read_whole_tensors` rebuilds whole tensors in one process (``merak export``) without a process
+group.
 
 `missing_model_files` (`merak.checkpoint.files`) is what a reader checks before trusting the
 directory: DCP's ``.metadata`` (written by the coordinator once every rank has written) and
@@ -30,7 +29,7 @@ from merak.checkpoint.files import (
     listed,
     missing_model_files,
 )
-from merak.checkpoint.sharded import pieces_of
+from merak.checkpoint.sharded import pieces_of, shard_spec
 
 
 def persistent_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
@@ -50,7 +49,7 @@ def model_entries(stage: nn.Module, copy: bool = False) -> dict:
     """This rank's part of the stage's weights as `write_model_state` takes it: every
     parameter and persistent buffer as DCP should see it; with `copy` (a save in the
     background) host copies no later step changes."""
-    return {name: pieces_of(tensor.detach(), getattr(tensor, "tp_shard", None), copy=copy)
+    return {name: pieces_of(tensor.detach(), shard_spec(tensor), copy=copy)
             for name, tensor in _tensors(stage).items()}
 
 
@@ -94,7 +93,7 @@ def load_model_state(path: Path, stage: nn.Module) -> None:
     _check_files(path)
     tensors = _tensors(stage)
     _check_names(path, tensors, tensor_shapes(path))
-    entries = {name: pieces_of(tensor.detach(), getattr(tensor, "tp_shard", None),
+    entries = {name: pieces_of(tensor.detach(), shard_spec(tensor),
                                for_load=True) for name, tensor in tensors.items()}
     sharded.load(path, entries)
 

@@ -1,15 +1,13 @@
-"""The optimizer's state in a checkpoint, on torch.distributed.checkpoint (DCP), resharded on
-load into any layout.
-
-Every per-parameter state (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum, any
-optimizer whose state is per parameter) is stored under its parameter's name (the stage's
-``named_parameters()``: the user's model's names, as the weight files hold them), as the whole
-logical tensor: each rank describes the boxes of it it holds (`merak.checkpoint.sharded`:
-tensor-parallel parts, ZeRO-2/3 rows), ZeRO-1 ranks only the parameters whose state they own.
-DCP writes each box once (replicas of dp, cp and pp-tied copies are deduplicated) with its
-offsets, and a load, in whatever (dp, tp, pp, cp) layout, schedule or ZeRO stage, reads for each
-rank just the slices of the state its own parameters need. Scalars (Adam's ``step``) are the
-same on every rank and stored once.
+"""The optimizer's state in a checkpoint, on torch.distributed.checkpoint (DCP), resharded on load
+into any layout. Every per-parameter state (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's
+momentum, any optimizer whose state is per parameter) is stored under its parameter's name (the
+stage's ``named_parameters()``: the user's model's names, as the weight files hold them), as the
+whole logical tensor: each rank describes the boxes of it it holds (`merak.checkpoint.sharded`:
+tensor-parallel parts, ZeRO-2/3 rows, expert-parallel experts), ZeRO-1 ranks only the parameters
+whose state they own. DCP writes each box once (replicas of dp, cp and pp-tied copies are
+deduplicated) with its offsets, and a load, in whatever (dp, tp, pp, cp, ep) layout, schedule or
+ZeRO stage, reads for each rank just the slices of the state its own parameters need. Scalars
+(Adam's ``step``) are the same on every rank and stored once.
 
 The optimizer is given its state before loading (a step with zero gradients at learning rate
 0, as torch's own state-dict helpers do: the parameters do not change), then DCP fills it in
@@ -28,7 +26,7 @@ from torch import nn
 
 from merak.checkpoint import sharded
 from merak.checkpoint.files import CheckpointError, IncompleteCheckpointError, listed
-from merak.checkpoint.sharded import Pieces, pieces_of
+from merak.checkpoint.sharded import Pieces, pieces_of, shard_spec
 from merak.data_parallel.zero1 import local_optimizer
 
 OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory
@@ -55,7 +53,7 @@ def _entries(optimizer: torch.optim.Optimizer, stage: nn.Module, for_load: bool,
             if name is None:
                 raise CheckpointError("the optimizer steps a parameter the stage does not hold "
                                       "by name; Merak checkpoints only the stage's parameters")
-            spec = getattr(param, "tp_shard", None)
+            spec = shard_spec(param)
             entry = {}
             for key, value in values.items():
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:

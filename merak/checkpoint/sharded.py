@@ -1,16 +1,17 @@
-"""A rank's part of a logical tensor, described to torch.distributed.checkpoint (DCP) as boxes
-of the whole tensor, so that DCP writes each part once and reads, for any other layout, only
-the slices a rank needs.
+"""A rank's part of a logical tensor, described to torch.distributed.checkpoint (DCP) as boxes of
+the whole tensor, so that DCP writes each part once and reads, for any other layout, only the
+slices a rank needs.
 
 A parameter (or a per-parameter optimizer state tensor) of a Merak stage is cut in up to two
 ways: tensor parallelism keeps, along one dimension, this rank's ``1/tp`` of each fused part
-(`ShardSpec`: q, k and v each cut, not the fused whole), and ZeRO-2/3 (FSDP2) keeps a range of
-rows of that TP shard (a DTensor sharded on dim 0 over the replicas). Neither is one DTensor
-placement of the whole tensor, but each is a union of boxes (a box per fused part, cut to the
-rows FSDP keeps), which is what DCP's metadata records for a chunked tensor
-(``ChunkStorageMetadata``: offsets and sizes). `Pieces` implements the hooks DCP's default
-planners call for such objects (``__create_write_items__``, ``__create_chunk_list__``,
-``__get_tensor_shard__``), as DTensor does for its one box.
+(`ShardSpec`: q, k and v each cut, not the fused whole), or expert parallelism this rank's
+range of experts along dim 0 (`ExpertSlice`, ``param.ep_shard``: read as a `ShardSpec` of one
+part); and ZeRO-2/3 (FSDP2) keeps a range of rows of that shard (a DTensor sharded on dim 0
+over the replicas). Neither is one DTensor placement of the whole tensor, but each is a union
+of boxes (a box per fused part, cut to the rows FSDP keeps), which is what DCP's metadata
+records for a chunked tensor (``ChunkStorageMetadata``: offsets and sizes). `Pieces`
+implements the hooks DCP's default planners call for such objects (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``), as DTensor does for its one box.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ class Box:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     local: tuple[int, ...]
+
+
+def shard_spec(tensor: torch.Tensor):
+    """How `tensor` (a stage's parameter or buffer) is cut out of the whole: its
+    tensor-parallel `ShardSpec` (``tp_shard``), its expert-parallel `ExpertSlice`
+    (``ep_shard``: the ep rank's experts), or None (held whole). tp and ep do not combine."""
+    spec = getattr(tensor, "tp_shard", None)
+    return spec if spec is not None else getattr(tensor, "ep_shard", None)
 
 
 def _segments(length: int, spec, dim: int) -> list[tuple[int, int, int]]:

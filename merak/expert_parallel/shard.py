@@ -5,15 +5,45 @@ An experts module is one transformers' ``use_experts_implementation`` decorated 
 Mixtral, ... : merged 3-D ``gate_up_proj`` / ``down_proj`` tensors, ``[num_experts, ...]``,
 optional biases). ep rank r keeps experts ``[r*E/ep, (r+1)*E/ep)`` of each of them; its
 parameters are marked ``expert_parallel`` so the interpreter reduces their gradients over the
-expert-data-parallel group (`ParallelContext.edp_group`) rather than over all replicas.
+expert-data-parallel group (`ParallelContext.edp_group`) rather than over all replicas, and
+carry ``ep_shard`` (`ExpertSlice`): which experts of the layer's whole tensor they hold, so
+checkpoints write each expert once and exports put the layer back together.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext
 from merak.expert_parallel.dispatch import IMPLEMENTATION, ExpertShard, register
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """An expert-parallel shard of a per-expert tensor (``param.ep_shard``): ep rank `rank` of
+    `size` holds experts ``[rank*E/size, (rank+1)*E/size)`` along dimension 0 of the layer's
+    whole tensor (`full_shape`, E = ``full_shape[0]``). It reads as a tensor-parallel
+    `ShardSpec` of one part along dimension 0 (`dim`, `chunks`, `take`, `assemble`), so the
+    checkpoint and export code describe and put back both kinds alike."""
+
+    rank: int
+    size: int
+    full_shape: tuple[int, ...]
+    dim: int = 0
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return (self.full_shape[0],)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(self.size, dim=0)[self.rank]
+
+    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The layer's whole tensor from every ep rank's shard (ep rank order)."""
+        return torch.cat(shards, dim=0)
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -74,6 +104,7 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
             local = nn.Parameter(param.detach()[lo:hi].clone(),
                                  requires_grad=param.requires_grad)
             local.expert_parallel = True
+            local.ep_shard = ExpertSlice(ctx.ep_rank, ctx.ep, tuple(param.shape))
             setattr(module, pname, local)
         module.num_experts = shard.local
         module.merak_ep = shard

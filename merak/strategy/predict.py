@@ -255,7 +255,10 @@ class Predictor:
         states = [0.0] * c.pp
         placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, p in enumerate(params):
-            states[placement[s]] += state_bytes(p, c.zero, c.replicas, largest)
+            # experts' ZeRO-1 shards are over their own replicas (dp x cp / ep)
+            experts = 0.0 if c.ep == 1 else counts[s] * self.shape.expert_params / c.ep
+            states[placement[s]] += state_bytes(p - experts, c.zero, c.replicas, largest) \
+                + state_bytes(experts, c.zero, c.replicas // c.ep, largest)
         if max(states) > self.memory_bytes:  # no activation can fit: nothing to replay
             rank = states.index(max(states))
             result.peak_bytes = max(states)

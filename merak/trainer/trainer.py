@@ -22,7 +22,7 @@ from transformers import Trainer
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 
-from merak import lora
+from merak import lora, rules
 from merak.checkpoint.background import BackgroundSaves
 from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
@@ -32,7 +32,7 @@ from merak.materialize.adapters import adapters_join_record, check_adapters_reco
 from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.memory_probe import fits_in_memory
 from merak.trainer import neftune, recomputation
-from merak.trainer.arguments import MerakArguments, NotSupportedYetError
+from merak.trainer.arguments import MerakArguments
 from merak.trainer.auto_plan import apply_strategy_plan
 from merak.trainer.checkpointing import CheckpointMixin
 from merak.trainer.context_parallel import ContextParallelMixin
@@ -85,11 +85,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         check_dpo(type(self), args, model, trainer_kwargs)
         check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))
         self.ctx = get_context()
-        if self.ctx.ep > 1:  # its saves would write one rank's experts as the layer's
-            raise NotSupportedYetError(
-                f"MerakTrainer with expert parallelism (merak.init(ep={self.ctx.ep})) is not "
-                f"supported yet: its checkpoints and saved models do not gather the experts' "
-                f"shards; train through merak.engine.assemble.build_engine, or use ep=1")
+        if self.ctx.ep > 1:  # (the arguments may predate merak.init(ep=)): before any build
+            rules.check(rules.Choices.from_arguments(args, lora=lora.is_peft_model(model)))
         use_trainer_timeout(args.ddp_timeout)  # every wait of the job: at most ddp_timeout
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)

@@ -21,8 +21,10 @@ import transformers as tf
 from common import Compared, GradSnapshot, out_dir
 
 import merak
+from merak.coverage.shrink import small_config
+from merak.data_parallel.zero1 import local_optimizer
 from merak.engine.assemble import build_engine
-from merak.engine.options import EngineOptions, HookOptions
+from merak.engine.options import EngineOptions, HookOptions, PrecisionOptions
 from merak.expert_parallel import dispatch, experts_modules, shard_experts
 from merak.runtime.options import RuntimeOptions
 
@@ -36,13 +38,28 @@ CONFIGS = {
     "mixtral": lambda: tf.MixtralConfig(**{**COMMON, "intermediate_size": 16},
                                         num_local_experts=4),
 }
+# more experts-interface families, at engine parity (dp2 ep2, SGD) only: the coverage's small
+# configs (4 layers, 4 experts, top-2; DeepSeek-V3's first layer dense, with shared experts and
+# group-limited routing; GPT-OSS's experts with biases), load-balancing loss on where they have
+# one
+MORE_FAMILIES = ("olmoe", "deepseek_v3", "gpt_oss")
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
 
 
+def _config(family: str):
+    if family in CONFIGS:
+        return CONFIGS[family]()
+    config = small_config(family)
+    config.output_router_logits = True
+    if getattr(config, "router_aux_loss_coef", None) is not None:
+        config.router_aux_loss_coef = 0.1
+    return config
+
+
 def _reference(family: str):
     torch.manual_seed(SEED)
-    return tf.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    return tf.AutoModelForCausalLM.from_config(_config(family))
 
 
 def rows(step: int, first: int, count: int) -> dict[str, torch.Tensor]:
@@ -162,11 +179,12 @@ def _loaded(family: str) -> torch.nn.Module:
 
 
 def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep: int = 2,
-           load: bool = False) -> dict:
+           load: bool = False, zero: int = 0) -> dict:
     """`clip` > 0: gradients clipped to that global norm (`max_grad_norm`), as
     `clip_grad_norm_` clips the single-process model's. `load`: the engine loads its stage
     from the `save_pretrained` files of `_loaded` (Mixtral's: per-expert tensors, merged on
-    load), then keeps its experts."""
+    load), then keeps its experts. `zero`: the ZeRO stage (1: the experts' optimizer state
+    over the edp group, the rest over the replicas)."""
     ctx = merak.init(dp=dp, tp=1, pp=pp, ep=ep)
     rows_per = MICRO * ROWS_PER_MICRO
     checkpoint = None
@@ -178,7 +196,8 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     with merak.init_empty_weights():
         model = _reference(family)  # (seeded: materialized as the reference initializes)
     options = EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICRO),
-                            hooks=HookOptions(max_grad_norm=clip))
+                            hooks=HookOptions(max_grad_norm=clip),
+                            precision=PrecisionOptions(zero_stage=zero))
     built = build_engine(model, rows(0, 0, ROWS_PER_MICRO), ctx, options,
                          make_optimizer=lambda stage: OPTIMIZERS[optimizer](stage.parameters()),
                          checkpoint=checkpoint)
@@ -220,7 +239,16 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     final = dict(reference.named_parameters())
     for name, param in stage.named_parameters():
         compared.value(f"{name} after {STEPS} steps", param, mine(name, final[name]))
+    params = list(stage.parameters())
     return compared.figures(max_abs_diff=_max_diff(compared), ep=ctx.ep,
+                            optimizer=type(built.optimizer).__name__,
+                            # parameters whose optimizer state this rank holds: (dense, experts)
+                            states=[sum(p in local_optimizer(built.optimizer).state
+                                        for p in params if getattr(p, "expert_parallel",
+                                                                   False) == expert)
+                                    for expert in (False, True)],
+                            params=[sum(not getattr(p, "expert_parallel", False) for p in params),
+                                    sum(getattr(p, "expert_parallel", False) for p in params)],
                             expert_counts=_expert_counts(stage, reference, experts),
                             experts_modules=sorted(experts),
                             params_without_grad=sorted(set(dict(stage.named_parameters()))
@@ -241,7 +269,6 @@ class _NormProbe(merak.InstructionHook):
 def refusals() -> None:
     """ep not dividing the experts, and the engine options ep does not combine with yet."""
     from merak.engine.assemble import check_expert_parallel
-    from merak.engine.options import PrecisionOptions
     from merak.rules import NotSupportedYetError
 
     ctx = merak.init(dp=dist.get_world_size(), tp=1, pp=1, ep=2)
@@ -257,19 +284,18 @@ def refusals() -> None:
         raise AssertionError("3 experts sharded over ep=2")
     assert [p.shape for p in model.parameters()] == before, "a refused shard changed the model"
     try:
-        check_expert_parallel(ctx, EngineOptions(precision=PrecisionOptions(zero_stage=1)))
+        check_expert_parallel(ctx, EngineOptions(precision=PrecisionOptions(zero_stage=2)))
     except NotSupportedYetError as error:
-        assert "zero_stage=1" in str(error), error
+        assert "zero_stage=2" in str(error), error
     else:
-        raise AssertionError("ep=2 with zero_stage=1 was not refused")
-    args = merak.MerakArguments(output_dir=str(out_dir() / "trainer"), save_strategy="no",
-                                report_to=[])
-    try:
-        merak.MerakTrainer(model=model, args=args, train_dataset=[rows(0, 0, 1)])
+        raise AssertionError("ep=2 with zero_stage=2 was not refused")
+    try:  # made after merak.init(ep=2): the rules read its ep
+        merak.MerakArguments(output_dir=str(out_dir() / "trainer"), save_strategy="no",
+                             report_to=[], zero_stage=3)
     except NotSupportedYetError as error:
-        assert "MerakTrainer with expert parallelism" in str(error), error
+        assert "zero_stage=3 with expert parallelism (ep=2)" in str(error), error
     else:
-        raise AssertionError("MerakTrainer took ep=2")
+        raise AssertionError("MerakArguments took zero_stage=3 with ep=2")
 
 
 def layout() -> None:
@@ -304,6 +330,8 @@ def scenarios(world_size: int) -> dict:
         for family in CONFIGS:
             out[f"engine-{family}-dp2-ep2-sgd-loaded"] = lambda f=family: engine(
                 f, 2, 1, "sgd", load=True)
+        for family in MORE_FAMILIES:
+            out[f"engine-{family}-dp2-ep2-sgd"] = lambda f=family: engine(f, 2, 1, "sgd")
         out["refusals"] = refusals
     if world_size == 4:
         out["engine-qwen3_moe-dp4-ep2-sgd"] = lambda: engine("qwen3_moe", 4, 1, "sgd")
@@ -311,6 +339,9 @@ def scenarios(world_size: int) -> dict:
         out["engine-qwen3_moe-dp4-ep2-sgd-clip"] = lambda: engine("qwen3_moe", 4, 1, "sgd", 0.5)
         # one expert per rank, an ep group of 4, edp groups of one rank
         out["engine-qwen3_moe-dp4-ep4-adamw"] = lambda: engine("qwen3_moe", 4, 1, "adamw", ep=4)
+        # ZeRO-1: the experts' AdamW state over edp groups of 2, the rest over the 4 replicas
+        out["engine-qwen3_moe-dp4-ep2-adamw-zero1"] = lambda: engine("qwen3_moe", 4, 1, "adamw",
+                                                                     zero=1)
         out["layout"] = layout
     return out
 

@@ -1,0 +1,84 @@
+"""MerakTrainer with expert parallelism (pooled worker ep_trainer.py): a Qwen3-MoE and a Mixtral
+written by `save_pretrained` and loaded under `init_empty_weights`, trained at dp2 ep2 (2 ranks)
+and dp2 ep2 pp2 (4 ranks) on padded rows of varying length, against single-process HF Trainer on
+the same directory and rows: every step's loss and gradient norm (load-balancing loss included),
+the `save_model` directory (the Hub's layout, every expert) against HF's trained model, `merak
+export` of the last checkpoint against `save_model`, each rank holding 1/ep of every experts
+tensor, and the checkpoint of step 2 resumed in another ep (dp2 ep1; dp4 ep2 pp1 under ZeRO-1)
+continuing the same curve (and at the same dp evaluating to the same loss). In one process: the
+rules refusing what ep does not combine with yet, before any build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_harness import scenario_result
+from ep_trainer import RUNS, SAVE_STEP, hub_tensors, reference
+
+import merak
+from merak.rules import Choices, NotSupportedYetError, refusal
+
+WORKER = "ep_trainer.py"  # pooled: launches(world_size), see conftest.py
+WORLD_SIZES = tuple(RUNS)
+# fp32; the saved weights after 4 AdamW steps at lr 1e-2 (the root of small second moments
+# magnifies rounding)
+LOSS_ATOL, NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-5, 1e-4
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in RUNS for s in RUNS[w]])
+def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
+        launches, world_size, scenario, tmp_path):
+    figures = scenario_result(*launches(world_size), scenario)
+    first = figures[0]
+    _, trained_layout, resumed_layout = RUNS[world_size][scenario]
+    assert first["optimizers"] == ["ExpertZero1" if layout[3] == 1 and layout[2] > 1 else "AdamW"
+                                   for layout in (trained_layout, resumed_layout)], first
+    theirs, _, trained = reference(Path(first["hub"]), tmp_path)
+    for rank, ours in enumerate(figures):
+        assert ours["curve"]["loss"] == pytest.approx(theirs["loss"], abs=LOSS_ATOL), rank
+        assert ours["curve"]["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL)
+        # the resumed run continues the curve: steps after the checkpoint's, in another ep
+        resumed = ours["resumed"]
+        assert resumed["loss"][SAVE_STEP:] == pytest.approx(ours["curve"]["loss"][SAVE_STEP:],
+                                                            abs=LOSS_ATOL), rank
+        assert resumed["grad_norm"][SAVE_STEP:] == pytest.approx(
+            ours["curve"]["grad_norm"][SAVE_STEP:], rel=NORM_RTOL)
+        if ours["dps"][0] == ours["dps"][1]:  # (eval adds each dp rank's load-balancing loss)
+            assert ours["resumed_eval_loss"] == pytest.approx(ours["eval_loss"], abs=LOSS_ATOL)
+        held = ours["held"]  # (gate_up_proj, down_proj) x the rank's layers, 1/ep of each
+        assert len(held) == (2 if "pp2" in scenario else 4), held
+        assert all(mine * 2 == whole for mine, whole in held.values()), held
+    assert first["same_export"], "merak export of the last checkpoint differs from save_model"
+    saved = hub_tensors(Path(first["saved"]))
+    assert sorted(saved) == sorted(trained), sorted(set(saved) ^ set(trained))[:8]
+    assert any(".experts.3." in n or "experts.gate_up_proj" in n for n in saved), sorted(saved)
+    worst = max((saved[n] - t).abs().max().item() for n, t in trained.items())
+    assert worst < WEIGHT_ATOL, worst
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"zero_stage": 2}, r"zero_stage=2 with expert parallelism \(ep=2\)"),
+    ({"tp": 2}, r"merak.init\(tp=2\) with expert parallelism"),
+    ({"text_generation": True}, "text_generation=True with expert parallelism"),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size=True with expert parallelism"),
+    ({"planned": True}, r"auto_parallel \(or plan\) with expert parallelism"),
+])
+def test_the_rules_refuse_what_expert_parallelism_does_not_combine_with_yet(fields, match):
+    found = refusal(Choices(ep=2, **fields))
+    assert found is not None and isinstance(found.error(), NotSupportedYetError)
+    with pytest.raises(NotSupportedYetError, match=match):
+        raise found.error()
+    assert refusal(Choices(ep=1, **fields)) is None or "expert" not in refusal(
+        Choices(ep=1, **fields)).message
+
+
+def test_merak_arguments_read_ep_from_the_last_init(monkeypatch):
+    """Made after merak.init(ep=2): a ZeRO stage is refused at once, before any build."""
+    import merak.rules as rules_module
+
+    monkeypatch.setattr(rules_module, "default_context",
+                        lambda: type("Ctx", (), {"cp": 1, "tp": 1, "ep": 2})())
+    with pytest.raises(NotSupportedYetError, match="zero_stage=3 with expert parallelism"):
+        merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=3)
+    merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=1)

@@ -1,0 +1,163 @@
+"""MerakTrainer with expert parallelism (see test_expert_parallel_trainer): a tiny Qwen3-MoE and
+Mixtral (2 layers, 4 experts, top-2, load-balancing loss on) written by `save_pretrained` (the
+Hub's layout) and loaded under `init_empty_weights` train 4 steps at dp2 ep2 (2 ranks; Qwen3-MoE
+under ZeRO-1) or dp2 ep2 pp2 (4 ranks) on right-padded rows of lengths 5..12, saving a
+checkpoint every 2 steps; `save_model` writes the Hub layout with every expert and `merak
+export` of the last checkpoint writes the same tensors. Then the checkpoint of step 2 resumes in
+another layout (dp2 ep1 on 2 ranks, dp4 ep2 pp1 under ZeRO-1 on 4), optimizer state included,
+and trains steps 3 and 4 again, and both runs evaluate their final weights (the same loss at the
+same dp: a step's eval loss holds each dp rank's load-balancing loss, see
+docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
+directory and rows and compares."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers as tf
+from common import out_dir, run_scenarios
+from safetensors import safe_open
+
+import merak
+from merak.checkpoint.export import export_checkpoint
+from merak.expert_parallel import experts_modules
+
+VOCAB, SEQ, STEPS, SAVE_STEP, MICRO_BATCH, MICROBATCHES, SEED = 128, 12, 4, 2, 2, 2, 1234
+DP = 2  # the rows of a step: MICRO_BATCH x MICROBATCHES x DP
+MOE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "output_router_logits": True, "router_aux_loss_coef": 0.1, "num_experts_per_tok": 2}
+CONFIGS = {
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(**MOE, head_dim=8, num_experts=4,
+                                           moe_intermediate_size=16),
+    "mixtral": lambda: tf.MixtralConfig(**{**MOE, "intermediate_size": 16},
+                                        num_local_experts=4),
+}
+# both trainers' fields (HF Trainer's micro-batch: one Merak rank's, DP x as many a step)
+FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_norm": 1.0,
+          "train_sampling_strategy": "sequential", "report_to": "none", "disable_tqdm": True,
+          "use_cpu": True, "per_device_train_batch_size": MICRO_BATCH,
+          "per_device_eval_batch_size": MICRO_BATCH}
+# scenario -> (family, (dp, pp, ep, zero_stage) trained, the same resumed)
+RUNS = {2: {f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0), (2, 1, 1, 0))
+            for family in CONFIGS},
+        4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0), (4, 1, 2, 1))}}
+
+
+def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """`count` rows right-padded to SEQ, lengths 5..12, attention_mask 0 and labels -100 on the
+    pads."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (count, SEQ), generator=g)
+    out = []
+    for r in range(count):
+        length = 5 + (5 * r) % (SEQ - 4)
+        mask = (torch.arange(SEQ) < length).long()
+        row = ids[r] * mask
+        out.append({"input_ids": row, "attention_mask": mask,
+                    "labels": row.masked_fill(mask == 0, -100)})
+    return out
+
+
+def train_set() -> list[dict]:
+    return rows(STEPS * MICRO_BATCH * MICROBATCHES * DP, 7)
+
+
+def eval_set() -> list[dict]:
+    return rows(2 * MICRO_BATCH * DP, 8)
+
+
+def save_hub(family: str, path: Path) -> None:
+    """The seeded model, its weights moved off their initialization, as `save_pretrained`
+    writes it (Mixtral's experts as the Hub's per-expert tensors)."""
+    torch.manual_seed(SEED)
+    model = tf.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    g = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=g))
+    model.save_pretrained(path)
+
+
+def hub_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def logged(trainer) -> dict[str, list[float]]:
+    steps = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    return {"loss": [h["loss"] for h in steps], "grad_norm": [h["grad_norm"] for h in steps]}
+
+
+def _trainer(hub: Path, output: Path, layout: tuple[int, int, int, int], **fields):
+    dp, pp, ep, zero = layout
+    merak.init(dp=dp, tp=1, pp=pp, ep=ep)
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_pretrained(hub)
+    args = merak.MerakArguments(output_dir=str(output), max_steps=STEPS,
+                                gradient_accumulation_steps=MICRO_BATCH * MICROBATCHES * DP
+                                // (MICRO_BATCH * dp), zero_stage=zero, **FIELDS, **fields)
+    return merak.MerakTrainer(model=model, args=args, train_dataset=train_set(),
+                              eval_dataset=eval_set())
+
+
+def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...]) -> dict:
+    root = out_dir() / f"trainer-{family}-{'-'.join(map(str, trained))}"
+    hub = root / "hub"
+    if dist.get_rank() == 0:
+        save_hub(family, hub)
+    dist.barrier()
+    trainer = _trainer(hub, root / "merak", trained, save_strategy="steps", save_steps=SAVE_STEP)
+    trainer.train()
+    curve = logged(trainer)
+    held = {f"{mname}.{name}": [p.numel(), math.prod(p.ep_shard.full_shape)]
+            for mname, module in experts_modules(trainer.stage).items()
+            for name, p in module.named_parameters(recurse=False)
+            if getattr(p, "ep_shard", None) is not None}
+    trainer.save_model(str(root / "saved"))
+    evaluated = trainer.evaluate()["eval_loss"]
+    same_export = None
+    if dist.get_rank() == 0:
+        saved = hub_tensors(root / "saved")
+        exported = hub_tensors(export_checkpoint(root / "merak" / f"checkpoint-{STEPS}",
+                                                 root / "exported"))
+        same_export = sorted(exported) == sorted(saved) and all(
+            torch.equal(exported[n], t) for n, t in saved.items())
+    dist.barrier()
+    again = _trainer(hub, root / "resumed", resumed, save_strategy="no")
+    again.train(resume_from_checkpoint=str(root / "merak" / f"checkpoint-{SAVE_STEP}"))
+    return {"curve": curve, "resumed": logged(again), "eval_loss": evaluated,
+            "resumed_eval_loss": again.evaluate()["eval_loss"], "held": held,
+            "dps": [trainer.ctx.dp, again.ctx.dp],
+            "optimizers": [type(t.optimizer).__name__ for t in (trainer, again)],
+            "ep_rank": trainer.ctx.ep_rank if trainer.ctx.ep > 1 else 0,
+            "saved": str(root / "saved"), "hub": str(hub), "same_export": same_export}
+
+
+def reference(hub: Path, out: Path) -> tuple[dict[str, list[float]], float, dict]:
+    """Single-process HF Trainer from `hub` on the same rows, a Merak rank's micro-batch each
+    (the load-balancing loss is per micro-batch), DP x MICROBATCHES of them a step: its logged
+    losses and gradient norms, its eval loss and what its `save_model` writes. Run by the
+    test, outside torchrun (under it, HF Trainer would join the job's process group)."""
+    args = tf.TrainingArguments(output_dir=str(out), max_steps=STEPS, save_strategy="no",
+                                gradient_accumulation_steps=MICROBATCHES * DP, **FIELDS)
+    trainer = tf.Trainer(model=tf.AutoModelForCausalLM.from_pretrained(hub), args=args,
+                         train_dataset=train_set(), eval_dataset=eval_set())
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    return logged(trainer), trainer.evaluate()["eval_loss"], hub_tensors(out / "final")
+
+
+def scenarios(world_size: int) -> dict:
+    return {name: (lambda spec=spec: run(*spec)) for name, spec in RUNS.get(world_size, {}).items()}
+
+
+if __name__ == "__main__":
+    run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))
