@@ -71,11 +71,11 @@ class Choices:
 
     def with_candidate(self, candidate) -> Choices:
         """These choices with a planner candidate's (`candidate_fields`): schedule, ZeRO
-        stage, recomputation, sequence parallelism, context and tensor parallelism."""
+        stage, recomputation, sequence parallelism, context, tensor and expert parallelism."""
         chosen = candidate_fields(candidate)
         own = {f.name for f in fields(self)}
         return replace(self, **{k: v for k, v in chosen.items() if k in own},
-                       cp=getattr(candidate, "cp", self.cp), tp=getattr(candidate, "tp", self.tp))
+                       cp=candidate.cp, tp=candidate.tp, ep=candidate.ep)
 
 
 def candidate_fields(candidate, recompute_ratios=None) -> dict:
@@ -219,7 +219,8 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
              "(a checkpoint resumes in any ep)"),
             ("auto_find_batch_size", c.auto_find_batch_size, "its memory probe is untested with "
              "the experts' all-to-all", "set per_device_train_batch_size yourself"),
-            ("auto_parallel", c.planned, "the planner's candidates and dry runs have ep=1",
+            ("auto_parallel", c.planned, "the trainer's planned layouts are untested with "
+             "ep > 1",
              "give the layout to merak.init(dp=, tp=, pp=, ep=)")):
         if wrong:
             shown = f"merak.init(tp={c.tp})" if other == "tp" else \
