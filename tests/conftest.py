@@ -22,8 +22,6 @@ import nccl_contract  # noqa: E402 - installs itself unless MERAK_TEST_BACKEND=g
 from dist_harness import WorkerPool  # noqa: E402
 
 _NEEDED = pytest.StashKey[dict]()
-# session-scoped fixtures that launch ranks: the tests using one run on one xdist worker
-_SESSION_LAUNCHES = ("worker_pool", "two_ranks")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,28 +39,6 @@ def pytest_collection_modifyitems(config, items):
             if worker not in needed.setdefault((size, backend), []):
                 needed[(size, backend)].append(worker)
     config.stash[_NEEDED] = needed
-    _group_shared_launches(items)
-
-
-def _group_shared_launches(items) -> None:
-    """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh runs two workers) a group
-    runs on one worker. A test module is one group (its module-scoped launches run once), and
-    modules that share a session launch (the worker pool, MerakTrainer's 2-rank launch) are
-    one group, so no launch runs twice. Without xdist the marks change nothing."""
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent.setdefault(name, name) != name:
-            name = parent[name]
-        return name
-
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        for shared in _SESSION_LAUNCHES:
-            if shared in getattr(item, "fixturenames", ()):
-                parent[root(module)] = root(shared)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
 
 
 @pytest.fixture(scope="session")
