@@ -166,8 +166,10 @@ def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
              "train the adapters without fp8"),
             ("torch_compile", c.torch_compile, "compiled blocks over float8 linears are "
              "untested", "leave torch_compile off with fp8"),
-            ("tp", c.tp > 1, "each rank would scale its shard by the shard's own amax, not the "
-             "full tensor's", "train fp8 with tp=1 (dp and pp compose)"),
+            ("tp_overlapping_level", c.tp_overlapping_level > 0, "TP overlap splits each "
+             "matmul into sub-batches, which would each take their own dynamic scale, and its "
+             "row-parallel path multiplies outside the float8 linear",
+             "use tp_overlapping_level=0 with fp8 (tp and sequence_parallel compose)"),
             ("cp", c.cp > 1, "float8 linears over a split sequence are untested",
              "train fp8 with cp=1")):
         if wrong:

@@ -27,7 +27,7 @@ from merak.data_parallel.zero1 import zero1
 from merak.distributed.parallel_context import ParallelContext
 from merak.distributed.timeouts import set_job_timeout
 from merak.engine.compile import compile_blocks
-from merak.engine.fp8 import Float8Report, apply_fp8, check_layout
+from merak.engine.fp8 import Float8Report, apply_fp8
 from merak.engine.grad_norm import GradNormClipper
 from merak.engine.loss_scale import LossScaler
 from merak.engine.options import EngineOptions
@@ -95,7 +95,6 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
         hooks: more hooks, run last (the energy plan's clock hook).
     """
     o = options
-    check_layout(o.precision.fp8, ctx)  # before anything is built
     if ctx.ep > 1:
         check_expert_parallel(ctx, options)
     stage = parallelize(model, example, ctx, tensor_parallel=o.tensor_parallel, split=o.split,

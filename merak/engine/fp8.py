@@ -26,9 +26,10 @@ In a pipeline stage only the blocks are modules; what lies outside them (the emb
 norm, the LM head) the split's graph runs as traced ops, which stay in high precision: the LM
 head is listed as kept all the same.
 
-Tensor parallelism is refused (`check_layout`): a shard's own amax would give each rank a
-different scale from the full tensor's, and torchao's scale all-reduce works on DTensors, which
-Merak's TP layers are not.
+Under tensor parallelism Merak's column- and row-parallel linears become their float8 classes
+(`merak.engine.fp8_tp`), whose casts all-reduce the amax over the TP group where a shard's own
+would differ from the full tensor's: every rank scales as one process would. What fp8 does not
+compose with is refused by `merak.rules` before anything is built.
 """
 
 from __future__ import annotations
@@ -40,25 +41,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from merak.rules import NotSupportedYetError
+from merak.tensor_parallel.layers.megatron import ColumnParallelLinear, RowParallelLinear
 
 RECIPES = ("tensorwise", "rowwise")
 HEAD = "the LM head (the logits' softmax needs more range than fp8)"
+# the linears converted: plain ones, and Merak's tensor-parallel ones (`merak.engine.fp8_tp`)
+CONVERTED = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 
 def check_recipe(recipe: str | None, owner: str = "fp8") -> None:
     """A ValueError naming `owner` unless `recipe` is None or one of `RECIPES`."""
     if recipe is not None and recipe not in RECIPES:
         raise ValueError(f"{owner}={recipe!r} is not one of {[None, *RECIPES]}")
-
-
-def check_layout(recipe: str | None, ctx) -> None:
-    """fp8 runs at tp=1 (see the module's docstring)."""
-    if recipe is not None and getattr(ctx, "tp", 1) > 1:
-        raise NotSupportedYetError(
-            f"fp8={recipe!r} with tensor parallelism (tp={ctx.tp}) is not supported yet: each "
-            f"rank would scale its shard by the shard's own amax, not the full tensor's; train "
-            f"fp8 with tp=1 (dp and pp compose), or without fp8 at tp={ctx.tp}")
 
 
 def emulates(device: torch.device | str) -> bool:
@@ -98,7 +92,7 @@ def kept_reason(name: str, module: nn.Linear, exclude: tuple[str, ...] = (),
     if module.in_features % 16 or module.out_features % 16:
         return (f"features {module.in_features} -> {module.out_features} do not divide by 16 "
                 f"(fp8 GEMMs need multiples of 16)")
-    if type(module) is not nn.Linear:
+    if type(module) not in CONVERTED:
         return f"a {type(module).__name__}, an nn.Linear subclass with its own forward"
     return None
 
@@ -141,14 +135,16 @@ def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
                 or id(linear) in seen:
             continue
         seen.add(id(linear))
-        if _is_tensor_parallel(linear):
-            raise NotSupportedYetError(f"fp8: {name} is a tensor-parallel layer; fp8 runs at "
-                                       f"tp=1 (see merak.engine.fp8)")
         why = kept_reason(name, linear, exclude, embedding_weights)
         if why is not None:
             report.kept[name] = why
             continue
-        _to_float8_(linear, config, Float8Linear)
+        if type(linear) is nn.Linear:
+            to_float8_(linear, config, Float8Linear)
+        else:
+            from merak.engine.fp8_tp import to_float8_tp_
+
+            to_float8_tp_(linear, config)
         report.converted.append(name)
     return report
 
@@ -160,19 +156,15 @@ def _traced_head(name: str, module: nn.Module) -> bool:
         and "weight" in module._parameters
 
 
-def _is_tensor_parallel(module: nn.Module) -> bool:
-    return hasattr(module, "tp_group")
-
-
-def _to_float8_(linear: nn.Linear, config, float8_class: type) -> None:
+def to_float8_(linear: nn.Linear, config, float8_class: type, cls: type | None = None) -> None:
     """`linear` becomes a `Float8Linear` in place: torchao's own module is made from it (sharing
-    its weight and bias) and lends it its class and attributes."""
+    its weight and bias) and lends it its attributes, and its class (or `cls`, a subclass)."""
     made = float8_class.from_float(linear, config=config)
     own = {"training", "in_features", "out_features"}
     for key, value in vars(made).items():
         if not key.startswith("_") and key not in own:
             setattr(linear, key, value)
-    linear.__class__ = float8_class
+    linear.__class__ = cls or float8_class
 
 
 def apply_fp8(stage: nn.Module, precision, ctx) -> Float8Report | None:
@@ -181,7 +173,6 @@ def apply_fp8(stage: nn.Module, precision, ctx) -> Float8Report | None:
     pipeline stage (rank 0 for the first stage: each stage knows only its own layers)."""
     if precision.fp8 is None:
         return None
-    check_layout(precision.fp8, ctx)
     report = convert_(stage, precision.fp8, exclude=tuple(precision.fp8_exclude),
                       emulate=emulates(ctx.device))
     first = all(getattr(ctx, f"{axis}_rank", 0) == 0 for axis in ("dp", "tp", "cp"))
