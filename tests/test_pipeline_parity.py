@@ -94,8 +94,10 @@ def test_scenario_alone(tmp_path, scenario):
     """A scenario that breaks the process group (a timed-out receive) in a launch of its own:
     stage 1 waits for activations stage 0 never sends, and fails once the process group's
     timeout (2 s) has passed, naming both ranks."""
-    figures = scenario_result(*launch(WORKER, 2, tmp_path, args=["--only", scenario]), scenario)
-    ours = figures[1]
+    results, output = launch(WORKER, 2, tmp_path, args=["--only", scenario])
+    # (stage 0 may not report: the group the timeout broke fails its closing barrier)
+    ours = results.figures.get(scenario, [None, None])[1]
+    assert ours is not None, f"stage 1 did not report\n{output[-3000:]}"
     message = ours["message"]
     assert message is not None, "stage 1 did not time out although stage 0 never sent"
     for part in ("rank 1 gave up on recv_act of micro-batch 0 (stage 1 <-> rank 0, stage 0) "

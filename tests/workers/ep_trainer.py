@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from common import out_dir, run_scenarios
+from ep_parity import CONFIGS  # the tiny Qwen3-MoE and Mixtral (of this VOCAB)
 from safetensors import safe_open
 
 import merak
@@ -28,15 +29,6 @@ from merak.expert_parallel import experts_modules
 
 VOCAB, SEQ, STEPS, SAVE_STEP, MICRO_BATCH, MICROBATCHES, SEED = 128, 12, 4, 2, 2, 2, 1234
 DP = 2  # the rows of a step: MICRO_BATCH x MICROBATCHES x DP
-MOE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-       "output_router_logits": True, "router_aux_loss_coef": 0.1, "num_experts_per_tok": 2}
-CONFIGS = {
-    "qwen3_moe": lambda: tf.Qwen3MoeConfig(**MOE, head_dim=8, num_experts=4,
-                                           moe_intermediate_size=16),
-    "mixtral": lambda: tf.MixtralConfig(**{**MOE, "intermediate_size": 16},
-                                        num_local_experts=4),
-}
 # both trainers' fields (HF Trainer's micro-batch: one Merak rank's, DP x as many a step)
 FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_norm": 1.0,
           "train_sampling_strategy": "sequential", "report_to": "none", "disable_tqdm": True,

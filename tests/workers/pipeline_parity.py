@@ -143,6 +143,7 @@ def p2p_timeout() -> dict:
     batch = global_batch("gpt", 0, 4)
     c10d = dist.distributed_c10d
     before = c10d._get_default_group()._get_backend(ctx.device).options._timeout
+    dist.barrier()  # both built: stage 1's step does not wait 2 s for a slower build of stage 0
     c10d._set_pg_timeout(datetime.timedelta(seconds=2))
     try:
         if ctx.pp_rank == 0:
