@@ -144,7 +144,7 @@ def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
         else:
             from merak.engine.fp8_tp import to_float8_tp_
 
-            to_float8_tp_(linear, config)
+            to_float8_tp_(linear, config, to_float8_)
         report.converted.append(name)
     return report
 

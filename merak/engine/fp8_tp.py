@@ -42,7 +42,6 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
-from merak.engine.fp8 import to_float8_
 from merak.tensor_parallel.layers.collectives import communicates
 from merak.tensor_parallel.layers.megatron import (
     ColumnParallel,
@@ -167,11 +166,13 @@ FLOAT8_CLASSES = {ColumnParallelLinear: (Float8ColumnParallelLinear, "column"),
                   RowParallelLinear: (Float8RowParallelLinear, "row")}
 
 
-def to_float8_tp_(linear: torch.nn.Linear, config: Float8LinearConfig) -> None:
+def to_float8_tp_(linear: torch.nn.Linear, config: Float8LinearConfig, convert) -> None:
     """`linear` (a `ColumnParallelLinear` or `RowParallelLinear`) becomes its float8 class in
-    place: torchao's attributes added, its TP group on the casts `reduced_casts` lists."""
+    place: torchao's attributes added by `convert` (`merak.engine.fp8.to_float8_`, passed in
+    so this module does not import its caller), its TP group on the casts `reduced_casts`
+    lists."""
     cls, kind = FLOAT8_CLASSES[type(linear)]
     reduced = reduced_casts(kind, config)
-    to_float8_(linear, config, Float8Linear, cls)
+    convert(linear, config, Float8Linear, cls)
     linear.fp8_tp_groups = {name: linear.tp_group if name in reduced else None
                             for name, _, _ in CASTS}
