@@ -129,7 +129,12 @@ class Predictor:
         shape = self.shape
         if c.ep == 1:
             return shape.block_params / c.tp
-        return shape.block_params_outside_experts / c.tp + shape.expert_params / c.ep
+        return shape.block_params_outside_experts / c.tp + self._block_experts(c)
+
+    def _block_experts(self, c: Candidate) -> float:
+        """One block's routed-expert parameters on a rank under ep > 1 (reduced and, under
+        ZeRO-1, sharded over their own replicas); 0 at ep = 1, where they are ordinary."""
+        return 0.0 if c.ep == 1 else self.shape.expert_params / c.ep
 
     def expert_parallel_s(self, c: Candidate, cost: BlockCosts) -> float:
         """Seconds one block adds per pass (forward or backward) for the token exchange under
@@ -183,9 +188,9 @@ class Predictor:
                ) -> CostModel:
         """Per-rank durations (a rank's stages summed; the simulator gives each 1/v)."""
         cl, tp = self.cluster, c.tp
-        cp_forward, cp_backward = self.context_parallel_s(c, cost)
+        # each block's exchanges over the cp and ep groups
         exchange = self.expert_parallel_s(c, cost)
-        cp_forward, cp_backward = cp_forward + exchange, cp_backward + exchange
+        comm_forward, comm_backward = (s + exchange for s in self.context_parallel_s(c, cost))
         message = cost.boundary_bytes
         if c.sequence_parallel:
             # an all-gather and a reduce-scatter in place of each all-reduce; the model's
@@ -201,11 +206,11 @@ class Predictor:
         placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, n in enumerate(counts):
             rank = placement[s]
-            forward[rank] += n * (cost.forward_s / tp + tp_comm + cp_forward)
-            backward[rank] += n * (cost.backward_s / tp + tp_comm + cp_backward)
+            forward[rank] += n * (cost.forward_s / tp + tp_comm + comm_forward)
+            backward[rank] += n * (cost.backward_s / tp + tp_comm + comm_backward)
             if s == 0:
                 backward[rank] += ends
-            rerun = recomputed[s] * (cost.forward_s / tp + tp_comm + cp_forward)
+            rerun = recomputed[s] * (cost.forward_s / tp + tp_comm + comm_forward)
             if c.recompute == BLOCK:  # inside the backward; the recompute action is empty
                 backward[rank] += rerun
                 recompute[rank] += 1e-9
@@ -256,7 +261,7 @@ class Predictor:
         placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, p in enumerate(params):
             # experts' ZeRO-1 shards are over their own replicas (dp x cp / ep)
-            experts = 0.0 if c.ep == 1 else counts[s] * self.shape.expert_params / c.ep
+            experts = counts[s] * self._block_experts(c)
             states[placement[s]] += state_bytes(p - experts, c.zero, c.replicas, largest) \
                 + state_bytes(experts, c.zero, c.replicas // c.ep, largest)
         if max(states) > self.memory_bytes:  # no activation can fit: nothing to replay
@@ -366,12 +371,15 @@ class Predictor:
         dp = c.replicas  # (the replicas of a weight: tp-strided, dp x cp of them)
         for rank in range(c.pp):
             mine = sum(p for s, p in enumerate(params) if placement[s] == rank)
-            # expert gradients are reduced over the ep rank's own replicas (dp x cp / ep)
-            experts = 0.0 if c.ep == 1 else self.shape.expert_params / c.ep * sum(
+            # expert gradients are reduced (and ZeRO-1 sharded) over the ep rank's own
+            # replicas: dp x cp / ep of them
+            experts = self._block_experts(c) * sum(
                 n for s, n in enumerate(counts) if placement[s] == rank)
             mine -= experts
             grads = 4 * mine
-            step = cost.optimizer_s_per_param * ((mine / dp if c.zero >= 1 else mine) + experts)
+            edp = dp // c.ep
+            step = cost.optimizer_s_per_param * (
+                mine / dp + experts / edp if c.zero >= 1 else mine + experts)
             if c.zero >= 2:
                 sync = cl.all_gather_s(grads, dp, c.tp)  # reduce-scatter
                 if c.zero == 3:  # every micro-batch gathers each block for forward and backward
@@ -380,12 +388,13 @@ class Predictor:
                     sync += cl.all_gather_s(4 * mine, dp, c.tp)
             else:
                 sync = cl.all_reduce_s(grads, dp, c.tp) \
-                    + cl.all_reduce_s(4 * experts, dp // c.ep, c.tp * c.ep)
+                    + cl.all_reduce_s(4 * experts, edp, c.tp * c.ep)
                 # buckets start during the rank's last backward: what outlasts it shows
                 last_backward = sum(n for s, n in enumerate(counts) if placement[s] == rank) \
                     * cost.backward_s / c.tp / c.chunks
                 sync = max(sync - last_backward, 0.1 * sync)
                 if c.zero == 1:  # each rank steps its share, then broadcasts it
-                    sync += cl.all_gather_s(4 * mine, dp, c.tp)
+                    sync += cl.all_gather_s(4 * mine, dp, c.tp) \
+                        + cl.all_gather_s(4 * experts, edp, c.tp * c.ep)
             worst = max(worst, sync + step)
         return worst
