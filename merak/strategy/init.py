@@ -43,4 +43,5 @@ def init(dp: int | None = None, tp: int | None = None, pp: int | None = None,
             raise ValueError(f"merak.init: (dp, tp, pp, cp, ep) = {given} disagree with the "
                              f"plan {plan}'s {planned}; leave the degrees out to use the plan's")
         dp, tp, pp, cp, ep = planned
-    return parallel_context.init(dp, tp, pp, backend, timeout=timeout, cp=cp, ep=ep or 1)
+    return parallel_context.init(dp, tp, pp, backend, timeout=timeout, cp=cp,
+                                  ep=1 if ep is None else ep)
