@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from merak.distributed.parallel_context import default_context
-from merak.schedule.registry import SCHEDULES
+from merak.schedule.registry import SCHEDULES, ScheduleInfo
+
+_UNREGISTERED = ScheduleInfo("", None)  # a `Schedule` object: its interpreter checks it
 
 
 class NotSupportedYetError(ValueError):
@@ -114,7 +116,7 @@ class Refusal:
 def refusal(c: Choices, owner: str = "MerakArguments") -> Refusal | None:
     """The first rule `c` breaks, or None when Merak builds it. `owner` prefixes the field
     names in the message (``MerakArguments``, or a plan's label)."""
-    info = SCHEDULES[c.train_schedule]
+    info = SCHEDULES.get(c.train_schedule, _UNREGISTERED)
     if c.zero_stage >= 2:
         name = f"{owner}.zero_stage={c.zero_stage}"
         if info.splits_backward:

@@ -12,10 +12,12 @@ import torch.distributed as dist
 import transformers as tf
 from dist_harness import assert_like_reference, check, scenario_result
 from ep_parity import COMMON, SELF_CHECKED, SEQ, scenario_names
+from torch import nn
 
 import merak
+from merak import rules
 from merak.distributed.expert_groups import expert_rank_lists
-from merak.engine.assemble import check_expert_parallel
+from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions, PrecisionOptions
 from merak.expert_parallel import experts_modules
 from merak.expert_parallel.shard import check_divisible
@@ -111,16 +113,16 @@ def test_experts_ep_does_not_divide_are_refused():
     check_divisible(modules, 3)
 
 
-@pytest.mark.parametrize("options,field", [
-    (EngineOptions(precision=PrecisionOptions(zero_stage=2)), "zero_stage=2"),
-])
-def test_engine_options_ep_does_not_combine_with_yet(options, field):
-    ctx = SimpleNamespace(ep=2, tp=1)
-    with pytest.raises(NotSupportedYetError, match=field):
-        check_expert_parallel(ctx, options)
-    with pytest.raises(NotSupportedYetError, match="tp=2"):
-        check_expert_parallel(SimpleNamespace(ep=2, tp=2), EngineOptions())
-    check_expert_parallel(ctx, EngineOptions())
+def test_engine_options_ep_does_not_combine_with_yet():
+    """`build_engine` asks the rules with its options and the context's layout."""
+    ctx = SimpleNamespace(ep=2, tp=1, cp=1)
+    zero2 = EngineOptions(precision=PrecisionOptions(zero_stage=2))
+    with pytest.raises(NotSupportedYetError, match="EngineOptions.zero_stage=2 with expert"):
+        build_engine(nn.Linear(2, 2), {}, ctx, zero2)
+    with pytest.raises(NotSupportedYetError, match=r"merak.init\(tp=2\) with expert"):
+        rules.check(EngineOptions().choices(SimpleNamespace(ep=2, tp=2, cp=1)))
+    assert rules.refusal(EngineOptions().choices(ctx)) is None
+    assert rules.refusal(zero2.choices(SimpleNamespace(ep=1, tp=1, cp=1))) is None
 
 
 def test_merak_trainer_checks_the_rules_with_ep_before_building_anything(monkeypatch):

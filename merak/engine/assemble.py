@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from merak import rules
 from merak.data_parallel.zero import ZeroSharding, check_optimizer, shard_stage
 from merak.data_parallel.zero1 import zero1
 from merak.distributed.parallel_context import ParallelContext
@@ -34,7 +35,6 @@ from merak.engine.options import EngineOptions
 from merak.engine.parallelize import parallelize
 from merak.engine.timers import WallClockBreakdown
 from merak.expert_parallel.shard import shard_experts
-from merak.rules import NotSupportedYetError
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.stages.stage import InterleavedStage, PipelineStage
@@ -62,18 +62,6 @@ def default_optimizer(stage: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(stage.parameters(), lr=1e-4)
 
 
-def check_expert_parallel(ctx: ParallelContext, options: EngineOptions) -> None:
-    """What expert parallelism (ep > 1) does not combine with yet, refused before any build."""
-    checks = (("zero_stage", options.precision.zero_stage, 1,
-               "ZeRO-2/3 shard over all replicas, but expert weights are reduced over edp"),
-              ("tp", ctx.tp, 1, "experts split over tp and ep together are untested"))
-    for field, value, fine, why in checks:
-        if value > fine:
-            raise NotSupportedYetError(
-                f"expert parallelism (ep={ctx.ep}) with {field}={value} is not supported yet: "
-                f"{why}; use {field}={fine} with ep > 1, or ep=1")
-
-
 def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: ParallelContext,
                  options: EngineOptions, *,
                  make_optimizer: OptimizerFactory = default_optimizer,
@@ -95,8 +83,7 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
         hooks: more hooks, run last (the energy plan's clock hook).
     """
     o = options
-    if ctx.ep > 1:
-        check_expert_parallel(ctx, options)
+    rules.check(o.choices(ctx), owner="EngineOptions")  # before anything is built
     stage = parallelize(model, example, ctx, tensor_parallel=o.tensor_parallel, split=o.split,
                         schedule=o.pipeline.schedule, num_model_chunks=o.pipeline.chunks,
                         checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from merak.partition.options import SplitOptions
-from merak.rules import candidate_fields
+from merak.rules import Choices, candidate_fields
 from merak.runtime.options import RuntimeOptions
 from merak.tensor_parallel.plans.options import TensorParallelOptions
 
@@ -91,6 +91,23 @@ class EngineOptions:
         options a dry run builds when the job gives none."""
         return cls(tensor_parallel=TensorParallelOptions(parallel_vocab=parallel_vocab),
                    precision=PrecisionOptions(autocast_dtype=dtype))
+
+    def choices(self, ctx) -> Choices:
+        """The values `merak.rules` reads, as these options and the layout of `ctx` (a
+        `ParallelContext`) set them: `build_engine` checks the same rules as `MerakArguments`
+        on what it is given. What the options do not hold (adapters, generation, a planned
+        layout) is left at the rules' defaults; a schedule given as a `Schedule` object
+        rather than a registered name is checked by the interpreter that runs it."""
+        p, tp, precision = self.pipeline, self.tensor_parallel, self.precision
+        ratio = p.recompute_ratio
+        recomputes = any(r > 0 for r in ratio) if isinstance(ratio, tuple) else ratio > 0
+        return Choices(
+            train_schedule=p.schedule if isinstance(p.schedule, str) else p.schedule.name,
+            zero_stage=precision.zero_stage, activation_checkpointing=recomputes,
+            sequence_parallel=tp.sequence_parallel, torch_compile=self.compile.enabled,
+            divides_gradients=p.grad_predivide != 1.0, tp_overlapping_level=tp.overlap_level,
+            fp8=precision.fp8, fp16=precision.autocast_dtype == torch.float16,
+            cp=ctx.cp, tp=ctx.tp, ep=ctx.ep)
 
     def with_candidate(self, candidate, recompute_ratios=None) -> EngineOptions:
         """These options with a strategy search candidate's choices (`rules.candidate_fields`:

@@ -268,7 +268,7 @@ class _NormProbe(merak.InstructionHook):
 
 def refusals() -> None:
     """ep not dividing the experts, and the engine options ep does not combine with yet."""
-    from merak.engine.assemble import check_expert_parallel
+    from merak import rules
     from merak.rules import NotSupportedYetError
 
     ctx = merak.init(dp=dist.get_world_size(), tp=1, pp=1, ep=2)
@@ -284,7 +284,7 @@ def refusals() -> None:
         raise AssertionError("3 experts sharded over ep=2")
     assert [p.shape for p in model.parameters()] == before, "a refused shard changed the model"
     try:
-        check_expert_parallel(ctx, EngineOptions(precision=PrecisionOptions(zero_stage=2)))
+        rules.check(EngineOptions(precision=PrecisionOptions(zero_stage=2)).choices(ctx))
     except NotSupportedYetError as error:
         assert "zero_stage=2" in str(error), error
     else:
