@@ -62,9 +62,14 @@ def test_head_to_head_sends_deadlock_as_on_nccl(tmp_path):
     """Each rank sends first, then receives, in separate groups: both time out here (gloo
     alone completes it; NCCL waits forever)."""
     scenario = "head-to-head-sends-deadlock"
+    timed_out = 0
     for rank, seen in enumerate(_seen(launch(WORKER, 2, tmp_path, args=["--only", scenario],
                                              timeout_s=120), scenario)):
         assert not seen["completed"], f"rank {rank}: a head-to-head send/send pair completed"
         error = seen["error"]
-        assert "did not complete" in error or "timed out" in error.lower(), error
+        # the first rank to time out ends its process; its peer may then see the connection
+        # close before its own timeout: at least one rank must have timed out
+        timed_out += "did not complete" in error or "timed out" in error.lower()
+        assert timed_out or "closed by peer" in error, error
         assert not seen["send_succeeded"], f"rank {rank}: {seen}"
+    assert timed_out >= 1, "no rank timed out"
