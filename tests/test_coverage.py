@@ -37,8 +37,11 @@ def test_the_handful_splits_and_shards_at_parity(sweep):
         for check in ("build", "single", "pp", "tp", "load"):
             assert row.get(check) == "ok", f"{family} {check}: {row.get(check)}"
     assert rows["mixtral"]["moe"] and not rows["olmo2"]["moe"]
+    # the ep column: Mixtral's experts split over both ranks (dp = ep = 2), OLMo2 has none
+    assert rows["mixtral"].get("ep") == "ok" and "ep" not in rows["olmo2"], rows
     assert "pp=2 parity: 2/2 (100%)" in stdout
     assert "MoE families at pp=2 parity: 1/1 (100%)" in stdout
+    assert "MoE families at ep=2 (dp=2) parity: 1/1 (100%)" in stdout
     # saved by save_pretrained (Mixtral: per-expert tensors), loaded per rank at pp=2 and tp=2
     assert ("save_pretrained -> per-rank load (pp=2, tp=2 where planned) parity: 2/2 (100%); "
             "MoE families: 1/1 (100%) (of the families HF's from_pretrained loads back)") in stdout
@@ -65,6 +68,11 @@ def test_the_summary_counts_failures_with_their_reasons():
     assert lines[4] == "MoE families at pp=2 parity: 1/1 (100%)"
     assert failures(rows, "tp") == ["  d: no plan: ValueError: plan inference placed no layer "
                                     "of d"]
+    rows[0]["ep"] = "ValueError: no experts module: the family's experts do not go through"
+    assert summarize(rows, 2, 2)[5] == "MoE families at ep=2 (dp=2) parity: 0/1 (0%)"
+    assert failures(rows, "ep") == ["  a: ValueError: no experts module: the family's experts "
+                                    "do not go through"]
+    del rows[0]["ep"]
     rows[0]["load"], rows[1]["load"] = "ok", "ParityError: loss 1 != single-process 2"
     assert summarize(rows, 2, 2)[5] == (
         "save_pretrained -> per-rank load (pp=2, tp=2 where planned) parity: 1/2 (50%); MoE "

@@ -67,12 +67,13 @@ def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, build=None
+def parallel_step(small: SmallModel, dp: int, tp: int, pp: int, build=None, ep: int = 1
                   ) -> tuple[float, dict[str, torch.Tensor], nn.Module]:
-    """One 1F1B training step at (dp, tp, pp): its loss (averaged over dp), this rank's
-    gradients before the optimizer step, and its stage. The model is `small.build()` on meta,
-    or `build()` (e.g. `from_pretrained` of a saved directory, loaded per rank)."""
-    ctx = merak.init(dp=dp, tp=tp, pp=pp)
+    """One 1F1B training step at (dp, tp, pp) and expert-parallel degree `ep`: its loss
+    (averaged over dp), this rank's gradients before the optimizer step, and its stage. The
+    model is `small.build()` on meta, or `build()` (e.g. `from_pretrained` of a saved
+    directory, loaded per rank)."""
+    ctx = merak.init(dp=dp, tp=tp, pp=pp, ep=ep)
     parts = batches(dp)
     mine = _concat(parts[ctx.dp_rank * MICROBATCHES:(ctx.dp_rank + 1) * MICROBATCHES])
     with merak.init_empty_weights():
@@ -135,10 +136,14 @@ def compare(loss: float, grads: dict[str, torch.Tensor], stage: nn.Module, ref_l
     if missing:
         raise ParityError(f"no gradient for {missing[:3]}")
     for name, grad in grads.items():
-        if name not in ref_grads:
-            raise ParityError(f"gradient for {name}, which the single-process model lacks")
-        spec = getattr(own[name], "tp_shard", None)
-        want = spec.take(ref_grads[name]) if spec is not None else ref_grads[name]
+        if name not in ref_grads:  # (zeros: dp's all-reduce fills a parameter nothing reached)
+            if grad.any():
+                raise ParityError(f"gradient for {name}, which the single-process model lacks")
+            continue
+        want = ref_grads[name]
+        for shard in ("tp_shard", "ep_shard"):  # its tp slice, then this rank's experts
+            spec = getattr(own[name], shard, None)
+            want = spec.take(want) if spec is not None else want
         if grad.shape != want.shape:
             raise ParityError(f"gradient of {name} has shape {list(grad.shape)}, expected "
                               f"{list(want.shape)}")

@@ -9,7 +9,9 @@ into `--stages` stages, run stage after stage in one process (the ranks take tur
 step at tp=`--tp` through `merak.parallelize` and the interpreter; each with its loss and every
 gradient compared with the single-process model; and the load check: the model written by
 `save_pretrained` (the Hub layout) and loaded per rank at pp=`--stages` and tp=`--tp` against HF's
-own `from_pretrained` of the same directory. Every family that runs counts in the tp column,
+own `from_pretrained` of the same directory; and for MoE families the ep check: one step with
+every rank a dp replica and the experts split over all of them (ep = the job's `--tp` ranks,
+tokens sent to their experts by all-to-all). Every family that runs counts in the tp column,
 whatever its plan (Merak's table, the config's ``base_model_tp_plan``, or inferred from its
 blocks and proven before use; a family inference places nothing of counts as a failure), and
 the tp failures are listed with their reasons; `--plans` prints each inferred plan as
@@ -32,8 +34,8 @@ from pathlib import Path
 from merak.coverage.worker import HF_CANNOT_LOAD, NO_PLAN
 from merak.inputs import InputError, positive_float, positive_int
 
-CHECKS = ("build", "single", "pp", "tp", "load")
-OPTIONAL = ("pp", "tp", "load")  # what --checks can choose
+CHECKS = ("build", "single", "pp", "tp", "load", "ep")
+OPTIONAL = ("pp", "tp", "load", "ep")  # what --checks can choose
 
 
 def add_coverage(subparsers) -> None:
@@ -49,9 +51,10 @@ def add_coverage(subparsers) -> None:
     parser.add_argument("--timeout", type=positive_float, default=180.0,
                         help="seconds per family and check before it counts as a failure")
     parser.add_argument("--checks", default=",".join(OPTIONAL),
-                        help="which checks to run after build and single (default: pp,tp,load;"
-                             " load = save_pretrained, then per-rank from_pretrained at pp and "
-                             "tp against HF's from_pretrained)")
+                        help="which checks to run after build and single (default: "
+                             "pp,tp,load,ep; load = save_pretrained, then per-rank "
+                             "from_pretrained at pp and tp against HF's from_pretrained; ep = "
+                             "MoE families at dp = ep = the job's ranks)")
     parser.add_argument("--plans", action="store_true",
                         help="print each plan inferred from the blocks (families with neither "
                              "Merak's plan nor a base_model_tp_plan) as `merak tp-plan` does")
@@ -178,6 +181,10 @@ def summarize(rows: list[dict], stages: int, tp: int) -> list[str]:
     if stages > 1 and ran_pp:
         lines.append(f"MoE families at pp={stages} parity: "
                      f"{share([r for r in moe if r.get('pp') == 'ok'], moe)}")
+    moe_ep = [r for r in moe if "ep" in r]
+    if moe_ep:
+        lines.append(f"MoE families at ep={tp} (dp={tp}) parity: "
+                     f"{share([r for r in moe_ep if r['ep'] == 'ok'], moe_ep)}")
     loaded = [r for r in runs if "load" in r and not r["load"].startswith(HF_CANNOT_LOAD)]
     if loaded:
         loaded_moe = [r for r in loaded if r.get("moe")]
@@ -204,6 +211,8 @@ def run_coverage(args: argparse.Namespace) -> int:
     lines = summarize(rows, args.stages, args.tp)
     if args.tp > 1 and failures(rows, "tp"):
         lines += [f"tp={args.tp} failures:", *failures(rows, "tp")]
+    if failures(rows, "ep"):
+        lines += [f"ep={args.tp} failures:", *failures(rows, "ep")]
     for row in trainer_rows:
         lines.append(f"MerakTrainer dp=2 x tp=2 x pp=2 vs HF Trainer, {row['family']}: "
                      f"{row['result']}")

@@ -150,6 +150,29 @@ def load_check(small, family: str, scratch: Path, stages: int, tp: int, timeout_
         _remove(hub)
 
 
+NOT_EXPERTS = "no experts module"  # an ep row's prefix: the family's MoE is not one ep splits
+
+
+def expert_step(small, ep: int, ref) -> None:
+    """One 1F1B step at dp = ep = `ep` (tp = pp = 1) against the single-process model on the
+    same micro-batches: each rank holds 1/ep of every experts module's experts and the tokens
+    travel to them by all-to-all (`merak.expert_parallel`). A family whose experts are not a
+    transformers experts module (``use_experts_implementation``) has nothing ep splits."""
+    from merak.expert_parallel import experts_modules
+
+    loss, grads, stage = parallel_step(small, ep, 1, 1, ep=ep)
+    modules = experts_modules(stage)
+    if not modules:
+        raise ValueError(f"{NOT_EXPERTS}: the family's experts do not go through "
+                         f"transformers' experts interface (use_experts_implementation)")
+    whole = [f"{name}.{p}" for name, m in modules.items()
+             for p, param in m.named_parameters(recurse=False)
+             if getattr(param, "ep_shard", None) is None]
+    if whole:
+        raise ValueError(f"experts parameters {whole[:2]} were not split over ep={ep}")
+    compare(loss, grads, stage, *ref)  # (each rank's experts against theirs: `ep_shard`)
+
+
 def _remove(path: Path) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -157,7 +180,8 @@ def _remove(path: Path) -> None:
 
 
 def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float,
-               checks: tuple[str, ...] = ("pp", "tp", "load"), scratch: Path | None = None
+               checks: tuple[str, ...] = ("pp", "tp", "load", "ep"),
+               scratch: Path | None = None
                ) -> dict:
     world = dist.get_world_size()
     row: dict = {"family": family}
@@ -178,8 +202,10 @@ def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float,
         return row
     refs = {}
 
+    expert_check = "ep" in checks and row["moe"] and world > 1
+
     def single():
-        for dp in {1, world // tp}:
+        for dp in {1, world // tp} | ({world} if expert_check else set()):
             refs[dp] = reference(small, dp)
 
     ok, reason = _check("single", single, timeout_s)
@@ -205,6 +231,9 @@ def run_family(family: str, index: int, stages: int, tp: int, timeout_s: float,
 
         ok, reason = _check("tp", step, timeout_s)
         row["tp"] = "ok" if ok else reason
+    if expert_check:  # every rank a dp replica, the experts split over all of them
+        ok, reason = _check("ep", lambda: expert_step(small, world, refs[world]), timeout_s)
+        row["ep"] = "ok" if ok else reason
     if "load" in checks and scratch is not None:
         layouts_ok = {"pp": row.get("pp", "ok") == "ok",  # not run: try it
                       "tp": plan and row.get("tp", "ok") == "ok"}
@@ -222,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", default="pp,tp,load")
+    parser.add_argument("--checks", default="pp,tp,load,ep")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers
