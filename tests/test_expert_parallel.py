@@ -41,7 +41,7 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
         # (gate_up_proj, down_proj) x the rank's layers: 2, or 1 a stage at pp2; the coverage's
         # 4-layer configs: 4 MoE layers (DeepSeek-V3: 3), GPT-OSS's biases too
         family = scenario.split("-")[1]
-        expected = {"olmoe": 8, "deepseek_v3": 6, "gpt_oss": 16}.get(
+        expected = {"olmoe": 8, "deepseek_v3": 6, "gpt_oss": 16, "llama4_text": 8}.get(
             family, 2 if "pp2" in scenario else 4)
         assert len(counts) == expected, f"rank {rank}: {counts}"
         assert all(mine * ours["ep"] == whole for mine, whole in counts.values()), counts

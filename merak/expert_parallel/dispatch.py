@@ -22,6 +22,7 @@ and load-balancing loss run unchanged around it, on this rank's own rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,27 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor,
                            f"merak.expert_parallel.shard_experts(model, ctx)")
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.size(-1)
-    ids = top_k_index.reshape(-1)
+    inner = _inner_forward(module, shard.inner)
+
+    def local(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(local_ids.numel(), 1, dtype=rows.dtype, device=rows.device)
+        return inner(rows, local_ids[:, None], ones)  # each row with weight 1
+
+    pairs = run_routed(shard, top_k_index.reshape(-1),
+                       lambda order: hidden_states[order // top_k], local)
+    # (5) weighted by the router and summed over k, as transformers combines them
+    combined = (pairs.view(tokens, top_k, hidden) * top_k_weights.unsqueeze(-1)).sum(dim=1)
+    return combined.to(hidden_states.dtype)
+
+
+def run_routed(shard: ExpertShard, ids: torch.Tensor,
+               rows_in: Callable[[torch.Tensor], torch.Tensor],
+               local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Steps (1)-(5) of the module's docstring for N (row, expert) pairs: `ids` ``[N]`` each
+    pair's expert (of the layer's, 0..E-1); ``rows_in(order)`` the pairs' input rows in that
+    order (``[N, H]``); ``local(rows, local_ids)`` runs this rank's experts over the rows that
+    arrived (``local_ids``: each row's expert among this rank's). Returns each pair's output
+    ``[N, H]`` in pair order."""
     # (1) pairs by expert, hence by owner; stable: a token's pairs keep their order
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=shard.num_experts).view(shard.ep, shard.local)
@@ -80,19 +101,14 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor,
     send_splits = counts.sum(1).tolist()
     recv_splits = received.sum(1).tolist()
     # (3) to the owners
-    arrived = all_to_all_rows(hidden_states[order // top_k], recv_splits, send_splits,
-                              shard.group)
-    # (4) the local experts, each arrived row with its local expert id and weight 1
+    arrived = all_to_all_rows(rows_in(order), recv_splits, send_splits, shard.group)
+    # (4) the local experts, each arrived row with its local expert id
     local_ids = torch.arange(shard.local, device=ids.device).repeat(shard.ep)
     local_ids = local_ids.repeat_interleave(received.reshape(-1))
-    ones = torch.ones(local_ids.numel(), 1, dtype=hidden_states.dtype,
-                      device=hidden_states.device)
-    computed = _inner_forward(module, shard.inner)(arrived, local_ids[:, None], ones)
-    # (5) back to the senders, in (token, k) order, weighted by the router and summed over k
+    computed = local(arrived, local_ids)
+    # (5) back to the senders, in pair order
     returned = all_to_all_rows(computed, send_splits, recv_splits, shard.group)
-    pairs = returned[torch.argsort(order)].view(tokens, top_k, hidden)
-    combined = (pairs * top_k_weights.unsqueeze(-1)).sum(dim=1)
-    return combined.to(hidden_states.dtype)
+    return returned[torch.argsort(order)]
 
 
 def register() -> None:

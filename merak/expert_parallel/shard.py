@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from merak.distributed.parallel_context import ParallelContext
+from merak.expert_parallel.dense_moe import dense_moe_blocks, route_block
 from merak.expert_parallel.dispatch import IMPLEMENTATION, ExpertShard, register
 
 
@@ -53,7 +54,12 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if is_experts_module(m)}
+    """Every experts module of `model`: transformers' experts-interface modules and the
+    ``experts`` of the blocks `merak.expert_parallel.dense_moe` routes (Llama-4)."""
+    found = {name: m for name, m in model.named_modules() if is_experts_module(m)}
+    found.update({f"{name}.experts": block.experts
+                  for name, block in dense_moe_blocks(model).items()})
+    return found
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -90,15 +96,16 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
     check_divisible(modules, ctx.ep)
     register()
     inner_of: dict[int, str | None] = {}  # per config object: the implementation it had
+    dense = {f"{name}.experts": block for name, block in dense_moe_blocks(model).items()}
     kept = {}
     for name, module in modules.items():
         if getattr(module, "merak_ep", None) is not None:
             raise ValueError(f"expert parallelism: {name} is sharded already")
-        config = module.config
-        if id(config) not in inner_of:
+        config = getattr(module, "config", None)
+        if name not in dense and id(config) not in inner_of:
             inner_of[id(config)] = config._experts_implementation
         shard = ExpertShard(ctx.ep_group, ctx.ep, ctx.ep_rank, module.num_experts,
-                            inner_of[id(config)])
+                            inner_of.get(id(config)))
         lo, hi = shard.first, shard.first + shard.local
         for pname, param in _per_expert(module, module.num_experts).items():
             local = nn.Parameter(param.detach()[lo:hi].clone(),
@@ -108,7 +115,10 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
             setattr(module, pname, local)
         module.num_experts = shard.local
         module.merak_ep = shard
+        if name in dense:
+            route_block(dense[name], shard)
         kept[name] = (lo, shard.local)
-    for module in modules.values():
-        module.config._experts_implementation = IMPLEMENTATION
+    for name, module in modules.items():
+        if name not in dense:
+            module.config._experts_implementation = IMPLEMENTATION
     return kept

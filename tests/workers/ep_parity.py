@@ -38,11 +38,11 @@ CONFIGS = {
     "mixtral": lambda: tf.MixtralConfig(**{**COMMON, "intermediate_size": 16},
                                         num_local_experts=4),
 }
-# more experts-interface families, at engine parity (dp2 ep2, SGD) only: the coverage's small
+# more families, at engine parity (dp2 ep2, SGD) only: the coverage's small
 # configs (4 layers, 4 experts, top-2; DeepSeek-V3's first layer dense, with shared experts and
 # group-limited routing; GPT-OSS's experts with biases), load-balancing loss on where they have
-# one
-MORE_FAMILIES = ("olmoe", "deepseek_v3", "gpt_oss")
+# one; Llama-4: a block outside the experts interface (merak/expert_parallel/dense_moe.py)
+MORE_FAMILIES = ("olmoe", "deepseek_v3", "gpt_oss", "llama4_text")
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
 
