@@ -216,8 +216,13 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
     for other, wrong, why, instead in (
             ("zero_stage", c.zero_stage >= 2, "FSDP2 shards over all replicas, but expert "
              "weights are reduced over the edp group", "use zero_stage 0 or 1"),
-            ("tp", c.tp > 1, "experts split over tp and ep together are untested",
-             "use tp=1 (dp, pp and cp compose)"),
+            ("sequence_parallel", c.sequence_parallel and c.tp > 1, "with sequence "
+             "parallelism the tp ranks hold different tokens, which the experts' split over tp "
+             "(moe_tp_experts) and the all-to-all over ep are untested with",
+             "set sequence_parallel=False (tp and ep compose without it)"),
+            ("tp_overlapping_level", c.tp_overlapping_level > 0 and c.tp > 1, "TP overlap's "
+             "sub-batches are untested with the experts' all-to-all",
+             "use tp_overlapping_level=0 (tp and ep compose without it)"),
             ("text_generation", c.text_generation, "a generation step's all-to-all would need "
              "every rank of the ep group to decode in lockstep", "generate in a job with ep=1 "
              "(a checkpoint resumes in any ep)"),
@@ -227,8 +232,7 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
              "ep > 1",
              "give the layout to merak.init(dp=, tp=, pp=, ep=)")):
         if wrong:
-            shown = f"merak.init(tp={c.tp})" if other == "tp" else \
-                f"{owner}.auto_parallel (or plan)" if other == "auto_parallel" else \
+            shown = f"{owner}.auto_parallel (or plan)" if other == "auto_parallel" else \
                 f"{owner}.{other}={getattr(c, other)!r}"
             return Refusal(other, f"{shown} with expert parallelism (ep={c.ep}) is not "
                            f"supported yet ({why}); {instead}, or ep=1")

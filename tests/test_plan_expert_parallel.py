@@ -56,8 +56,9 @@ def test_ep_degrees_divide_the_replicas_and_the_experts():
     for c in found:
         assert (c.dp * c.cp) % c.ep == 0 and 8 % c.ep == 0
         if c.ep > 1:  # what the rules refuse with ep, the planner does not propose
-            assert c.zero < 2 and c.tp == 1
+            assert c.zero < 2 and not (c.tp > 1 and c.sequence_parallel)
             assert refusal(Choices().with_candidate(c)) is None
+    assert any(c.ep > 1 and c.tp > 1 for c in found)  # tp and ep compose
     assert {c.ep for c in found if c.zero == 1} > {1}
     assert {c.ep for c in candidates(dense, 8, 16, 128)} == {1}
     assert {c.ep for c in candidates(moe, 8, 16, 128, expert_parallel=(1,))} == {1}
@@ -78,6 +79,9 @@ def test_ep_divides_the_expert_memory_and_adds_the_token_exchange():
     for ep, p in by_ep.items():
         assert p.fits, p.error
         assert p.state_bytes[0] == pytest.approx(outside + experts / ep)
+    # at tp2 each rank holds 1/tp of its experts too (the plan splits their intermediate dim)
+    by_tp = {ep: predictor.predict(Candidate(4, 2, 1, 1, 4, ep=ep)) for ep in (1, 2)}
+    assert by_tp[1].state_bytes[0] - by_tp[2].state_bytes[0] == pytest.approx(experts / 2 / 2)
     # ZeRO-1: each part's Adam state over its own replicas (8, and 8 / ep for the experts)
     zero1 = predictor.predict(Candidate(8, 1, 1, 1, 4, zero=1, ep=2))
     assert zero1.state_bytes[0] == pytest.approx((8 + 8 / 8) * outside / 16

@@ -67,7 +67,8 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     (`name_prefix` removed), on global rank 0 (None elsewhere); a collective. Each (pp, tp)
     rank of dp rank 0 sends its stage's tensors as CPU tensors, and with expert parallelism
     the other ranks of its ep group their experts; tensor-parallel and expert-parallel shards
-    are put back together (`ShardSpec.assemble`, `ExpertSlice.assemble`).
+    are put back together (`ShardSpec.assemble`, `ExpertSlice.assemble`: experts split over
+    both come from every (ep rank, tp rank) of replicas 0 .. ep-1).
 
     The shards travel through host memory over the job's host group (`ParallelContext.host_group`)
     and rank 0 takes them one rank at a time (`receive_each`): besides the model it assembles, it
@@ -93,7 +94,7 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
     def take(_rank: int, part) -> None:
         for name, spec, tensor in part or ():
             specs.setdefault(name, spec)
-            shards.setdefault(name, {})[spec.rank if spec is not None else 0] = tensor
+            shards.setdefault(name, {})[_part(spec)] = tensor
 
     if ctx.world_size > 1:
         receive_each(mine, take, dst=0)
@@ -107,12 +108,19 @@ def gather_full_tensors(stage: nn.Module, ctx, name_prefix: str = "") -> dict | 
         if spec is None:
             full = pieces[0]
         else:
-            if sorted(pieces) != list(range(spec.size)):
-                raise ValueError(f"tensor {name} has shards {sorted(pieces)} of {spec.size}")
-            full = spec.assemble([pieces[r] for r in range(spec.size)])
+            count = getattr(spec, "parts", spec.size)
+            if sorted(pieces) != list(range(count)):
+                raise ValueError(f"tensor {name} has shards {sorted(pieces)} of {count}")
+            full = spec.assemble([pieces[r] for r in range(count)])
         key = name[len(name_prefix):] if name_prefix and name.startswith(name_prefix) else name
         out[key] = full.contiguous()
     return out
+
+
+def _part(spec) -> int:
+    """Which piece of the whole tensor a rank's shard is: its tp rank (`ShardSpec`), its
+    (ep rank, tp rank) piece (`ExpertSlice.part`), 0 when held whole."""
+    return 0 if spec is None else getattr(spec, "part", spec.rank)
 
 
 def save_hf_directory(tensors: dict[str, torch.Tensor], model: nn.Module,

@@ -4,9 +4,10 @@ slices a rank needs.
 
 A parameter (or a per-parameter optimizer state tensor) of a Merak stage is cut in up to two
 ways: tensor parallelism keeps, along one dimension, this rank's ``1/tp`` of each fused part
-(`ShardSpec`: q, k and v each cut, not the fused whole), or expert parallelism this rank's
+(`ShardSpec`: q, k and v each cut, not the fused whole), expert parallelism this rank's
 range of experts along dim 0 (`ExpertSlice`, ``param.ep_shard``: read as a `ShardSpec` of one
-part); and ZeRO-2/3 (FSDP2) keeps a range of rows of that shard (a DTensor sharded on dim 0
+part), or both (an `ExpertSlice` carrying the TP cut of its experts along another dim: a box
+per TP part); and ZeRO-2/3 (FSDP2) keeps a range of rows of that shard (a DTensor sharded on dim 0
 over the replicas). Neither is one DTensor placement of the whole tensor, but each is a union
 of boxes (a box per fused part, cut to the rows FSDP keeps), which is what DCP's metadata
 records for a chunked tensor (``ChunkStorageMetadata``: offsets and sizes). `Pieces`
@@ -47,13 +48,18 @@ class Box:
 def shard_spec(tensor: torch.Tensor):
     """How `tensor` (a stage's parameter or buffer) is cut out of the whole: its
     tensor-parallel `ShardSpec` (``tp_shard``), its expert-parallel `ExpertSlice`
-    (``ep_shard``: the ep rank's experts), or None (held whole). tp and ep do not combine."""
-    spec = getattr(tensor, "tp_shard", None)
-    return spec if spec is not None else getattr(tensor, "ep_shard", None)
+    (``ep_shard``: the ep rank's experts, and their TP cut where tp splits them too), or None
+    (held whole)."""
+    spec = getattr(tensor, "ep_shard", None)
+    return spec if spec is not None else getattr(tensor, "tp_shard", None)
 
 
 def _segments(length: int, spec, dim: int) -> list[tuple[int, int, int]]:
-    """(local start, whole start, length) of the runs along `dim` of a TP shard."""
+    """(local start, whole start, length) of the runs along `dim` of a TP shard (or of an
+    `ExpertSlice`, whose TP cut, if any, is along another dim)."""
+    inner = getattr(spec, "tp", None)
+    if inner is not None and inner.dim == dim:
+        spec = inner
     if spec is None or spec.dim != dim:
         return [(0, 0, length)]
     out, local, whole = [], 0, 0

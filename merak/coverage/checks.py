@@ -140,10 +140,10 @@ def compare(loss: float, grads: dict[str, torch.Tensor], stage: nn.Module, ref_l
             if grad.any():
                 raise ParityError(f"gradient for {name}, which the single-process model lacks")
             continue
-        want = ref_grads[name]
-        for shard in ("tp_shard", "ep_shard"):  # its tp slice, then this rank's experts
-            spec = getattr(own[name], shard, None)
-            want = spec.take(want) if spec is not None else want
+        # this rank's piece: its experts (and their tp cut, which the ExpertSlice carries), or
+        # its tensor-parallel slice
+        spec = getattr(own[name], "ep_shard", None) or getattr(own[name], "tp_shard", None)
+        want = spec.take(ref_grads[name]) if spec is not None else ref_grads[name]
         if grad.shape != want.shape:
             raise ParityError(f"gradient of {name} has shape {list(grad.shape)}, expected "
                               f"{list(want.shape)}")

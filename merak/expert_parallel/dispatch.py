@@ -18,6 +18,11 @@ For one layer's routed tokens (hidden ``[T, H]``, top-k indices and weights ``[T
 
 Dropless: every pair is computed, however unbalanced the routing. The router, shared experts
 and load-balancing loss run unchanged around it, on this rank's own rows.
+
+With tensor parallelism (no sequence parallelism) every tp rank of a replica holds the same
+tokens and routing; tp rank t exchanges them with tp rank t of the other replicas of its ep
+group, so each rank computes its tp slice of its experts (the ``moe_tp_experts`` style splits
+them along the intermediate dim) and the style's sum over the tp ranks completes the output.
 """
 
 from __future__ import annotations
@@ -56,8 +61,11 @@ class ExpertShard:
 def _inner_forward(module: nn.Module, name: str):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    # the family's undecorated forward (the decorator keeps it as __wrapped__): "eager"
-    original = type(module).forward.__wrapped__.__get__(module)
+    # the family's undecorated forward (the decorator keeps it as __wrapped__): "eager"; the
+    # decorated class may sit under a tensor-parallel wrapper class (moe_tp_experts)
+    decorated = next(c.__dict__["forward"] for c in type(module).__mro__
+                     if hasattr(c.__dict__.get("forward"), "__wrapped__"))
+    original = decorated.__wrapped__.__get__(module)
     chosen = None if name in (None, "eager") else ALL_EXPERTS_FUNCTIONS.get_interface(name, None)
     return original if chosen is None else chosen.__get__(module)
 

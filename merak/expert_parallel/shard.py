@@ -8,11 +8,17 @@ parameters are marked ``expert_parallel`` so the interpreter reduces their gradi
 expert-data-parallel group (`ParallelContext.edp_group`) rather than over all replicas, and
 carry ``ep_shard`` (`ExpertSlice`): which experts of the layer's whole tensor they hold, so
 checkpoints write each expert once and exports put the layer back together.
+
+With tensor parallelism the experts module was split first (`merak.tensor_parallel`, the
+``moe_tp_experts`` style: every expert's intermediate dim over the tp ranks, ``param.tp_shard``),
+so ep rank r keeps its experts of its tp shard: ``1/(ep*tp)`` of the layer's tensor. Its
+`ExpertSlice` then carries the TP cut too (``tp``), and ``param.tp_shard`` becomes the TP cut
+of the rank's experts (its ``full_shape`` ``[E/ep, ...]``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -28,22 +34,40 @@ class ExpertSlice:
     `size` holds experts ``[rank*E/size, (rank+1)*E/size)`` along dimension 0 of the layer's
     whole tensor (`full_shape`, E = ``full_shape[0]``). It reads as a tensor-parallel
     `ShardSpec` of one part along dimension 0 (`dim`, `chunks`, `take`, `assemble`), so the
-    checkpoint and export code describe and put back both kinds alike."""
+    checkpoint and export code describe and put back both kinds alike.
+
+    `tp`: with tensor parallelism splitting the experts too, the TP `ShardSpec` of this rank's
+    experts (its ``full_shape`` ``[E/size, ...]``, its `dim` not 0): the rank holds that cut of
+    them. Every (ep rank, tp rank) then holds its own piece: `part` of `parts`, ep-major."""
 
     rank: int
     size: int
     full_shape: tuple[int, ...]
     dim: int = 0
+    tp: object | None = None  # a `merak.tensor_parallel` ShardSpec, or None
 
     @property
     def chunks(self) -> tuple[int, ...]:
         return (self.full_shape[0],)
 
+    @property
+    def part(self) -> int:
+        """This rank's piece among `parts` (ep rank, then tp rank)."""
+        return self.rank if self.tp is None else self.rank * self.tp.size + self.tp.rank
+
+    @property
+    def parts(self) -> int:
+        return self.size if self.tp is None else self.size * self.tp.size
+
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.size, dim=0)[self.rank]
+        mine = full.chunk(self.size, dim=0)[self.rank]
+        return mine if self.tp is None else self.tp.take(mine)
 
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The layer's whole tensor from every ep rank's shard (ep rank order)."""
+        """The layer's whole tensor from every piece (`part` order: ep rank, then tp rank)."""
+        if self.tp is not None:
+            per = self.tp.size
+            shards = [self.tp.assemble(shards[r * per:(r + 1) * per]) for r in range(self.size)]
         return torch.cat(shards, dim=0)
 
 
@@ -82,6 +106,20 @@ def check_divisible(modules: dict[str, nn.Module], ep: int) -> None:
                 f"that divides {module.num_experts} (merak.init(ep=))")
 
 
+def _check_tp_cuts(modules: dict[str, nn.Module]) -> None:
+    """A per-expert tensor tensor parallelism split along the expert dim (dim 0) cannot be
+    split over ep as well."""
+    for name, module in modules.items():
+        for pname, param in _per_expert(module, module.num_experts).items():
+            spec = getattr(param, "tp_shard", None)
+            if spec is not None and spec.dim == 0:
+                raise ValueError(
+                    f"expert parallelism: {name}.{pname} is split by tensor parallelism along "
+                    f"its expert dim (dim 0), which expert parallelism splits; give it a TP "
+                    f"style along another dim (merak.set_tp_layer_lists / "
+                    f"MerakArguments(tp_plan=...)) or use tp=1")
+
+
 def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int, int]]:
     """Keep this ep rank's experts of every experts module of `model` and dispatch them through
     the expert-parallel implementation. Returns ``{module name: (first expert, count)}``
@@ -94,6 +132,7 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
         return {}
     modules = experts_modules(model)
     check_divisible(modules, ctx.ep)
+    _check_tp_cuts(modules)
     register()
     inner_of: dict[int, str | None] = {}  # per config object: the implementation it had
     dense = {f"{name}.experts": block for name, block in dense_moe_blocks(model).items()}
@@ -111,7 +150,14 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
             local = nn.Parameter(param.detach()[lo:hi].clone(),
                                  requires_grad=param.requires_grad)
             local.expert_parallel = True
-            local.ep_shard = ExpertSlice(ctx.ep_rank, ctx.ep, tuple(param.shape))
+            tp = getattr(param, "tp_shard", None)
+            if tp is None:
+                local.ep_shard = ExpertSlice(ctx.ep_rank, ctx.ep, tuple(param.shape))
+            else:  # the TP cut of this rank's experts
+                local.tp_shard = replace(tp, full_shape=(shard.local, *tp.full_shape[1:]),
+                                         source_key=None)
+                local.ep_shard = ExpertSlice(ctx.ep_rank, ctx.ep, tuple(tp.full_shape),
+                                             tp=local.tp_shard)
             setattr(module, pname, local)
         module.num_experts = shard.local
         module.merak_ep = shard

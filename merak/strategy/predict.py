@@ -124,8 +124,8 @@ class Predictor:
         return params
 
     def _block_params(self, c: Candidate) -> float:
-        """One block's parameters on a rank: tp splits all of them but the routed experts
-        under ep > 1, which ep splits instead."""
+        """One block's parameters on a rank: tp splits all of them; ep > 1 splits the routed
+        experts further (`_block_experts`)."""
         shape = self.shape
         if c.ep == 1:
             return shape.block_params / c.tp
@@ -133,8 +133,10 @@ class Predictor:
 
     def _block_experts(self, c: Candidate) -> float:
         """One block's routed-expert parameters on a rank under ep > 1 (reduced and, under
-        ZeRO-1, sharded over their own replicas); 0 at ep = 1, where they are ordinary."""
-        return 0.0 if c.ep == 1 else self.shape.expert_params / c.ep
+        ZeRO-1, sharded over their own replicas): 1/ep of the experts, each split over tp
+        along its intermediate dim as the family's plan (``moe_tp_experts``) splits them; 0 at
+        ep = 1, where they are ordinary."""
+        return 0.0 if c.ep == 1 else self.shape.expert_params / (c.ep * c.tp)
 
     def expert_parallel_s(self, c: Candidate, cost: BlockCosts) -> float:
         """Seconds one block adds per pass (forward or backward) for the token exchange under

@@ -21,6 +21,7 @@ import transformers as tf
 from common import Compared, GradSnapshot, out_dir
 
 import merak
+from merak.checkpoint.sharded import shard_spec
 from merak.coverage.shrink import small_config
 from merak.data_parallel.zero1 import local_optimizer
 from merak.engine.assemble import build_engine
@@ -179,13 +180,14 @@ def _loaded(family: str) -> torch.nn.Module:
 
 
 def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep: int = 2,
-           load: bool = False, zero: int = 0) -> dict:
+           load: bool = False, zero: int = 0, tp: int = 1) -> dict:
     """`clip` > 0: gradients clipped to that global norm (`max_grad_norm`), as
     `clip_grad_norm_` clips the single-process model's. `load`: the engine loads its stage
     from the `save_pretrained` files of `_loaded` (Mixtral's: per-expert tensors, merged on
     load), then keeps its experts. `zero`: the ZeRO stage (1: the experts' optimizer state
-    over the edp group, the rest over the replicas)."""
-    ctx = merak.init(dp=dp, tp=1, pp=pp, ep=ep)
+    over the edp group, the rest over the replicas). `tp`: tensor parallelism too (the
+    family's plan; Qwen3-MoE's and Mixtral's split every expert's intermediate dim)."""
+    ctx = merak.init(dp=dp, tp=tp, pp=pp, ep=ep)
     rows_per = MICRO * ROWS_PER_MICRO
     checkpoint = None
     if load:  # (rank 0 writes it: transformers saves on the main process only)
@@ -223,11 +225,11 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
         ref_opt.step()
         ref_opt.zero_grad()
     experts = set(experts_modules(stage))
-    local = {n: m.merak_ep for n, m in experts_modules(stage).items()}
+    specs = {n: shard_spec(p) for n, p in stage.named_parameters()}
 
-    def mine(name: str, tensor: torch.Tensor) -> torch.Tensor:  # this rank's experts of it
-        shard = local.get(name.rsplit(".", 1)[0])
-        return tensor if shard is None else tensor[shard.first:shard.first + shard.local]
+    def mine(name: str, tensor: torch.Tensor) -> torch.Tensor:  # this rank's experts / tp cut
+        spec = specs[name]
+        return tensor if spec is None else spec.take(tensor)
 
     compared = Compared()
     compared.value("losses", losses, ref_losses)
@@ -240,7 +242,7 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     for name, param in stage.named_parameters():
         compared.value(f"{name} after {STEPS} steps", param, mine(name, final[name]))
     params = list(stage.parameters())
-    return compared.figures(max_abs_diff=_max_diff(compared), ep=ctx.ep,
+    return compared.figures(max_abs_diff=_max_diff(compared), ep=ctx.ep, tp=ctx.tp,
                             optimizer=type(built.optimizer).__name__,
                             # parameters whose optimizer state this rank holds: (dense, experts)
                             states=[sum(p in local_optimizer(built.optimizer).state
@@ -342,6 +344,15 @@ def scenarios(world_size: int) -> dict:
         # ZeRO-1: the experts' AdamW state over edp groups of 2, the rest over the 4 replicas
         out["engine-qwen3_moe-dp4-ep2-adamw-zero1"] = lambda: engine("qwen3_moe", 4, 1, "adamw",
                                                                      zero=1)
+        # tp x ep: tp rank t of each replica exchanges tokens with tp rank t of the others;
+        # Qwen3-MoE's and Mixtral's plans split each expert over tp too, GPT-OSS's inferred
+        # plan keeps its experts (and their biases) whole on the tp ranks
+        out["engine-qwen3_moe-dp2-ep2-tp2-adamw"] = lambda: engine("qwen3_moe", 2, 1, "adamw",
+                                                                   tp=2)
+        out["engine-mixtral-dp2-ep2-tp2-sgd"] = lambda: engine("mixtral", 2, 1, "sgd", tp=2)
+        out["engine-qwen3_moe-dp2-ep2-tp2-sgd-clip"] = lambda: engine("qwen3_moe", 2, 1, "sgd",
+                                                                      0.5, tp=2)
+        out["engine-gpt_oss-dp2-ep2-tp2-sgd"] = lambda: engine("gpt_oss", 2, 1, "sgd", tp=2)
         out["layout"] = layout
     return out
 

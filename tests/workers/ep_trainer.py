@@ -1,10 +1,11 @@
 """MerakTrainer with expert parallelism (see test_expert_parallel_trainer): a tiny Qwen3-MoE and
 Mixtral (2 layers, 4 experts, top-2, load-balancing loss on) written by `save_pretrained` (the
-Hub's layout) and loaded under `init_empty_weights` train 4 steps at dp2 ep2 (2 ranks; Qwen3-MoE
-under ZeRO-1) or dp2 ep2 pp2 (4 ranks) on right-padded rows of lengths 5..12, saving a
+Hub's layout) and loaded under `init_empty_weights` train 4 steps at dp2 ep2 (2 ranks), dp2 ep2
+pp2 or dp2 ep2 tp2 (4 ranks) on right-padded rows of lengths 5..12, saving a
 checkpoint every 2 steps; `save_model` writes the Hub layout with every expert and `merak
 export` of the last checkpoint writes the same tensors. Then the checkpoint of step 2 resumes in
-another layout (dp2 ep1 on 2 ranks, dp4 ep2 pp1 under ZeRO-1 on 4), optimizer state included,
+another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1 on 4), optimizer
+state included,
 and trains steps 3 and 4 again, and both runs evaluate their final weights (the same loss at the
 same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
@@ -34,10 +35,12 @@ FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_nor
           "train_sampling_strategy": "sequential", "report_to": "none", "disable_tqdm": True,
           "use_cpu": True, "per_device_train_batch_size": MICRO_BATCH,
           "per_device_eval_batch_size": MICRO_BATCH}
-# scenario -> (family, (dp, pp, ep, zero_stage) trained, the same resumed)
-RUNS = {2: {f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0), (2, 1, 1, 0))
+# scenario -> (family, (dp, pp, ep, zero_stage, tp) trained, the same resumed)
+RUNS = {2: {f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), (2, 1, 1, 0, 1))
             for family in CONFIGS},
-        4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0), (4, 1, 2, 1))}}
+        4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0, 1), (4, 1, 2, 1, 1)),
+            # each expert split over tp too (Qwen3-MoE's plan: moe_tp_experts)
+            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 0, 1))}}
 
 
 def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -89,8 +92,8 @@ def logged(trainer) -> dict[str, list[float]]:
 
 
 def _trainer(hub: Path, output: Path, layout: tuple[int, int, int, int], **fields):
-    dp, pp, ep, zero = layout
-    merak.init(dp=dp, tp=1, pp=pp, ep=ep)
+    dp, pp, ep, zero, tp = layout
+    merak.init(dp=dp, tp=tp, pp=pp, ep=ep)
     with merak.init_empty_weights():
         model = tf.AutoModelForCausalLM.from_pretrained(hub)
     args = merak.MerakArguments(output_dir=str(output), max_steps=STEPS,
