@@ -4,8 +4,8 @@ Hub's layout) and loaded under `init_empty_weights` train 4 steps at dp2 ep2 (2 
 pp2 or dp2 ep2 tp2 (4 ranks) on right-padded rows of lengths 5..12, saving a
 checkpoint every 2 steps; `save_model` writes the Hub layout with every expert and `merak
 export` of the last checkpoint writes the same tensors. Then the checkpoint of step 2 resumes in
-another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1 on 4), optimizer
-state included,
+another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1 on 4; dp4 ep4 pp2 on
+8 resumes at dp4 ep2 pp2 under ZeRO-1), optimizer state included,
 and trains steps 3 and 4 again, and both runs evaluate their final weights (the same loss at the
 same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
@@ -40,7 +40,9 @@ RUNS = {2: {f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), (2, 1, 1, 0, 
             for family in CONFIGS},
         4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0, 1), (4, 1, 2, 1, 1)),
             # each expert split over tp too (Qwen3-MoE's plan: moe_tp_experts)
-            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 0, 1))}}
+            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 0, 1))},
+        # one expert per rank over ep groups of 4 at pp=2, resumed at ep=2 under ZeRO-1
+        8: {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}}
 
 
 def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
