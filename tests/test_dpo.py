@@ -82,20 +82,3 @@ def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
         build(precompute_ref_log_probs=True,
               lora_config='{"r": 4, "target_modules": ["q_proj"]}')
 
-
-def test_kto_is_refused_by_name_before_anything_is_built():
-    """KTOTrainer's loss runs the model a second time per batch (mismatched KL completions),
-    which one pipeline forward per micro-batch does not give: refused by name, pointing to
-    DPOTrainer, before its __init__ (nothing tokenized, no reference loaded)."""
-    @dataclass
-    class Config(MerakArguments, trl.KTOConfig):
-        pass
-
-    class MerakKTOTrainer(merak.MerakTrainer, trl.KTOTrainer):
-        pass
-
-    for loss_type in ("kto", "apo_zero_unpaired"):
-        args = Config("out", use_cpu=True, loss_type=loss_type)
-        with pytest.raises(NotSupportedYetError,
-                           match=f"MerakKTOTrainer.*KTOTrainer.*{loss_type}.*DPOTrainer"):
-            MerakKTOTrainer(model=None, args=args)

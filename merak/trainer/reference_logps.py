@@ -1,5 +1,6 @@
-"""TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True`` through MerakTrainer: the
-reference log-probabilities computed by the pipeline, before the first training step.
+"""TRL's ``DPOTrainer`` and ``KTOTrainer`` with ``precompute_ref_log_probs=True`` through
+MerakTrainer: the reference log-probabilities computed by the pipeline, before the first
+training step.
 
 TRL computes them in its ``__init__`` (``_precompute_ref_logps(dataset, name, batch_size)``, as
 read in TRL 1.16): forwards of the reference (the initial policy, as no ``ref_model`` is kept)
@@ -11,7 +12,9 @@ pass as evaluation steps (eval mode, no gradients) over every row of the trainin
 ``batch_size`` rows per micro-batch and per dp rank. On the last stage each micro-batch's
 results are TRL's own ``compute_ref_log_probs`` on a `StageModel` of its logits; every rank then
 takes every row's values and adds the two columns to its training set, as TRL's dataset gets
-them. With LoRA adapters (TRL's ``peft_config``) the reference is the model with its adapters
+them (KTO's: ``ref_logps`` and ``ref_KL_logps``, of its completions and of its mismatched KL
+completions, both from one forward of a micro-batch, `merak.trainer.joined_rows`). With LoRA
+adapters (TRL's ``peft_config``) the reference is the model with its adapters
 off: the pass runs with every stage's adapters switched off (peft's own switch).
 
 Reference log-probabilities of an evaluation set (TRL's ``eval_dataset``, ``evaluate(dataset)``)
@@ -29,6 +32,7 @@ import numpy as np
 from merak import lora
 from merak.distributed.host_objects import all_gather_objects
 from merak.trainer.arguments import NotSupportedYetError
+from merak.trainer.subclasses import is_kto
 from merak.trainer.user_model import user_model
 
 
@@ -51,17 +55,23 @@ class ReferenceLogpsMixin:
         return dataset
 
     def _run_reference_pass(self) -> bool:
-        """After the pipeline is built: the noted pass, if any; whether one ran."""
+        """After the pipeline is built: the noted pass, if any; whether one ran. Its values
+        become the training set's columns TRL's loss reads: DPO's ``ref_chosen_logps`` and
+        ``ref_rejected_logps``, KTO's ``ref_logps`` and (with its KL term) ``ref_KL_logps``."""
         batch_size, self._pending_reference = self._pending_reference, None
         if batch_size is None:
             return False
-        chosen, rejected = self._reference_logps(self.train_dataset, batch_size)
-        self.train_dataset = self.train_dataset.add_column("ref_chosen_logps", chosen) \
-            .add_column("ref_rejected_logps", rejected)
+        names = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
+            else ("ref_chosen_logps", "ref_rejected_logps")
+        for name, values in zip(names, self._reference_logps(self.train_dataset, batch_size),
+                                strict=True):
+            if values is not None:  # (KTO without its KL term computes none)
+                self.train_dataset = self.train_dataset.add_column(name, values)
         return True
 
-    def _reference_logps(self, dataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every row's (chosen, rejected) reference log-probabilities, on every rank."""
+    def _reference_logps(self, dataset, batch_size: int) -> list[np.ndarray | None]:
+        """Every row's reference log-probabilities, on every rank: one array per value TRL's
+        ``compute_ref_log_probs`` returns (None where it returned None)."""
         ctx, m = self.ctx, self.engine.interpreter.num_microbatches
         rows, local = len(dataset), batch_size * m
         steps = math.ceil(rows / (local * ctx.dp))
@@ -77,7 +87,7 @@ class ReferenceLogpsMixin:
                 values = self.compute_ref_log_probs(model, inputs)
                 if adapters_off is not None:  # TRL's own adapter switch turned them on again
                     adapters_off()
-                return [t.detach().float().cpu() for t in values]
+                return [None if t is None else t.detach().float().cpu() for t in values]
 
             results = stack.enter_context(self.loss_choice.stage_loss.collecting(compute))
             stack.enter_context(user_model(self))
@@ -93,14 +103,20 @@ class ReferenceLogpsMixin:
                                                        for i in index]))
                 self.engine.interpreter.eval_step(microbatches, num_microbatches=m)
         last = ctx.pp_rank == self.engine.interpreter.placement[-1] and ctx.tp_rank == 0
-        payload = (mine, [r[0] for r in results], [r[1] for r in results]) if last else None
-        chosen, rejected = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        payload = (mine, results) if last else None
+        columns: list[np.ndarray | None] | None = None
         for part in all_gather_objects(payload, group=ctx.host_group()):
             if part is None:
                 continue
-            index, c, r = part
-            values = zip(index, np.concatenate(c), np.concatenate(r), strict=True)
-            for i, ci, ri in values:
-                if i < rows:
-                    chosen[i], rejected[i] = ci, ri
-        return chosen, rejected
+            index, values = part
+            if columns is None:
+                columns = [None if v is None else np.zeros(rows, np.float32)
+                           for v in values[0]]
+            for k, column in enumerate(columns):
+                if column is None:
+                    continue
+                joined = np.concatenate([v[k] for v in values])
+                for i, value in zip(index, joined, strict=True):
+                    if i < rows:
+                        column[i] = value
+        return columns

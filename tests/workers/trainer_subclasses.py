@@ -13,6 +13,7 @@ import json
 import os
 
 import dpo_common as dpo
+import kto_common as kto
 import sft_common as sft
 import torch.distributed as dist
 from common import out_dir, run_scenarios
@@ -75,6 +76,35 @@ def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
             dpo.logged(trainer.state.log_history)))
 
 
+def run_kto(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
+            pretrained: bool = False) -> None:
+    """MerakKTOTrainer on a model built on the meta device (with `pretrained`, loaded with
+    from_pretrained inside init_empty_weights): each micro-batch's completions and mismatched KL
+    completions run as rows of one pipeline forward; the reference log-probabilities of both are
+    a pipelined evaluation pass before training (with `lora`, its adapters off)."""
+    import trl
+
+    Config, MerakKTOTrainer = sft.merak_classes(trl.KTOConfig, trl.KTOTrainer)
+    dp, tp, pp = layout
+    merak.init(dp=dp, tp=tp, pp=pp)
+    args = Config(output_dir=str(out_dir() / name),
+                  per_device_train_batch_size=kto.MICRO_BATCH // dp,
+                  **{**kto.FIELDS, **(fields or {})})
+    path = out_dir() / "dpo-policy"  # (the policy DPO's runs save)
+    if pretrained and dist.get_rank() == 0 and not path.exists():
+        dpo.save_policy(path)
+    dist.barrier()
+    with merak.init_empty_weights():
+        model = dpo.policy(str(path) if pretrained else None)
+    trainer = MerakKTOTrainer(model=model, args=args, train_dataset=kto.dataset(),
+                              processing_class=sft.tokenizer(),
+                              peft_config=sft.peft_config(kto.LORA_TARGETS) if lora else None)
+    trainer.train()
+    if dist.get_rank() == 0:
+        (out_dir() / f"merak-{name}.json").write_text(json.dumps(
+            kto.logged(trainer.state.log_history)))
+
+
 def scenarios(world_size: int) -> dict:
     # lora_config's adapters, against single-process peft_config's
     configured = {name: (lambda name=name, layout=layout, targets=targets: run(
@@ -93,6 +123,8 @@ def scenarios(world_size: int) -> dict:
                   for name, layout in dpo.LAYOUTS.items()}
     preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v))
                        for name, variant in dpo.VARIANTS.items()})
+    preference.update({name: (lambda name=name, run=run: run_kto(name, *run))
+                       for name, run in kto.RUNS.items()})
     variants = {name: (lambda name=name, layout=layout, fields=fields: run(name, layout, **fields))
                 for name, (layout, fields) in sft.LOSS_TYPES.items()}  # loss_type="dft"
     return {**plain, **adapted, **preference, **variants, **configured}
