@@ -78,11 +78,16 @@ def reference_before_training(trainer) -> None:
     training, so its log-probabilities on every training row are those of one forward-only
     pass of the pipeline with the initial weights before the first step, the pass precomputed
     references take (`merak.trainer.reference_logps`): exact, and no second copy of the
-    weights on any rank. TRL's loss then reads them from the batch, as with precomputed
-    references."""
+    weights on any rank (and so are those of its evaluation sets). TRL's loss then reads them
+    from the batch, as with precomputed references."""
     args = trainer.args
     if reference_trainer(type(trainer)) is None or args.precompute_ref_log_probs:
         return
     trainer.precompute_ref_logps = True
-    trainer._pending_reference = args.precompute_ref_batch_size \
-        or args.per_device_train_batch_size
+    trainer._precompute_ref_logps(trainer.train_dataset, "train", args.precompute_ref_batch_size
+                                  or args.per_device_train_batch_size)
+    evaluation = trainer.eval_dataset
+    for name in (evaluation if isinstance(evaluation, dict) else
+                 ["eval"] if evaluation is not None else []):
+        trainer._precompute_ref_logps(None, name, args.precompute_ref_batch_size
+                                      or args.per_device_eval_batch_size)

@@ -17,9 +17,9 @@ completions, both from one forward of a micro-batch, `merak.trainer.joined_rows`
 adapters (TRL's ``peft_config``) the reference is the model with its adapters
 off: the pass runs with every stage's adapters switched off (peft's own switch).
 
-Reference log-probabilities of an evaluation set (TRL's ``eval_dataset``, ``evaluate(dataset)``)
-are refused by name: MerakTrainer's evaluation cuts one collated batch into micro-batches by row,
-which a preference collator's batch (chosen and rejected rows of a prompt together) is not.
+The evaluation sets given to DPOTrainer (``eval_dataset``, a dict of them too) take the same
+pass, with the initial weights, before anything trained; a set given to ``evaluate(dataset)``
+later is refused by name (`merak.trainer.evaluation`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import numpy as np
 
 from merak import lora
 from merak.distributed.host_objects import all_gather_objects
-from merak.trainer.arguments import NotSupportedYetError
 from merak.trainer.subclasses import is_kto
 from merak.trainer.user_model import user_model
 
@@ -39,35 +38,47 @@ from merak.trainer.user_model import user_model
 class ReferenceLogpsMixin:
     """Mixed into `MerakTrainer` (which provides args, ctx, engine, loss_choice, _collate)."""
 
-    _pending_reference = None  # the batch size of a reference pass TRL asked for (no annotation:
-    # an annotated class attribute gives the mixin an __annotations__, a name of Trainer's)
+    _pending_reference = None  # dataset name -> batch size of a reference pass TRL asked for
+    # (no annotation: an annotated class attribute gives the mixin an __annotations__, a name
+    # of Trainer's)
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
-        """TRL DPOTrainer's hook (see the module doc): note the training set's pass for when the
-        pipeline exists; the dataset comes back unchanged until then."""
-        if name != "train":
-            raise NotSupportedYetError(
-                f"precompute_ref_log_probs for the {name!r} dataset: MerakTrainer evaluates by "
-                f"cutting one collated batch into micro-batches by row, which a preference "
-                f"collator's batch (chosen and rejected rows of a prompt together) is not; "
-                f"train without an evaluation set")
-        self._pending_reference = batch_size
+        """TRL DPOTrainer's and KTOTrainer's hook (see the module doc): note the pass over the
+        training set (``"train"``) or an evaluation set (``"eval"``, or its name in a dict of
+        them) for when the pipeline exists; the dataset comes back unchanged until then."""
+        self._pending_reference = {**(self._pending_reference or {}), name: batch_size}
         return dataset
 
     def _run_reference_pass(self) -> bool:
-        """After the pipeline is built: the noted pass, if any; whether one ran. Its values
-        become the training set's columns TRL's loss reads: DPO's ``ref_chosen_logps`` and
+        """After the pipeline is built: the noted passes, if any; whether one ran. Their values
+        become the datasets' columns TRL's loss reads: DPO's ``ref_chosen_logps`` and
         ``ref_rejected_logps``, KTO's ``ref_logps`` and (with its KL term) ``ref_KL_logps``."""
-        batch_size, self._pending_reference = self._pending_reference, None
-        if batch_size is None:
-            return False
-        names = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
+        pending, self._pending_reference = self._pending_reference or {}, None
+        columns = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
             else ("ref_chosen_logps", "ref_rejected_logps")
-        for name, values in zip(names, self._reference_logps(self.train_dataset, batch_size),
-                                strict=True):
-            if values is not None:  # (KTO without its KL term computes none)
-                self.train_dataset = self.train_dataset.add_column(name, values)
-        return True
+        for name, batch_size in pending.items():
+            dataset = self._reference_dataset(name)
+            for column, values in zip(columns, self._reference_logps(dataset, batch_size),
+                                      strict=True):
+                if values is not None:  # (KTO without its KL term computes none)
+                    dataset = dataset.add_column(column, values)
+            self._reference_dataset(name, dataset)
+        return bool(pending)
+
+    def _reference_dataset(self, name: str, dataset=None):
+        """The dataset TRL named `name` (the training set, the evaluation set, or one of a dict
+        of them); with `dataset`, put that in its place."""
+        if name == "train":
+            if dataset is not None:
+                self.train_dataset = dataset
+            return self.train_dataset
+        if not isinstance(self.eval_dataset, dict):
+            if dataset is not None:
+                self.eval_dataset = dataset
+            return self.eval_dataset
+        if dataset is not None:
+            self.eval_dataset = {**self.eval_dataset, name: dataset}
+        return self.eval_dataset[name]
 
     def _reference_logps(self, dataset, batch_size: int) -> list[np.ndarray | None]:
         """Every row's reference log-probabilities, on every rank: one array per value TRL's

@@ -7,7 +7,7 @@ stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batc
 ``training_step`` never runs, so a subclass overriding it is refused by name, unless the
 override is known to only wrap HF's step in a context that is off (`BYPASSED`). What of TRL's
 DPOTrainer, KTOTrainer and RewardTrainer a pipeline cannot run yet is refused by name
-(`check_dpo`, `check_kto`, `check_reward`).
+(`check_dpo`, `check_reward`).
 """
 
 from __future__ import annotations
@@ -110,19 +110,6 @@ def check_reward(cls: type, keywords: dict) -> None:
 def is_kto(cls: type) -> bool:
     """Whether `cls` is (a subclass of) TRL's KTOTrainer."""
     return _derives(cls, _KTO)
-
-
-def check_kto(cls: type, keywords: dict) -> None:
-    """What of TRL's KTOTrainer a pipeline cannot run yet, besides what `check_dpo` refuses of
-    both: an evaluation set (MerakTrainer's evaluation collates a whole evaluation step and cuts
-    it into micro-batches by row; a KTO micro-batch runs its KL rows with its completion rows,
-    `merak.trainer.joined_rows`)."""
-    if is_kto(cls) and keywords.get("eval_dataset") is not None:
-        raise NotSupportedYetError(
-            f"{cls.__name__} (TRL's KTOTrainer) with an eval_dataset: MerakTrainer's "
-            f"evaluation collates a whole evaluation step and cuts it into micro-batches by "
-            f"row, and a KTO micro-batch runs its mismatched KL completions as rows of the same "
-            f"forward; train without an eval_dataset")
 
 
 def check_dpo(cls: type, args, model, keywords: dict) -> None:

@@ -54,7 +54,6 @@ from merak.trainer.model_setup import with_loss
 from merak.trainer.reference_logps import ReferenceLogpsMixin
 from merak.trainer.subclasses import (
     check_dpo,
-    check_kto,
     check_overrides,
     check_reward,
     trainer_keywords,
@@ -85,7 +84,6 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
         check_overrides(type(self), args)
         check_dpo(type(self), args, model, trainer_kwargs)
-        check_kto(type(self), trainer_keywords(trainer_args, trainer_kwargs))
         check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))
         self.ctx = get_context()
         if self.ctx.ep > 1:  # (the arguments may predate merak.init(ep=)): before any build

@@ -25,37 +25,49 @@ RUNS = {
     "kto-lora-dp1tp2pp2": ((1, 2, 2), True, {"precompute_ref_log_probs": False}, False),
     # APO-zero, unpaired: no KL term (one model call per batch)
     "kto-apo-dp1tp2pp2": ((1, 2, 2), False, {"loss_type": "apo_zero_unpaired"}, False)}
+# evaluate() after training on EVAL_ROWS held-out rows (2 steps of MICRO_BATCH): name -> as RUNS
+EVAL_ROWS = 8
+EVALUATED = {"kto-eval-dp1tp2pp2": ((1, 2, 2), False, {}, False)}
 LOGGED = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen",
           "logps/rejected", "logits/chosen", "logits/rejected", "rewards/margins", "entropy",
           "num_tokens")
 
 
-def dataset():
+def dataset(first: int = 0, rows: int = ROWS):
+    """`rows` unpaired rows from dpo_common's preference rows from `first` on."""
     import datasets
 
-    paired = dpo.dataset()
-    labels = [i % 3 != 0 for i in range(ROWS)]
+    paired = dpo.dataset(first=first, rows=rows)
+    labels = [i % 3 != 0 for i in range(rows)]
     return datasets.Dataset.from_dict({
-        "prompt": paired["prompt"][:ROWS],
+        "prompt": paired["prompt"],
         "completion": [c if good else r for c, r, good in
-                       zip(paired["chosen"], paired["rejected"], labels)][:ROWS],
+                       zip(paired["chosen"], paired["rejected"], labels)],
         "label": labels})
 
 
-def single_process(lora: bool = False, pretrained: str | None = None,
-                   **fields) -> dict[str, list[float]]:
+def eval_dataset():
+    return dataset(first=ROWS, rows=EVAL_ROWS)
+
+
+def single_process(lora: bool = False, pretrained: str | None = None, evaluate: bool = False,
+                   **fields) -> dict:
     """Plain single-process KTOTrainer (with `lora`, LoRA adapters through its peft_config;
-    `fields` over FIELDS; the policy loaded from `pretrained`): what it logs."""
+    `fields` over FIELDS; the policy loaded from `pretrained`): what it logs (with `evaluate`,
+    and what evaluate() returns after training, under "eval")."""
     import trl
 
     trainer = trl.KTOTrainer(
         model=dpo.policy(pretrained), processing_class=sft.tokenizer(),
-        train_dataset=dataset(),
+        train_dataset=dataset(), eval_dataset=eval_dataset() if evaluate else None,
         peft_config=sft.peft_config(LORA_TARGETS) if lora else None,
         args=trl.KTOConfig(output_dir="out", per_device_train_batch_size=MICRO_BATCH,
-                           **{**FIELDS, **fields}))
+                           per_device_eval_batch_size=MICRO_BATCH, **{**FIELDS, **fields}))
     trainer.train()
-    return logged(trainer.state.log_history)
+    figures = logged(trainer.state.log_history)
+    if evaluate:
+        figures["eval"] = dpo.evaluated(trainer.evaluate())
+    return figures
 
 
 def logged(log_history: list[dict]) -> dict[str, list[float]]:
