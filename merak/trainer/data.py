@@ -162,16 +162,16 @@ class EvalBatches:
     with copies of item 0 whose labels are all -100; `real_rows` says how many rows of a share
     are data, and a rank's padding always follows its data.
 
-    `per_microbatch` (a collator that makes several rows of an item, TRL's DPO one): each
-    micro-batch is collated from its own items, as in training, and a step is their list; the
-    set must fill whole steps (`check_whole_steps`, before anything is built)."""
+    `per_microbatch` (a collator that makes several rows of an item, TRL's DPO one, or whose
+    rows are joined, KTO's with `merak.trainer.joined_rows`): each micro-batch is collated from
+    its own items, as in training, and a step is their list; the set must fill whole steps
+    (`check_whole_steps`, before anything is built)."""
 
     def __init__(self, dataset, collate: Callable[[list], dict], *, micro_batch_size: int,
                  num_microbatches: int, dp: int, dp_rank: int, reads_data: bool,
                  label_names: Sequence[str] = ("labels",), per_microbatch: bool = False):
         self.dataset, self.collate = dataset, collate
         self.micro_batch_size, self.per_microbatch = micro_batch_size, per_microbatch
-        self.dp = dp
         self.rows = micro_batch_size * num_microbatches
         self.global_size = self.rows * dp
         self.dp_rank, self.reads_data, self.label_names = dp_rank, reads_data, label_names

@@ -9,6 +9,12 @@ once over the whole set (each field concatenated unless `eval_do_concat_batches=
 with `batch_eval_metrics` on each step's global batch (`compute_result` on the last).
 `include_for_metrics`: "inputs" adds the model's main input, "loss" each row's loss (that of its
 micro-batch; HF repeats each batch's loss over its rows the same way).
+
+TRL's DPOTrainer and KTOTrainer evaluate their ``eval_dataset`` with each micro-batch collated
+on its own items, as in training (their collators make two rows of an item, or join KL rows),
+on sets that fill whole steps; the sets' reference log-probabilities come from the pass before
+training (`merak.trainer.reference_logps`). TRL's ``log`` then sees the stage in eval mode, as
+after HF's evaluation loop, and takes the metrics kept for evaluation.
 """
 
 from __future__ import annotations
