@@ -59,6 +59,35 @@ def test_trl_dpo_trainer_matches_single_process_dpo(launches, worker_pool, refer
         assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=loose), key
 
 
+@pytest.mark.parametrize("scenario", list(dpo.EVALUATED))
+def test_dpo_evaluation_matches_single_process_dpo(launches, worker_pool, scenario, tmp_path):
+    """evaluate() on held-out rows after training: each micro-batch collated on its own (a
+    prompt's chosen and rejected rows together), the evaluation set's reference
+    log-probabilities from the pipelined pass before training (precomputed; LoRA with
+    DPOConfig's defaults): the loss and DPO's metrics equal single-process
+    DPOTrainer.evaluate's."""
+    _, lora, fields, pretrained = dpo.EVALUATED[scenario]
+    path = dpo.save_policy(tmp_path / "policy") if pretrained else None
+    reference = dpo.single_process(lora, path, evaluate=True, **fields)
+    results, output = launches(4)
+    check(results, output, scenario)
+    ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
+    assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)  # training, as above
+    theirs, mine = reference["eval"], ours["eval"]
+    assert theirs["eval_rewards/margins"] > 0.01  # it trained: the check can fail
+    assert set(theirs) <= set(mine) and "eval_loss" in theirs
+    logps = max(abs(theirs[k]) for k in ("eval_logps/chosen", "eval_logps/rejected"))
+    gaps = {}
+    for key, value in theirs.items():
+        loose = dpo.FIELDS["beta"] * 1e-5 * logps if key.startswith("eval_rewards/") \
+            and key != "eval_rewards/accuracies" else 1e-7
+        assert mine[key] == pytest.approx(value, rel=1e-5, abs=loose), key
+        gaps[key] = abs(mine[key] - value) / max(abs(value), 1e-12)
+    print(f"{scenario}: merak {mine} reference {theirs}")
+    print(f"{scenario} largest relative gaps: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
+
+
 def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
     @dataclass
     class Config(MerakArguments, trl.DPOConfig):
@@ -83,19 +112,25 @@ def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
               lora_config='{"r": 4, "target_modules": ["q_proj"]}')
 
 
-def test_kto_is_refused_by_name_before_anything_is_built():
-    """KTOTrainer's loss runs the model a second time per batch (mismatched KL completions),
-    which one pipeline forward per micro-batch does not give: refused by name, pointing to
-    DPOTrainer, before its __init__ (nothing tokenized, no reference loaded)."""
-    @dataclass
-    class Config(MerakArguments, trl.KTOConfig):
-        pass
+def test_what_of_dpo_evaluation_a_pipeline_cannot_run_is_refused_by_name():
+    """Before the pipeline is built (one process, dp1 x tp1 x pp1): a set DPOTrainer was not
+    given (TRL did not tokenize it, no reference pass covers it), predictions, and a set that
+    does not fill whole evaluation steps."""
+    Config, MerakDPOTrainer = sft.merak_classes(trl.DPOConfig, trl.DPOTrainer)
+    merak.init(dp=1, tp=1, pp=1)
 
-    class MerakKTOTrainer(merak.MerakTrainer, trl.KTOTrainer):
-        pass
+    def build(eval_rows: int, **fields):
+        args = Config("out", per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                      **{**dpo.FIELDS, **fields})
+        return MerakDPOTrainer(model=sft.model(), args=args, train_dataset=dpo.dataset(),
+                               eval_dataset=dpo.dataset(first=dpo.ROWS, rows=eval_rows),
+                               processing_class=sft.tokenizer())
 
-    for loss_type in ("kto", "apo_zero_unpaired"):
-        args = Config("out", use_cpu=True, loss_type=loss_type)
-        with pytest.raises(NotSupportedYetError,
-                           match=f"MerakKTOTrainer.*KTOTrainer.*{loss_type}.*DPOTrainer"):
-            MerakKTOTrainer(model=None, args=args)
+    trainer = build(8)
+    with pytest.raises(NotSupportedYetError, match=r"evaluate\(dataset\) on a set.*eval_dataset"):
+        trainer.evaluate(dpo.eval_dataset())
+    with pytest.raises(NotSupportedYetError, match=r"predict\(\) and compute_metrics"):
+        trainer.predict(trainer.eval_dataset)
+    with pytest.raises(NotSupportedYetError, match="10 items do not fill whole evaluation "
+                                                   "steps of 4.*multiple of 4"):
+        build(10).evaluate()

@@ -1,7 +1,9 @@
-"""examples/trl_sft.py and examples/trl_dpo.py: TRL's SFTTrainer and DPOTrainer through Merak
-(the two classes of docs/trainer.md) on 2 ranks at pp=2 log the losses of the same script's plain
-single-process TRL run (``--reference``), on the shipped tiny Llama, tokenizer and text
-(examples/data)."""
+"""examples/trl_sft.py, examples/trl_dpo.py and examples/trl_reward.py: TRL's SFTTrainer,
+DPOTrainer (its DPOConfig's-defaults setup, on a meta-built policy) and RewardTrainer
+through Merak on 2 ranks at pp=2 log the losses of the same script's plain single-process TRL
+run (``--reference``), on the shipped tiny Llama, tokenizer and text (examples/data); the reward
+model's export, loaded by HF's AutoModelForSequenceClassification, scores held-out pairs as
+plain TRL's trained model does."""
 
 from __future__ import annotations
 
@@ -21,8 +23,12 @@ ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "4",
         "--gradient_accumulation_steps", "2", "--max_length", "48", "--logging_steps", "1",
         "--use_cpu", "--report_to", "none", "--bf16", "false", "--save_strategy", "no",
         "--disable_tqdm", "true"]
-SCRIPTS = {"trl_sft.py": ["--learning_rate", "3e-3", "--rows", "64"],
-           "trl_dpo.py": ["--learning_rate", "1e-2", "--rows", "32"]}
+# run -> (script, its arguments); DPO in its `defaults` setup (the policy saved, then loaded on
+# the meta device; TRL's reference: a copy loaded from the same directory)
+RUNS = {"sft": ("trl_sft.py", ["--learning_rate", "3e-3", "--rows", "64"]),
+        "dpo-defaults": ("trl_dpo.py", ["--setup", "defaults", "--learning_rate", "1e-2",
+                                        "--rows", "32"]),
+        "reward": ("trl_reward.py", ["--learning_rate", "1e-3", "--rows", "32"])}
 
 
 def _free_port() -> int:
@@ -36,9 +42,9 @@ def _losses(out: Path) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
-@pytest.mark.parametrize("script", list(SCRIPTS))
-def test_the_example_logs_plain_trls_losses(tmp_path, script):
-    args = [*ARGS, *SCRIPTS[script]]
+def _run_both(tmp_path: Path, script: str, args: list[str]) -> tuple[Path, Path]:
+    """The script under torchrun (dp1 x tp1 x pp2) and with --reference: their output dirs."""
+    args = [*ARGS, *args]
     script = ROOT / "examples" / script
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DP="1", TP="1", PP="2")
     merak = subprocess.run(
@@ -50,7 +56,23 @@ def test_the_example_logs_plain_trls_losses(tmp_path, script):
         [sys.executable, str(script), "--reference", *args, "--output_dir",
          str(tmp_path / "trl")], env=env, capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    ours, theirs = _losses(tmp_path / "merak"), _losses(tmp_path / "trl")
+    return tmp_path / "merak", tmp_path / "trl"
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_the_example_logs_plain_trls_losses(tmp_path, run):
+    ours_dir, theirs_dir = _run_both(tmp_path, *RUNS[run])
+    ours, theirs = _losses(ours_dir), _losses(theirs_dir)
+    print(f"{run}: merak {ours} trl {theirs}")
     assert len(ours) == len(theirs) == 3
     assert ours == pytest.approx(theirs, abs=2e-4)  # both log 4 digits
-    assert (tmp_path / "merak" / "model.safetensors").exists()  # save_model: the HF directory
+    assert theirs[0] != theirs[-1]  # it trained: the check can fail
+    assert (ours_dir / "model.safetensors").exists()  # save_model: the HF directory
+    if run == "reward":  # each export, loaded by HF's own class, scores the held-out pairs
+        ours, theirs = (json.loads((d / "scores.json").read_text())
+                        for d in (ours_dir, theirs_dir))
+        print(f"reward scores: merak {ours} trl {theirs}")
+        for column in ("chosen", "rejected"):
+            assert len(ours[column]) == len(theirs[column]) == 8
+            assert ours[column] == pytest.approx(theirs[column], rel=1e-4, abs=1e-5), column
+        assert len(set(ours["chosen"])) > 1  # rows of different rewards: the check can fail

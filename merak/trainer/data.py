@@ -87,6 +87,20 @@ def check_eval_dataset(dataset, role: str = "eval_dataset") -> None:
                              f"no evaluation set")
 
 
+def check_whole_steps(size: int, micro_batch_size: int, num_microbatches: int, dp: int,
+                      role: str) -> None:
+    """An evaluation set collated per micro-batch (`EvalBatches`' `per_microbatch`) fills
+    whole steps: every micro-batch on every dp rank holds `micro_batch_size` items (the split
+    runs the row count it was traced for, and there are no padding rows that a loss over pairs
+    of rows would count)."""
+    step = micro_batch_size * num_microbatches * dp
+    if size % step:
+        raise NotSupportedYetError(
+            f"{role} collates each micro-batch on its own items, and its {size} items do not "
+            f"fill whole evaluation steps of {step} (micro-batches of {micro_batch_size}, "
+            f"{num_microbatches} per dp rank, at dp={dp}); give a multiple of {step} items")
+
+
 class StageBatches:
     """The training batches of this rank, one per optimizer step: the list of its
     `num_microbatches` micro-batches, each collated from its own rows, read through a
@@ -146,12 +160,18 @@ class EvalBatches:
     ``[k*G, (k+1)*G)`` with G = rows x dp, dp rank r taking its r-th share. The last step's
     shares are filled up to full micro-batches (the pipeline runs the shapes it was built for)
     with copies of item 0 whose labels are all -100; `real_rows` says how many rows of a share
-    are data, and a rank's padding always follows its data."""
+    are data, and a rank's padding always follows its data.
+
+    `per_microbatch` (a collator that makes several rows of an item, TRL's DPO one, or whose
+    rows are joined, KTO's with `merak.trainer.joined_rows`): each micro-batch is collated from
+    its own items, as in training, and a step is their list; the set must fill whole steps
+    (`check_whole_steps`, before anything is built)."""
 
     def __init__(self, dataset, collate: Callable[[list], dict], *, micro_batch_size: int,
                  num_microbatches: int, dp: int, dp_rank: int, reads_data: bool,
-                 label_names: Sequence[str] = ("labels",)):
+                 label_names: Sequence[str] = ("labels",), per_microbatch: bool = False):
         self.dataset, self.collate = dataset, collate
+        self.micro_batch_size, self.per_microbatch = micro_batch_size, per_microbatch
         self.rows = micro_batch_size * num_microbatches
         self.global_size = self.rows * dp
         self.dp_rank, self.reads_data, self.label_names = dp_rank, reads_data, label_names
@@ -170,11 +190,15 @@ class EvalBatches:
     def samples(self, steps: int) -> int:
         return min(len(self.dataset), steps * self.global_size)
 
-    def step(self, step: int) -> dict | None:
+    def step(self, step: int) -> dict | list[dict] | None:
         if not self.reads_data:
             return None
         start = step * self.global_size + self.dp_rank * self.rows
         real = self.real_rows(step)
+        if self.per_microbatch:  # (whole steps: `check_whole_steps`)
+            size = self.micro_batch_size
+            return [self.collate([self.dataset[i] for i in range(first, first + size)])
+                    for first in range(start, start + self.rows, size)]
         items = [self.dataset[i] for i in range(start, start + real)]
         batch = self.collate(items + [self.dataset[0]] * (self.rows - real))
         rows = {name: t.shape[0] for name, t in batch.items() if torch.is_tensor(t) and t.dim()}

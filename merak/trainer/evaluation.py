@@ -9,10 +9,17 @@ once over the whole set (each field concatenated unless `eval_do_concat_batches=
 with `batch_eval_metrics` on each step's global batch (`compute_result` on the last).
 `include_for_metrics`: "inputs" adds the model's main input, "loss" each row's loss (that of its
 micro-batch; HF repeats each batch's loss over its rows the same way).
+
+TRL's DPOTrainer and KTOTrainer evaluate their ``eval_dataset`` with each micro-batch collated
+on its own items, as in training (their collators make two rows of an item, or join KL rows),
+on sets that fill whole steps; the sets' reference log-probabilities come from the pass before
+training (`merak.trainer.reference_logps`). TRL's ``log`` then sees the stage in eval mode, as
+after HF's evaluation loop, and takes the metrics kept for evaluation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -27,7 +34,9 @@ from transformers.trainer_utils import (
 
 from merak.distributed import liveness
 from merak.distributed.host_objects import broadcast_object
-from merak.trainer.data import EvalBatches, check_eval_dataset
+from merak.trainer.arguments import NotSupportedYetError
+from merak.trainer.data import EvalBatches, check_eval_dataset, check_whole_steps
+from merak.trainer.subclasses import is_dpo, is_kto
 
 
 class EvaluationMixin:
@@ -37,7 +46,8 @@ class EvaluationMixin:
                  ) -> dict[str, float]:
         output = self._merak_eval_loop(eval_dataset if eval_dataset is not None
                                        else self.eval_dataset, metric_key_prefix)
-        self.log(output.metrics)
+        with _eval_mode(self.model):  # as after HF's evaluation loop: a subclass's log (TRL's)
+            self.log(output.metrics)  # takes the metrics its compute_loss kept for evaluation
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
                                                          output.metrics)
         return output.metrics
@@ -60,13 +70,24 @@ class EvaluationMixin:
         predictions = predictions or (self.compute_metrics is not None
                                       and not args.prediction_loss_only)
         self._check_predictions(predictions)
+        # TRL DPO's collator makes two rows of an item, KTO's joins its KL rows
+        # (joined_rows.py): each micro-batch collated on its own, as in training
+        per_microbatch = is_dpo(type(self)) or is_kto(type(self))
+        given = per_microbatch and dataset is not self.eval_dataset
         mbs = self._train_batch_size  # the micro-batch the pipeline is built for
-        self._assemble(self._example(dataset, min(mbs, len(dataset))))
         m = -(-args.per_device_eval_batch_size // mbs)
+        if per_microbatch:
+            check_dpo_evaluation(self, given, predictions)
+            check_whole_steps(len(dataset), mbs, m, ctx.dp,
+                              f"the evaluation set of {type(self).__name__}")
+        self._assemble(self._example(dataset, min(mbs, len(dataset))))
+        if per_microbatch and not given:  # with its reference log-probabilities, once computed
+            dataset = self.eval_dataset
         data = EvalBatches(dataset, self._collate, micro_batch_size=mbs, num_microbatches=m,
                            dp=ctx.dp, dp_rank=ctx.dp_rank,
                            reads_data=bool(self.engine.interpreter.batch_keys),
-                           label_names=args.label_names or ("labels",))
+                           label_names=args.label_names or ("labels",),
+                           per_microbatch=per_microbatch)
         steps = data.steps if args.eval_iters is None else min(args.eval_iters, data.steps)
         last = self.engine.interpreter.runners.get(self.engine.interpreter.split.num_stages - 1)
         extras = [x for x in ("inputs", "loss") if x in (args.include_for_metrics or ())]
@@ -172,6 +193,37 @@ def _prediction(parts, extras: list[str]) -> EvalPrediction:
     named = dict(zip(extras, parts[2:]))
     return EvalPrediction(predictions=parts[0], label_ids=parts[1], inputs=named.get("inputs"),
                           losses=named.get("loss"))
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    training = getattr(model, "training", False)
+    if training:
+        model.eval()
+    try:
+        yield
+    finally:
+        if training:
+            model.train()
+
+
+def check_dpo_evaluation(trainer, given: bool, predictions: bool) -> None:
+    """What of a DPOTrainer's or KTOTrainer's evaluation a pipeline cannot run yet, refused by
+    name before the first step: predictions (``predict``, ``compute_metrics``: their results
+    are the loss and TRL's metrics), and a set other than the ``eval_dataset`` it was given
+    (TRL tokenizes those and computes their reference in its ``__init__``)."""
+    name = type(trainer).__name__
+    if predictions:
+        raise NotSupportedYetError(
+            f"{name}: predict() and compute_metrics through the pipeline: TRL's preference "
+            f"collator makes two rows of an item (DPO) or joins its KL rows (KTO), and the "
+            f"logits would need pairing; evaluate() gives TRL's loss and metrics")
+    if given:
+        raise NotSupportedYetError(
+            f"{name}.evaluate(dataset) on a set it was not given as eval_dataset: TRL tokenizes "
+            f"its evaluation sets and MerakTrainer computes their reference log-probabilities "
+            f"through the pipeline before anything trains; pass the set as eval_dataset when "
+            f"making the trainer")
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -124,7 +124,7 @@ class LossSetupMixin:
         included."""
         if self.loss_choice.subclass:
             batch = {k: v for k, v in example.items() if k != ITEMS}  # compute_loss's count
-            self._model_inputs = model_inputs(self, self._user_model, batch)
+            self._model_inputs = model_inputs(self, self._user_model, batch, self._joined_rows)
             return {k: example[k] for k in example if k in self._model_inputs or k == ITEMS}
         if "labels" not in example:
             raise ValueError("MerakTrainer trains on a loss: the batches need `labels` (add them "

@@ -50,12 +50,15 @@ def _same(mine, value) -> bool:
         and torch.equal(mine, value)
 
 
-def model_inputs(trainer, user_model, example: dict) -> list[str]:
+def model_inputs(trainer, user_model, example: dict, joined=None) -> list[str]:
     """The names of `example`'s values that ``trainer.compute_loss`` feeds the model (in the
-    example's order), learned from one call of it (see the module doc)."""
+    example's order), learned from one call of it (see the module doc). `joined`
+    (`merak.trainer.joined_rows.JoinedRows`, `example` joined by it): the call must pass one of
+    its row groups; the pipeline runs the joined inputs."""
     recorder = Recorder(user_model)
+    own = joined.split(example) if joined is not None else example
     try:
-        trainer.compute_loss(recorder, dict(example))
+        trainer.compute_loss(recorder, dict(own))
     except _Recorded:
         pass
     if recorder.keywords is None:
@@ -63,6 +66,15 @@ def model_inputs(trainer, user_model, example: dict) -> list[str]:
             f"{type(trainer).__name__}.compute_loss returned without calling the model on the "
             f"micro-batch; a pipeline runs the model before compute_loss, so it must know the "
             f"inputs compute_loss feeds it")
+    if joined is not None:
+        called = recorder.keywords
+        if not any(all(name in called and _same(own[key], called[name])
+                       for name, key in group.items()) for group in joined.groups):
+            raise NotSupportedYetError(
+                f"{type(trainer).__name__}.compute_loss called the model with "
+                f"{sorted(called)}, none of them a row group of the micro-batch "
+                f"({[sorted(g.values()) for g in joined.groups]})")
+        return joined.names
     names = [n for n in example if n in recorder.keywords and _same(example[n],
                                                                      recorder.keywords[n])]
     if not any(torch.is_tensor(example[n]) for n in names):

@@ -1,5 +1,6 @@
-"""TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True`` through MerakTrainer: the
-reference log-probabilities computed by the pipeline, before the first training step.
+"""TRL's ``DPOTrainer`` and ``KTOTrainer`` with ``precompute_ref_log_probs=True`` through
+MerakTrainer: the reference log-probabilities computed by the pipeline, before the first
+training step.
 
 TRL computes them in its ``__init__`` (``_precompute_ref_logps(dataset, name, batch_size)``, as
 read in TRL 1.16): forwards of the reference (the initial policy, as no ``ref_model`` is kept)
@@ -11,12 +12,14 @@ pass as evaluation steps (eval mode, no gradients) over every row of the trainin
 ``batch_size`` rows per micro-batch and per dp rank. On the last stage each micro-batch's
 results are TRL's own ``compute_ref_log_probs`` on a `StageModel` of its logits; every rank then
 takes every row's values and adds the two columns to its training set, as TRL's dataset gets
-them. With LoRA adapters (TRL's ``peft_config``) the reference is the model with its adapters
+them (KTO's: ``ref_logps`` and ``ref_KL_logps``, of its completions and of its mismatched KL
+completions, both from one forward of a micro-batch, `merak.trainer.joined_rows`). With LoRA
+adapters (TRL's ``peft_config``) the reference is the model with its adapters
 off: the pass runs with every stage's adapters switched off (peft's own switch).
 
-Reference log-probabilities of an evaluation set (TRL's ``eval_dataset``, ``evaluate(dataset)``)
-are refused by name: MerakTrainer's evaluation cuts one collated batch into micro-batches by row,
-which a preference collator's batch (chosen and rejected rows of a prompt together) is not.
+The evaluation sets given to DPOTrainer (``eval_dataset``, a dict of them too) take the same
+pass, with the initial weights, before anything trained; a set given to ``evaluate(dataset)``
+later is refused by name (`merak.trainer.evaluation`).
 """
 
 from __future__ import annotations
@@ -28,40 +31,58 @@ import numpy as np
 
 from merak import lora
 from merak.distributed.host_objects import all_gather_objects
-from merak.trainer.arguments import NotSupportedYetError
+from merak.trainer.subclasses import is_kto
 from merak.trainer.user_model import user_model
 
 
 class ReferenceLogpsMixin:
     """Mixed into `MerakTrainer` (which provides args, ctx, engine, loss_choice, _collate)."""
 
-    _pending_reference = None  # the batch size of a reference pass TRL asked for (no annotation:
-    # an annotated class attribute gives the mixin an __annotations__, a name of Trainer's)
+    _pending_reference = None  # dataset name -> batch size of a reference pass TRL asked for
+    # (no annotation: an annotated class attribute gives the mixin an __annotations__, a name
+    # of Trainer's)
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
-        """TRL DPOTrainer's hook (see the module doc): note the training set's pass for when the
-        pipeline exists; the dataset comes back unchanged until then."""
-        if name != "train":
-            raise NotSupportedYetError(
-                f"precompute_ref_log_probs for the {name!r} dataset: MerakTrainer evaluates by "
-                f"cutting one collated batch into micro-batches by row, which a preference "
-                f"collator's batch (chosen and rejected rows of a prompt together) is not; "
-                f"train without an evaluation set")
-        self._pending_reference = batch_size
+        """TRL DPOTrainer's and KTOTrainer's hook (see the module doc): note the pass over the
+        training set (``"train"``) or an evaluation set (``"eval"``, or its name in a dict of
+        them) for when the pipeline exists; the dataset comes back unchanged until then."""
+        self._pending_reference = {**(self._pending_reference or {}), name: batch_size}
         return dataset
 
     def _run_reference_pass(self) -> bool:
-        """After the pipeline is built: the noted pass, if any; whether one ran."""
-        batch_size, self._pending_reference = self._pending_reference, None
-        if batch_size is None:
-            return False
-        chosen, rejected = self._reference_logps(self.train_dataset, batch_size)
-        self.train_dataset = self.train_dataset.add_column("ref_chosen_logps", chosen) \
-            .add_column("ref_rejected_logps", rejected)
-        return True
+        """After the pipeline is built: the noted passes, if any; whether one ran. Their values
+        become the datasets' columns TRL's loss reads: DPO's ``ref_chosen_logps`` and
+        ``ref_rejected_logps``, KTO's ``ref_logps`` and (with its KL term) ``ref_KL_logps``."""
+        pending, self._pending_reference = self._pending_reference or {}, None
+        columns = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
+            else ("ref_chosen_logps", "ref_rejected_logps")
+        for name, batch_size in pending.items():
+            dataset = self._reference_dataset(name)
+            for column, values in zip(columns, self._reference_logps(dataset, batch_size),
+                                      strict=True):
+                if values is not None:  # (KTO without its KL term computes none)
+                    dataset = dataset.add_column(column, values)
+            self._reference_dataset(name, dataset)
+        return bool(pending)
 
-    def _reference_logps(self, dataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every row's (chosen, rejected) reference log-probabilities, on every rank."""
+    def _reference_dataset(self, name: str, dataset=None):
+        """The dataset TRL named `name` (the training set, the evaluation set, or one of a dict
+        of them); with `dataset`, put that in its place."""
+        if name == "train":
+            if dataset is not None:
+                self.train_dataset = dataset
+            return self.train_dataset
+        if not isinstance(self.eval_dataset, dict):
+            if dataset is not None:
+                self.eval_dataset = dataset
+            return self.eval_dataset
+        if dataset is not None:
+            self.eval_dataset = {**self.eval_dataset, name: dataset}
+        return self.eval_dataset[name]
+
+    def _reference_logps(self, dataset, batch_size: int) -> list[np.ndarray | None]:
+        """Every row's reference log-probabilities, on every rank: one array per value TRL's
+        ``compute_ref_log_probs`` returns (None where it returned None)."""
         ctx, m = self.ctx, self.engine.interpreter.num_microbatches
         rows, local = len(dataset), batch_size * m
         steps = math.ceil(rows / (local * ctx.dp))
@@ -77,7 +98,7 @@ class ReferenceLogpsMixin:
                 values = self.compute_ref_log_probs(model, inputs)
                 if adapters_off is not None:  # TRL's own adapter switch turned them on again
                     adapters_off()
-                return [t.detach().float().cpu() for t in values]
+                return [None if t is None else t.detach().float().cpu() for t in values]
 
             results = stack.enter_context(self.loss_choice.stage_loss.collecting(compute))
             stack.enter_context(user_model(self))
@@ -93,14 +114,20 @@ class ReferenceLogpsMixin:
                                                        for i in index]))
                 self.engine.interpreter.eval_step(microbatches, num_microbatches=m)
         last = ctx.pp_rank == self.engine.interpreter.placement[-1] and ctx.tp_rank == 0
-        payload = (mine, [r[0] for r in results], [r[1] for r in results]) if last else None
-        chosen, rejected = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        payload = (mine, results) if last else None
+        columns: list[np.ndarray | None] | None = None
         for part in all_gather_objects(payload, group=ctx.host_group()):
             if part is None:
                 continue
-            index, c, r = part
-            values = zip(index, np.concatenate(c), np.concatenate(r), strict=True)
-            for i, ci, ri in values:
-                if i < rows:
-                    chosen[i], rejected[i] = ci, ri
-        return chosen, rejected
+            index, values = part
+            if columns is None:
+                columns = [None if v is None else np.zeros(rows, np.float32)
+                           for v in values[0]]
+            for k, column in enumerate(columns):
+                if column is None:
+                    continue
+                joined = np.concatenate([v[k] for v in values])
+                for i, value in zip(index, joined, strict=True):
+                    if i < rows:
+                        column[i] = value
+        return columns

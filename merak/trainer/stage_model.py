@@ -94,6 +94,14 @@ class StageModel:
                 vocab_size=self.config.get_text_config().vocab_size, **extra)
         return CausalLMOutputWithPast(loss=loss, logits=self.logits)
 
+    def answers(self, kwargs: dict) -> bool:
+        """Whether a call with `kwargs` is one this micro-batch's outputs answer."""
+        try:
+            self._check({k: v for k, v in kwargs.items() if k != "fused_lm_head"})
+        except NotSupportedYetError:
+            return False
+        return True
+
     def _check(self, kwargs: dict) -> None:
         for name, value in kwargs.items():
             if name in LOSS_KEYWORDS:

@@ -6,8 +6,10 @@ outputs the logits, and for each micro-batch it calls ``trainer.compute_loss(mod
 num_items_in_batch=...)`` with HF's arguments: `inputs` the micro-batch's inputs (labels
 included), the step's token count where HF Trainer counts one (`merak.trainer.token_counts`,
 training only: HF's evaluation passes none), and a `StageModel` that answers as the whole model
-for that micro-batch. Its result is back-propagated as HF's ``training_step`` would: divided by
-the accumulation steps unless the loss is already scaled for them (`scaled_for_accumulation`).
+for that micro-batch (one per row group of a joined micro-batch, `merak.trainer.joined_rows`:
+TRL KTO's completions and KL completions). Its result is back-propagated as HF's
+``training_step`` would: divided by the accumulation steps unless the loss is already scaled
+for them (`scaled_for_accumulation`).
 
 While ``compute_loss`` runs, the trainer's ``accelerator`` is `DataParallelView`: its processes
 are the data-parallel ranks (the ranks holding different rows; tp and pp ranks share theirs), so
@@ -28,6 +30,7 @@ import torch
 
 from merak.distributed.host_objects import all_gather_objects, broadcast_object
 from merak.trainer.arguments import NotSupportedYetError
+from merak.trainer.joined_rows import JoinedModel
 from merak.trainer.stage_model import StageModel
 from merak.trainer.token_counts import ITEMS
 
@@ -123,14 +126,21 @@ class SubclassLoss:
         count = inputs.pop(ITEMS, None)
         training = trainer.model.training
         ran = {k: inputs[k] for k in self.model_inputs}
-        model = StageModel(logits, ran, self.user_model, training)
+        if not self.live and self.collector is None:
+            loss = StageModel(logits, ran, self.user_model, training)(**ran).loss
+            # a probe of a loss without labels (DPO's): one that reaches every logit
+            return loss if loss is not None else logits.float().mean()
+        joined = getattr(trainer, "_joined_rows", None)
+        if joined is None:
+            model = StageModel(logits, ran, self.user_model, training)
+        else:  # rows of several model calls in one forward (merak.trainer.joined_rows)
+            inputs = joined.split(inputs)
+            model = JoinedModel([StageModel(logits[rows][:, :width], values, self.user_model,
+                                            training)
+                                 for rows, width, values in joined.parts(inputs)])
         if self.collector is not None:
             self.collected.append(self.collector(model, inputs))
             return logits.new_zeros(())
-        if not self.live:
-            loss = model(**ran).loss
-            # a probe of a loss without labels (DPO's): one that reaches every logit
-            return loss if loss is not None else logits.float().mean()
         # HF passes the step's count (a float tensor) in training, none in evaluation
         count = count.reshape(()).float() if count is not None and training else None
         view, real = DataParallelView(trainer.accelerator, trainer.ctx), trainer.accelerator

@@ -6,8 +6,8 @@ MerakTrainer runs a whole optimizer step as one pipeline schedule over every mic
 stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batch
 ``training_step`` never runs, so a subclass overriding it is refused by name, unless the
 override is known to only wrap HF's step in a context that is off (`BYPASSED`). What of TRL's
-DPOTrainer and RewardTrainer a pipeline cannot run yet is refused by name (`check_dpo`,
-`check_reward`), and so is KTOTrainer (`check_kto`).
+DPOTrainer, KTOTrainer and RewardTrainer a pipeline cannot run yet is refused by name
+(`check_dpo`, `check_reward`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ BYPASSED[("trl.trainer.dpo_trainer", "DPOTrainer")] = BYPASSED[("trl.trainer.sft
                                                                 "SFTTrainer")]
 BYPASSED[("trl.trainer.reward_trainer", "RewardTrainer")] = \
     BYPASSED[("trl.trainer.sft_trainer", "SFTTrainer")]
+BYPASSED[("trl.trainer.kto_trainer", "KTOTrainer")] = BYPASSED[("trl.trainer.sft_trainer",
+                                                                "SFTTrainer")]
 _DPO = ("trl.trainer.dpo_trainer", "DPOTrainer")
 _REWARD = ("trl.trainer.reward_trainer", "RewardTrainer")
 _KTO = ("trl.trainer.kto_trainer", "KTOTrainer")
@@ -79,6 +81,13 @@ def is_dpo(cls: type) -> bool:
     return _derives(cls, _DPO)
 
 
+def reference_trainer(cls: type) -> str | None:
+    """The module of TRL's trainer `cls` derives from that trains against a reference model
+    (DPOTrainer, KTOTrainer), or None."""
+    return next((module for module, name in (_DPO, _KTO) if _derives(cls, (module, name))),
+                None)
+
+
 def _derives(cls: type, which: tuple[str, str]) -> bool:
     return any((k.__module__, k.__qualname__) == which for k in cls.__mro__)
 
@@ -98,28 +107,16 @@ def check_reward(cls: type, keywords: dict) -> None:
             f"micro-batch on its own)")
 
 
-def check_kto(cls: type, args) -> None:
-    """TRL's KTOTrainer, refused by name before anything is built. With its default loss
-    (``loss_type="kto"``) every batch runs the model twice: on the rows' completions and, without
-    gradients, on mismatched "KL" completions (each prompt with another row's completion), and
-    its reference pass does the same; a pipeline schedule runs one forward per micro-batch, and
-    its last stage holds the logits of the rows' completions only. The reference
-    log-probabilities it precomputes (``ref_logps``, ``ref_KL_logps``) are not those of
-    `merak.trainer.reference_logps` (DPO's chosen and rejected columns) either."""
-    if _derives(cls, _KTO):
-        raise NotSupportedYetError(
-            f"{cls.__name__} (TRL's KTOTrainer, loss_type={getattr(args, 'loss_type', None)!r})"
-            f": its loss runs the model a second time per batch, on mismatched KL completions, "
-            f"and a MerakTrainer step runs one pipeline forward per micro-batch; train on "
-            f"paired preferences with TRL's DPOTrainer through MerakTrainer instead "
-            f"(precompute_ref_log_probs=True, a LoRA peft_config, or DPOConfig's defaults)")
+def is_kto(cls: type) -> bool:
+    """Whether `cls` is (a subclass of) TRL's KTOTrainer."""
+    return _derives(cls, _KTO)
 
 
 def check_dpo(cls: type, args, model, keywords: dict) -> None:
-    """What of TRL's DPOTrainer a pipeline cannot run yet, refused by name with the reason,
-    before anything is built (the reference log-probabilities run through the pipeline:
-    `merak.trainer.reference_logps`)."""
-    if not is_dpo(cls):
+    """What of TRL's DPOTrainer and KTOTrainer a pipeline cannot run yet, refused by name with
+    the reason, before anything is built (the reference log-probabilities run through the
+    pipeline: `merak.trainer.reference_logps`)."""
+    if not (is_dpo(cls) or is_kto(cls)):
         return
     name = cls.__name__
     if keywords.get("ref_model") is not None:

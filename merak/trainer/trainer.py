@@ -47,13 +47,13 @@ from merak.trainer.dpo_setup import dpo_init, reference_before_training
 from merak.trainer.energy_mode import EnergyMixin
 from merak.trainer.evaluation import EvaluationMixin
 from merak.trainer.flow import TrainingFlowMixin
+from merak.trainer.joined_rows import kto_rows
 from merak.trainer.loss_setup import LossSetupMixin
 from merak.trainer.losses import shifts_labels
 from merak.trainer.model_setup import with_loss
 from merak.trainer.reference_logps import ReferenceLogpsMixin
 from merak.trainer.subclasses import (
     check_dpo,
-    check_kto,
     check_overrides,
     check_reward,
     trainer_keywords,
@@ -75,12 +75,13 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             `generate` (see `merak.trainer.text_generation`).
     """
 
+    _joined_rows = None  # rows of several model calls run as one forward (joined_rows.py)
+
     def __init__(self, model: nn.Module, args: MerakArguments, *trainer_args,
                  loss_fn: Callable | None = None, leaf_modules: Sequence[str] = (),
                  generation_prompts: Sequence | None = None, **trainer_kwargs):
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
-        check_kto(type(self), args)
         check_overrides(type(self), args)
         check_dpo(type(self), args, model, trainer_kwargs)
         check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))
@@ -97,6 +98,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         with adapters_join_record(model), dpo_init(type(self), model, args):
             super().__init__(model, args=args, **trainer_keywords(trainer_args, trainer_kwargs))
         reference_before_training(self)
+        # KTO's completions and KL completions: rows of one pipeline forward
+        self._joined_rows = kto_rows(self)
         if self.model is not None:
             model = self.model  # as the subclass left it (peft-wrapped)
             check_adapters_recorded(model)
@@ -150,7 +153,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         batch = self._input_filter(dict(self.data_collator(items)))
         if self.args.input_names:
             batch = {k: v for k, v in batch.items() if k in (*self.args.input_names, "labels")}
-        return batch
+        return batch if self._joined_rows is None else self._joined_rows.join(batch)
 
     def _assemble(self, example: dict[str, torch.Tensor]) -> None:
         """This rank's engine for the arguments (`merak.engine.build_engine`), traced on one

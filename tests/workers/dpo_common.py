@@ -28,23 +28,31 @@ VARIANTS = {
                                     False),
     "dpo-ipo-dp1tp2pp2": ((1, 2, 2), False, {"loss_type": ["ipo"]}, False),
     "dpo-ipo-dp2tp1pp2": ((2, 1, 2), False, {"loss_type": ["ipo"]}, False)}
+# evaluate() after training on EVAL_ROWS held-out rows (3 steps of GLOBAL_MICRO_BATCH): name ->
+# as VARIANTS
+EVAL_ROWS = 12
+EVALUATED = {
+    "dpo-eval-dp1tp2pp2": ((1, 2, 2), False, {}, False),
+    "dpo-eval-lora-defaults-dp2tp1pp2": ((2, 1, 2), True, {"precompute_ref_log_probs": False},
+                                         False)}
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
           "rewards/margins", "logps/chosen", "logps/rejected")
 
 
-def dataset(order: list[int] | None = None):
+def dataset(order: list[int] | None = None, first: int = 0, rows: int = ROWS):
+    """`rows` preference rows from the sentences from `first` on (in `order`)."""
     import datasets
 
     sentences = [s for s in sft.texts() if len(s.split()) >= 4]
     prompts, chosen, rejected = [], [], []
-    for i in range(ROWS):
+    for i in range(first, first + rows):
         words = sentences[i].split()
         cut = max(2, len(words) // 3)
         other = sentences[(i + 7) % len(sentences)].split()
         prompts.append(" ".join(words[:cut]))
         chosen.append(" " + " ".join(words[cut:]))
         rejected.append(" " + " ".join(other[len(other) // 2:]))
-    order = list(order or range(ROWS))
+    order = list(order or range(rows))
     return datasets.Dataset.from_dict({"prompt": [prompts[i] for i in order],
                                        "chosen": [chosen[i] for i in order],
                                        "rejected": [rejected[i] for i in order]})
@@ -68,21 +76,38 @@ def save_policy(directory) -> str:
     return str(directory)
 
 
-def single_process(lora: bool = False, pretrained: str | None = None,
-                   **fields) -> dict[str, list[float]]:
+def eval_dataset():
+    """EVAL_ROWS held-out preference rows (the sentences after the training rows')."""
+    return dataset(first=ROWS, rows=EVAL_ROWS)
+
+
+def single_process(lora: bool = False, pretrained: str | None = None, evaluate: bool = False,
+                   **fields) -> dict:
     """Plain single-process DPOTrainer on the rows in `reference_order` (with `lora`, LoRA
     adapters through its peft_config; `fields` over FIELDS; the policy loaded from
-    `pretrained`): what it logs."""
+    `pretrained`): what it logs (with `evaluate`, and what evaluate() returns after training,
+    under "eval")."""
     import trl
 
     trainer = trl.DPOTrainer(
         model=policy(pretrained), processing_class=sft.tokenizer(),
         train_dataset=dataset(reference_order(2)),
+        eval_dataset=eval_dataset() if evaluate else None,
         peft_config=sft.peft_config(LORA_TARGETS) if lora else None,
         args=trl.DPOConfig(output_dir="out", per_device_train_batch_size=GLOBAL_MICRO_BATCH,
+                           per_device_eval_batch_size=GLOBAL_MICRO_BATCH,
                            **{**FIELDS, **fields}))
     trainer.train()
-    return logged(trainer.state.log_history)
+    figures = logged(trainer.state.log_history)
+    if evaluate:
+        figures["eval"] = evaluated(trainer.evaluate())
+    return figures
+
+
+def evaluated(metrics: dict) -> dict[str, float]:
+    """evaluate()'s loss and DPO's metrics (not its timings)."""
+    return {k: v for k, v in metrics.items()
+            if not k.endswith(("_runtime", "_per_second", "epoch"))}
 
 
 def logged(log_history: list[dict]) -> dict[str, list[float]]:

@@ -13,6 +13,7 @@ import json
 import os
 
 import dpo_common as dpo
+import kto_common as kto
 import sft_common as sft
 import torch.distributed as dist
 from common import out_dir, run_scenarios
@@ -46,7 +47,7 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
 
 
 def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
-            pretrained: bool = False) -> None:
+            pretrained: bool = False, evaluate: bool = False) -> None:
     """MerakDPOTrainer on a model built on the meta device (with `pretrained`, loaded with
     from_pretrained inside init_empty_weights): the reference log-probabilities are a pipelined
     evaluation pass before training, with and without precompute_ref_log_probs (with `lora`,
@@ -58,6 +59,7 @@ def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
     merak.init(dp=dp, tp=tp, pp=pp)
     args = Config(output_dir=str(out_dir() / name),
                   per_device_train_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
+                  per_device_eval_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
                   **{**dpo.FIELDS, **(fields or {})})
     order = None if dp == 2 else dpo.reference_order(2)
     path = out_dir() / "dpo-policy"
@@ -67,12 +69,48 @@ def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
     with merak.init_empty_weights():
         model = dpo.policy(str(path) if pretrained else None)
     trainer = MerakDPOTrainer(model=model, args=args, train_dataset=dpo.dataset(order),
+                              eval_dataset=dpo.eval_dataset() if evaluate else None,
                               processing_class=sft.tokenizer(),
                               peft_config=sft.peft_config(dpo.LORA_TARGETS) if lora else None)
     trainer.train()
+    figures = dpo.logged(trainer.state.log_history)
+    if evaluate:  # held-out rows, in steps of the dp ranks' micro-batches
+        figures["eval"] = dpo.evaluated(trainer.evaluate())
     if dist.get_rank() == 0:
-        (out_dir() / f"merak-{name}.json").write_text(json.dumps(
-            dpo.logged(trainer.state.log_history)))
+        (out_dir() / f"merak-{name}.json").write_text(json.dumps(figures))
+
+
+def run_kto(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
+            pretrained: bool = False, evaluate: bool = False) -> None:
+    """MerakKTOTrainer on a model built on the meta device (with `pretrained`, loaded with
+    from_pretrained inside init_empty_weights): each micro-batch's completions and mismatched KL
+    completions run as rows of one pipeline forward; the reference log-probabilities of both are
+    a pipelined evaluation pass before training (with `lora`, its adapters off)."""
+    import trl
+
+    Config, MerakKTOTrainer = sft.merak_classes(trl.KTOConfig, trl.KTOTrainer)
+    dp, tp, pp = layout
+    merak.init(dp=dp, tp=tp, pp=pp)
+    args = Config(output_dir=str(out_dir() / name),
+                  per_device_train_batch_size=kto.MICRO_BATCH // dp,
+                  per_device_eval_batch_size=kto.MICRO_BATCH // dp,
+                  **{**kto.FIELDS, **(fields or {})})
+    path = out_dir() / "dpo-policy"  # (the policy DPO's runs save)
+    if pretrained and dist.get_rank() == 0 and not path.exists():
+        dpo.save_policy(path)
+    dist.barrier()
+    with merak.init_empty_weights():
+        model = dpo.policy(str(path) if pretrained else None)
+    trainer = MerakKTOTrainer(model=model, args=args, train_dataset=kto.dataset(),
+                              eval_dataset=kto.eval_dataset() if evaluate else None,
+                              processing_class=sft.tokenizer(),
+                              peft_config=sft.peft_config(kto.LORA_TARGETS) if lora else None)
+    trainer.train()
+    figures = kto.logged(trainer.state.log_history)
+    if evaluate:
+        figures["eval"] = dpo.evaluated(trainer.evaluate())
+    if dist.get_rank() == 0:
+        (out_dir() / f"merak-{name}.json").write_text(json.dumps(figures))
 
 
 def scenarios(world_size: int) -> dict:
@@ -93,6 +131,12 @@ def scenarios(world_size: int) -> dict:
                   for name, layout in dpo.LAYOUTS.items()}
     preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v))
                        for name, variant in dpo.VARIANTS.items()})
+    preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v, evaluate=True))
+                       for name, variant in dpo.EVALUATED.items()})
+    preference.update({name: (lambda name=name, run=run: run_kto(name, *run))
+                       for name, run in kto.RUNS.items()})
+    preference.update({name: (lambda name=name, run=run: run_kto(name, *run, evaluate=True))
+                       for name, run in kto.EVALUATED.items()})
     variants = {name: (lambda name=name, layout=layout, fields=fields: run(name, layout, **fields))
                 for name, (layout, fields) in sft.LOSS_TYPES.items()}  # loss_type="dft"
     return {**plain, **adapted, **preference, **variants, **configured}
