@@ -113,3 +113,23 @@ def evaluated(metrics: dict) -> dict[str, float]:
 def logged(log_history: list[dict]) -> dict[str, list[float]]:
     steps = [h for h in log_history if "loss" in h and "train_runtime" not in h]
     return {key: [h[key] for h in steps] for key in LOGGED}
+
+
+def evaluation_gaps(scenario: str, theirs: dict[str, float], mine: dict[str, float],
+                    loose_of: dict[str, float]) -> dict[str, float]:
+    """Each metric single-process `evaluate()` logged (`theirs`) against the pipeline's
+    (`mine`): within 1e-5 relative, or the absolute bound of the first `loose_of` prefix the
+    key starts with (else 1e-7); printed, and returned as relative gaps. For the test bodies of
+    test_dpo and test_kto (the workers do not compare)."""
+    import pytest
+
+    assert set(theirs) <= set(mine) and "eval_loss" in theirs, (sorted(theirs), sorted(mine))
+    gaps = {}
+    for key, value in theirs.items():
+        loose = next((v for k, v in loose_of.items() if key.startswith(k)), 1e-7)
+        assert mine[key] == pytest.approx(value, rel=1e-5, abs=loose), key
+        gaps[key] = abs(mine[key] - value) / max(abs(value), 1e-12)
+    print(f"{scenario}: merak {mine} reference {theirs}")
+    print(f"{scenario} largest relative gaps: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
+    return gaps
