@@ -161,11 +161,6 @@ def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
     for other, wrong, why, instead in (
             ("fp16", c.fp16, "fp16's loss scale over float8 (e5m2) gradients is untested",
              "use bf16=True or fp32 with fp8"),
-            ("zero_stage", c.zero_stage >= 2, "torchao's float8 all-gather is not wired into "
-             "Merak's FSDP2, and FSDP2 over float8 linears is untested",
-             "use zero_stage 0 or 1 with fp8"),
-            ("lora_config", c.lora, "peft's adapters wrap the very linears fp8 converts",
-             "train the adapters without fp8"),
             ("torch_compile", c.torch_compile, "compiled blocks over float8 linears are "
              "untested", "leave torch_compile off with fp8"),
             ("tp_overlapping_level", c.tp_overlapping_level > 0, "TP overlap splits each "
@@ -175,7 +170,7 @@ def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
             ("cp", c.cp > 1, "float8 linears over a split sequence are untested",
              "train fp8 with cp=1")):
         if wrong:
-            shown = f"{other}={getattr(c, other.replace('_config', ''))!r}"
+            shown = f"{other}={getattr(c, other)!r}"
             return Refusal("fp8", f"{name} with {shown} is not supported yet ({why}); {instead}")
     return None
 

@@ -28,7 +28,7 @@ from merak.data_parallel.zero1 import zero1
 from merak.distributed.parallel_context import ParallelContext
 from merak.distributed.timeouts import set_job_timeout
 from merak.engine.compile import compile_blocks
-from merak.engine.fp8 import Float8Report, apply_fp8
+from merak.engine.fp8 import Float8Report, Float8WeightScales, apply_fp8, gathers_in_float8
 from merak.engine.grad_norm import GradNormClipper
 from merak.engine.loss_scale import LossScaler
 from merak.engine.options import EngineOptions
@@ -106,6 +106,8 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
     clipper = GradNormClipper(stage, ctx, o.hooks.max_grad_norm)
     timers = WallClockBreakdown(ctx.device) if o.hooks.wall_clock_breakdown else None
     built = [h for h in (scaler, clipper, timers) if h is not None]  # unscale before clipping
+    if zero is not None and gathers_in_float8(precision, ctx):
+        built.append(Float8WeightScales(stage))  # after the step: the next gathers' scales
     later = list(stage_hooks(stage)) if stage_hooks is not None else []
     interpreter = PipelineInterpreter(stage, ctx, optimizer, o.pipeline,
                                       autocast_dtype=precision.autocast_dtype,

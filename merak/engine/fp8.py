@@ -12,7 +12,9 @@ precision, which are listed with their reason (`Float8Report`):
   under fp8 rounding;
 - layers whose in or out features do not divide by 16 (fp8 GEMMs need multiples of 16);
 - subclasses of `nn.Linear` with their own forward (converting would drop it);
-- the user's ``fp8_exclude`` patterns.
+- the user's ``fp8_exclude`` patterns;
+- peft's LoRA adapters (``lora_A``, ``lora_B``): a LoRA layer's ``base_layer`` is converted,
+  its trained low-rank matrices stay in high precision.
 
 The layer is converted in place (its class is swapped, torchao's attributes added, its
 `weight` and `bias` parameters kept), so the stage's graphs, tied-weight groups and the
@@ -28,8 +30,12 @@ head is listed as kept all the same.
 
 Under tensor parallelism Merak's column- and row-parallel linears become their float8 classes
 (`merak.engine.fp8_tp`), whose casts all-reduce the amax over the TP group where a shard's own
-would differ from the full tensor's: every rank scales as one process would. What fp8 does not
-compose with is refused by `merak.rules` before anything is built.
+would differ from the full tensor's: every rank scales as one process would.
+
+Under ZeRO-2/3 with ``tensorwise`` FSDP2 all-gathers the plain float8 linears' weights in
+float8 (torchao's ``enable_fsdp_float8_all_gather``, `gathers_in_float8`), with their scales
+computed after each optimizer step (`Float8WeightScales`); ``rowwise`` gathers in high
+precision. What fp8 does not compose with is refused by `merak.rules` before anything is built.
 """
 
 from __future__ import annotations
@@ -41,10 +47,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from merak import lora
+from merak.runtime.hooks import InstructionHook
 from merak.tensor_parallel.layers.megatron import ColumnParallelLinear, RowParallelLinear
 
 RECIPES = ("tensorwise", "rowwise")
 HEAD = "the LM head (the logits' softmax needs more range than fp8)"
+ADAPTER = "a LoRA adapter (the trained low-rank matrices stay in high precision)"
 # the linears converted: plain ones, and Merak's tensor-parallel ones (`merak.engine.fp8_tp`)
 CONVERTED = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
@@ -64,12 +73,23 @@ def emulates(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) < (8, 9)
 
 
-def float8_config(recipe: str, *, emulate: bool):
-    """torchao's `Float8LinearConfig` of `recipe`, emulated or not."""
+def float8_config(recipe: str, *, emulate: bool, fsdp_all_gather: bool = False):
+    """torchao's `Float8LinearConfig` of `recipe`, emulated or not; `fsdp_all_gather`: FSDP2
+    all-gathers the weights in float8 (torchao supports it for ``tensorwise`` only)."""
     from torchao.float8 import Float8LinearConfig
 
     check_recipe(recipe)
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_all_gather)
+
+
+def gathers_in_float8(precision, ctx) -> bool:
+    """Whether ZeRO-2/3 all-gathers the float8 linears' weights in float8 (torchao's
+    ``enable_fsdp_float8_all_gather``): ``tensorwise`` under ZeRO-2/3 over more than one
+    replica. ``rowwise`` (one scale per row, which torchao's all-gather does not support) and
+    Merak's tensor-parallel float8 linears (whose weight scales are reduced over tp as well)
+    gather their high-precision weights (plain FSDP2) and cast after."""
+    return precision.fp8 == "tensorwise" and precision.zero_stage >= 2 and ctx.replicas > 1
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -79,12 +99,15 @@ def matches(name: str, pattern: str) -> bool:
 
 
 def kept_reason(name: str, module: nn.Linear, exclude: tuple[str, ...] = (),
-                embedding_weights: frozenset[int] = frozenset()) -> str | None:
+                embedding_weights: frozenset[int] = frozenset(),
+                adapters: frozenset[int] = frozenset()) -> str | None:
     """Why the linear `name` stays in high precision, or None to convert it."""
     parts = name.split(".")
     found = [p for p in exclude if matches(name, p)]
     if found:
         return f"fp8_exclude {found[0]!r}"
+    if id(module) in adapters:
+        return ADAPTER
     if parts[-1] == "lm_head" or id(module.weight) in embedding_weights:
         return HEAD
     if parts[-1] in ("gate", "router") or "router" in parts[-1]:
@@ -114,18 +137,22 @@ class Float8Report:
 
 
 def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
-             emulate: bool | None = None) -> Float8Report:
+             emulate: bool | None = None, fsdp_all_gather: bool = False) -> Float8Report:
     """Convert the linears of `module` to torchao float8 linears in place (see the module's
-    docstring); `emulate` defaults to `emulates` of the module's device."""
+    docstring); `emulate` defaults to `emulates` of the module's device; `fsdp_all_gather`
+    wraps the plain linears' weights for FSDP2's float8 all-gather (`gathers_in_float8`)."""
     from torchao.float8.float8_linear import Float8Linear
 
     if emulate is None:
         first = next(module.parameters(), None)
         emulate = emulates(first.device if first is not None else "cpu")
     config = float8_config(recipe, emulate=emulate)
+    gathered = float8_config(recipe, emulate=emulate, fsdp_all_gather=True) \
+        if fsdp_all_gather else config
     report = Float8Report(recipe, emulate)
     embedding_weights = frozenset(id(m.weight) for m in module.modules()
                                   if isinstance(m, nn.Embedding))
+    adapters = lora_adapters(module)
     seen: set[int] = set()
     for name, linear in module.named_modules():
         if _traced_head(name, linear):
@@ -135,18 +162,26 @@ def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
                 or id(linear) in seen:
             continue
         seen.add(id(linear))
-        why = kept_reason(name, linear, exclude, embedding_weights)
+        why = kept_reason(name, linear, exclude, embedding_weights, adapters)
         if why is not None:
             report.kept[name] = why
             continue
         if type(linear) is nn.Linear:
-            to_float8_(linear, config, Float8Linear)
+            to_float8_(linear, gathered, Float8Linear)
         else:
             from merak.engine.fp8_tp import to_float8_tp_
 
             to_float8_tp_(linear, config, to_float8_)
         report.converted.append(name)
     return report
+
+
+def lora_adapters(module: nn.Module) -> frozenset[int]:
+    """The ids of the modules inside peft's LoRA layers' adapters (``lora_A``, ``lora_B``,
+    ...): kept in high precision, while the layer's ``base_layer`` is converted."""
+    return frozenset(id(sub) for layer in module.modules() if lora.is_lora_layer(layer)
+                     for attr in layer.adapter_layer_names
+                     for sub in getattr(layer, attr).modules())
 
 
 def _traced_head(name: str, module: nn.Module) -> bool:
@@ -158,12 +193,16 @@ def _traced_head(name: str, module: nn.Module) -> bool:
 
 def to_float8_(linear: nn.Linear, config, float8_class: type, cls: type | None = None) -> None:
     """`linear` becomes a `Float8Linear` in place: torchao's own module is made from it (sharing
-    its weight and bias) and lends it its attributes, and its class (or `cls`, a subclass)."""
+    its weight and bias) and lends it its attributes, and its class (or `cls`, a subclass).
+    For FSDP2's float8 all-gather torchao wraps the weight in a new parameter (a
+    `WeightWithDynamicFloat8CastTensor` over the same storage), which `linear` takes."""
     made = float8_class.from_float(linear, config=config)
     own = {"training", "in_features", "out_features"}
     for key, value in vars(made).items():
         if not key.startswith("_") and key not in own:
             setattr(linear, key, value)
+    if made.weight is not linear.weight:
+        linear.weight = made.weight
     linear.__class__ = cls or float8_class
 
 
@@ -174,9 +213,26 @@ def apply_fp8(stage: nn.Module, precision, ctx) -> Float8Report | None:
     if precision.fp8 is None:
         return None
     report = convert_(stage, precision.fp8, exclude=tuple(precision.fp8_exclude),
-                      emulate=emulates(ctx.device))
+                      emulate=emulates(ctx.device),
+                      fsdp_all_gather=gathers_in_float8(precision, ctx))
     first = all(getattr(ctx, f"{axis}_rank", 0) == 0 for axis in ("dp", "tp", "cp"))
     if first:
         where = f"stage {getattr(ctx, 'pp_rank', 0)}: "
         print("\n".join(where + line for line in report.lines()), flush=True)
     return report
+
+
+class Float8WeightScales(InstructionHook):
+    """Under FSDP2's float8 all-gather: after each optimizer step, every float8 weight's
+    tensorwise scale from its updated shards, in one all-reduce over the replicas (torchao's
+    `precompute_float8_dynamic_scale_for_fsdp`), so the step's all-gathers cast with it
+    instead of each reducing its own amax. Before the first step the all-gathers compute it."""
+
+    def __init__(self, stage: nn.Module):
+        self.stage = stage
+
+    def on_instruction_end(self, name: str, action) -> None:
+        if name == "optimizer_step":
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.stage)

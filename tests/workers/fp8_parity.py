@@ -1,5 +1,6 @@
 """fp8 (torchao float8 linears, emulated on CPU) through `build_engine` at (dp1 pp2) and
-(dp2 pp1): every step's loss, every gradient and the final weights against a single-process
+(dp2 pp1), with tp, under ZeRO-2/3 (FSDP2; shards gathered whole to compare) and with peft's
+LoRA adapters: every step's loss, every gradient and the final weights against a single-process
 model converted the same way (`merak.engine.fp8.convert_`) and trained on the same
 micro-batches (fp8's dynamic scales are per matmul, so the reference runs each micro-batch on
 its own, accumulating gradients, as the pipeline does). The scenarios return their figures
@@ -14,10 +15,13 @@ import torch
 import transformers as tf
 from common import GradSnapshot, run_scenarios, trained_like
 from hf_models import LLAMA_LIKE, VOCAB
+from peft import LoraConfig, get_peft_model
+from torch.distributed.tensor import DTensor
 
 import merak
+from merak import lora
 from merak.engine.assemble import build_engine
-from merak.engine.fp8 import convert_
+from merak.engine.fp8 import ADAPTER, convert_
 from merak.engine.options import EngineOptions, PrecisionOptions
 from merak.runtime.options import RuntimeOptions
 from merak.tensor_parallel.plans.options import TensorParallelOptions
@@ -42,15 +46,28 @@ def cut(batch: dict, parts: int) -> list[dict]:
     return [{k: v.chunk(parts)[i] for k, v in batch.items()} for i in range(parts)]
 
 
-def reference(recipe: str, steps: list[list[dict]], autocast: torch.dtype | None = None):
+def lora_config() -> LoraConfig:
+    """Adapters of rank 16 on every projection: their A (64 -> 16) divides by 16 like the
+    converted linears, so only the adapter rule keeps it in high precision."""
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"])
+
+
+def reference(recipe: str, steps: list[list[dict]], autocast: torch.dtype | None = None,
+              adapters: bool = False):
     """The single-process fp8 model trained with SGD, each step over its micro-batches one at a
     time (loss / micro-batches, gradients accumulated): the steps' mean losses, gradients and
-    the final parameters."""
+    the final parameters. `adapters`: peft's LoRA model of it, wrapped before the conversion
+    (as the pipeline is), training the adapters."""
     torch.manual_seed(SEED)
     model = make_llama().train()
+    if adapters:
+        model = get_peft_model(model, lora_config())
     convert_(model, recipe, emulate=True)
-    params = dict(model.named_parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    named = model.get_base_model() if adapters else model  # the stage's names
+    params = {n: p for n, p in named.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.SGD(params.values(), lr=LR)
     losses, grads = [], []
     for microbatches in steps:
         total = 0.0
@@ -63,21 +80,31 @@ def reference(recipe: str, steps: list[list[dict]], autocast: torch.dtype | None
         grads.append({n: p.grad.clone() for n, p in params.items()})
         optimizer.step()
         optimizer.zero_grad()
-    return losses, grads, {n: p.detach().clone() for n, p in params.items()}
+    return losses, grads, {n: p.detach().clone() for n, p in named.named_parameters()}
 
 
 def _engine(recipe: str | None, ctx, microbatch: dict, make_optimizer, autocast=None,
-            recompute: float = 0.0, sequence_parallel: bool = False, hooks=None):
+            recompute: float = 0.0, sequence_parallel: bool = False, hooks=None, zero: int = 0,
+            adapters: bool = False):
     torch.manual_seed(SEED)
     with merak.init_empty_weights():
         model = make_llama()
+    if adapters:
+        model = lora.wrap(model, lora_config())
     options = EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICROBATCHES,
                                                     recompute_ratio=recompute),
                             tensor_parallel=TensorParallelOptions(
                                 sequence_parallel=sequence_parallel),
-                            precision=PrecisionOptions(fp8=recipe, autocast_dtype=autocast))
+                            precision=PrecisionOptions(fp8=recipe, autocast_dtype=autocast,
+                                                       zero_stage=zero))
     return build_engine(model, microbatch, ctx, options, make_optimizer=make_optimizer,
                         stage_hooks=hooks)
+
+
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ZeRO-2/3's shards (DTensors) as whole tensors (every dp rank gathers them in the same
+    name order); other tensors as they are."""
+    return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in tensors.items()}
 
 
 def _this_rank(stage, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,7 +116,8 @@ def _this_rank(stage, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype | None = None,
                             recompute: float = 0.0, tp: int = 1,
-                            sequence_parallel: bool = False) -> dict:
+                            sequence_parallel: bool = False, zero: int = 0,
+                            adapters: bool = False) -> dict:
     ctx = merak.init(dp=dp, tp=tp, pp=pp)
     global_rows = ROWS * MICROBATCHES * dp
     batches = [rows(step, global_rows) for step in range(STEPS)]
@@ -101,8 +129,9 @@ def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype
         return snapshots
 
     engine = _engine(recipe, ctx, cut(mine[0], MICROBATCHES)[0],
-                     lambda s: torch.optim.SGD(s.parameters(), lr=LR), autocast, recompute,
-                     sequence_parallel, snapshot)
+                     lambda s: torch.optim.SGD([p for p in s.parameters() if p.requires_grad],
+                                               lr=LR),
+                     autocast, recompute, sequence_parallel, snapshot, zero, adapters)
     assert engine.fp8 is not None and engine.fp8.converted, engine.fp8
     assert all(type(m).__name__.startswith("Float8") for n, m in engine.stage.named_modules()
                if n in engine.fp8.converted)
@@ -114,14 +143,46 @@ def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype
         assert kinds == {"Float8ColumnParallelLinear", "Float8RowParallelLinear"}, kinds
     if recompute:
         assert any(engine.interpreter.segments), engine.interpreter.segments  # blocks recomputed
+    if zero:
+        _check_zero(engine, recipe)
+    if adapters:  # the base linears in float8, peft's adapters kept
+        assert all(n.endswith(".base_layer") for n in engine.fp8.converted), engine.fp8.converted
+        kept = [n for n, why in engine.fp8.kept.items() if why == ADAPTER]
+        assert len(kept) == 2 * len(engine.fp8.converted), engine.fp8.kept
     losses = [engine.interpreter.train_step(b) for b in mine]
+    if zero and recipe == "tensorwise":  # each step's scales came from the optimizer step
+        assert all(m.weight._local_tensor._precomputed_scale is not None
+                   for n, m in engine.stage.named_modules() if n in engine.fp8.converted)
     # the reference's micro-batches: each dp rank's, in turn (the dp all-reduce averages them)
     steps = [[mb for r in range(dp) for mb in cut(cut(b, dp)[r], MICROBATCHES)]
              for b in batches]
-    ref_losses, ref_grads, ref_final = reference(recipe, steps, autocast)
+    ref_losses, ref_grads, ref_final = reference(recipe, steps, autocast, adapters)
     ref_grads = [_this_rank(engine.stage, g) for g in ref_grads]
-    return trained_like(losses, snapshots[0], engine.stage, ref_losses, ref_grads,
+    snapshots[0].grads = [_whole(g) for g in snapshots[0].grads]
+    return trained_like(losses, snapshots[0], _Whole(engine.stage), ref_losses, ref_grads,
                         _this_rank(engine.stage, ref_final))
+
+
+class _Whole:
+    """`stage`'s parameters as whole tensors, for `trained_like`."""
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def named_parameters(self):
+        return _whole(dict(self.stage.named_parameters())).items()
+
+
+def _check_zero(engine, recipe: str) -> None:
+    """ZeRO-2/3 sharded the float8 linears; ``tensorwise`` gathers their weights in float8
+    (torchao's wrapper under each shard), ``rowwise`` in high precision."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    assert engine.zero is not None
+    weights = [m.weight for n, m in engine.stage.named_modules() if n in engine.fp8.converted]
+    assert weights and all(isinstance(w, DTensor) for w in weights)
+    wrapped = {isinstance(w.to_local(), WeightWithDynamicFloat8CastTensor) for w in weights}
+    assert wrapped == {recipe == "tensorwise"}, (recipe, wrapped)
 
 
 def twenty_steps(dp: int, tp: int, pp: int) -> dict:
@@ -144,8 +205,9 @@ def scenario_names(world_size: int) -> list[str]:
 
 
 def scenarios(world_size: int) -> dict:
-    """At 2 ranks (dp1 pp2), (dp2 pp1) and (tp2) with each recipe, pp2 under bf16 autocast
-    and with recomputation, tp2 with sequence parallelism; at 4 ranks (dp2 pp2) and (tp2 pp2);
+    """At 2 ranks (dp1 pp2), (dp2 pp1), (tp2), dp2 under ZeRO-3 and pp2 with LoRA with each
+    recipe, pp2 under bf16 autocast and with recomputation, tp2 with sequence parallelism, dp2
+    under ZeRO-2 (tensorwise); at 4 ranks (dp2 pp2), (tp2 pp2) and dp2 pp2 under ZeRO-3;
     at 8 (dp2 tp2 pp2); and at each tp layout, 20 steps in fp32 and fp8."""
     assert world_size in (2, 4, 8), f"fp8_parity runs on 2, 4 or 8 ranks, not {world_size}"
     table = {}
@@ -160,6 +222,8 @@ def scenarios(world_size: int) -> dict:
             table[f"llama-dp2-pp2-{recipe}"] = lambda r=recipe: trains_like_one_process(r, 2, 2)
             table[f"llama-tp2-pp2-{recipe}"] = lambda r=recipe: trains_like_one_process(
                 r, 1, 2, tp=2)
+            table[f"llama-dp2-pp2-zero3-{recipe}"] = lambda r=recipe: trains_like_one_process(
+                r, 2, 2, zero=3)
         table["llama-tp2-pp2-twenty-steps"] = lambda: twenty_steps(1, 2, 2)
         return table
     for recipe in RECIPES:
@@ -168,10 +232,17 @@ def scenarios(world_size: int) -> dict:
         table[f"llama-tp2-{recipe}"] = lambda r=recipe: trains_like_one_process(r, 1, 1, tp=2)
         table[f"llama-tp2-sp-{recipe}"] = lambda r=recipe: trains_like_one_process(
             r, 1, 1, tp=2, sequence_parallel=True)
+        table[f"llama-dp2-zero3-{recipe}"] = lambda r=recipe: trains_like_one_process(
+            r, 2, 1, zero=3)
     table["llama-pp2-tensorwise-bf16"] = lambda: trains_like_one_process(
         "tensorwise", 1, 2, torch.bfloat16)
+    for recipe in RECIPES:  # peft's adapters over float8 base linears
+        table[f"llama-pp2-lora-{recipe}"] = lambda r=recipe: trains_like_one_process(
+            r, 1, 2, adapters=True)
     table["llama-pp2-rowwise-recompute"] = lambda: trains_like_one_process(
         "rowwise", 1, 2, recompute=1.0)  # every block's forward run again before its backward
+    table["llama-dp2-zero2-tensorwise"] = lambda: trains_like_one_process(
+        "tensorwise", 2, 1, zero=2)  # gathered once a step, with the precomputed scales
     table["llama-tp2-twenty-steps"] = lambda: twenty_steps(1, 2, 1)
     return table
 
