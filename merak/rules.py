@@ -161,14 +161,10 @@ def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
     for other, wrong, why, instead in (
             ("fp16", c.fp16, "fp16's loss scale over float8 (e5m2) gradients is untested",
              "use bf16=True or fp32 with fp8"),
-            ("torch_compile", c.torch_compile, "compiled blocks over float8 linears are "
-             "untested", "leave torch_compile off with fp8"),
             ("tp_overlapping_level", c.tp_overlapping_level > 0, "TP overlap splits each "
              "matmul into sub-batches, which would each take their own dynamic scale, and its "
              "row-parallel path multiplies outside the float8 linear",
-             "use tp_overlapping_level=0 with fp8 (tp and sequence_parallel compose)"),
-            ("cp", c.cp > 1, "float8 linears over a split sequence are untested",
-             "train fp8 with cp=1")):
+             "use tp_overlapping_level=0 with fp8 (tp and sequence_parallel compose)")):
         if wrong:
             shown = f"{other}={getattr(c, other)!r}"
             return Refusal("fp8", f"{name} with {shown} is not supported yet ({why}); {instead}")

@@ -178,7 +178,6 @@ def test_bad_recipe_and_stray_exclusions_are_named():
 
 @pytest.mark.parametrize("fields,named", [
     ({"fp16": True}, "fp16=True"),
-    ({"torch_compile": True}, "torch_compile=True"),
 ])
 def test_refused_with_fp8_naming_the_field_and_the_way_out(fields, named):
     with pytest.raises(NotSupportedYetError, match=f"fp8='tensorwise' with {named}.*; "):
@@ -187,7 +186,6 @@ def test_refused_with_fp8_naming_the_field_and_the_way_out(fields, named):
 
 @pytest.mark.parametrize("fields,words", [
     ({"tp_overlapping_level": 1}, "tp_overlapping_level=0 with fp8"),
-    ({"cp": 2}, "cp=1"),
 ])
 def test_rules_refuse_what_fp8_does_not_compose_with(fields, words):
     found = rules.refusal(rules.Choices(fp8="rowwise", **fields))
@@ -198,12 +196,15 @@ def test_rules_refuse_what_fp8_does_not_compose_with(fields, words):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_zero_2_3_and_lora_are_accepted(recipe):
-    """ZeRO-2/3 and LoRA compose with fp8; LoRA with ZeRO-2/3 stays refused, by ZeRO's rule."""
+def test_zero_2_3_lora_compile_and_cp_are_accepted(recipe):
+    """ZeRO-2/3, LoRA, torch_compile and cp compose with fp8; LoRA with ZeRO-2/3 stays refused,
+    by ZeRO's rule."""
     for stage in (2, 3):
         MerakArguments(output_dir="out", fp8=recipe, zero_stage=stage)
         assert rules.refusal(rules.Choices(fp8=recipe, zero_stage=stage, tp=2)) is None
     assert rules.refusal(rules.Choices(fp8=recipe, lora=True)) is None
+    MerakArguments(output_dir="out", fp8=recipe, torch_compile=True)
+    assert rules.refusal(rules.Choices(fp8=recipe, cp=2)) is None
     found = rules.refusal(rules.Choices(fp8=recipe, lora=True, zero_stage=3))
     assert found is not None and found.field == "zero_stage" and "fp8" not in found.message
 
@@ -267,6 +268,11 @@ def test_tensor_parallel_layouts_are_accepted():
     # rowwise: only the casts whose amax runs along the split features
     ("rowwise", "column", {"grad_output", "weight_for_grad_input"}),
     ("rowwise", "row", {"input", "weight"}),
+    # context parallelism splits the tokens of x and dy: tensorwise, each of their casts;
+    # rowwise, the two that reduce over the tokens (for the weight's gradient)
+    ("tensorwise", "cp", {"input", "grad_output", "grad_output_for_grad_weight",
+                          "input_for_grad_weight"}),
+    ("rowwise", "cp", {"grad_output_for_grad_weight", "input_for_grad_weight"}),
 ])
 def test_which_casts_take_the_full_tensors_amax(recipe, kind, reduced):
     from merak.engine.fp8_tp import reduced_casts

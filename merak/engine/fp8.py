@@ -89,7 +89,8 @@ def gathers_in_float8(precision, ctx) -> bool:
     replica. ``rowwise`` (one scale per row, which torchao's all-gather does not support) and
     Merak's tensor-parallel float8 linears (whose weight scales are reduced over tp as well)
     gather their high-precision weights (plain FSDP2) and cast after."""
-    return precision.fp8 == "tensorwise" and precision.zero_stage >= 2 and ctx.replicas > 1
+    return precision.fp8 == "tensorwise" and precision.zero_stage >= 2 and ctx.replicas > 1 \
+        and getattr(ctx, "cp", 1) == 1
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -137,10 +138,13 @@ class Float8Report:
 
 
 def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
-             emulate: bool | None = None, fsdp_all_gather: bool = False) -> Float8Report:
+             emulate: bool | None = None, fsdp_all_gather: bool = False,
+             cp_group=None) -> Float8Report:
     """Convert the linears of `module` to torchao float8 linears in place (see the module's
     docstring); `emulate` defaults to `emulates` of the module's device; `fsdp_all_gather`
-    wraps the plain linears' weights for FSDP2's float8 all-gather (`gathers_in_float8`)."""
+    wraps the plain linears' weights for FSDP2's float8 all-gather (`gathers_in_float8`);
+    `cp_group`: context parallelism's group (each rank holds a share of the tokens), over which
+    the casts of the token dimension reduce their amax (`merak.engine.fp8_tp`)."""
     from torchao.float8.float8_linear import Float8Linear
 
     if emulate is None:
@@ -166,12 +170,12 @@ def convert_(module: nn.Module, recipe: str, *, exclude: tuple[str, ...] = (),
         if why is not None:
             report.kept[name] = why
             continue
-        if type(linear) is nn.Linear:
+        if type(linear) is nn.Linear and cp_group is None:
             to_float8_(linear, gathered, Float8Linear)
         else:
             from merak.engine.fp8_tp import to_float8_tp_
 
-            to_float8_tp_(linear, config, to_float8_)
+            to_float8_tp_(linear, config, to_float8_, cp_group)
         report.converted.append(name)
     return report
 
@@ -214,7 +218,8 @@ def apply_fp8(stage: nn.Module, precision, ctx) -> Float8Report | None:
         return None
     report = convert_(stage, precision.fp8, exclude=tuple(precision.fp8_exclude),
                       emulate=emulates(ctx.device),
-                      fsdp_all_gather=gathers_in_float8(precision, ctx))
+                      fsdp_all_gather=gathers_in_float8(precision, ctx),
+                      cp_group=ctx.cp_group if getattr(ctx, "cp", 1) > 1 else None)
     first = all(getattr(ctx, f"{axis}_rank", 0) == 0 for axis in ("dp", "tp", "cp"))
     if first:
         where = f"stage {getattr(ctx, 'pp_rank', 0)}: "

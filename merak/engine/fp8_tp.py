@@ -55,13 +55,14 @@ CASTS = (("input", "x", -1), ("weight", "w", 0), ("grad_output", "dy", -1),
          ("weight_for_grad_input", "w", -1), ("grad_output_for_grad_weight", "dy", 0),
          ("input_for_grad_weight", "x", 0))
 # the split dimension of each operand (x and dy as [tokens, features], W^T as [in, out]);
-# absent: whole on every rank
-SPLIT = {"column": {"w": 1, "dy": 1}, "row": {"x": 1, "w": 0}}
+# absent: whole on every rank. "cp": context parallelism splits the tokens of x and dy
+SPLIT = {"column": {"w": 1, "dy": 1}, "row": {"x": 1, "w": 0}, "cp": {"x": 0, "dy": 0}}
 
 
 def reduced_casts(kind: str, config: Float8LinearConfig) -> tuple[str, ...]:
     """The casts of a `kind` (``column`` or ``row``) parallel float8 linear under `config`
-    whose amax a TP rank must MAX all-reduce to get the full tensor's (module docstring)."""
+    whose amax a TP rank must MAX all-reduce to get the full tensor's (module docstring);
+    ``cp``: those a context-parallel rank, holding a share of the tokens, must."""
     found = []
     for name, operand, axis in CASTS:
         cast = getattr(config, f"cast_config_{name}")
@@ -82,9 +83,9 @@ def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
 
 
 def _cast(t: torch.Tensor, config: Float8LinearConfig, name: str, axis: int, role,
-          mm_config, group):
+          mm_config, groups):
     """torchao's `hp_tensor_to_float8_dynamic` of `t` by `config`'s `name` cast, the amax
-    MAX all-reduced over `group` first when `group` is not None."""
+    MAX all-reduced over each of `groups` first (tp, then cp)."""
     cast = getattr(config, f"cast_config_{name}")
     if tensor_already_casted_to_fp8(t) or cast.scaling_type is ScalingType.DISABLED:
         return t
@@ -92,15 +93,16 @@ def _cast(t: torch.Tensor, config: Float8LinearConfig, name: str, axis: int, rol
     with torch.no_grad():
         amax = tensor_to_amax(t, scaling_granularity=cast.scaling_granularity,
                               axiswise_dim=axis)
-        if group is not None and communicates(group) and not t.is_meta:
-            amax = _all_reduce_max(amax, group)
+        for group in groups:
+            if communicates(group) and not t.is_meta:
+                amax = _all_reduce_max(amax, group)
         scale = amax_to_scale(amax, cast.target_dtype, config.round_scales_to_power_of_2)
     return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, mm_config, role, axis)
 
 
 class _TPFloat8Matmul(torch.autograd.Function):
     """torchao's `matmul_with_hp_or_float8_args` (x @ W^T, its six casts), each cast's amax
-    reduced over the group `groups` gives it (None: the rank's own amax is the full one)."""
+    reduced over the groups `groups` gives it (none: the rank's own amax is the full one)."""
 
     @staticmethod
     def forward(ctx, x, weight_t, mm_config, config, groups):
@@ -135,8 +137,8 @@ class _TPFloat8Matmul(torch.autograd.Function):
 
 
 class _Float8TP(Float8Linear):
-    """A float8 linear whose casts reduce their amax over the TP group where `reduced_casts`
-    says (``fp8_tp_groups``, set by `to_float8_tp_`)."""
+    """A float8 linear whose casts reduce their amax over the TP group (and the cp group)
+    where `reduced_casts` says (``fp8_tp_groups``, set by `to_float8_tp_`)."""
 
     fp8_tp_groups: dict = {}
 
@@ -162,17 +164,28 @@ class Float8RowParallelLinear(RowParallel, _Float8TP):
         return self._fp8_matmul(x)
 
 
+class Float8SequenceShardLinear(_Float8TP):
+    """A plain `nn.Linear` in float8 under context parallelism: its rank holds a share of the
+    tokens, so the casts whose amax runs over tokens reduce it over the cp group."""
+
+
 FLOAT8_CLASSES = {ColumnParallelLinear: (Float8ColumnParallelLinear, "column"),
-                  RowParallelLinear: (Float8RowParallelLinear, "row")}
+                  RowParallelLinear: (Float8RowParallelLinear, "row"),
+                  torch.nn.Linear: (Float8SequenceShardLinear, None)}
 
 
-def to_float8_tp_(linear: torch.nn.Linear, config: Float8LinearConfig, convert) -> None:
-    """`linear` (a `ColumnParallelLinear` or `RowParallelLinear`) becomes its float8 class in
-    place: torchao's attributes added by `convert` (`merak.engine.fp8.to_float8_`, passed in
-    so this module does not import its caller), its TP group on the casts `reduced_casts`
-    lists."""
+def to_float8_tp_(linear: torch.nn.Linear, config: Float8LinearConfig, convert,
+                  cp_group=None) -> None:
+    """`linear` (a `ColumnParallelLinear` or `RowParallelLinear`, or under cp a plain
+    `nn.Linear`) becomes its float8 class in place: torchao's attributes added by `convert`
+    (`merak.engine.fp8.to_float8_`, passed in so this module does not import its caller), its
+    TP group on the casts `reduced_casts` lists, and `cp_group` (context parallelism: None
+    without) on those it lists for ``cp``."""
     cls, kind = FLOAT8_CLASSES[type(linear)]
-    reduced = reduced_casts(kind, config)
+    tp = reduced_casts(kind, config) if kind is not None else ()
+    cp = reduced_casts("cp", config) if cp_group is not None else ()
+    tp_group = getattr(linear, "tp_group", None)
     convert(linear, config, Float8Linear, cls)
-    linear.fp8_tp_groups = {name: linear.tp_group if name in reduced else None
+    linear.fp8_tp_groups = {name: tuple(g for g, on in ((tp_group, name in tp),
+                                                         (cp_group, name in cp)) if on)
                             for name, _, _ in CASTS}

@@ -12,22 +12,26 @@ import os
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import transformers as tf
-from common import GradSnapshot, run_scenarios, trained_like
+from common import Compared, GradSnapshot, run_scenarios, trained_like
 from hf_models import LLAMA_LIKE, VOCAB
 from peft import LoraConfig, get_peft_model
 from torch.distributed.tensor import DTensor
 
 import merak
 from merak import lora
+from merak.context_parallel import enable_context_parallel, split_batch
 from merak.engine.assemble import build_engine
-from merak.engine.fp8 import ADAPTER, convert_
-from merak.engine.options import EngineOptions, PrecisionOptions
+from merak.engine.fp8 import ADAPTER, apply_fp8, convert_
+from merak.engine.options import CompileOptions, EngineOptions, PrecisionOptions
 from merak.runtime.options import RuntimeOptions
+from merak.stages.stage import block_names
 from merak.tensor_parallel.plans.options import TensorParallelOptions
 
 STEPS, MICROBATCHES, ROWS, SEQ, LR, SEED = 3, 2, 2, 16, 0.05, 1234
 RECIPES = ("tensorwise", "rowwise")
+FULL = os.environ.get("MERAK_TEST_MATRIX") == "full"
 
 
 def make_llama():
@@ -85,7 +89,7 @@ def reference(recipe: str, steps: list[list[dict]], autocast: torch.dtype | None
 
 def _engine(recipe: str | None, ctx, microbatch: dict, make_optimizer, autocast=None,
             recompute: float = 0.0, sequence_parallel: bool = False, hooks=None, zero: int = 0,
-            adapters: bool = False):
+            adapters: bool = False, compile_backend: str | None = None):
     torch.manual_seed(SEED)
     with merak.init_empty_weights():
         model = make_llama()
@@ -96,7 +100,9 @@ def _engine(recipe: str | None, ctx, microbatch: dict, make_optimizer, autocast=
                             tensor_parallel=TensorParallelOptions(
                                 sequence_parallel=sequence_parallel),
                             precision=PrecisionOptions(fp8=recipe, autocast_dtype=autocast,
-                                                       zero_stage=zero))
+                                                       zero_stage=zero),
+                            compile=CompileOptions(enabled=compile_backend is not None,
+                                                   backend=compile_backend))
     return build_engine(model, microbatch, ctx, options, make_optimizer=make_optimizer,
                         stage_hooks=hooks)
 
@@ -117,7 +123,7 @@ def _this_rank(stage, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype | None = None,
                             recompute: float = 0.0, tp: int = 1,
                             sequence_parallel: bool = False, zero: int = 0,
-                            adapters: bool = False) -> dict:
+                            adapters: bool = False, compile_backend: str | None = None) -> dict:
     ctx = merak.init(dp=dp, tp=tp, pp=pp)
     global_rows = ROWS * MICROBATCHES * dp
     batches = [rows(step, global_rows) for step in range(STEPS)]
@@ -131,7 +137,8 @@ def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype
     engine = _engine(recipe, ctx, cut(mine[0], MICROBATCHES)[0],
                      lambda s: torch.optim.SGD([p for p in s.parameters() if p.requires_grad],
                                                lr=LR),
-                     autocast, recompute, sequence_parallel, snapshot, zero, adapters)
+                     autocast, recompute, sequence_parallel, snapshot, zero, adapters,
+                     compile_backend)
     assert engine.fp8 is not None and engine.fp8.converted, engine.fp8
     assert all(type(m).__name__.startswith("Float8") for n, m in engine.stage.named_modules()
                if n in engine.fp8.converted)
@@ -143,6 +150,9 @@ def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype
         assert kinds == {"Float8ColumnParallelLinear", "Float8RowParallelLinear"}, kinds
     if recompute:
         assert any(engine.interpreter.segments), engine.interpreter.segments  # blocks recomputed
+    if compile_backend:  # every block's forward compiled, over its float8 linears
+        blocks = block_names(engine.stage.split, engine.stage.stage_id)
+        assert blocks and all("forward" in vars(engine.stage.get_submodule(n)) for n in blocks)
     if zero:
         _check_zero(engine, recipe)
     if adapters:  # the base linears in float8, peft's adapters kept
@@ -200,6 +210,42 @@ def twenty_steps(dp: int, tp: int, pp: int) -> dict:
     return {"losses": losses}
 
 
+def context_parallel(recipe: str, mode: str) -> dict:
+    """cp2: the model's attention across the cp ranks (`enable_context_parallel`), its linears
+    converted by `apply_fp8` for a cp context (each rank holds a share of every row's tokens:
+    the token casts' amax reduced over cp), 2 steps' summed losses and cp-summed gradients
+    against the single-process float8 model on the whole rows (as test_context_parallel)."""
+    ctx = merak.init(dp=1, tp=1, pp=1, cp=dist.get_world_size())
+    torch.manual_seed(SEED)
+    reference = make_llama()
+    model = make_llama()  # a config of its own: enabling cp edits the config in place
+    model.load_state_dict(reference.state_dict())
+    convert_(reference, recipe, emulate=True)
+    enable_context_parallel(model, ctx.cp_group, mode)
+    report = apply_fp8(model, PrecisionOptions(fp8=recipe), ctx)
+    kinds = {type(model.get_submodule(n)).__name__ for n in report.converted}
+    assert kinds == {"Float8SequenceShardLinear"}, kinds
+    compared = Compared()
+    for step in range(2):
+        data = rows(step, ROWS)
+        expected = reference(**data)
+        expected.loss.backward()
+        count = torch.tensor(int(data["labels"][:, 1:].ne(-100).sum()))
+        loss = model(**split_batch(data, ctx.cp, ctx.cp_rank), num_items_in_batch=count).loss
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=ctx.cp_group)
+        compared.value(f"step {step} loss", total, expected.loss.detach())
+        ours = dict(model.named_parameters())
+        for name, param in reference.named_parameters():
+            grad = ours[name].grad.clone()
+            dist.all_reduce(grad, group=ctx.cp_group)  # cp ranks hold the same weights
+            compared.grad(f"step {step} grad of {name}", grad, param.grad)
+        for m in (model, reference):
+            m.zero_grad()
+    return compared.figures()
+
+
 def scenario_names(world_size: int) -> list[str]:
     return list(scenarios(world_size))
 
@@ -239,6 +285,17 @@ def scenarios(world_size: int) -> dict:
     for recipe in RECIPES:  # peft's adapters over float8 base linears
         table[f"llama-pp2-lora-{recipe}"] = lambda r=recipe: trains_like_one_process(
             r, 1, 2, adapters=True)
+    # compiled blocks: AOT autograd's graphs run eagerly (dynamo traces the float8 casts);
+    # inductor's fused kernels with MERAK_TEST_MATRIX=full
+    table["llama-pp2-compile-rowwise"] = lambda: trains_like_one_process(
+        "rowwise", 1, 2, compile_backend="aot_eager")
+    if FULL:
+        for recipe in RECIPES:
+            table[f"llama-pp2-inductor-{recipe}"] = lambda r=recipe: trains_like_one_process(
+                r, 1, 2, compile_backend="inductor")
+    for recipe in RECIPES:  # context parallelism: ring (tensorwise), Ulysses (rowwise)
+        mode = "ring" if recipe == "tensorwise" else "ulysses"
+        table[f"llama-cp2-{mode}-{recipe}"] = lambda r=recipe, m=mode: context_parallel(r, m)
     table["llama-pp2-rowwise-recompute"] = lambda: trains_like_one_process(
         "rowwise", 1, 2, recompute=1.0)  # every block's forward run again before its backward
     table["llama-dp2-zero2-tensorwise"] = lambda: trains_like_one_process(
