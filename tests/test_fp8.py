@@ -1,7 +1,8 @@
 """fp8 training through torchao's float8 linears (`merak.engine.fp8`, emulated on CPU):
 through `build_engine` at (dp1 pp2), (dp2 pp1), (dp2 pp2), and with tensor parallelism at
 (tp2), (tp2 + sequence parallelism), (tp2 pp2) and (dp2 tp2 pp2), under ZeRO-2/3 at (dp2) and
-(dp2 pp2), and with LoRA at (pp2) against one process, and 20
+(dp2 pp2), with LoRA and with compiled blocks at (pp2), and (the model alone) at cp2, ring
+and Ulysses, against one process, and 20
 steps against the fp32 run at each tp layout (workers/fp8_parity.py); which casts reduce their
 amax over the TP group (`merak.engine.fp8_tp`); in one process, Merak's conversion against
 torchao's own, what stays in high precision, the checkpoint's names, 20 steps against the fp32
@@ -186,6 +187,7 @@ def test_refused_with_fp8_naming_the_field_and_the_way_out(fields, named):
 
 @pytest.mark.parametrize("fields,words", [
     ({"tp_overlapping_level": 1}, "tp_overlapping_level=0 with fp8"),
+    ({"cp": 2, "tp": 2}, "tp=1 or cp=1"),
 ])
 def test_rules_refuse_what_fp8_does_not_compose_with(fields, words):
     found = rules.refusal(rules.Choices(fp8="rowwise", **fields))

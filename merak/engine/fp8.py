@@ -30,7 +30,8 @@ head is listed as kept all the same.
 
 Under tensor parallelism Merak's column- and row-parallel linears become their float8 classes
 (`merak.engine.fp8_tp`), whose casts all-reduce the amax over the TP group where a shard's own
-would differ from the full tensor's: every rank scales as one process would.
+would differ from the full tensor's: every rank scales as one process would. Under context
+parallelism the casts over the tokens reduce their amax over the cp group likewise.
 
 Under ZeRO-2/3 with ``tensorwise`` FSDP2 all-gathers the plain float8 linears' weights in
 float8 (torchao's ``enable_fsdp_float8_all_gather``, `gathers_in_float8`), with their scales

@@ -1,5 +1,6 @@
-"""fp8 under tensor parallelism: Merak's column- and row-parallel linears as float8 linears
-whose every dynamic scale is the full tensor's (`merak.engine.fp8` converts them).
+"""fp8 under tensor and context parallelism: Merak's column- and row-parallel linears, and
+under cp the plain ones, as float8 linears whose every dynamic scale is the full tensor's
+(`merak.engine.fp8` converts them).
 
 A float8 linear casts six operands, each with a scale from its amax (the largest magnitude),
 over the whole tensor (``tensorwise``) or along one axis (``rowwise``, torchao's "axiswise"):
@@ -26,6 +27,11 @@ single process's bit for bit; only the sums of the partial products differ, by f
 Sequence parallelism changes none of this: the column-parallel layer's input is the whole
 sequence, gathered before it, and the row-parallel layer's dy is gathered back by the
 reduce-scatter's backward.
+
+Context parallelism splits the tokens of x and dy (each rank holds a share of every row's
+sequence): the casts whose amax runs over the tokens reduce it over the cp group, the same rule
+with the tokens as the split dimension (``reduced_casts("cp", ...)``; a plain linear becomes
+`Float8SequenceShardLinear`).
 
 The matmul is torchao's `matmul_with_hp_or_float8_args` with that one change (the all-reduce
 between the amax and the scale), made from torchao's own `tensor_to_amax`, `amax_to_scale` and
