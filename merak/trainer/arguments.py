@@ -168,7 +168,7 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
     fp8: str | None = field(default=None, metadata=_help("fp8",
         "train the stage's linear layers in float8 through torchao: 'tensorwise' or 'rowwise' "
         "dynamic scales (emulated without an fp8 GPU); the LM head, MoE routers and layers "
-        "whose features do not divide by 16 stay in high precision; tp=1"))
+        "whose features do not divide by 16 stay in high precision, as do LoRA adapters"))
     fp8_exclude: list[str] | None = field(default=None, metadata=_help("fp8",
         "module-name patterns (globs matched anywhere in the name, e.g. 'layers.0.*' or "
         "'down_proj') kept in high precision under fp8"))

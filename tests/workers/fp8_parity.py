@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import transformers as tf
-from common import Compared, GradSnapshot, run_scenarios, trained_like
+from common import Compared, GradSnapshot, out_dir, run_scenarios, trained_like
 from hf_models import LLAMA_LIKE, VOCAB
 from peft import LoraConfig, get_peft_model
 from torch.distributed.tensor import DTensor
@@ -169,8 +169,34 @@ def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype
     ref_losses, ref_grads, ref_final = reference(recipe, steps, autocast, adapters)
     ref_grads = [_this_rank(engine.stage, g) for g in ref_grads]
     snapshots[0].grads = [_whole(g) for g in snapshots[0].grads]
-    return trained_like(losses, snapshots[0], _Whole(engine.stage), ref_losses, ref_grads,
-                        _this_rank(engine.stage, ref_final))
+    figures = trained_like(losses, snapshots[0], _Whole(engine.stage), ref_losses, ref_grads,
+                           _this_rank(engine.stage, ref_final))
+    if zero:
+        figures["checkpoint"] = _checkpoint_round_trip(engine.stage, ctx, ref_final,
+                                                       f"{recipe}-zero{zero}-pp{pp}")
+    return figures
+
+
+def _checkpoint_round_trip(stage, ctx, ref_final: dict, label: str) -> int:
+    """ZeRO-3's float8 shards (torchao's weight wrapper under tensorwise) saved as a Merak
+    checkpoint hold the reference's fp32 weights under the HF names, and load back into the
+    sharded stage: how many tensors were checked."""
+    from merak.checkpoint.io import full_tensors, load_checkpoint, save_checkpoint
+
+    path = save_checkpoint(out_dir() / f"fp8-checkpoint-{label}", STEPS, ctx, stage, {})
+    for name, tensor in full_tensors(path, names=list(_whole(dict(stage.named_parameters())))
+                                     ).items():
+        assert tensor.dtype == torch.float32, (name, tensor.dtype)
+        torch.testing.assert_close(tensor, ref_final[name], rtol=1e-5, atol=1e-6, msg=name)
+    before = _whole(dict(stage.named_parameters()))
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.zero_()
+    load_checkpoint(path, ctx, stage)
+    after = _whole(dict(stage.named_parameters()))
+    for name, tensor in after.items():
+        assert torch.equal(tensor, before[name]), name
+    return len(after)
 
 
 class _Whole:
