@@ -311,6 +311,8 @@ def scenarios(world_size: int) -> dict:
     for recipe in RECIPES:  # peft's adapters over float8 base linears
         table[f"llama-pp2-lora-{recipe}"] = lambda r=recipe: trains_like_one_process(
             r, 1, 2, adapters=True)
+    table["llama-tp2-lora-tensorwise"] = lambda: trains_like_one_process(
+        "tensorwise", 1, 1, tp=2, adapters=True)  # TP's base layers and adapters
     # compiled blocks: AOT autograd's graphs run eagerly (dynamo traces the float8 casts);
     # inductor's fused kernels with MERAK_TEST_MATRIX=full
     table["llama-pp2-compile-rowwise"] = lambda: trains_like_one_process(
