@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The test suite (CPU only; multi-rank tests launch their own gloo process groups).
+# The test suite (CPU only; multi-rank tests launch their own gloo process groups), in two
+# pytest processes (pytest-xdist): the pooled multi-rank launches in one, the other modules in
+# the other (tests/conftest.py groups them). Arguments go to pytest; `-n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"

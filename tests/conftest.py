@@ -24,11 +24,19 @@ from dist_harness import WorkerPool  # noqa: E402
 _NEEDED = pytest.StashKey[dict]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Which pooled workers the selected tests need, at which world sizes and backends (a test
-    parametrized by ``backend`` names its own; the rest run on the NCCL contract)."""
+    parametrized by ``backend`` names its own; the rest run on the NCCL contract).
+
+    Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``) each test also gets
+    the group of tests that must run in the same process: every module with pooled tests one
+    group (each pool is launched once, by the process that runs them), the users of
+    `two_ranks` one, and every other module its own (its module-scoped fixtures are built
+    once)."""
     needed: dict[tuple[int, str], list[str]] = {}
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
         worker = getattr(item.module, "WORKER", None)
         if worker is None or "launches" not in getattr(item, "fixturenames", ()):
             continue
@@ -39,6 +47,14 @@ def pytest_collection_modifyitems(config, items):
             if worker not in needed.setdefault((size, backend), []):
                 needed[(size, backend)].append(worker)
     config.stash[_NEEDED] = needed
+
+
+def _group(item) -> str:
+    if hasattr(item.module, "WORLD_SIZES"):  # a module with pooled tests, whole
+        return "pooled"
+    if item.module.__name__ in ("test_trainer", "test_trainer_fields"):  # `two_ranks`' users
+        return "two-ranks"
+    return item.module.__name__
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import merak
+from merak.partition.trace_cache import process_trace_cache
 
 # A scenario raises on a failure; a parity scenario returns its figures instead (`Compared`),
 # which its test compares against the reference with the test's own tolerances.
@@ -85,7 +86,9 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
     """Each rank writes ``{scenario: {"error": traceback or null, "figures": what the scenario
     returned (a JSON object) or null}}`` to ``<out>/rank<r>.json``."""
     results: dict[str, dict] = {}
-    seconds: dict[str, float] = {}  # each scenario's wall time (rank 0: rank0-seconds.json)
+    # rank 0's wall time and exports (trace-cache misses) of each scenario: rank0-seconds.json
+    seconds: dict[str, list[float]] = {}
+    cache = process_trace_cache()
     path = out / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     _OUT.append(out)
@@ -96,6 +99,7 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
         if only and name not in only:
             continue
         profiler, start = cProfile.Profile() if profile_dir else None, time.perf_counter()
+        misses = cache.misses
         _SCENARIO.append(name)
         try:
             figures = profiler.runcall(scenario) if profiler else scenario()
@@ -114,7 +118,7 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
             print(f"[profile] {name}: {time.perf_counter() - start:.1f} s", flush=True)
         path.write_text(json.dumps(results, indent=1))
         if rank == 0:
-            seconds[name] = round(time.perf_counter() - start, 2)
+            seconds[name] = [round(time.perf_counter() - start, 2), cache.misses - misses]
             (out / "rank0-seconds.json").write_text(json.dumps(seconds, indent=1))
         dist.barrier()
     _OUT.pop()
