@@ -6,8 +6,7 @@ MerakTrainer runs a whole optimizer step as one pipeline schedule over every mic
 stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batch
 ``training_step`` never runs, so a subclass overriding it is refused by name, unless the
 override is known to only wrap HF's step in a context that is off (`BYPASSED`). What of TRL's
-DPOTrainer, KTOTrainer and RewardTrainer a pipeline cannot run yet is refused by name
-(`check_dpo`, `check_reward`).
+DPOTrainer and KTOTrainer a pipeline cannot run yet is refused by name (`check_dpo`).
 """
 
 from __future__ import annotations
@@ -92,19 +91,11 @@ def _derives(cls: type, which: tuple[str, str]) -> bool:
     return any((k.__module__, k.__qualname__) == which for k in cls.__mro__)
 
 
-def check_reward(cls: type, keywords: dict) -> None:
-    """TRL's RewardTrainer with an evaluation set, refused by name before anything is built:
-    its collator puts each example's chosen and rejected rows in one batch (twice the
-    examples' rows), and MerakTrainer's evaluation collates a whole evaluation step and cuts it
-    into micro-batches by row, which would part a pair. Training collates each micro-batch on
-    its own, so it runs."""
-    if _derives(cls, _REWARD) and keywords.get("eval_dataset") is not None:
-        raise NotSupportedYetError(
-            f"{cls.__name__} with an eval_dataset: RewardTrainer's collator puts each "
-            f"example's chosen and rejected rows in one batch, and MerakTrainer's evaluation "
-            f"collates a whole evaluation step and cuts it into micro-batches by row, which "
-            f"would part a pair; train without an eval_dataset (training collates each "
-            f"micro-batch on its own)")
+def is_reward(cls: type) -> bool:
+    """Whether `cls` is (a subclass of) TRL's RewardTrainer, whose collator puts each
+    example's chosen and rejected rows in one batch: its evaluation collates each
+    micro-batch on its own items (`merak.trainer.evaluation`), so no pair is parted."""
+    return _derives(cls, _REWARD)
 
 
 def is_kto(cls: type) -> bool:

@@ -55,7 +55,6 @@ from merak.trainer.reference_logps import ReferenceLogpsMixin
 from merak.trainer.subclasses import (
     check_dpo,
     check_overrides,
-    check_reward,
     trainer_keywords,
 )
 from merak.trainer.text_generation import TextGenerationMixin
@@ -84,7 +83,6 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
         check_overrides(type(self), args)
         check_dpo(type(self), args, model, trainer_kwargs)
-        check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))
         self.ctx = get_context()
         if self.ctx.ep > 1:  # (the arguments may predate merak.init(ep=)): before any build
             rules.check(rules.Choices.from_arguments(args, lora=lora.is_peft_model(model)))
