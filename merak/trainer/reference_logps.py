@@ -25,12 +25,14 @@ later is refused by name (`merak.trainer.evaluation`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 
 import numpy as np
 
 from merak import lora
 from merak.distributed.host_objects import all_gather_objects
+from merak.trainer.reference_replica import build_replica, explicit_reference
 from merak.trainer.subclasses import is_kto
 from merak.trainer.user_model import user_model
 
@@ -56,13 +58,24 @@ class ReferenceLogpsMixin:
         pending, self._pending_reference = self._pending_reference or {}, None
         columns = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
             else ("ref_chosen_logps", "ref_rejected_logps")
-        for name, batch_size in pending.items():
-            dataset = self._reference_dataset(name)
-            for column, values in zip(columns, self._reference_logps(dataset, batch_size),
-                                      strict=True):
-                if values is not None:  # (KTO without its KL term computes none)
-                    dataset = dataset.add_column(column, values)
-            self._reference_dataset(name, dataset)
+        reference = explicit_reference(self) if pending else None
+        # an explicit ref_model: its frozen replica, split as the policy, for this pass only
+        engine = self.engine if reference is None else build_replica(self, reference)
+        if reference is not None:  # what the replica held on this rank (docs/trainer.md)
+            self.reference_replica_bytes = sum(p.numel() * p.element_size()
+                                               for p in engine.stage.parameters())
+        try:
+            for name, batch_size in pending.items():
+                dataset = self._reference_dataset(name)
+                for column, values in zip(columns, self._reference_logps(dataset, batch_size,
+                                                                         engine),
+                                          strict=True):
+                    if values is not None:  # (KTO without its KL term computes none)
+                        dataset = dataset.add_column(column, values)
+                self._reference_dataset(name, dataset)
+        finally:
+            del engine
+            gc.collect()
         return bool(pending)
 
     def _reference_dataset(self, name: str, dataset=None):
@@ -80,15 +93,17 @@ class ReferenceLogpsMixin:
             self.eval_dataset = {**self.eval_dataset, name: dataset}
         return self.eval_dataset[name]
 
-    def _reference_logps(self, dataset, batch_size: int) -> list[np.ndarray | None]:
+    def _reference_logps(self, dataset, batch_size: int, engine) -> list[np.ndarray | None]:
         """Every row's reference log-probabilities, on every rank: one array per value TRL's
-        ``compute_ref_log_probs`` returns (None where it returned None)."""
-        ctx, m = self.ctx, self.engine.interpreter.num_microbatches
+        ``compute_ref_log_probs`` returns (None where it returned None), from `engine`'s
+        stage (the policy's, or an explicit reference's replica)."""
+        ctx, m = self.ctx, engine.interpreter.num_microbatches
         rows, local = len(dataset), batch_size * m
         steps = math.ceil(rows / (local * ctx.dp))
         mine: list[int] = []
 
-        adapted = any(lora.is_lora_layer(m) for m in self.stage.modules())
+        adapted = engine is self.engine and any(lora.is_lora_layer(m)
+                                                for m in self.stage.modules())
         with contextlib.ExitStack() as stack:
             # LoRA: the reference is the model with its adapters off, on every stage
             adapters_off = stack.enter_context(lora.adapters_disabled(self.stage)) \
@@ -112,8 +127,8 @@ class ReferenceLogpsMixin:
                     # rows past the end: copies of row 0 whose results are dropped
                     microbatches.append(self._collate([dataset[i if i < rows else 0]
                                                        for i in index]))
-                self.engine.interpreter.eval_step(microbatches, num_microbatches=m)
-        last = ctx.pp_rank == self.engine.interpreter.placement[-1] and ctx.tp_rank == 0
+                engine.interpreter.eval_step(microbatches, num_microbatches=m)
+        last = ctx.pp_rank == engine.interpreter.placement[-1] and ctx.tp_rank == 0
         payload = (mine, results) if last else None
         columns: list[np.ndarray | None] | None = None
         for part in all_gather_objects(payload, group=ctx.host_group()):

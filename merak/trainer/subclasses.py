@@ -110,17 +110,18 @@ def check_dpo(cls: type, args, model, keywords: dict) -> None:
     if not (is_dpo(cls) or is_kto(cls)):
         return
     name = cls.__name__
-    if keywords.get("ref_model") is not None:
+    if is_kto(cls) and keywords.get("ref_model") is not None:
         raise NotSupportedYetError(
-            f"{name} was given a ref_model: a second model would need its own pipeline, built "
-            f"and sharded like the policy, which MerakTrainer does not build yet; leave "
+            f"{name} was given a ref_model: MerakTrainer runs an explicit reference's replica "
+            f"for DPOTrainer, and has not checked KTO's (its KL rows) against TRL yet; leave "
             f"ref_model out (the reference is then the initial policy, run through the "
             f"pipeline before training)")
     if getattr(args, "sync_ref_model", False):
         raise NotSupportedYetError(
             f"{name} with sync_ref_model=True: the reference then follows the policy during "
-            f"training, and MerakTrainer computes it once, through the pipeline, before the "
-            f"first step; leave sync_ref_model off")
+            f"training, which needs its replica in every step, and MerakTrainer runs the "
+            f"reference once, through the pipeline, before the first step; leave "
+            f"sync_ref_model off")
     if hasattr(model, "peft_config") or getattr(args, "lora_config", None) is not None:
         raise NotSupportedYetError(
             f"{name} on a model that already carries adapters (a PeftModel, or "

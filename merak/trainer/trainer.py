@@ -93,7 +93,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         # by name: a Trainer subclass may take other parameters second (DPOTrainer: ref_model);
         # adapters it adds (TRL's peft_config) join the meta model's init record
         # (a DPOTrainer's reference: merak.trainer.dpo_setup)
-        with adapters_join_record(model), dpo_init(type(self), model, args):
+        with adapters_join_record(model), dpo_init(type(self), model, args,
+                                                   trainer_kwargs.get("ref_model")):
             super().__init__(model, args=args, **trainer_keywords(trainer_args, trainer_kwargs))
         reference_before_training(self)
         # KTO's completions and KL completions: rows of one pipeline forward
@@ -164,6 +165,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
         self._enable_context_parallel()  # before the trace: the stages attend across cp
         traced = self._traced_inputs(example)
+        self._traced_example = traced  # (an explicit DPO reference's replica: the same trace)
         loss_fn = self.loss_choice.fn
         if loss_fn is not None:
             model = with_loss(model, loss_fn, list(traced))
