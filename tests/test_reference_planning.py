@@ -207,3 +207,31 @@ def test_the_energy_plan_command_plans_the_reference(tmp_path):
             names = [name for name, _ in entry["frequencies"]]
             assert names.count("reference_forward") == count
             assert mode != "before" or set(names) == {"reference_forward"}
+
+
+def test_merak_plan_charges_the_reference_pass(tmp_path):
+    """`merak plan --reference before` (offline): every ranked candidate carries its pass, and
+    its predicted step is the plain one plus the pass over the epochs."""
+    import json
+
+    from merak.cli import main as merak_main
+
+    config_dir = tmp_path / "tiny"
+    tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2).save_pretrained(config_dir)
+    plans = {}
+    for mode in ("none", "before"):
+        out = tmp_path / f"{mode}.json"
+        assert merak_main(["plan", "--model", str(config_dir), "--cluster", "h100",
+                           "--world-size", "4", "--global-batch", "8", "--seq-len", "64",
+                           "--micro-batch-sizes", "1,2", "--no-sequence-parallel",
+                           "--no-context-parallel", "--reference", mode, "--epochs", "2",
+                           "--out", str(out)]) == 0
+        plans[mode] = {p["label"]: p for p in json.loads(out.read_text())["ranked"]}
+    both = set(plans["none"]) & set(plans["before"])
+    assert both
+    for label in both:
+        plain, before = plans["none"][label], plans["before"][label]
+        assert plain["reference_s"] == 0 and before["reference_s"] > 0
+        assert before["step_s"] == pytest.approx(plain["step_s"] + before["reference_s"] / 2,
+                                                 rel=1e-9)
