@@ -84,7 +84,8 @@ def test_dpo_evaluation_matches_single_process_dpo(launches, worker_pool, scenar
 def test_dpo_with_an_explicit_ref_model_matches_single_process_dpo(launches, worker_pool,
                                                                     scenario, tmp_path):
     """An explicit ref_model (other weights than the policy's), meta-built: its frozen replica,
-    split and sharded as the policy, runs the reference pass before training; every logged
+    split and sharded as the policy, runs the reference pass before training (with
+    sync_ref_model: before every step, mixed with the policy every 2 steps); every logged
     figure equals single-process DPOTrainer's given the same ref_model."""
     _, lora, fields, pretrained = dpo.REFERENCED[scenario]
     reference = dpo.single_process(lora, None, reference=dpo.save_reference(tmp_path / "ref"),
@@ -125,10 +126,11 @@ def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
         return MerakDPOTrainer(model=model, args=Config("out", use_cpu=True, **fields),
                                **kwargs)
 
-    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True"):
+    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True and no ref_model.*give "
+                                                   "ref_model"):
         build(sync_ref_model=True)
-    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True.*in every step"):
-        build(ref_model=sft.model(), sync_ref_model=True)
+    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True and an eval_dataset"):
+        build(ref_model=sft.model(), sync_ref_model=True, eval_dataset=dpo.dataset())
     with pytest.raises(NotSupportedYetError, match="DPOTrainer.training_step cannot run"):
         build(precompute_ref_log_probs=True, activation_offloading=True)
     with pytest.raises(NotSupportedYetError, match="already carries adapters.*peft_config"):

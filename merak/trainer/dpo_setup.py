@@ -99,7 +99,9 @@ def reference_before_training(trainer) -> None:
     args = trainer.args
     if reference_trainer(type(trainer)) is None or args.precompute_ref_log_probs:
         return
-    trainer.precompute_ref_logps = True
+    trainer.precompute_ref_logps = True  # (TRL's loss reads the values from the batch)
+    if getattr(args, "sync_ref_model", False):  # the replica runs in every step instead
+        return  # (merak.trainer.reference_sync)
     trainer._precompute_ref_logps(trainer.train_dataset, "train", args.precompute_ref_batch_size
                                   or args.per_device_train_batch_size)
     evaluation = trainer.eval_dataset

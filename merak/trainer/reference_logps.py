@@ -33,6 +33,8 @@ import numpy as np
 from merak import lora
 from merak.distributed.host_objects import all_gather_objects
 from merak.trainer.reference_replica import build_replica, explicit_reference
+from merak.trainer.reference_sync import COLUMNS as SYNC_COLUMNS
+from merak.trainer.reference_sync import SyncedReference
 from merak.trainer.subclasses import is_kto
 from merak.trainer.user_model import user_model
 
@@ -55,15 +57,14 @@ class ReferenceLogpsMixin:
         """After the pipeline is built: the noted passes, if any; whether one ran. Their values
         become the datasets' columns TRL's loss reads: DPO's ``ref_chosen_logps`` and
         ``ref_rejected_logps``, KTO's ``ref_logps`` and (with its KL term) ``ref_KL_logps``."""
+        if getattr(self.args, "sync_ref_model", False):  # the reference in every step
+            self._start_synced_reference()
         pending, self._pending_reference = self._pending_reference or {}, None
         columns = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
             else ("ref_chosen_logps", "ref_rejected_logps")
         reference = explicit_reference(self) if pending else None
         # an explicit ref_model: its frozen replica, split as the policy, for this pass only
         engine = self.engine if reference is None else build_replica(self, reference)
-        if reference is not None:  # what the replica held on this rank (docs/trainer.md)
-            self.reference_replica_bytes = sum(p.numel() * p.element_size()
-                                               for p in engine.stage.parameters())
         try:
             for name, batch_size in pending.items():
                 dataset = self._reference_dataset(name)
@@ -77,6 +78,20 @@ class ReferenceLogpsMixin:
             del engine
             gc.collect()
         return bool(pending)
+
+    def _start_synced_reference(self) -> None:
+        """``sync_ref_model``: the explicit reference's replica kept through training
+        (`merak.trainer.reference_sync`); the last stage reads its values from each micro-batch,
+        and TRL's own sync callback (over the whole models) makes way for the replica's."""
+        from trl.trainer.callbacks import SyncRefModelCallback  # (trl: this is its trainer)
+
+        synced = SyncedReference(self, build_replica(self, explicit_reference(self)))
+        self._synced_reference = synced
+        self.callback_handler.remove_callback(SyncRefModelCallback)
+        self.callback_handler.add_callback(synced)
+        stage_loss = self.loss_choice.stage_loss
+        stage_loss.input_names = list(dict.fromkeys([*stage_loss.input_names, *SYNC_COLUMNS]))
+        self.engine.interpreter.attach_loss(stage_loss)
 
     def _reference_dataset(self, name: str, dataset=None):
         """The dataset TRL named `name` (the training set, the evaluation set, or one of a dict

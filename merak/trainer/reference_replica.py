@@ -56,6 +56,9 @@ def build_replica(trainer, reference: nn.Module) -> Engine:
             f"{[p.module for p in theirs.pieces]}); give a reference of the policy's "
             f"architecture")
     replica.stage.requires_grad_(False)
+    # what the replica holds on this rank (docs/trainer.md)
+    trainer.reference_replica_bytes = sum(p.numel() * p.element_size()
+                                          for p in replica.stage.parameters())
     replica.interpreter.attach_loss(trainer.loss_choice.stage_loss)
     return replica
 

@@ -116,12 +116,16 @@ def check_dpo(cls: type, args, model, keywords: dict) -> None:
             f"for DPOTrainer, and has not checked KTO's (its KL rows) against TRL yet; leave "
             f"ref_model out (the reference is then the initial policy, run through the "
             f"pipeline before training)")
-    if getattr(args, "sync_ref_model", False):
+    if getattr(args, "sync_ref_model", False) and keywords.get("ref_model") is None:
         raise NotSupportedYetError(
-            f"{name} with sync_ref_model=True: the reference then follows the policy during "
-            f"training, which needs its replica in every step, and MerakTrainer runs the "
-            f"reference once, through the pipeline, before the first step; leave "
-            f"sync_ref_model off")
+            f"{name} with sync_ref_model=True and no ref_model: MerakTrainer keeps a replica of "
+            f"an explicit reference in every step; give ref_model (e.g. the policy's checkpoint "
+            f"loaded with from_pretrained inside merak.init_empty_weights())")
+    if getattr(args, "sync_ref_model", False) and keywords.get("eval_dataset") is not None:
+        raise NotSupportedYetError(
+            f"{name} with sync_ref_model=True and an eval_dataset: the evaluation set's "
+            f"reference would follow the policy too, and MerakTrainer computes it once before "
+            f"training; evaluate without sync_ref_model")
     if hasattr(model, "peft_config") or getattr(args, "lora_config", None) is not None:
         raise NotSupportedYetError(
             f"{name} on a model that already carries adapters (a PeftModel, or "

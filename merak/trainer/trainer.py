@@ -75,6 +75,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
     """
 
     _joined_rows = None  # rows of several model calls run as one forward (joined_rows.py)
+    _synced_reference = None  # sync_ref_model's reference replica (reference_sync.py)
 
     def __init__(self, model: nn.Module, args: MerakArguments, *trainer_args,
                  loss_fn: Callable | None = None, leaf_modules: Sequence[str] = (),
@@ -82,7 +83,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
         check_overrides(type(self), args)
-        check_dpo(type(self), args, model, trainer_kwargs)
+        check_dpo(type(self), args, model, trainer_keywords(trainer_args, trainer_kwargs))
         self.ctx = get_context()
         if self.ctx.ep > 1:  # (the arguments may predate merak.init(ep=)): before any build
             rules.check(rules.Choices.from_arguments(args, lora=lora.is_peft_model(model)))
@@ -312,6 +313,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
                 if self.energy is not None:
                     self.energy.step_begin(self.state.global_step + 1)
+                if self._synced_reference is not None:  # its values for this step's rows
+                    batch = self._synced_reference.step_values(batch)
                 with self._running_loss():
                     loss = self.engine.interpreter.train_step(self._counted(batch, m, step=True))
                 self._count_input_tokens(batch)

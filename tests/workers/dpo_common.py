@@ -37,9 +37,13 @@ EVALUATED = {
                                          False)}
 # an explicit ref_model (a second model: the policy's architecture, other weights, as an SFT'd
 # checkpoint), loaded with from_pretrained inside init_empty_weights: its frozen replica split as
-# the policy's runs the pass before training. name -> as VARIANTS
-REFERENCED = {"dpo-refmodel-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False},
-                                         False)}
+# the policy's runs the pass before training; with sync_ref_model it runs before every step and
+# follows the policy (mixed after steps 2 and 4). name -> as VARIANTS
+REFERENCED = {
+    "dpo-refmodel-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False}, False),
+    "dpo-sync-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False,
+                                              "sync_ref_model": True, "ref_model_sync_steps": 2,
+                                              "ref_model_mixup_alpha": 0.5}, False)}
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
           "rewards/margins", "logps/chosen", "logps/rejected")
 
