@@ -235,3 +235,24 @@ def test_merak_plan_charges_the_reference_pass(tmp_path):
         assert plain["reference_s"] == 0 and before["reference_s"] > 0
         assert before["step_s"] == pytest.approx(plain["step_s"] + before["reference_s"] / 2,
                                                  rel=1e-9)
+
+
+def test_the_interpreter_refuses_a_step_that_runs_the_reference_by_name():
+    """The planners count reference forwards inside a step; the runtime does not run them
+    there yet (sync_ref_model runs the replica's pass before each step instead)."""
+    from torch import nn
+
+    from merak.runtime.program import training_schedule
+    from merak.stages.split import Piece, manual_split
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+
+    split = manual_split(Two(), [Piece("a", ["x"], ["h"]), Piece("b", ["h"], ["loss"])],
+                         num_stages=2)
+    training_schedule("1f1b", split, 2, 1, 4, 0.0)  # the plain step is accepted
+    with pytest.raises(ValueError, match="reference model's forwards in the step.*does not "
+                                         "run them yet"):
+        training_schedule(make_schedule("1f1b", 2, 4, reference=True), split, 2, 1, 4, 0.0)
