@@ -85,6 +85,8 @@ class ReferenceLogpsMixin:
         and TRL's own sync callback (over the whole models) makes way for the replica's."""
         from trl.trainer.callbacks import SyncRefModelCallback  # (trl: this is its trainer)
 
+        if self._synced_reference is not None:  # (a rebuilt engine: a replica of its own)
+            self.callback_handler.remove_callback(self._synced_reference)
         synced = SyncedReference(self, build_replica(self, explicit_reference(self)))
         self._synced_reference = synced
         self.callback_handler.remove_callback(SyncRefModelCallback)
