@@ -80,6 +80,39 @@ def test_dpo_evaluation_matches_single_process_dpo(launches, worker_pool, scenar
         "eval_rewards/accuracies": 1e-7, "eval_rewards/": dpo.FIELDS["beta"] * 1e-5 * logps})
 
 
+@pytest.mark.parametrize("scenario", list(dpo.REFERENCED))
+def test_dpo_with_an_explicit_ref_model_matches_single_process_dpo(launches, worker_pool,
+                                                                    scenario, tmp_path):
+    """An explicit ref_model (other weights than the policy's), meta-built: its frozen replica,
+    split and sharded as the policy, runs the reference pass before training (with
+    sync_ref_model: before every step, mixed with the policy every 2 steps); every logged
+    figure equals single-process DPOTrainer's given the same ref_model."""
+    _, lora, fields, pretrained = dpo.REFERENCED[scenario]
+    reference = dpo.single_process(lora, None, reference=dpo.save_reference(tmp_path / "ref"),
+                                   **fields)
+    results, output = launches(4)
+    check(results, output, scenario)
+    ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
+    assert len(ours["loss"]) == len(reference["loss"]) == dpo.STEPS
+    # the reference is not the initial policy: the rewards differ from 0 from the first step
+    assert abs(reference["rewards/margins"][0]) > 0.01
+    logps = max(abs(v) for key in ("logps/chosen", "logps/rejected") for v in reference[key])
+    gaps = {}
+    for key in dpo.LOGGED:
+        loose = dpo.FIELDS["beta"] * 1e-5 * logps \
+            if key.startswith("rewards/") and key != "rewards/accuracies" else 1e-7
+        assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=loose), key
+        gaps[key] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours[key],
+                                                                       reference[key]))
+    print(f"{scenario} loss: merak {ours['loss']} reference {reference['loss']}")
+    print(f"{scenario} largest relative gaps: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
+    # rank 0's replica: its stage's tp shard, fp32, under the whole reference's weights
+    whole = sum(p.numel() * 4 for p in sft.model().parameters())
+    print(f"{scenario} replica on rank 0: {ours['replica_bytes']} bytes of {whole}")
+    assert 0 < ours["replica_bytes"] < whole
+
+
 def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
     @dataclass
     class Config(MerakArguments, trl.DPOConfig):
@@ -93,10 +126,11 @@ def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
         return MerakDPOTrainer(model=model, args=Config("out", use_cpu=True, **fields),
                                **kwargs)
 
-    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True"):
+    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True and no ref_model.*give "
+                                                   "ref_model"):
         build(sync_ref_model=True)
-    with pytest.raises(NotSupportedYetError, match="given a ref_model.*own pipeline"):
-        build(ref_model=sft.model(), precompute_ref_log_probs=True)
+    with pytest.raises(NotSupportedYetError, match="sync_ref_model=True and an eval_dataset"):
+        build(ref_model=sft.model(), sync_ref_model=True, eval_dataset=dpo.dataset())
     with pytest.raises(NotSupportedYetError, match="DPOTrainer.training_step cannot run"):
         build(precompute_ref_log_probs=True, activation_offloading=True)
     with pytest.raises(NotSupportedYetError, match="already carries adapters.*peft_config"):

@@ -22,6 +22,7 @@ import argparse
 import os
 
 from merak.inputs import InputError, positive_float, positive_int, positive_ints
+from merak.schedule.reference import REFERENCE_MODES
 
 
 def add_plan(subparsers) -> None:
@@ -56,6 +57,14 @@ def add_plan(subparsers) -> None:
     parser.add_argument("--expert-imbalance", type=positive_float, default=1.0,
                         help="MoE: the busiest rank's routed (token, expert) pairs over the "
                              "mean, as a real batch routes them (1: even)")
+    parser.add_argument("--reference", choices=REFERENCE_MODES, default="none",
+                        help="a preference trainer's reference forwards (TRL's DPO, KTO): "
+                             "'before' (one pass before training), 'per_step' (every "
+                             "micro-batch, the policy's adapters off), 'replica' (every "
+                             "micro-batch, a second model's frozen replica on each rank)")
+    parser.add_argument("--epochs", type=positive_float, default=1.0,
+                        help="epochs trained (the pass before training is charged per step "
+                             "over them)")
     parser.add_argument("--dry-runs", type=positive_int, default=5,
                         help="online: candidates to run")
     parser.add_argument("--dry-run-steps", type=positive_int, default=3)
@@ -88,6 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
     from merak.strategy.cluster import GIB
     from merak.strategy.costs import analytic_costs
     from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES
+    from merak.strategy.reference import ReferenceCosts
     from merak.strategy.search import (
         context_parallel_degrees,
         search,
@@ -111,7 +121,8 @@ def _plan(args: argparse.Namespace) -> int:
         plan = search(shape, costs, described, args.global_batch, args.seq_len, memory,
                       args.parallel_vocab, sequence_parallel=sequence_parallel,
                       context_parallel=degrees, recompute_choices=(*RECOMPUTE_CHOICES, BLOCK),
-                      expert_parallel=experts, imbalance=args.expert_imbalance)
+                      expert_parallel=experts, imbalance=args.expert_imbalance,
+                      reference=ReferenceCosts(args.reference, args.epochs))
         moe = (f" ({shape.experts} experts of {shape.expert_params * shape.layers / 1e9:.2f} B "
                f"per block set, {shape.experts_per_token} per token)" if shape.experts else "")
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters{moe} on "

@@ -19,7 +19,8 @@ from merak.inputs import (
     positive_int,
 )
 from merak.schedule.actions import ActionKind, Schedule
-from merak.schedule.registry import SCHEDULES, make_schedule
+from merak.schedule.reference import PER_STEP_MODES, REFERENCE_MODES
+from merak.schedule.registry import SCHEDULES, make_schedule, placement_of, reference_pass
 from merak.schedule.simulate_cli import MAX_BLOCKS
 from merak.schedule.validate import validate_schedule
 
@@ -55,6 +56,12 @@ def add_energy(subparsers) -> None:
                       help="the job checkpoints activations (activation_checkpointing; needed by "
                            "the schedules that reorder recomputation): every stage, or one 0/1 "
                            "flag per stage, comma-separated (stages x interleave values)")
+    plan.add_argument("--reference", choices=REFERENCE_MODES, default="none",
+                      help="a preference trainer's reference forwards (TRL's DPO, KTO), "
+                           "reference_forward instructions with clocks of their own: "
+                           "'per_step' / 'replica' run one before each forward of the step; "
+                           "'before' plans the forward-only pass before training over one "
+                           "step's micro-batches instead of the step")
     plan.add_argument("--programs", metavar="FILE", default=None,
                       help="the schedule itself, as JSON (what `merak simulate --programs` "
                            "prints; energy_mode='auto' hands its planner the interpreter's "
@@ -153,8 +160,13 @@ def _schedule(args: argparse.Namespace):
                * args.interleave, MAX_BLOCKS, "plan fewer stages or micro-batches")
     try:
         recompute = recompute_flags(args.recompute)
+        if args.reference == "before":  # the pass before training, placed as the step's
+            placement = placement_of(args.schedule, args.stages, args.interleave)
+            return reference_pass(args.stages, args.microbatches,
+                                  stages_per_rank=args.interleave, placement=placement), False
         return make_schedule(args.schedule, args.stages, args.microbatches,
-                             stages_per_rank=args.interleave, recompute=recompute), recompute
+                             stages_per_rank=args.interleave, recompute=recompute,
+                             reference=args.reference in PER_STEP_MODES), recompute
     except ValueError as error:
         raise InputError(str(error)) from None
 

@@ -43,6 +43,11 @@ def training_schedule(spec: str | Schedule, split: PipelineSplit, pp: int,
         raise ValueError(f"the schedule places the stages on ranks {list(schedule.placement)}, "
                          f"the stages were built for {list(placement)}")
     validate_schedule(schedule)
+    if any(a.kind is ActionKind.REFERENCE_FORWARD for p in schedule.programs for a in p):
+        raise ValueError("the schedule runs a reference model's forwards in the step "
+                         "(reference_forward, merak.schedule.reference): the planners count "
+                         "them, the interpreter does not run them yet; DPO's and KTO's "
+                         "references run in a pass before training (MerakTrainer)")
     for s in range(split.num_stages):
         if not any(a.kind is ActionKind.RECOMPUTE for a in schedule.stage_actions(s)):
             segments[s] = []  # the schedule keeps this stage's activations

@@ -36,6 +36,9 @@ class ActionKind(str, enum.Enum):
     REDUCE_TIED_GRADS = "reduce_tied_grads"    # sum grads of weights tied across ranks
     REDUCE_GRADS = "reduce_grads"              # data-parallel gradient all-reduce
     OPTIMIZER_STEP = "optimizer_step"
+    # the reference model's forward of a micro-batch (TRL's DPO, KTO): no gradients, nothing
+    # kept for a backward (`merak.schedule.reference`)
+    REFERENCE_FORWARD = "reference_forward"
 
     def __str__(self) -> str:
         return self.value
@@ -43,7 +46,7 @@ class ActionKind(str, enum.Enum):
 
 K = ActionKind
 BACKWARD_KINDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
-COMPUTE_KINDS = frozenset({K.FORWARD, K.RECOMPUTE}) | BACKWARD_KINDS
+COMPUTE_KINDS = frozenset({K.FORWARD, K.RECOMPUTE, K.REFERENCE_FORWARD}) | BACKWARD_KINDS
 SEND_KINDS = frozenset({K.SEND_ACT, K.SEND_GRAD})
 RECV_KINDS = frozenset({K.RECV_ACT, K.RECV_GRAD})
 P2P_KINDS = SEND_KINDS | RECV_KINDS

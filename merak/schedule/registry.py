@@ -20,6 +20,7 @@ al., ICLR 2024); `interleaved_1f1b` is Megatron-LM's, for any number of micro-ba
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from merak.schedule.actions import (
     v_shape,
 )
 from merak.schedule.lowering import lower
+from merak.schedule.reference import with_reference
 
 K = ActionKind
 Recompute = bool | Sequence[bool]
@@ -133,7 +135,8 @@ def recompute_flags(recompute: Recompute, num_stages: int) -> list[bool]:
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
                   stages_per_rank: int = 1, recompute: Recompute = False,
-                  edges: Iterable[Edge] | None = None, **options) -> Schedule:
+                  edges: Iterable[Edge] | None = None, reference: bool = False,
+                  **options) -> Schedule:
     """The programs of schedule `name` on `num_stages` pipeline ranks.
 
     Args:
@@ -141,6 +144,9 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
         recompute: which stages recompute activations (True: all; or one flag per stage, of
             ``num_stages * stages_per_rank``).
         edges: activation edges between stages; default the chain.
+        reference: a reference model's forward of each micro-batch on every stage before the
+            policy's (`merak.schedule.reference.with_reference`: DPO's and KTO's reference run
+            in every step).
         options: the generator's own (`interleaved_1f1b`: ``group_size``).
 
     Raises:
@@ -164,8 +170,9 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, *,
     edges = chain_edges(total) if edges is None else frozenset(edges)
     order = info.generator(num_stages, num_microbatches, stages_per_rank, flags, **options)
     placement = info.placement(num_stages, stages_per_rank)
-    return Schedule(name, num_stages, stages_per_rank, num_microbatches,
-                    lower(order, placement, edges, step_tail()), edges, placement)
+    schedule = Schedule(name, num_stages, stages_per_rank, num_microbatches,
+                        lower(order, placement, edges, step_tail()), edges, placement)
+    return with_reference(schedule) if reference else schedule
 
 
 def forward_schedule(num_stages: int, num_microbatches: int, *, stages_per_rank: int = 1,
@@ -183,3 +190,17 @@ def forward_schedule(num_stages: int, num_microbatches: int, *, stages_per_rank:
     return Schedule("forward", num_stages, stages_per_rank, num_microbatches,
                     lower(order, placement, edges, single_transfers=single_transfers), edges,
                     placement)
+
+
+def reference_pass(num_stages: int, num_microbatches: int, *, stages_per_rank: int = 1,
+                   placement: Placement | None = None) -> Schedule:
+    """The reference's pass before training over one step's micro-batches
+    (`merak.schedule.reference`): a forward-only schedule whose forwards are
+    ``reference_forward`` instructions, the stages placed as the training schedule places them
+    (`placement`)."""
+    forward = forward_schedule(num_stages, num_microbatches, stages_per_rank=stages_per_rank,
+                               placement=placement)
+    programs = tuple(tuple(dataclasses.replace(a, kind=K.REFERENCE_FORWARD)
+                           if a.kind is K.FORWARD else a for a in program)
+                     for program in forward.programs)
+    return dataclasses.replace(forward, name="reference", programs=programs)

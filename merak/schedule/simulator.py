@@ -44,6 +44,8 @@ class CostModel:
             (`backward_input` takes the rest); default half the backward.
         p2p: time from both sides of a transfer being posted to its completion.
         step: time of each per-step action (grad reductions, optimizer step).
+        reference: time of a reference model's forward of one micro-batch
+            (``reference_forward``, `merak.schedule.reference`); default the forward time.
     """
 
     forward: float | Sequence[float] = 1.0
@@ -52,6 +54,7 @@ class CostModel:
     step: float = 0.0
     recompute: float | Sequence[float] | None = None
     weight_grad: float | Sequence[float] | None = None
+    reference: float | Sequence[float] | None = None
 
     def duration(self, rank: int, action: Action) -> float:
         """Time of `action` on `rank` for a rank holding its whole share in one stage."""
@@ -60,6 +63,8 @@ class CostModel:
             return per_rank(self.forward, rank)
         if kind is K.BACKWARD:
             return per_rank(self.backward, rank)
+        if kind is K.REFERENCE_FORWARD:
+            return per_rank(self.forward if self.reference is None else self.reference, rank)
         if kind is K.RECOMPUTE:
             return per_rank(self.forward if self.recompute is None else self.recompute, rank)
         if kind in (K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):

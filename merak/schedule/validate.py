@@ -49,14 +49,22 @@ def _check_stage_order(schedule: Schedule, stage_id: int, training: bool) -> Non
         position[key] = index
         if action.microbatch_id is None or not 0 <= action.microbatch_id < m:
             raise ScheduleError(f"stage {stage_id}: {action} names no micro-batch in 0..{m - 1}")
+    # a forward-only pass of the reference model runs reference_forward in place of forward
+    # (`merak.schedule.registry.reference_pass`); a training step may run one before each
+    # forward (`merak.schedule.reference.with_reference`)
+    forward = K.FORWARD if training or any(a.kind is K.FORWARD for a in actions) \
+        else K.REFERENCE_FORWARD
+    reference = forward is K.FORWARD and any(a.kind is K.REFERENCE_FORWARD for a in actions)
     split = any(a.kind is K.BACKWARD_INPUT for a in actions)
     grad = K.BACKWARD_INPUT if split else K.BACKWARD  # the action that makes input gradients
     for mb in range(m):
         def at(kind: ActionKind, peer: int | None = None, *, mb: int = mb) -> int | None:
             return position.get((kind, mb, peer))  # mb bound now: called in this iteration only
 
-        required = [(K.LOAD, None), (K.FORWARD, None)] + [(K.RECV_ACT, u) for u in upstream] \
+        required = [(K.LOAD, None), (forward, None)] + [(K.RECV_ACT, u) for u in upstream] \
             + [(K.SEND_ACT, d) for d in downstream]
+        if reference:
+            required.append((K.REFERENCE_FORWARD, None))
         if training:
             required += [(K.BACKWARD_INPUT, None), (K.BACKWARD_WEIGHT, None)] if split \
                 else [(K.BACKWARD, None)]
@@ -70,12 +78,16 @@ def _check_stage_order(schedule: Schedule, stage_id: int, training: bool) -> Non
         if split and at(K.BACKWARD) is not None:
             raise ScheduleError(f"stage {stage_id}: micro-batch {mb} has both backward and "
                                 f"backward_input; a stage splits every backward or none")
-        before = [(K.LOAD, None, K.FORWARD, None), (K.FORWARD, None, K.RECOMPUTE, None),
+        before = [(K.LOAD, None, forward, None), (K.FORWARD, None, K.RECOMPUTE, None),
                   (K.RECOMPUTE, None, grad, None), (K.FORWARD, None, grad, None),
                   (K.BACKWARD_INPUT, None, K.BACKWARD_WEIGHT, None)]
-        before += [(K.RECV_ACT, u, K.FORWARD, None) for u in upstream]
+        before += [(K.RECV_ACT, u, forward, None) for u in upstream]
         before += [(grad, None, K.SEND_GRAD, u) for u in upstream]
-        before += [(K.FORWARD, None, K.SEND_ACT, d) for d in downstream]
+        before += [(forward, None, K.SEND_ACT, d) for d in downstream]
+        if reference:  # both models' activations arrive and leave in the same messages
+            before += [(K.LOAD, None, K.REFERENCE_FORWARD, None),
+                       (K.REFERENCE_FORWARD, None, K.FORWARD, None)]
+            before += [(K.RECV_ACT, u, K.REFERENCE_FORWARD, None) for u in upstream]
         before += [(K.RECV_GRAD, d, grad, None) for d in downstream]
         for first, p1, then, p2 in before:
             a, b = at(first, p1), at(then, p2)

@@ -27,6 +27,7 @@ from merak.schedule.registry import make_schedule, placement_of
 from merak.schedule.simulator import CostModel, MemoryModel, simulate
 from merak.strategy.cluster import Cluster
 from merak.strategy.costs import BlockCosts, stage_blocks, state_bytes
+from merak.strategy.reference import ReferenceCosts
 from merak.strategy.shape import ModelShape
 
 RECOMPUTE_CHOICES = ("off", "full", "budget")
@@ -79,6 +80,7 @@ class Prediction:
     recompute_ratios: list[float] = field(default_factory=list)  # per stage
     pipeline_s: float = 0.0  # the simulated schedule, without the tail
     tail_s: float = 0.0
+    reference_s: float = 0.0  # the pass before training over one step's rows (in step_s / epochs)
     error: str | None = None  # why the candidate cannot run
 
     @property
@@ -99,12 +101,15 @@ class Predictor:
             ``parallel_vocab``); otherwise every TP rank holds and runs them whole.
         imbalance: under expert parallelism, the busiest rank's routed pairs over the mean
             (1: an even routing); the other ranks wait for it in every MoE block.
+        reference: a preference trainer's reference forwards (`ReferenceCosts`: where they
+            run, `merak.schedule.reference`); default none.
     """
 
     def __init__(self, shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                  memory_bytes: float | None = None, parallel_vocab: bool = False,
-                 imbalance: float = 1.0):
+                 imbalance: float = 1.0, reference: ReferenceCosts | None = None):
         self.shape, self.costs, self.cluster = shape, costs, cluster
+        self.reference = reference or ReferenceCosts()
         self.imbalance = imbalance
         self.memory_bytes = memory_bytes or cluster.memory_bytes
         self.parallel_vocab = parallel_vocab
@@ -224,9 +229,10 @@ class Predictor:
                 backward[rank] += cost.head_backward_s / vocab_tp
         p2p = cl.p2p_s(message, c.pp, c.replicas * c.tp)
         # the simulator charges each stage of a rank 1/v of the rank's figure
+        # a reference forward runs the stage's blocks and head as the forward does
         return CostModel(forward=forward, backward=backward, p2p=p2p,
                          recompute=[r if r > 0 else f for r, f in zip(recompute, forward)],
-                         weight_grad=[b / 2 for b in backward])
+                         weight_grad=[b / 2 for b in backward], reference=tuple(forward))
 
     def _kept(self, c: Candidate, cost: BlockCosts, counts: list[int]) -> list[KeptBytes]:
         """Per stage, what one micro-batch's forward keeps with k blocks recomputed (under
@@ -266,6 +272,8 @@ class Predictor:
             experts = counts[s] * self._block_experts(c)
             states[placement[s]] += state_bytes(p - experts, c.zero, c.replicas, largest) \
                 + state_bytes(experts, c.zero, c.replicas // c.ep, largest)
+        states = [a + b for a, b in zip(states, self.reference.replica_bytes(params, placement,
+                                                                             c.pp))]
         if max(states) > self.memory_bytes:  # no activation can fit: nothing to replay
             rank = states.index(max(states))
             result.peak_bytes = max(states)
@@ -286,7 +294,10 @@ class Predictor:
         result.peak_bytes = max(peaks)
         result.pipeline_s = makespan
         result.tail_s = self._tail(c, params, cost, counts)
-        result.step_s = result.pipeline_s + result.tail_s
+        result.reference_s = self.reference.before_training_s(
+            c, self._times(c, cost, counts, [0] * len(counts)), placement)
+        result.step_s = result.pipeline_s + result.tail_s \
+            + result.reference_s / self.reference.epochs
         if result.peak_bytes > self.memory_bytes:
             rank = peaks.index(result.peak_bytes)
             result.error = (f"pipeline rank {rank} needs {result.peak_bytes / 2**30:.2f} GiB "
@@ -320,7 +331,8 @@ class Predictor:
             if shape not in self._schedules:
                 self._schedules[shape] = make_schedule(c.schedule, c.pp, m,
                                                        stages_per_rank=c.chunks,
-                                                       recompute=list(flags))
+                                                       recompute=list(flags),
+                                                       reference=self.reference.per_step)
             simulated = simulate(self._schedules[shape], costs, memory)
             return simulated.makespan, list(simulated.peak_memory)
 

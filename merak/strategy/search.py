@@ -19,6 +19,7 @@ from merak.schedule.registry import SCHEDULES
 from merak.strategy.cluster import Cluster
 from merak.strategy.costs import BlockCosts
 from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
+from merak.strategy.reference import ReferenceCosts
 from merak.strategy.shape import ModelShape
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -199,7 +200,7 @@ class StrategyPlan:
 def _prediction_json(p: Prediction) -> dict:
     return {**asdict(p.candidate), "label": p.candidate.label, "step_s": p.step_s,
             "peak_bytes": p.peak_bytes, "pipeline_s": p.pipeline_s, "tail_s": p.tail_s,
-            "recompute_ratios": p.recompute_ratios}
+            "reference_s": p.reference_s, "recompute_ratios": p.recompute_ratios}
 
 
 def read_strategy_plan(path: str | Path) -> tuple[Candidate, list[float] | None, int | None]:
@@ -214,9 +215,10 @@ def read_strategy_plan(path: str | Path) -> tuple[Candidate, list[float] | None,
 
 def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
            global_batch: int, seq: int, memory_bytes: float | None = None,
-           parallel_vocab: bool = False, imbalance: float = 1.0, **options) -> StrategyPlan:
+           parallel_vocab: bool = False, imbalance: float = 1.0,
+           reference: ReferenceCosts | None = None, **options) -> StrategyPlan:
     """Predict every candidate (`candidates`' keyword options) and rank them (`parallel_vocab`,
-    `imbalance`: see `Predictor`).
+    `imbalance`, `reference`: see `Predictor`).
 
     Raises:
         ValueError: the global batch is not a positive multiple of some dp degree, no layout
@@ -233,7 +235,8 @@ def search(shape: ModelShape, costs: dict[int, BlockCosts], cluster: Cluster,
                          f"{shape.name}: tp must divide {shape.heads} heads and "
                          f"{shape.kv_heads} key-value heads, pp at most {shape.layers} blocks")
     sizes = [m for m in options.pop("micro_batch_sizes", MICRO_BATCH_SIZES) if m in costs]
-    predictor = Predictor(shape, costs, cluster, memory_bytes, parallel_vocab, imbalance)
+    predictor = Predictor(shape, costs, cluster, memory_bytes, parallel_vocab, imbalance,
+                          reference)
     ranked, dropped = [], []
     done: dict[tuple, Prediction] = {}
     for candidate in candidates(shape, cluster.world_size, global_batch, seq, sizes, **options):

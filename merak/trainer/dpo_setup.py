@@ -47,20 +47,36 @@ def weightless_hash(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def dpo_init(trainer_class: type, model: nn.Module | None, args):
-    """Inside a DPOTrainer's or KTOTrainer's ``__init__``: a meta `model` is hashed with
-    `weightless_hash`; without ``precompute_ref_log_probs`` no reference copy of the model is
-    loaded (see `reference_before_training`). Other trainers are untouched."""
+def dpo_init(trainer_class: type, model: nn.Module | None, args,
+             reference: nn.Module | None = None):
+    """Inside a DPOTrainer's or KTOTrainer's ``__init__``: a meta `model` (or meta explicit
+    `reference`, its ``ref_model``) is hashed with `weightless_hash`; a meta `reference` stays
+    where it is (accelerate would move it to the device whole: its replica's shards are loaded
+    per rank, `merak.trainer.reference_replica`); without ``precompute_ref_log_probs`` no
+    reference copy of the model is loaded (see `reference_before_training`). Other trainers are
+    untouched."""
     module = reference_trainer(trainer_class)
     if module is None:
         yield
         return
     trainer_module = importlib.import_module(module)  # (trl: only where such a trainer is made)
 
+    def is_meta(m: nn.Module | None) -> bool:
+        return m is not None and any(p.is_meta for p in m.parameters())
+
     with contextlib.ExitStack() as stack:
-        if model is not None and any(p.is_meta for p in model.parameters()):
+        if is_meta(model) or is_meta(reference):
             stack.enter_context(mock.patch.object(trainer_module, "hash_module",
                                                   weightless_hash))
+        if is_meta(reference):
+            from accelerate import Accelerator
+
+            prepare = Accelerator.prepare_model
+
+            def prepare_model(accelerator, m, *a, **kw):
+                return m if m is reference else prepare(accelerator, m, *a, **kw)
+
+            stack.enter_context(mock.patch.object(Accelerator, "prepare_model", prepare_model))
         if not args.precompute_ref_log_probs:
             stack.enter_context(mock.patch.object(trainer_module, "create_model_from_path",
                                                   _no_reference_copy))
@@ -83,7 +99,9 @@ def reference_before_training(trainer) -> None:
     args = trainer.args
     if reference_trainer(type(trainer)) is None or args.precompute_ref_log_probs:
         return
-    trainer.precompute_ref_logps = True
+    trainer.precompute_ref_logps = True  # (TRL's loss reads the values from the batch)
+    if getattr(args, "sync_ref_model", False):  # the replica runs in every step instead
+        return  # (merak.trainer.reference_sync)
     trainer._precompute_ref_logps(trainer.train_dataset, "train", args.precompute_ref_batch_size
                                   or args.per_device_train_batch_size)
     evaluation = trainer.eval_dataset

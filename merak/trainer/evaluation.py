@@ -10,10 +10,12 @@ with `batch_eval_metrics` on each step's global batch (`compute_result` on the l
 `include_for_metrics`: "inputs" adds the model's main input, "loss" each row's loss (that of its
 micro-batch; HF repeats each batch's loss over its rows the same way).
 
-TRL's DPOTrainer and KTOTrainer evaluate their ``eval_dataset`` with each micro-batch collated
-on its own items, as in training (their collators make two rows of an item, or join KL rows),
-on sets that fill whole steps; the sets' reference log-probabilities come from the pass before
-training (`merak.trainer.reference_logps`). TRL's ``log`` then sees the stage in eval mode, as
+TRL's DPOTrainer, KTOTrainer and RewardTrainer evaluate with each micro-batch collated on its
+own items, as in training (their collators make two rows of an item, a chosen and a rejected
+one, or join KL rows), on sets that fill whole steps; DPO's and KTO's sets are their
+``eval_dataset``, whose reference log-probabilities come from the pass before training
+(`merak.trainer.reference_logps`); RewardTrainer also evaluates a set given to ``evaluate``,
+tokenized as TRL's own ``evaluate`` does. TRL's ``log`` then sees the stage in eval mode, as
 after HF's evaluation loop, and takes the metrics kept for evaluation.
 """
 
@@ -36,7 +38,7 @@ from merak.distributed import liveness
 from merak.distributed.host_objects import broadcast_object
 from merak.trainer.arguments import NotSupportedYetError
 from merak.trainer.data import EvalBatches, check_eval_dataset, check_whole_steps
-from merak.trainer.subclasses import is_dpo, is_kto
+from merak.trainer.subclasses import is_dpo, is_kto, is_reward
 
 
 class EvaluationMixin:
@@ -70,10 +72,15 @@ class EvaluationMixin:
         predictions = predictions or (self.compute_metrics is not None
                                       and not args.prediction_loss_only)
         self._check_predictions(predictions)
-        # TRL DPO's collator makes two rows of an item, KTO's joins its KL rows
-        # (joined_rows.py): each micro-batch collated on its own, as in training
-        per_microbatch = is_dpo(type(self)) or is_kto(type(self))
+        # TRL DPO's and RewardTrainer's collators make two rows of an item (a chosen and a
+        # rejected one), KTO's joins its KL rows (joined_rows.py): each micro-batch collated
+        # on its own items, as in training, so no pair is parted
+        reward = is_reward(type(self))
+        per_microbatch = is_dpo(type(self)) or is_kto(type(self)) or reward
         given = per_microbatch and dataset is not self.eval_dataset
+        if reward and given:  # tokenized as TRL's RewardTrainer.evaluate does (no reference)
+            dataset = self._prepare_dataset(dataset, self.processing_class, args, prefix)
+            given = False
         mbs = self._train_batch_size  # the micro-batch the pipeline is built for
         m = -(-args.per_device_eval_batch_size // mbs)
         if per_microbatch:
@@ -81,8 +88,8 @@ class EvaluationMixin:
             check_whole_steps(len(dataset), mbs, m, ctx.dp,
                               f"the evaluation set of {type(self).__name__}")
         self._assemble(self._example(dataset, min(mbs, len(dataset))))
-        if per_microbatch and not given:  # with its reference log-probabilities, once computed
-            dataset = self.eval_dataset
+        if per_microbatch and not given and not reward:  # with its reference
+            dataset = self.eval_dataset  # log-probabilities, once computed
         data = EvalBatches(dataset, self._collate, micro_batch_size=mbs, num_microbatches=m,
                            dp=ctx.dp, dp_rank=ctx.dp_rank,
                            reads_data=bool(self.engine.interpreter.batch_keys),
@@ -208,16 +215,17 @@ def _eval_mode(model):
 
 
 def check_dpo_evaluation(trainer, given: bool, predictions: bool) -> None:
-    """What of a DPOTrainer's or KTOTrainer's evaluation a pipeline cannot run yet, refused by
-    name before the first step: predictions (``predict``, ``compute_metrics``: their results
-    are the loss and TRL's metrics), and a set other than the ``eval_dataset`` it was given
-    (TRL tokenizes those and computes their reference in its ``__init__``)."""
+    """What of a DPOTrainer's, KTOTrainer's or RewardTrainer's evaluation a pipeline cannot run
+    yet, refused by name before the first step: predictions (``predict``, ``compute_metrics``:
+    their results are the loss and TRL's metrics), and (DPO, KTO) a set other than the
+    ``eval_dataset`` it was given (TRL tokenizes those and computes their reference in its
+    ``__init__``)."""
     name = type(trainer).__name__
     if predictions:
         raise NotSupportedYetError(
             f"{name}: predict() and compute_metrics through the pipeline: TRL's preference "
-            f"collator makes two rows of an item (DPO) or joins its KL rows (KTO), and the "
-            f"logits would need pairing; evaluate() gives TRL's loss and metrics")
+            f"collator makes two rows of an item (DPO, reward) or joins its KL rows (KTO), and "
+            f"the logits would need pairing; evaluate() gives TRL's loss and metrics")
     if given:
         raise NotSupportedYetError(
             f"{name}.evaluate(dataset) on a set it was not given as eval_dataset: TRL tokenizes "

@@ -25,12 +25,16 @@ later is refused by name (`merak.trainer.evaluation`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 
 import numpy as np
 
 from merak import lora
 from merak.distributed.host_objects import all_gather_objects
+from merak.trainer.reference_replica import build_replica, explicit_reference
+from merak.trainer.reference_sync import COLUMNS as SYNC_COLUMNS
+from merak.trainer.reference_sync import SyncedReference
 from merak.trainer.subclasses import is_kto
 from merak.trainer.user_model import user_model
 
@@ -53,17 +57,43 @@ class ReferenceLogpsMixin:
         """After the pipeline is built: the noted passes, if any; whether one ran. Their values
         become the datasets' columns TRL's loss reads: DPO's ``ref_chosen_logps`` and
         ``ref_rejected_logps``, KTO's ``ref_logps`` and (with its KL term) ``ref_KL_logps``."""
+        if getattr(self.args, "sync_ref_model", False):  # the reference in every step
+            self._start_synced_reference()
         pending, self._pending_reference = self._pending_reference or {}, None
         columns = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
             else ("ref_chosen_logps", "ref_rejected_logps")
-        for name, batch_size in pending.items():
-            dataset = self._reference_dataset(name)
-            for column, values in zip(columns, self._reference_logps(dataset, batch_size),
-                                      strict=True):
-                if values is not None:  # (KTO without its KL term computes none)
-                    dataset = dataset.add_column(column, values)
-            self._reference_dataset(name, dataset)
+        reference = explicit_reference(self) if pending else None
+        # an explicit ref_model: its frozen replica, split as the policy, for this pass only
+        engine = self.engine if reference is None else build_replica(self, reference)
+        try:
+            for name, batch_size in pending.items():
+                dataset = self._reference_dataset(name)
+                for column, values in zip(columns, self._reference_logps(dataset, batch_size,
+                                                                         engine),
+                                          strict=True):
+                    if values is not None:  # (KTO without its KL term computes none)
+                        dataset = dataset.add_column(column, values)
+                self._reference_dataset(name, dataset)
+        finally:
+            del engine
+            gc.collect()
         return bool(pending)
+
+    def _start_synced_reference(self) -> None:
+        """``sync_ref_model``: the explicit reference's replica kept through training
+        (`merak.trainer.reference_sync`); the last stage reads its values from each micro-batch,
+        and TRL's own sync callback (over the whole models) makes way for the replica's."""
+        from trl.trainer.callbacks import SyncRefModelCallback  # (trl: this is its trainer)
+
+        if self._synced_reference is not None:  # (a rebuilt engine: a replica of its own)
+            self.callback_handler.remove_callback(self._synced_reference)
+        synced = SyncedReference(self, build_replica(self, explicit_reference(self)))
+        self._synced_reference = synced
+        self.callback_handler.remove_callback(SyncRefModelCallback)
+        self.callback_handler.add_callback(synced)
+        stage_loss = self.loss_choice.stage_loss
+        stage_loss.input_names = list(dict.fromkeys([*stage_loss.input_names, *SYNC_COLUMNS]))
+        self.engine.interpreter.attach_loss(stage_loss)
 
     def _reference_dataset(self, name: str, dataset=None):
         """The dataset TRL named `name` (the training set, the evaluation set, or one of a dict
@@ -80,15 +110,17 @@ class ReferenceLogpsMixin:
             self.eval_dataset = {**self.eval_dataset, name: dataset}
         return self.eval_dataset[name]
 
-    def _reference_logps(self, dataset, batch_size: int) -> list[np.ndarray | None]:
+    def _reference_logps(self, dataset, batch_size: int, engine) -> list[np.ndarray | None]:
         """Every row's reference log-probabilities, on every rank: one array per value TRL's
-        ``compute_ref_log_probs`` returns (None where it returned None)."""
-        ctx, m = self.ctx, self.engine.interpreter.num_microbatches
+        ``compute_ref_log_probs`` returns (None where it returned None), from `engine`'s
+        stage (the policy's, or an explicit reference's replica)."""
+        ctx, m = self.ctx, engine.interpreter.num_microbatches
         rows, local = len(dataset), batch_size * m
         steps = math.ceil(rows / (local * ctx.dp))
         mine: list[int] = []
 
-        adapted = any(lora.is_lora_layer(m) for m in self.stage.modules())
+        adapted = engine is self.engine and any(lora.is_lora_layer(m)
+                                                for m in self.stage.modules())
         with contextlib.ExitStack() as stack:
             # LoRA: the reference is the model with its adapters off, on every stage
             adapters_off = stack.enter_context(lora.adapters_disabled(self.stage)) \
@@ -112,8 +144,8 @@ class ReferenceLogpsMixin:
                     # rows past the end: copies of row 0 whose results are dropped
                     microbatches.append(self._collate([dataset[i if i < rows else 0]
                                                        for i in index]))
-                self.engine.interpreter.eval_step(microbatches, num_microbatches=m)
-        last = ctx.pp_rank == self.engine.interpreter.placement[-1] and ctx.tp_rank == 0
+                engine.interpreter.eval_step(microbatches, num_microbatches=m)
+        last = ctx.pp_rank == engine.interpreter.placement[-1] and ctx.tp_rank == 0
         payload = (mine, results) if last else None
         columns: list[np.ndarray | None] | None = None
         for part in all_gather_objects(payload, group=ctx.host_group()):

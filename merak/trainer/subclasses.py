@@ -6,8 +6,7 @@ MerakTrainer runs a whole optimizer step as one pipeline schedule over every mic
 stage, once per micro-batch (`merak.trainer.subclass_loss`). HF's per-micro-batch
 ``training_step`` never runs, so a subclass overriding it is refused by name, unless the
 override is known to only wrap HF's step in a context that is off (`BYPASSED`). What of TRL's
-DPOTrainer, KTOTrainer and RewardTrainer a pipeline cannot run yet is refused by name
-(`check_dpo`, `check_reward`).
+DPOTrainer and KTOTrainer a pipeline cannot run yet is refused by name (`check_dpo`).
 """
 
 from __future__ import annotations
@@ -92,19 +91,11 @@ def _derives(cls: type, which: tuple[str, str]) -> bool:
     return any((k.__module__, k.__qualname__) == which for k in cls.__mro__)
 
 
-def check_reward(cls: type, keywords: dict) -> None:
-    """TRL's RewardTrainer with an evaluation set, refused by name before anything is built:
-    its collator puts each example's chosen and rejected rows in one batch (twice the
-    examples' rows), and MerakTrainer's evaluation collates a whole evaluation step and cuts it
-    into micro-batches by row, which would part a pair. Training collates each micro-batch on
-    its own, so it runs."""
-    if _derives(cls, _REWARD) and keywords.get("eval_dataset") is not None:
-        raise NotSupportedYetError(
-            f"{cls.__name__} with an eval_dataset: RewardTrainer's collator puts each "
-            f"example's chosen and rejected rows in one batch, and MerakTrainer's evaluation "
-            f"collates a whole evaluation step and cuts it into micro-batches by row, which "
-            f"would part a pair; train without an eval_dataset (training collates each "
-            f"micro-batch on its own)")
+def is_reward(cls: type) -> bool:
+    """Whether `cls` is (a subclass of) TRL's RewardTrainer, whose collator puts each
+    example's chosen and rejected rows in one batch: its evaluation collates each
+    micro-batch on its own items (`merak.trainer.evaluation`), so no pair is parted."""
+    return _derives(cls, _REWARD)
 
 
 def is_kto(cls: type) -> bool:
@@ -119,17 +110,22 @@ def check_dpo(cls: type, args, model, keywords: dict) -> None:
     if not (is_dpo(cls) or is_kto(cls)):
         return
     name = cls.__name__
-    if keywords.get("ref_model") is not None:
+    if is_kto(cls) and keywords.get("ref_model") is not None:
         raise NotSupportedYetError(
-            f"{name} was given a ref_model: a second model would need its own pipeline, built "
-            f"and sharded like the policy, which MerakTrainer does not build yet; leave "
+            f"{name} was given a ref_model: MerakTrainer runs an explicit reference's replica "
+            f"for DPOTrainer, and has not checked KTO's (its KL rows) against TRL yet; leave "
             f"ref_model out (the reference is then the initial policy, run through the "
             f"pipeline before training)")
-    if getattr(args, "sync_ref_model", False):
+    if getattr(args, "sync_ref_model", False) and keywords.get("ref_model") is None:
         raise NotSupportedYetError(
-            f"{name} with sync_ref_model=True: the reference then follows the policy during "
-            f"training, and MerakTrainer computes it once, through the pipeline, before the "
-            f"first step; leave sync_ref_model off")
+            f"{name} with sync_ref_model=True and no ref_model: MerakTrainer keeps a replica of "
+            f"an explicit reference in every step; give ref_model (e.g. the policy's checkpoint "
+            f"loaded with from_pretrained inside merak.init_empty_weights())")
+    if getattr(args, "sync_ref_model", False) and keywords.get("eval_dataset") is not None:
+        raise NotSupportedYetError(
+            f"{name} with sync_ref_model=True and an eval_dataset: the evaluation set's "
+            f"reference would follow the policy too, and MerakTrainer computes it once before "
+            f"training; evaluate without sync_ref_model")
     if hasattr(model, "peft_config") or getattr(args, "lora_config", None) is not None:
         raise NotSupportedYetError(
             f"{name} on a model that already carries adapters (a PeftModel, or "

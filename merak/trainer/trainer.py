@@ -55,7 +55,6 @@ from merak.trainer.reference_logps import ReferenceLogpsMixin
 from merak.trainer.subclasses import (
     check_dpo,
     check_overrides,
-    check_reward,
     trainer_keywords,
 )
 from merak.trainer.text_generation import TextGenerationMixin
@@ -76,6 +75,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
     """
 
     _joined_rows = None  # rows of several model calls run as one forward (joined_rows.py)
+    _synced_reference = None  # sync_ref_model's reference replica (reference_sync.py)
 
     def __init__(self, model: nn.Module, args: MerakArguments, *trainer_args,
                  loss_fn: Callable | None = None, leaf_modules: Sequence[str] = (),
@@ -83,8 +83,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if not isinstance(args, MerakArguments):
             raise TypeError(f"MerakTrainer needs MerakArguments, got {type(args).__name__}")
         check_overrides(type(self), args)
-        check_dpo(type(self), args, model, trainer_kwargs)
-        check_reward(type(self), trainer_keywords(trainer_args, trainer_kwargs))
+        check_dpo(type(self), args, model, trainer_keywords(trainer_args, trainer_kwargs))
         self.ctx = get_context()
         if self.ctx.ep > 1:  # (the arguments may predate merak.init(ep=)): before any build
             rules.check(rules.Choices.from_arguments(args, lora=lora.is_peft_model(model)))
@@ -95,7 +94,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         # by name: a Trainer subclass may take other parameters second (DPOTrainer: ref_model);
         # adapters it adds (TRL's peft_config) join the meta model's init record
         # (a DPOTrainer's reference: merak.trainer.dpo_setup)
-        with adapters_join_record(model), dpo_init(type(self), model, args):
+        with adapters_join_record(model), dpo_init(type(self), model, args,
+                                                   trainer_kwargs.get("ref_model")):
             super().__init__(model, args=args, **trainer_keywords(trainer_args, trainer_kwargs))
         reference_before_training(self)
         # KTO's completions and KL completions: rows of one pipeline forward
@@ -166,6 +166,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         self._user_model = model  # holds the TP random stream (model.merak_tp_rng)
         self._enable_context_parallel()  # before the trace: the stages attend across cp
         traced = self._traced_inputs(example)
+        self._traced_example = traced  # (an explicit DPO reference's replica: the same trace)
         loss_fn = self.loss_choice.fn
         if loss_fn is not None:
             model = with_loss(model, loss_fn, list(traced))
@@ -312,6 +313,8 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
                 learning_rate = self.lr_scheduler.get_last_lr()[0]  # the one this step uses
                 if self.energy is not None:
                     self.energy.step_begin(self.state.global_step + 1)
+                if self._synced_reference is not None:  # its values for this step's rows
+                    batch = self._synced_reference.step_values(batch)
                 with self._running_loss():
                     loss = self.engine.interpreter.train_step(self._counted(batch, m, step=True))
                 self._count_input_tokens(batch)

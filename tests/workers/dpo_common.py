@@ -35,6 +35,15 @@ EVALUATED = {
     "dpo-eval-dp1tp2pp2": ((1, 2, 2), False, {}, False),
     "dpo-eval-lora-defaults-dp2tp1pp2": ((2, 1, 2), True, {"precompute_ref_log_probs": False},
                                          False)}
+# an explicit ref_model (a second model: the policy's architecture, other weights, as an SFT'd
+# checkpoint), loaded with from_pretrained inside init_empty_weights: its frozen replica split as
+# the policy's runs the pass before training; with sync_ref_model it runs before every step and
+# follows the policy (mixed after steps 2 and 4). name -> as VARIANTS
+REFERENCED = {
+    "dpo-refmodel-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False}, False),
+    "dpo-sync-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False,
+                                              "sync_ref_model": True, "ref_model_sync_steps": 2,
+                                              "ref_model_mixup_alpha": 0.5}, False)}
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
           "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -76,21 +85,37 @@ def save_policy(directory) -> str:
     return str(directory)
 
 
+def save_reference(directory) -> str:
+    """The explicit reference: the policy's architecture with every weight moved by a seeded
+    0.05 x N(0, 1) (a checkpoint fine-tuned away from the policy's initial weights)."""
+    import torch
+
+    model = sft.model()
+    generator = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(directory)
+    return str(directory)
+
+
 def eval_dataset():
     """EVAL_ROWS held-out preference rows (the sentences after the training rows')."""
     return dataset(first=ROWS, rows=EVAL_ROWS)
 
 
 def single_process(lora: bool = False, pretrained: str | None = None, evaluate: bool = False,
-                   **fields) -> dict:
+                   reference: str | None = None, **fields) -> dict:
     """Plain single-process DPOTrainer on the rows in `reference_order` (with `lora`, LoRA
     adapters through its peft_config; `fields` over FIELDS; the policy loaded from
-    `pretrained`): what it logs (with `evaluate`, and what evaluate() returns after training,
-    under "eval")."""
+    `pretrained`; the ref_model loaded from `reference`): what it logs (with `evaluate`, and
+    what evaluate() returns after training, under "eval")."""
+    import transformers as tf
     import trl
 
     trainer = trl.DPOTrainer(
         model=policy(pretrained), processing_class=sft.tokenizer(),
+        ref_model=tf.AutoModelForCausalLM.from_pretrained(reference) if reference else None,
         train_dataset=dataset(reference_order(2)),
         eval_dataset=eval_dataset() if evaluate else None,
         peft_config=sft.peft_config(LORA_TARGETS) if lora else None,

@@ -47,6 +47,10 @@ REWARD_RUNS = {"reward-dp1pp2": ((1, 1, 2), {}, False),
                "reward-dp2pp1": ((2, 1, 1), {}, False),
                "reward-center-dp2pp2": ((2, 1, 2), {"center_rewards_coefficient": 0.01}, False),
                "reward-margin-tp2pp2": ((1, 2, 2), {}, True)}
+# RewardTrainer runs that also evaluate after training, EVAL_ROWS held-out pairs: evaluate() on
+# its eval_dataset, and evaluate(set) on a set given then (each micro-batch collated on its own
+# pairs, as in training)
+REWARD_EVALUATED = ("reward-margin-tp2pp2",)
 REWARD_LOGGED = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward",
                  "max_reward", "num_tokens")
 
@@ -117,11 +121,12 @@ def logged(log_history: list[dict], keys=("loss", "grad_norm")) -> dict[str, lis
     return {key: [h[key] for h in steps] for key in keys}
 
 
-def preference_rows(n: int = ROWS, margins: bool = False, order: list[int] | None = None):
+def preference_rows(n: int = ROWS, margins: bool = False, order: list[int] | None = None,
+                    seed: int = SEED + 1):
     """TRL's tokenized preference rows (``chosen_ids``, ``rejected_ids``, ``margin``)."""
     import datasets
 
-    g = torch.Generator().manual_seed(SEED + 1)
+    g = torch.Generator().manual_seed(seed)
     made = {"chosen_ids": [], "rejected_ids": [], "margin": []}
     for _ in range(n):
         made["chosen_ids"].append(_ids(g))
@@ -169,15 +174,27 @@ def train_and_evaluate(trainer_cls, args_cls, run: str, model_=None, output_dir:
 
 def train_reward(trainer_cls, args_cls, run: str, model_=None, output_dir: str = "out") -> dict:
     """One run of REWARD_RUNS with TRL's RewardTrainer (or MerakTrainer mixed with it): what it
-    logged per step (`REWARD_LOGGED`)."""
+    logged per step (`REWARD_LOGGED`); for REWARD_EVALUATED, also what ``evaluate()`` returns
+    after training ("eval": loss and TRL's metrics) and the loss of ``evaluate(set)`` on the
+    same pairs given then ("given_loss")."""
     (dp, _, _), fields, margins = REWARD_RUNS[run]
     single = model_ is None
+    evaluated = run in REWARD_EVALUATED
+    held_out = preference_rows(EVAL_ROWS, margins, seed=SEED + 9) if evaluated else None
     args = args_cls(output_dir=output_dir,
                     per_device_train_batch_size=GLOBAL_MICRO_BATCH // (1 if single else dp),
+                    per_device_eval_batch_size=GLOBAL_MICRO_BATCH // (1 if single else dp),
                     **{**FIELDS, "average_tokens_across_devices": True, "bf16": False},
                     **fields)
     data = preference_rows(margins=margins, order=reference_order(dp) if single else None)
     trainer = trainer_cls(model=model_ if model_ is not None else model("llama", 1), args=args,
-                          train_dataset=data, processing_class=tokenizer())
+                          train_dataset=data, eval_dataset=held_out,
+                          processing_class=tokenizer())
     trainer.train()
-    return logged(trainer.state.log_history, REWARD_LOGGED)
+    figures = logged(trainer.state.log_history, REWARD_LOGGED)
+    if evaluated:
+        figures["eval"] = {k: v for k, v in trainer.evaluate().items()
+                           if not k.endswith(("_runtime", "_per_second", "epoch"))}
+        given = preference_rows(EVAL_ROWS, margins, seed=SEED + 9)
+        figures["given_loss"] = trainer.evaluate(given, metric_key_prefix="test")["test_loss"]
+    return figures

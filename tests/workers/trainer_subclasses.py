@@ -47,11 +47,12 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
 
 
 def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
-            pretrained: bool = False, evaluate: bool = False) -> None:
+            pretrained: bool = False, evaluate: bool = False, reference: bool = False) -> None:
     """MerakDPOTrainer on a model built on the meta device (with `pretrained`, loaded with
     from_pretrained inside init_empty_weights): the reference log-probabilities are a pipelined
     evaluation pass before training, with and without precompute_ref_log_probs (with `lora`,
-    LoRA adapters through DPOTrainer's peft_config, off in that pass)."""
+    LoRA adapters through DPOTrainer's peft_config, off in that pass; with `reference`, an
+    explicit ref_model, dpo_common.save_reference's, meta-built too)."""
     import trl
 
     Config, MerakDPOTrainer = sft.merak_classes(trl.DPOConfig, trl.DPOTrainer)
@@ -62,18 +63,24 @@ def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
                   per_device_eval_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
                   **{**dpo.FIELDS, **(fields or {})})
     order = None if dp == 2 else dpo.reference_order(2)
-    path = out_dir() / "dpo-policy"
+    path, reference_path = out_dir() / "dpo-policy", out_dir() / "dpo-reference"
     if pretrained and dist.get_rank() == 0 and not path.exists():
         dpo.save_policy(path)
+    if reference and dist.get_rank() == 0 and not reference_path.exists():
+        dpo.save_reference(reference_path)
     dist.barrier()
     with merak.init_empty_weights():
         model = dpo.policy(str(path) if pretrained else None)
+        ref_model = dpo.policy(str(reference_path)) if reference else None
     trainer = MerakDPOTrainer(model=model, args=args, train_dataset=dpo.dataset(order),
+                              ref_model=ref_model,
                               eval_dataset=dpo.eval_dataset() if evaluate else None,
                               processing_class=sft.tokenizer(),
                               peft_config=sft.peft_config(dpo.LORA_TARGETS) if lora else None)
     trainer.train()
     figures = dpo.logged(trainer.state.log_history)
+    if reference:  # rank 0's replica (stage 0's first tp shard), held for the pass only
+        figures["replica_bytes"] = trainer.reference_replica_bytes
     if evaluate:  # held-out rows, in steps of the dp ranks' micro-batches
         figures["eval"] = dpo.evaluated(trainer.evaluate())
     if dist.get_rank() == 0:
@@ -133,6 +140,8 @@ def scenarios(world_size: int) -> dict:
                        for name, variant in dpo.VARIANTS.items()})
     preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v, evaluate=True))
                        for name, variant in dpo.EVALUATED.items()})
+    preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v, reference=True))
+                       for name, variant in dpo.REFERENCED.items()})
     preference.update({name: (lambda name=name, run=run: run_kto(name, *run))
                        for name, run in kto.RUNS.items()})
     preference.update({name: (lambda name=name, run=run: run_kto(name, *run, evaluate=True))

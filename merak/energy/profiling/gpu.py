@@ -72,8 +72,9 @@ class SyntheticGPUModel:
     power(f) = static_w + dynamic_w * (f / max_clock) ** 3
 
     Reference times at max_clock, per micro-batch of a pipeline rank: `forward_s` for a forward
-    (and a recompute, which reruns it), ``backward_ratio * forward_s`` for a backward, half of
-    that for each of `backward_input` and `backward_weight` (zero-bubble's split backward); the
+    (and a recompute, which reruns it, and a reference model's forward, ``reference_forward``),
+    ``backward_ratio * forward_s`` for a backward, half of that for each of `backward_input`
+    and `backward_weight` (zero-bubble's split backward); the
     last rank's are `last_stage_factor` longer (head and loss). A rank hosting `chunks` model
     chunks (interleaved schedules) spends 1/chunks of that on each chunk's instruction.
     """
@@ -102,7 +103,8 @@ class SyntheticGPUModel:
     def reference_time(self, instruction: str, pp_rank: int, num_ranks: int,
                        chunks: int = 1) -> float:
         try:
-            factor = {"forward": 1.0, "recompute": 1.0, "backward": self.backward_ratio,
+            factor = {"forward": 1.0, "recompute": 1.0, "reference_forward": 1.0,
+                      "backward": self.backward_ratio,
                       "backward_input": self.backward_ratio / 2,
                       "backward_weight": self.backward_ratio / 2}[instruction]
         except KeyError:

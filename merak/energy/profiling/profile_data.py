@@ -21,7 +21,8 @@ from merak.schedule.actions import ActionKind
 COLUMNS = ("rank", "dp_rank", "pp_rank", "tp_rank", "stage", "instruction", "frequency", "time",
            "energy")
 COMPUTE = tuple(k.value for k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE,
-                                  ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT))
+                                  ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
+                                  ActionKind.REFERENCE_FORWARD))
 """The instructions a clock plan sets a clock for (`merak.schedule.actions.COMPUTE_KINDS`)."""
 
 

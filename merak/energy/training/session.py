@@ -74,17 +74,22 @@ def make_gpu(kind: str, simulated: str | None, num_ranks: int, chunks: int = 1,
 
 def plan_arguments(schedule: Schedule) -> list[str]:
     """The `merak energy plan` options that rebuild `schedule`'s programs (with chain edges):
-    ``--schedule``, ``--stages``, ``--microbatches``, ``--interleave`` and ``--recompute``
-    (bare when every stage recomputes, else one 0/1 flag per stage)."""
+    ``--schedule``, ``--stages``, ``--microbatches``, ``--interleave``, ``--reference`` and
+    ``--recompute`` (bare when every stage recomputes, else one 0/1 flag per stage)."""
     args = ["--schedule", schedule.name, "--stages", str(schedule.num_ranks),
             "--microbatches", str(schedule.num_microbatches)]
     if schedule.stages_per_rank > 1:
         args += ["--interleave", str(schedule.stages_per_rank)]
+    # a reference model's forward in every step (merak.schedule.reference)
+    reference = any(a.kind is ActionKind.REFERENCE_FORWARD for p in schedule.programs for a in p)
+    if reference:
+        args += ["--reference", "per_step"]
     flags = [any(a.kind is ActionKind.RECOMPUTE for a in schedule.stage_actions(s))
              for s in range(schedule.num_stages)]
     if any(flags):
         every = make_schedule(schedule.name, schedule.num_ranks, schedule.num_microbatches,
-                              stages_per_rank=schedule.stages_per_rank, recompute=True)
+                              stages_per_rank=schedule.stages_per_rank, recompute=True,
+                              reference=reference)
         same = [every.compute_actions(r) == schedule.compute_actions(r)
                 for r in range(schedule.num_ranks)]
         args += ["--recompute"] if all(same) else \
