@@ -47,9 +47,10 @@ from pathlib import Path
 from _common import RESULTS
 from transformers import LlamaConfig
 
+from merak.strategy.candidate import BLOCK, RECOMPUTE_CHOICES, Candidate
 from merak.strategy.cluster import cluster
 from merak.strategy.costs import analytic_costs
-from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES, Candidate, Predictor
+from merak.strategy.predict import Predictor
 from merak.strategy.search import context_parallel_degrees, search
 from merak.strategy.shape import ModelShape
 

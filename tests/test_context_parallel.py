@@ -158,9 +158,10 @@ def test_the_planner_searches_cp_where_ranks_sequence_and_heads_allow():
 
 
 def test_the_cost_model_divides_activations_and_adds_the_cp_exchange():
+    from merak.strategy.candidate import Candidate
     from merak.strategy.cluster import cluster
     from merak.strategy.costs import analytic_costs
-    from merak.strategy.predict import Candidate, Predictor
+    from merak.strategy.predict import Predictor
     from merak.strategy.shape import ModelShape
 
     shape = ModelShape.from_config(tf.LlamaConfig(**LLAMA3_8B))

@@ -12,9 +12,10 @@ import transformers as tf
 from merak.cli import main as merak_main
 from merak.rules import Choices
 from merak.schedule.registry import SCHEDULES
+from merak.strategy.candidate import Candidate
 from merak.strategy.cluster import GIB, Cluster, cluster
 from merak.strategy.costs import analytic_costs, state_bytes
-from merak.strategy.predict import Candidate, Predictor
+from merak.strategy.predict import Predictor
 from merak.strategy.search import candidates, layouts, read_strategy_plan, search
 from merak.strategy.shape import ModelShape
 

@@ -11,9 +11,10 @@ import transformers as tf
 
 from merak.cli import main as merak_main
 from merak.rules import Choices, refusal
+from merak.strategy.candidate import Candidate
 from merak.strategy.cluster import cluster
 from merak.strategy.costs import analytic_costs
-from merak.strategy.predict import Candidate, Predictor
+from merak.strategy.predict import Predictor
 from merak.strategy.search import candidates, read_strategy_plan
 from merak.strategy.shape import ModelShape
 

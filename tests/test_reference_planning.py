@@ -17,9 +17,10 @@ from merak.schedule.actions import ActionKind
 from merak.schedule.registry import SCHEDULES, make_schedule, reference_pass
 from merak.schedule.simulator import CostModel, simulate
 from merak.schedule.validate import validate_schedule
+from merak.strategy.candidate import Candidate
 from merak.strategy.cluster import cluster
 from merak.strategy.costs import analytic_costs
-from merak.strategy.predict import Candidate, Predictor
+from merak.strategy.predict import Predictor
 from merak.strategy.reference import REPLICA_BYTES_PER_PARAM, ReferenceCosts
 from merak.strategy.shape import ModelShape
 

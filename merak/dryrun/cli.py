@@ -94,9 +94,9 @@ def _cluster(spec: str, world_size: int | None):
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from merak.strategy.candidate import BLOCK, RECOMPUTE_CHOICES
     from merak.strategy.cluster import GIB
     from merak.strategy.costs import analytic_costs
-    from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES
     from merak.strategy.reference import ReferenceCosts
     from merak.strategy.search import (
         context_parallel_degrees,

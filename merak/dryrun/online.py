@@ -27,9 +27,9 @@ from merak.distributed.teardown import transient_process_groups
 from merak.dryrun.run import dry_run
 from merak.engine.options import EngineOptions
 from merak.rules import Choices
+from merak.strategy.candidate import Prediction
 from merak.strategy.cluster import measure_links
 from merak.strategy.costs import BlockCosts, measure_costs
-from merak.strategy.predict import Prediction
 from merak.strategy.search import StrategyPlan, search, sequence_parallel_choices
 from merak.strategy.shape import ModelShape
 

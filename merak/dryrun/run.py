@@ -40,8 +40,8 @@ from merak.distributed.teardown import transient_process_groups
 from merak.engine.assemble import OptimizerFactory, build_engine, default_optimizer
 from merak.engine.options import EngineOptions
 from merak.materialize.meta import init_empty_weights
+from merak.strategy.candidate import Candidate
 from merak.strategy.costs import fastest
-from merak.strategy.predict import Candidate
 
 
 def _state_bytes(stage: torch.nn.Module, optimizer) -> int:

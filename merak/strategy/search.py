@@ -16,9 +16,10 @@ from pathlib import Path
 
 from merak.rules import Choices, refusal
 from merak.schedule.registry import SCHEDULES
+from merak.strategy.candidate import BLOCK, RECOMPUTE_CHOICES, Candidate, Prediction
 from merak.strategy.cluster import Cluster
 from merak.strategy.costs import BlockCosts
-from merak.strategy.predict import BLOCK, RECOMPUTE_CHOICES, Candidate, Prediction, Predictor
+from merak.strategy.predict import Predictor
 from merak.strategy.reference import ReferenceCosts
 from merak.strategy.shape import ModelShape
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from merak import lora, rules
 from merak.distributed.parallel_context import ParallelContext, init
-from merak.strategy.predict import Candidate
+from merak.strategy.candidate import Candidate
 from merak.strategy.search import read_strategy_plan
 
 

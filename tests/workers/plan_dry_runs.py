@@ -29,7 +29,7 @@ import merak
 from merak.distributed.teardown import live_process_groups
 from merak.dryrun import run as dry_run
 from merak.strategy import costs
-from merak.strategy.predict import Candidate
+from merak.strategy.candidate import Candidate
 
 SEQ = 16
 
