@@ -9,7 +9,10 @@ another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1 on 4; 
 and trains steps 3 and 4 again, and both runs evaluate their final weights (the same loss at the
 same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
-directory and rows and compares."""
+directory and rows and compares. DeepSeek-V3, OLMoE and GPT-OSS (`MORE`) train only, at dp2 ep2
+(2 ranks; with MERAK_TEST_MATRIX=full also dp2 ep2 pp2 and dp2 ep2 tp2 on 4). Every run counts
+the bytes its rank's loader reads from the hub's files (`ep_reads`): 1/ep of its stage's
+experts."""
 
 from __future__ import annotations
 
@@ -168,7 +171,7 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) 
              "twice": sorted(name for name, n in read.items() if n > sizes[name])}
     if resumed is None:
         return {"curve": curve, "held": held, "hub": str(hub), "reads": reads,
-                "ep": trainer.ctx.ep, "tp": trainer.ctx.tp}
+                "ep": trainer.ctx.ep, "tp": trainer.ctx.tp, "pp_rank": trainer.ctx.pp_rank}
     trainer.save_model(str(root / "saved"))
     evaluated = trainer.evaluate()["eval_loss"]
     same_export = None
@@ -186,7 +189,7 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) 
             "dps": [trainer.ctx.dp, again.ctx.dp],
             "optimizers": [type(t.optimizer).__name__ for t in (trainer, again)],
             "ep_rank": trainer.ctx.ep_rank if trainer.ctx.ep > 1 else 0, "reads": reads,
-            "ep": trainer.ctx.ep, "tp": trainer.ctx.tp,
+            "ep": trainer.ctx.ep, "tp": trainer.ctx.tp, "pp_rank": trainer.ctx.pp_rank,
             "saved": str(root / "saved"), "hub": str(hub), "same_export": same_export}
 
 
