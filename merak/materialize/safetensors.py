@@ -119,7 +119,8 @@ def load_safetensors_(module: nn.Module, path: str | Path,
     headers: dict[Path, tuple[int, dict]] = {}
     for how, entries in derived.values():
         rows = _shared_rows([tensors[name] for name, _ in entries])
-        own = _own_sources(how, rows) if rows is not None else None
+        experts = shard_of(tensors[entries[0][0]]).full_shape[0] if rows is not None else 0
+        own = _own_sources(how, rows, experts) if rows is not None else None
         made = layout.derive(own or how, lambda key: _read_whole(index[key], key, headers))
         for name, target in entries:
             _copy_into(tensors[name], made[target], name, f"{how.describe()} in {path}",
@@ -145,12 +146,14 @@ def _shared_rows(tensors: list[torch.Tensor]) -> tuple[int, int] | None:
     return next(iter(ranges)) if len(ranges) == 1 and None not in ranges else None
 
 
-def _own_sources(how: Derivation, rows: tuple[int, int]) -> Derivation | None:
-    """`how` reading only the checkpoint tensors of experts ``rows``: when it stacks one
-    checkpoint tensor per expert for each of its source patterns (transformers'
-    ``MergeModulelist``, e.g. a Mixtral's ``experts.<i>.w1``), in expert order, each pattern's
-    sources ``[first, end)``; None when it is not such a stack (then everything is read)."""
+def _own_sources(how: Derivation, rows: tuple[int, int], experts: int) -> Derivation | None:
+    """`how` reading only the checkpoint tensors of experts ``rows`` (of `experts`): when it
+    stacks along dim 0 one checkpoint tensor per expert for each of its source patterns
+    (transformers' ``MergeModulelist``, e.g. a Mixtral's ``experts.<i>.w1``), in expert order,
+    each pattern's sources ``[first, end)``; None when it is not such a stack (then everything
+    is read)."""
     if how.converter is None or not any(type(op).__name__ == "MergeModulelist"
+                                        and getattr(op, "dim", 0) == 0
                                         for op in how.converter.operations):
         return None
     by_pattern: dict[str | None, list[tuple[str, str | None]]] = {}
@@ -158,7 +161,7 @@ def _own_sources(how: Derivation, rows: tuple[int, int]) -> Derivation | None:
         by_pattern.setdefault(source[1], []).append(source)
     counts = {len(group) for group in by_pattern.values()}
     first, end = rows
-    if len(counts) != 1 or counts.pop() < end:
+    if counts != {experts}:
         return None
     kept = {id(s) for group in by_pattern.values() for s in group[first:end]}
     return replace(how, sources=[s for s in how.sources if id(s) in kept])
@@ -228,8 +231,8 @@ def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
     f.seek(data_start + begin)
     with torch.no_grad():
         target = tensor.data
-        whole = cut is None or rows is not None and tuple(target.shape) == shape
-        if whole and dtype == target.dtype and target.is_contiguous() \
+        direct = cut is None or rows is not None and tuple(target.shape) == shape
+        if direct and dtype == target.dtype and target.is_contiguous() \
                 and target.device.type == "cpu":
             view = target.view(-1).view(torch.uint8).numpy()
             if f.readinto(view) != end - begin:
