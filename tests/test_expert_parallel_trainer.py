@@ -6,8 +6,13 @@ loss included), the `save_model` directory (the Hub's layout, every expert) agai
 model, `merak export` of the last checkpoint against `save_model`, each rank holding 1/ep of
 every experts tensor (1/(ep x tp) at tp2: each expert split over tp too), and the checkpoint of
 step 2 resumed in another layout (dp2 ep1; dp4 ep2 pp1 under ZeRO-1; dp4 ep2 tp1 from tp2)
-continuing the same curve (and at the same dp evaluating to the same loss). In one process: the
-rules refusing what ep does not combine with yet, before any build."""
+continuing the same curve (and at the same dp evaluating to the same loss). DeepSeek-V3 (sigmoid
+routing limited to one of two groups, a shared expert, its first layer dense), OLMoE and GPT-OSS
+(expert biases, its own router), loaded the same way, at dp2 ep2 (and with
+MERAK_TEST_MATRIX=full at dp2 ep2 pp2 and dp2 ep2 tp2): every step's loss and gradient norm. In
+every run each rank holds 1/ep of each experts tensor of its stage and read exactly 1/ep of
+their bytes from the files. In one process: the rules refusing what ep does not combine with
+yet, before any build."""
 
 from __future__ import annotations
 
@@ -28,9 +33,55 @@ LOSS_ATOL, NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-5, 1e-4
 # at tp2: 1.07e-4 at one element of layers.1.self_attn.o_proj whose updates nearly cancel (it
 # moved 1.7e-3 in 4 steps), the same at dp2 tp2 ep1: the TP all-reduce's rounding, not ep's
 WEIGHT_ATOL_TP = 2e-4
+# the families whose tensor-parallel plan splits each expert's intermediate dim over tp
+# (moe_tp_experts); GPT-OSS's inferred plan keeps its experts whole on the tp ranks
+EXPERTS_SPLIT_BY_TP = ("qwen3_moe", "mixtral", "deepseek_v3", "olmoe")
 
 
-@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in RUNS for s in RUNS[w]])
+def _check_experts_held_and_read(figures: list[dict], scenario: str) -> None:
+    """Each rank holds 1/ep of each experts tensor of its stage (1/(ep x tp) where the family's
+    TP plan splits every expert too) and read exactly 1/ep of their bytes from the hub's files
+    (all of them where an inferred TP plan is proven on whole experts), nothing twice."""
+    family = scenario.split("-")[1]
+    for rank, ours in enumerate(figures):
+        held = ours["held"]  # (gate_up_proj, down_proj[, their biases]) x the rank's MoE layers
+        layers = 1 if "pp2" in scenario else 2  # of 2, a stage each at pp2
+        if family == "deepseek_v3":  # its first layer dense: on the first stage at pp2
+            layers -= 1 if ours["pp_rank"] == 0 else 0
+        assert len(held) == layers * (4 if family == "gpt_oss" else 2), (rank, held)
+        split = ours["ep"] * (ours["tp"] if family in EXPERTS_SPLIT_BY_TP else 1)
+        assert all(mine * split == whole for mine, whole in held.values()), (rank, held)
+        reads = ours["reads"]
+        assert (reads["stage_experts"] > 0) == (layers > 0) and not reads["twice"], reads
+        # (GPT-OSS at tp2: its inferred TP plan is proven on whole experts, read whole)
+        whole = family not in EXPERTS_SPLIT_BY_TP and ours["tp"] > 1
+        assert reads["experts"] * (1 if whole else ours["ep"]) == reads["stage_experts"], \
+            (rank, reads)
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in RUNS for s in RUNS[w]
+                                                 if RUNS[w][s][2] is None])
+def test_merak_trainer_with_expert_parallelism_trains_more_families_like_hf(
+        launches, world_size, scenario, tmp_path):
+    """DeepSeek-V3, OLMoE and GPT-OSS: every step's loss and gradient norm."""
+    figures = scenario_result(*launches(world_size), scenario)
+    theirs, _, _ = reference(Path(figures[0]["hub"]), tmp_path, whole=False)
+    for rank, ours in enumerate(figures):
+        assert ours["curve"]["loss"] == pytest.approx(theirs["loss"], abs=LOSS_ATOL), rank
+        assert ours["curve"]["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL)
+    _check_experts_held_and_read(figures, scenario)
+    _print_gaps(scenario, figures, theirs)
+
+
+def _print_gaps(scenario: str, figures: list[dict], theirs: dict, more: str = "") -> None:
+    loss_gap = max(abs(a - b) for f in figures for a, b in zip(f["curve"]["loss"], theirs["loss"]))
+    norm_gap = max(abs(a - b) / abs(b) for f in figures
+                   for a, b in zip(f["curve"]["grad_norm"], theirs["grad_norm"]))
+    print(f"{scenario}: loss {loss_gap:.2g}, grad norm {norm_gap:.2g} relative{more}")
+
+
+@pytest.mark.parametrize("world_size,scenario", [(w, s) for w in RUNS for s in RUNS[w]
+                                                 if RUNS[w][s][2] is not None])
 def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
         launches, world_size, scenario, tmp_path):
     figures = scenario_result(*launches(world_size), scenario)
@@ -50,21 +101,14 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
             ours["curve"]["grad_norm"][SAVE_STEP:], rel=NORM_RTOL)
         if ours["dps"][0] == ours["dps"][1]:  # (eval adds each dp rank's load-balancing loss)
             assert ours["resumed_eval_loss"] == pytest.approx(ours["eval_loss"], abs=LOSS_ATOL)
-        held = ours["held"]  # (gate_up_proj, down_proj) x the rank's layers, 1/(ep x tp)
-        assert len(held) == (2 if "pp2" in scenario else 4), held
-        split = trained_layout[2] * trained_layout[4]  # ep x tp (Qwen3-MoE's plan splits them)
-        assert all(mine * split == whole for mine, whole in held.values()), held
     assert first["same_export"], "merak export of the last checkpoint differs from save_model"
     saved = hub_tensors(Path(first["saved"]))
     assert sorted(saved) == sorted(trained), sorted(set(saved) ^ set(trained))[:8]
     assert any(".experts.3." in n or "experts.gate_up_proj" in n for n in saved), sorted(saved)
     worst = max((saved[n] - t).abs().max().item() for n, t in trained.items())
     assert worst < (WEIGHT_ATOL_TP if trained_layout[4] > 1 else WEIGHT_ATOL), worst
-    loss_gap = max(abs(a - b) for f in figures for a, b in zip(f["curve"]["loss"], theirs["loss"]))
-    norm_gap = max(abs(a - b) / abs(b) for f in figures
-                   for a, b in zip(f["curve"]["grad_norm"], theirs["grad_norm"]))
-    print(f"{scenario}: loss {loss_gap:.2g}, grad norm {norm_gap:.2g} relative, saved weights "
-          f"{worst:.2g} from HF Trainer's")
+    _check_experts_held_and_read(figures, scenario)
+    _print_gaps(scenario, figures, theirs, f", saved weights {worst:.2g} from HF Trainer's")
 
 
 @pytest.mark.parametrize("fields,match", [

@@ -1,7 +1,7 @@
 """`build_engine`: the one assembly of a rank's training engine, in one documented order.
 
-    parallelize (TP -> split -> materialize or load this rank's stage)
-    -> experts: each MoE layer keeps this rank's (ep > 1, `merak.expert_parallel`)
+    parallelize (TP -> split -> materialize or load this rank's stage; with ep > 1 each MoE
+    layer keeps this rank's experts, `merak.expert_parallel`, cut before a checkpoint's load)
     -> fp8: the stage's linears as torchao float8 linears (`merak.engine.fp8`)
     -> torch.compile of the blocks (before recomputation wraps them)
     -> ZeRO-2/3 (FSDP2, before anything holds the parameters)
@@ -34,7 +34,6 @@ from merak.engine.loss_scale import LossScaler
 from merak.engine.options import EngineOptions
 from merak.engine.parallelize import parallelize
 from merak.engine.timers import WallClockBreakdown
-from merak.expert_parallel.shard import shard_experts
 from merak.runtime.hooks import InstructionHook
 from merak.runtime.interpreter import PipelineInterpreter
 from merak.stages.stage import InterleavedStage, PipelineStage
@@ -88,7 +87,6 @@ def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: Parall
                         schedule=o.pipeline.schedule, num_model_chunks=o.pipeline.chunks,
                         checkpoint=checkpoint, checkpoint_prefix=checkpoint_prefix,
                         autocast_dtype=o.precision.autocast_dtype)
-    shard_experts(stage, ctx)  # (ep > 1: this rank's experts of each MoE layer)
     fp8 = apply_fp8(stage, o.precision, ctx)  # the stage's own linears, before anything holds them
     if o.compile.enabled:  # before the interpreter wraps the blocks for recomputation
         compile_blocks(stage, o.compile.backend, o.compile.mode)

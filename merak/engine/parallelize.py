@@ -3,11 +3,15 @@
     meta model -> tensor parallelism -> pipeline split -> materialize own stage (initialize
     exactly as the full model would, or load its shard from an HF safetensors checkpoint)
     -> the proof of an inferred tensor-parallel plan on this rank's blocks
+    -> expert parallelism (ep > 1): each MoE layer keeps this rank's experts; when loading a
+       checkpoint they are cut on the meta device before the load, so a rank reads and
+       allocates only its own (after the load where an inferred TP plan must be proven on
+       whole experts)
     -> data parallelism (the interpreter averages gradients over the dp group)
 
 Tensor parallelism comes before the split so the split traces per-rank shapes and keeps the
 TP modules outside the blocks opaque; materialization comes last so a rank only ever allocates
-its own 1/(tp*pp) of the parameters.
+its own 1/(tp*pp) of the parameters (and 1/ep of the experts from a checkpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from merak import lora
 from merak.distributed.parallel_context import ParallelContext, get_context
+from merak.expert_parallel.shard import shard_experts
 from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoint
@@ -131,6 +136,8 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         stage = interleaved_stage(pieces, pieces.container, ctx, num_model_chunks, placement)
     else:
         stage = PipelineStage(pieces.container, pieces, ctx.pp_rank)
+    info = getattr(model, "merak_tp", None)
+    to_prove = info is not None and bool(info.examples)  # (on whole experts)
     if checkpoint is None:
         materialize_(stage, ctx.device)
     elif adapters:  # the base model's checkpoint: its weights load, the adapters initialize
@@ -138,9 +145,11 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
         load_safetensors_(stage, checkpoint, aliases=lora.base_aliases(stage, aliases),
                           names=lora.base_names(stage, checkpoint, aliases), layout=layout)
     else:
+        if not to_prove:  # ep > 1: each rank allocates and reads only its own experts
+            shard_experts(stage, ctx)
         materialize_(stage, ctx.device, initialize=False)
         load_safetensors_(stage, checkpoint, aliases=aliases, layout=layout)
-    info = getattr(model, "merak_tp", None)
-    if info is not None and info.examples:  # an inferred plan, proven on this rank's blocks
+    if to_prove:  # an inferred plan, proven on this rank's blocks
         prove_plan(model, list(info.examples), ctx)
+    shard_experts(stage, ctx)  # (ep > 1: the experts not sharded before the load)
     return stage

@@ -59,9 +59,19 @@ class ExpertSlice:
     def parts(self) -> int:
         return self.size if self.tp is None else self.size * self.tp.size
 
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        mine = full.chunk(self.size, dim=0)[self.rank]
+    @property
+    def rows(self) -> tuple[int, int]:
+        """The experts ``[first, end)`` this rank holds: the rows of dimension 0 of the whole
+        tensor it is cut from (a checkpoint loader reads only those, `take_rows` the rest)."""
+        per = self.full_shape[0] // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def take_rows(self, mine: torch.Tensor) -> torch.Tensor:
+        """This rank's piece from its experts' rows of the whole tensor (its TP cut of them)."""
         return mine if self.tp is None else self.tp.take(mine)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return self.take_rows(full.chunk(self.size, dim=0)[self.rank])
 
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The layer's whole tensor from every piece (`part` order: ep rank, then tp rank)."""
@@ -125,21 +135,27 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
     the expert-parallel implementation. Returns ``{module name: (first expert, count)}``
     (empty when ``ctx.ep == 1``: nothing changes).
 
+    `model` may be on the meta device: its experts tensors then become meta tensors of this
+    rank's experts (carrying ``ep_shard``), so a checkpoint loader reads only those rows
+    (`merak.parallelize` does this before loading a stage). Modules sharded already (by an
+    earlier call) are left as they are.
+
     Raises:
         ValueError: ep does not divide some module's number of experts (before any change).
     """
     if ctx.ep == 1:
         return {}
-    modules = experts_modules(model)
+    done = {name: (m.merak_ep.first, m.merak_ep.local)
+            for name, m in experts_modules(model).items()
+            if getattr(m, "merak_ep", None) is not None}
+    modules = {n: m for n, m in experts_modules(model).items() if n not in done}
     check_divisible(modules, ctx.ep)
     _check_tp_cuts(modules)
     register()
     inner_of: dict[int, str | None] = {}  # per config object: the implementation it had
     dense = {f"{name}.experts": block for name, block in dense_moe_blocks(model).items()}
-    kept = {}
+    kept = dict(done)
     for name, module in modules.items():
-        if getattr(module, "merak_ep", None) is not None:
-            raise ValueError(f"expert parallelism: {name} is sharded already")
         config = getattr(module, "config", None)
         if name not in dense and id(config) not in inner_of:
             inner_of[id(config)] = config._experts_implementation

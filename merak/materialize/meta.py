@@ -40,7 +40,7 @@ from merak.materialize.replay import replay
 
 RECORD_ATTR = "_merak_init_record"
 # what other parts of merak note on a parameter (tensor-parallel shard and gradient flags)
-_CARRIED_ATTRS = ("tp_shard", "tp_partial_grad")
+_CARRIED_ATTRS = ("tp_shard", "tp_partial_grad", "ep_shard", "expert_parallel")
 
 
 def storage_key(param: torch.Tensor) -> int:
@@ -171,10 +171,11 @@ def _materialize_parameters(module: nn.Module, meta: dict[str, nn.Parameter],
                              f"device or re-pointed (`param.data = ...`) after their init inside "
                              f"merak.init_empty_weights(); load them from a checkpoint instead")
     for p in unique:
+        if keys[id(p)] not in written:  # filled from a checkpoint later: only its own shape
+            values[id(p)] = torch.empty(p.shape, dtype=p.dtype)
+            continue
         values[id(p)] = torch.empty(specs[id(p)].full_shape if specs[id(p)] else p.shape,
                                     dtype=p.dtype)
-        if keys[id(p)] not in written:
-            finish(p)  # filled from a checkpoint later
     if initialize:
         by_key = {keys[id(p)]: p for p in unique}
         targets = {k: values[id(p)] for k, p in by_key.items() if k in written}

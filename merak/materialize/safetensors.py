@@ -10,6 +10,12 @@ A checkpoint that transformers converts on load (a Mixtral's per-expert tensors,
 fused experts in memory) is read through its `CheckpointLayout`: a parameter stored under
 another layout is derived, with transformers' own conversion for the model class, from just
 the checkpoint tensors it is made of (so a stage reads only its own layers' experts).
+
+A tensor holding a range of rows of the checkpoint tensor (an expert-parallel slice: its
+``ep_shard`` has ``rows``, the ``[first, end)`` of dimension 0 it holds, and ``take_rows``, the
+rest of its cut applied to those rows) reads only those rows' bytes; one derived by stacking
+per-expert checkpoint tensors (transformers' ``MergeModulelist``) reads only its own experts'
+tensors. A rank then reads and allocates 1/ep of each experts tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -111,10 +118,53 @@ def load_safetensors_(module: nn.Module, path: str | Path,
                 _read_into(f, data_start, header[stored], tensors[name], name, file)
     headers: dict[Path, tuple[int, dict]] = {}
     for how, entries in derived.values():
-        made = layout.derive(how, lambda key: _read_whole(index[key], key, headers))
+        rows = _shared_rows([tensors[name] for name, _ in entries])
+        experts = shard_of(tensors[entries[0][0]]).full_shape[0] if rows is not None else 0
+        own = _own_sources(how, rows, experts) if rows is not None else None
+        made = layout.derive(own or how, lambda key: _read_whole(index[key], key, headers))
         for name, target in entries:
-            _copy_into(tensors[name], made[target], name, f"{how.describe()} in {path}")
+            _copy_into(tensors[name], made[target], name, f"{how.describe()} in {path}",
+                       rows=rows if own is not None else None)
     return wanted
+
+
+def shard_of(tensor: torch.Tensor):
+    """The cut of the whole (checkpoint) tensor that `tensor` holds: its expert-parallel slice
+    (``ep_shard``, which includes any TP cut of its experts), else its tensor-parallel shard
+    (``tp_shard``), else None."""
+    return getattr(tensor, "ep_shard", None) or getattr(tensor, "tp_shard", None)
+
+
+def _rows_of(tensor: torch.Tensor) -> tuple[int, int] | None:
+    spec = shard_of(tensor)
+    return tuple(spec.rows) if spec is not None and hasattr(spec, "rows") else None
+
+
+def _shared_rows(tensors: list[torch.Tensor]) -> tuple[int, int] | None:
+    """The dim-0 row range every one of `tensors` holds, when they hold one and the same."""
+    ranges = {_rows_of(t) for t in tensors}
+    return next(iter(ranges)) if len(ranges) == 1 and None not in ranges else None
+
+
+def _own_sources(how: Derivation, rows: tuple[int, int], experts: int) -> Derivation | None:
+    """`how` reading only the checkpoint tensors of experts ``rows`` (of `experts`): when it
+    stacks along dim 0 one checkpoint tensor per expert for each of its source patterns
+    (transformers' ``MergeModulelist``, e.g. a Mixtral's ``experts.<i>.w1``), in expert order,
+    each pattern's sources ``[first, end)``; None when it is not such a stack (then everything
+    is read)."""
+    if how.converter is None or not any(type(op).__name__ == "MergeModulelist"
+                                        and getattr(op, "dim", 0) == 0
+                                        for op in how.converter.operations):
+        return None
+    by_pattern: dict[str | None, list[tuple[str, str | None]]] = {}
+    for source in how.sources:
+        by_pattern.setdefault(source[1], []).append(source)
+    counts = {len(group) for group in by_pattern.values()}
+    first, end = rows
+    if counts != {experts}:
+        return None
+    kept = {id(s) for group in by_pattern.values() for s in group[first:end]}
+    return replace(how, sources=[s for s in how.sources if id(s) in kept])
 
 
 def _missing_message(missing: list[str], path, aliases, layout: CheckpointLayout | None) -> str:
@@ -147,31 +197,42 @@ def _read_whole(file: Path, key: str, headers: dict) -> torch.Tensor:
     return stored.view(tuple(info["shape"]))
 
 
-def _copy_into(tensor: torch.Tensor, full: torch.Tensor, name: str, where: str) -> None:
-    """Copy `full` (the whole tensor) into `tensor`, or this rank's tensor-parallel slice of it
-    into a shard; the dtype becomes the model's."""
-    spec = getattr(tensor, "tp_shard", None)
-    want = spec.full_shape if spec else tuple(tensor.shape)
-    if tuple(full.shape) != tuple(want):
+def _copy_into(tensor: torch.Tensor, full: torch.Tensor, name: str, where: str,
+               rows: tuple[int, int] | None = None) -> None:
+    """Copy `full` (the whole tensor; with `rows`, only those rows of dim 0 of it) into
+    `tensor`, or into a shard this rank's cut of it; the dtype becomes the model's."""
+    spec = shard_of(tensor)
+    want = tuple(spec.full_shape if spec else tensor.shape)
+    if rows is not None:
+        want = (rows[1] - rows[0], *want[1:])
+    if tuple(full.shape) != want:
         raise ValueError(f"{name}: {where} gives shape {list(full.shape)}, the model has "
                          f"{list(want)}")
     with torch.no_grad():
-        tensor.data.copy_(spec.take(full) if spec else full)
+        tensor.data.copy_(spec.take_rows(full) if rows is not None else
+                          spec.take(full) if spec else full)
 
 
 def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
                file: Path) -> None:
     shape = tuple(info["shape"])
-    spec = getattr(tensor, "tp_shard", None)  # a tensor-parallel shard: read whole, keep a slice
-    if shape != (spec.full_shape if spec else tuple(tensor.shape)):
+    spec = shard_of(tensor)  # a tensor-parallel shard: read whole, keep a slice
+    if shape != tuple(spec.full_shape if spec else tensor.shape):
         raise ValueError(f"{name}: the checkpoint {file} stores shape {list(shape)}, the model "
                          f"has {list(spec.full_shape if spec else tensor.shape)}")
     dtype = _DTYPES[info["dtype"]]
     begin, end = info["data_offsets"]
+    rows = _rows_of(tensor)
+    if rows is not None:  # an expert-parallel slice: read only its experts' rows
+        per_row = (end - begin) // shape[0] if shape[0] else 0
+        begin, end = begin + rows[0] * per_row, begin + rows[1] * per_row
+        shape = (rows[1] - rows[0], *shape[1:])
+    cut = (spec.take_rows if rows is not None else spec.take) if spec is not None else None
     f.seek(data_start + begin)
     with torch.no_grad():
         target = tensor.data
-        if spec is None and dtype == target.dtype and target.is_contiguous() \
+        direct = cut is None or rows is not None and tuple(target.shape) == shape
+        if direct and dtype == target.dtype and target.is_contiguous() \
                 and target.device.type == "cpu":
             view = target.view(-1).view(torch.uint8).numpy()
             if f.readinto(view) != end - begin:
@@ -181,7 +242,7 @@ def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
         f.readinto(raw)
         stored = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         stored = stored.view(shape)
-        target.copy_(spec.take(stored) if spec else stored)
+        target.copy_(cut(stored) if cut is not None else stored)
 
 
 def pretrained_checkpoint(model: nn.Module) -> str | None:

@@ -9,7 +9,10 @@ another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1 on 4; 
 and trains steps 3 and 4 again, and both runs evaluate their final weights (the same loss at the
 same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
-directory and rows and compares."""
+directory and rows and compares. DeepSeek-V3, OLMoE and GPT-OSS (`MORE`) train only, at dp2 ep2
+(2 ranks; with MERAK_TEST_MATRIX=full also dp2 ep2 pp2 and dp2 ep2 tp2 on 4). Every run counts
+the bytes its rank's loader reads from the hub's files (`ep_reads`): 1/ep of its stage's
+experts."""
 
 from __future__ import annotations
 
@@ -22,11 +25,14 @@ import torch.distributed as dist
 import transformers as tf
 from common import out_dir, run_scenarios
 from ep_parity import CONFIGS  # the tiny Qwen3-MoE and Mixtral (of this VOCAB)
+from ep_reads import bytes_per_tensor, counting_reads, is_expert
 from safetensors import safe_open
 
 import merak
 from merak.checkpoint.export import export_checkpoint
+from merak.coverage.shrink import small_config
 from merak.expert_parallel import experts_modules
+from merak.materialize.safetensors import read_header
 
 VOCAB, SEQ, STEPS, SAVE_STEP, MICRO_BATCH, MICROBATCHES, SEED = 128, 12, 4, 2, 2, 2, 1234
 DP = 2  # the rows of a step: MICRO_BATCH x MICROBATCHES x DP
@@ -35,14 +41,39 @@ FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_nor
           "train_sampling_strategy": "sequential", "report_to": "none", "disable_tqdm": True,
           "use_cpu": True, "per_device_train_batch_size": MICRO_BATCH,
           "per_device_eval_batch_size": MICRO_BATCH}
-# scenario -> (family, (dp, pp, ep, zero_stage, tp) trained, the same resumed)
-RUNS = {2: {f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), (2, 1, 1, 0, 1))
-            for family in CONFIGS},
+# three more families, trained only (no checkpoint, save or resume; the two above cover
+# those): the coverage's small configs cut to 2 layers; DeepSeek-V3's first layer dense, its
+# second with a shared expert and sigmoid routing limited to 1 of 2 groups of 2 experts;
+# GPT-OSS's experts with per-expert biases and its own router
+MORE = {"deepseek_v3": {"first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
+        "olmoe": {}, "gpt_oss": {}}
+# scenario -> (family, (dp, pp, ep, zero_stage, tp) trained, the same resumed or None)
+RUNS = {2: {**{f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), (2, 1, 1, 0, 1))
+               for family in CONFIGS},
+            **{f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), None) for family in MORE}},
         4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0, 1), (4, 1, 2, 1, 1)),
             # each expert split over tp too (Qwen3-MoE's plan: moe_tp_experts)
             "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 0, 1))},
         # one expert per rank over ep groups of 4 at pp=2, resumed at ep=2 under ZeRO-1
         8: {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}}
+if os.environ.get("MERAK_TEST_MATRIX") == "full":  # the three more at pp2 and at tp2 too
+    RUNS[4].update({f"trainer-{family}-dp2-ep2-{kind}": (family, layout, None)
+                    for family in MORE for kind, layout in (("pp2", (2, 2, 2, 0, 1)),
+                                                            ("tp2", (2, 1, 2, 0, 2)))})
+
+
+def config(family: str):
+    """The family's tiny config (see CONFIGS and MORE), load-balancing loss on."""
+    if family in CONFIGS:
+        return CONFIGS[family]()
+    made = small_config(family)
+    made.num_hidden_layers = 2
+    if getattr(made, "layer_types", None):
+        made.layer_types = made.layer_types[:2]
+    for key, value in {**MORE[family], "output_router_logits": True,
+                       "router_aux_loss_coef": 0.1}.items():
+        setattr(made, key, value)
+    return made
 
 
 def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -72,7 +103,7 @@ def save_hub(family: str, path: Path) -> None:
     """The seeded model, its weights moved off their initialization, as `save_pretrained`
     writes it (Mixtral's experts as the Hub's per-expert tensors)."""
     torch.manual_seed(SEED)
-    model = tf.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    model = tf.AutoModelForCausalLM.from_config(config(family))
     g = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
         for param in model.parameters():
@@ -86,6 +117,15 @@ def hub_tensors(path: Path) -> dict[str, torch.Tensor]:
         with safe_open(file, "pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
+
+
+def hub_sizes(path: Path) -> dict[str, int]:
+    """Checkpoint tensor name -> its bytes."""
+    sizes = {}
+    for file in Path(path).glob("*.safetensors"):
+        _, header = read_header(file)
+        sizes.update({n: i["data_offsets"][1] - i["data_offsets"][0] for n, i in header.items()})
+    return sizes
 
 
 def logged(trainer) -> dict[str, list[float]]:
@@ -105,19 +145,33 @@ def _trainer(hub: Path, output: Path, layout: tuple[int, int, int, int], **field
                               eval_dataset=eval_set())
 
 
-def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...]) -> dict:
+def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) -> dict:
     root = out_dir() / f"trainer-{family}-{'-'.join(map(str, trained))}"
     hub = root / "hub"
     if dist.get_rank() == 0:
         save_hub(family, hub)
     dist.barrier()
-    trainer = _trainer(hub, root / "merak", trained, save_strategy="steps", save_steps=SAVE_STEP)
-    trainer.train()
+    with counting_reads() as log:  # what this rank's stage read from the hub's files
+        trainer = _trainer(hub, root / "merak", trained, save_strategy="no" if resumed is None
+                           else "steps", save_steps=SAVE_STEP)
+        trainer.train()
+    read, sizes = bytes_per_tensor(log), hub_sizes(hub)
     curve = logged(trainer)
+    experts = [p for module in experts_modules(trainer.stage).values()
+               for p in module.parameters(recurse=False)
+               if getattr(p, "ep_shard", None) is not None]
     held = {f"{mname}.{name}": [p.numel(), math.prod(p.ep_shard.full_shape)]
             for mname, module in experts_modules(trainer.stage).items()
             for name, p in module.named_parameters(recurse=False)
             if getattr(p, "ep_shard", None) is not None}
+    # bytes: of the hub's experts tensors read; of the whole experts tensors of the stage
+    reads = {"experts": sum(n for name, n in read.items() if is_expert(name)),
+             "stage_experts": sum(math.prod(p.ep_shard.full_shape) * p.element_size()
+                                  for p in experts),
+             "twice": sorted(name for name, n in read.items() if n > sizes[name])}
+    if resumed is None:
+        return {"curve": curve, "held": held, "hub": str(hub), "reads": reads,
+                "ep": trainer.ctx.ep, "tp": trainer.ctx.tp, "pp_rank": trainer.ctx.pp_rank}
     trainer.save_model(str(root / "saved"))
     evaluated = trainer.evaluate()["eval_loss"]
     same_export = None
@@ -134,11 +188,13 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...]) -> dict
             "resumed_eval_loss": again.evaluate()["eval_loss"], "held": held,
             "dps": [trainer.ctx.dp, again.ctx.dp],
             "optimizers": [type(t.optimizer).__name__ for t in (trainer, again)],
-            "ep_rank": trainer.ctx.ep_rank if trainer.ctx.ep > 1 else 0,
+            "ep_rank": trainer.ctx.ep_rank if trainer.ctx.ep > 1 else 0, "reads": reads,
+            "ep": trainer.ctx.ep, "tp": trainer.ctx.tp, "pp_rank": trainer.ctx.pp_rank,
             "saved": str(root / "saved"), "hub": str(hub), "same_export": same_export}
 
 
-def reference(hub: Path, out: Path) -> tuple[dict[str, list[float]], float, dict]:
+def reference(hub: Path, out: Path, whole: bool = True
+              ) -> tuple[dict[str, list[float]], float | None, dict | None]:
     """Single-process HF Trainer from `hub` on the same rows, a Merak rank's micro-batch each
     (the load-balancing loss is per micro-batch), DP x MICROBATCHES of them a step: its logged
     losses and gradient norms, its eval loss and what its `save_model` writes. Run by the
@@ -148,6 +204,8 @@ def reference(hub: Path, out: Path) -> tuple[dict[str, list[float]], float, dict
     trainer = tf.Trainer(model=tf.AutoModelForCausalLM.from_pretrained(hub), args=args,
                          train_dataset=train_set(), eval_dataset=eval_set())
     trainer.train()
+    if not whole:  # (the training curve only)
+        return logged(trainer), None, None
     trainer.save_model(str(out / "final"))
     return logged(trainer), trainer.evaluate()["eval_loss"], hub_tensors(out / "final")
 
