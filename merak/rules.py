@@ -214,8 +214,6 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
     if c.ep == 1:
         return None
     for other, wrong, why, instead in (
-            ("zero_stage", c.zero_stage >= 2, "FSDP2 shards over all replicas, but expert "
-             "weights are reduced over the edp group", "use zero_stage 0 or 1"),
             ("sequence_parallel", c.sequence_parallel and c.tp > 1, "with sequence "
              "parallelism the tp ranks hold different tokens, which the experts' split over tp "
              "(moe_tp_experts) and the all-to-all over ep are untested with",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from dist_harness import assert_like_reference, check, scenario_result
-from ep_parity import COMMON, SELF_CHECKED, SEQ, scenario_names
+from ep_parity import COMMON, OPTIMIZERS, SELF_CHECKED, SEQ, scenario_names
 from torch import nn
 
 import merak
@@ -49,6 +49,7 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
     atol = ATOL_TP_ADAMW if "tp2" in scenario and "adamw" in scenario else ATOL
     assert assert_like_reference(figures, rtol=RTOL, atol=atol,
                                  grad_atol_of_max=GRAD_ATOL_OF_MAX) > 0
+    print(f"{scenario}: max abs diff {max(f['max_abs_diff'] for f in figures):.2g}")
     for rank, ours in enumerate(figures):
         counts = ours["expert_counts"]
         # (gate_up_proj, down_proj) x the rank's layers: 2, or 1 a stage at pp2; the coverage's
@@ -65,6 +66,12 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
         dense, experts = (sum(f["states"][i] for f in figures) for i in (0, 1))
         assert (dense, experts) == (figures[0]["params"][0], 2 * figures[0]["params"][1])
         assert all(0 < f["states"][1] < f["params"][1] for f in figures), figures
+    if "-zero2" in scenario or "-zero3" in scenario:  # FSDP2: experts over edp, rest over dp
+        replicas = int(scenario.split("-dp")[1].split("-")[0])
+        assert all(f["zero_groups"] == {"dense": [replicas], "experts": [replicas // 2]}
+                   for f in figures), [f["zero_groups"] for f in figures]
+        assert {f["optimizer"] for f in figures} == {type(OPTIMIZERS[scenario.split("-")[4]](
+            [nn.Parameter(torch.zeros(1))])).__name__}, figures
     if scenario.startswith("hf-"):  # every routed pair computed once (dropless), 2 layers
         pairs = 4 * SEQ * COMMON["num_experts_per_tok"]  # each rank's rows x top-k
         received = [f["received"] for f in figures]
@@ -129,15 +136,14 @@ def test_experts_ep_does_not_divide_are_refused():
 
 def test_engine_options_ep_does_not_combine_with_yet():
     """`build_engine` asks the rules with its options and the context's layout."""
-    ctx = SimpleNamespace(ep=2, tp=1, cp=1)
+    ctx = SimpleNamespace(ep=2, tp=2, cp=1)
+    with pytest.raises(NotSupportedYetError, match="EngineOptions.sequence_parallel=True with"):
+        build_engine(nn.Linear(2, 2), {}, ctx, EngineOptions(
+            tensor_parallel=TensorParallelOptions(sequence_parallel=True)))
     zero2 = EngineOptions(precision=PrecisionOptions(zero_stage=2))
-    with pytest.raises(NotSupportedYetError, match="EngineOptions.zero_stage=2 with expert"):
-        build_engine(nn.Linear(2, 2), {}, ctx, zero2)
-    with pytest.raises(NotSupportedYetError, match=r"sequence_parallel=True with expert"):
-        rules.check(EngineOptions(tensor_parallel=TensorParallelOptions(
-            sequence_parallel=True)).choices(SimpleNamespace(ep=2, tp=2, cp=1)))
-    assert rules.refusal(EngineOptions().choices(SimpleNamespace(ep=2, tp=2, cp=1))) is None
+    assert rules.refusal(zero2.choices(ctx)) is None  # ZeRO-2/3 shard the experts over edp
     assert rules.refusal(EngineOptions().choices(ctx)) is None
+    assert rules.refusal(EngineOptions().choices(SimpleNamespace(ep=2, tp=1, cp=1))) is None
     assert rules.refusal(zero2.choices(SimpleNamespace(ep=1, tp=1, cp=1))) is None
 
 

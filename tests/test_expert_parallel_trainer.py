@@ -54,6 +54,9 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
         assert len(held) == (2 if "pp2" in scenario else 4), held
         split = trained_layout[2] * trained_layout[4]  # ep x tp (Qwen3-MoE's plan splits them)
         assert all(mine * split == whole for mine, whole in held.values()), held
+    dp, _, ep, zero, _ = trained_layout
+    assert all(f["zero_groups"] == ({"dense": [dp], "experts": [dp // ep]} if zero >= 2 else
+                                    {"dense": [], "experts": []}) for f in figures), figures
     assert first["same_export"], "merak export of the last checkpoint differs from save_model"
     saved = hub_tensors(Path(first["saved"]))
     assert sorted(saved) == sorted(trained), sorted(set(saved) ^ set(trained))[:8]
@@ -68,7 +71,6 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"zero_stage": 2}, r"zero_stage=2 with expert parallelism \(ep=2\)"),
     ({"tp": 2, "sequence_parallel": True}, "sequence_parallel=True with expert parallelism"),
     ({"tp": 2, "tp_overlapping_level": 1}, "tp_overlapping_level=1 with expert parallelism"),
     ({"text_generation": True}, "text_generation=True with expert parallelism"),
@@ -85,17 +87,21 @@ def test_the_rules_refuse_what_expert_parallelism_does_not_combine_with_yet(fiel
 
 
 def test_merak_arguments_read_ep_from_the_last_init(monkeypatch):
-    """Made after merak.init(ep=2): a ZeRO stage is refused at once, before any build."""
+    """Made after merak.init(ep=2): what ep does not combine with is refused at once, before
+    any build; every ZeRO stage is accepted."""
     import merak.rules as rules_module
 
     monkeypatch.setattr(rules_module, "default_context",
                         lambda: type("Ctx", (), {"cp": 1, "tp": 1, "ep": 2})())
-    with pytest.raises(NotSupportedYetError, match="zero_stage=3 with expert parallelism"):
-        merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=3)
-    merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=1)
+    with pytest.raises(NotSupportedYetError, match="auto_find_batch_size=True with expert"):
+        merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none",
+                             auto_find_batch_size=True)
+    for zero in (1, 2, 3):
+        merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=zero)
 
 
 def test_the_rules_accept_tensor_and_expert_parallelism_together():
     assert refusal(Choices(ep=2, tp=2)) is None
-    assert refusal(Choices(ep=2, tp=2, zero_stage=1)) is None
+    for zero in (1, 2, 3):
+        assert refusal(Choices(ep=2, tp=2, zero_stage=zero)) is None
     assert refusal(Choices(ep=2, tp=1, sequence_parallel=True)) is None  # (no tp: nothing split)

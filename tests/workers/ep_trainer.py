@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 import merak
 from merak.checkpoint.export import export_checkpoint
+from merak.data_parallel.shards import is_sharded
 from merak.expert_parallel import experts_modules
 
 VOCAB, SEQ, STEPS, SAVE_STEP, MICRO_BATCH, MICROBATCHES, SEED = 128, 12, 4, 2, 2, 2, 1234
@@ -36,11 +37,13 @@ FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_nor
           "use_cpu": True, "per_device_train_batch_size": MICRO_BATCH,
           "per_device_eval_batch_size": MICRO_BATCH}
 # scenario -> (family, (dp, pp, ep, zero_stage, tp) trained, the same resumed)
-RUNS = {2: {f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), (2, 1, 1, 0, 1))
-            for family in CONFIGS},
+# (ZeRO-3 at dp2 ep2: the experts sharded over edp groups of one rank, the rest over both
+# ranks, resumed at ep1 without ZeRO; tp2, resumed at dp4 ep2 under ZeRO-2: edp groups of 2)
+RUNS = {2: {"trainer-qwen3_moe-dp2-ep2-zero3": ("qwen3_moe", (2, 1, 2, 3, 1), (2, 1, 1, 0, 1)),
+            "trainer-mixtral-dp2-ep2": ("mixtral", (2, 1, 2, 0, 1), (2, 1, 1, 0, 1))},
         4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0, 1), (4, 1, 2, 1, 1)),
             # each expert split over tp too (Qwen3-MoE's plan: moe_tp_experts)
-            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 0, 1))},
+            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 2, 1))},
         # one expert per rank over ep groups of 4 at pp=2, resumed at ep=2 under ZeRO-1
         8: {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}}
 
@@ -118,6 +121,10 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...]) -> dict
             for mname, module in experts_modules(trainer.stage).items()
             for name, p in module.named_parameters(recurse=False)
             if getattr(p, "ep_shard", None) is not None}
+    # ZeRO-2/3: the sizes of the groups sharding the experts and the other parameters
+    zero_groups = {kind: sorted({p.device_mesh.size() for p in trainer.stage.parameters()
+                                 if is_sharded(p) and getattr(p, "expert_parallel", False) == e})
+                   for kind, e in (("dense", False), ("experts", True))}
     trainer.save_model(str(root / "saved"))
     evaluated = trainer.evaluate()["eval_loss"]
     same_export = None
@@ -132,7 +139,7 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...]) -> dict
     again.train(resume_from_checkpoint=str(root / "merak" / f"checkpoint-{SAVE_STEP}"))
     return {"curve": curve, "resumed": logged(again), "eval_loss": evaluated,
             "resumed_eval_loss": again.evaluate()["eval_loss"], "held": held,
-            "dps": [trainer.ctx.dp, again.ctx.dp],
+            "dps": [trainer.ctx.dp, again.ctx.dp], "zero_groups": zero_groups,
             "optimizers": [type(t.optimizer).__name__ for t in (trainer, again)],
             "ep_rank": trainer.ctx.ep_rank if trainer.ctx.ep > 1 else 0,
             "saved": str(root / "saved"), "hub": str(hub), "same_export": same_export}
