@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ CONFIGS = {
 # group-limited routing; GPT-OSS's experts with biases), load-balancing loss on where they have
 # one; Llama-4: a block outside the experts interface (merak/expert_parallel/dense_moe.py)
 MORE_FAMILIES = ("olmoe", "deepseek_v3", "gpt_oss", "llama4_text")
+FULL = os.environ.get("MERAK_TEST_MATRIX") == "full"  # the wider grid
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
 
@@ -359,6 +361,10 @@ def scenarios(world_size: int) -> dict:
                 f, 2, 1, "sgd", load=True)
         for family in MORE_FAMILIES:
             out[f"engine-{family}-dp2-ep2-sgd"] = lambda f=family: engine(f, 2, 1, "sgd")
+        if FULL:  # ZeRO-3 for Mixtral, and for Llama-4's block (its experts called as a module)
+            for family in ("mixtral", "llama4_text"):
+                out[f"engine-{family}-dp2-ep2-adamw-zero3"] = lambda f=family: engine(
+                    f, 2, 1, "adamw", zero=3)
         # ZeRO-2/3: the experts sharded over edp groups of one rank, the rest over the 2
         for zero in (2, 3):
             out[f"engine-qwen3_moe-dp2-ep2-adamw-zero{zero}"] = lambda z=zero: engine(
@@ -379,6 +385,11 @@ def scenarios(world_size: int) -> dict:
                                                                      zero=2)
         out["engine-qwen3_moe-dp4-ep2-sgd-clip-zero3"] = lambda: engine(
             "qwen3_moe", 4, 1, "sgd", 0.5, zero=3)
+        if FULL:  # ZeRO-2/3 with tp too, and across the pipeline stages
+            out["engine-qwen3_moe-dp2-ep2-tp2-adamw-zero3"] = lambda: engine(
+                "qwen3_moe", 2, 1, "adamw", tp=2, zero=3)
+            out["engine-qwen3_moe-dp2-ep2-pp2-sgd-zero2"] = lambda: engine(
+                "qwen3_moe", 2, 2, "sgd", zero=2)
         # tp x ep: tp rank t of each replica exchanges tokens with tp rank t of the others;
         # Qwen3-MoE's and Mixtral's plans split each expert over tp too, GPT-OSS's inferred
         # plan keeps its experts (and their biases) whole on the tp ranks

@@ -159,8 +159,57 @@ def reference(hub: Path, out: Path) -> tuple[dict[str, list[float]], float, dict
     return logged(trainer), trainer.evaluate()["eval_loss"], hub_tensors(out / "final")
 
 
+# TRL's SFTTrainer through MerakTrainer at dp2 ep2 (`sft_run`): scenario -> SFTConfig fields
+# (router_aux_loss_coef=0: TRL then turns the router logits off, so the single-process
+# reference's micro-batches, which hold both dp ranks' rows, give the same loss)
+SFT_RUNS = {"sft-qwen3_moe-dp2-ep2": {"router_aux_loss_coef": 0.0}}
+
+
+def sft_run(name: str, fields: dict) -> dict:
+    """``class MerakSFTTrainer(MerakTrainer, SFTTrainer)`` on the tiny Qwen3-MoE of
+    `sft_common` (built under `init_empty_weights`) at dp2 ep2: its logged metrics and the
+    share of each experts tensor every rank holds."""
+    import sft_common as sft
+    import trl
+
+    Config, MerakSFTTrainer = sft.merak_classes(trl.SFTConfig, trl.SFTTrainer)
+    merak.init(dp=2, tp=1, pp=1, ep=2)
+    with merak.init_empty_weights():
+        model = sft.moe_model()
+    args = Config(output_dir=str(out_dir() / name),
+                  per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH // 2, **sft.FIELDS,
+                  **fields)
+    trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(),
+                              processing_class=sft.tokenizer())
+    trainer.train()
+    held = {name: [p.numel(), math.prod(p.ep_shard.full_shape)]
+            for name, p in trainer.stage.named_parameters()
+            if getattr(p, "ep_shard", None) is not None}
+    return {**sft.logged(trainer.state.log_history), "held": held}
+
+
+def sft_reference(fields: dict, out: Path) -> dict:
+    """Plain single-process SFTTrainer on the same model and rows, its micro-batches the dp
+    ranks' micro-batches together (`sft_common.reference_order`); run by the test."""
+    import sft_common as sft
+    import trl
+
+    args = trl.SFTConfig(output_dir=str(out),
+                         per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH,
+                         **{**sft.FIELDS, **fields})
+    trainer = trl.SFTTrainer(model=sft.moe_model(), args=args,
+                             train_dataset=sft.dataset(sft.reference_order(2)),
+                             processing_class=sft.tokenizer())
+    trainer.train()
+    return sft.logged(trainer.state.log_history)
+
+
 def scenarios(world_size: int) -> dict:
-    return {name: (lambda spec=spec: run(*spec)) for name, spec in RUNS.get(world_size, {}).items()}
+    out = {name: (lambda spec=spec: run(*spec)) for name, spec in RUNS.get(world_size, {}).items()}
+    if world_size == 2:
+        out.update({name: (lambda name=name, fields=fields: sft_run(name, fields))
+                    for name, fields in SFT_RUNS.items()})
+    return out
 
 
 if __name__ == "__main__":
