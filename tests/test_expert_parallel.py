@@ -157,12 +157,12 @@ def test_merak_trainer_checks_the_rules_with_ep_before_building_anything(monkeyp
         **{**COMMON, "num_experts_per_tok": 1}, head_dim=8, num_experts=2,
         moe_intermediate_size=16))
     args = merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none",
-                                text_generation=True)
+                                auto_find_batch_size=True)
     context = SimpleNamespace(ep=2, tp=1, cp=1)
     monkeypatch.setattr(trainer_module, "get_context", lambda: context)
     monkeypatch.setattr(rules_module, "default_context", lambda: context)
     with pytest.raises(NotSupportedYetError,
-                       match=r"text_generation=True with expert parallelism \(ep=2\)"):
+                       match=r"auto_find_batch_size=True with expert parallelism \(ep=2\)"):
         merak.MerakTrainer(model=model, args=args)
 
 

@@ -75,7 +75,9 @@ def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(laun
                                                                             tmp_path):
     """``class MerakSFTTrainer(MerakTrainer, SFTTrainer)`` at dp2 ep2 against plain
     SFTTrainer in one process: every step's loss, gradient norm, entropy, token accuracy and
-    token count, on both ranks; each rank holds half of every experts tensor."""
+    token count, on both ranks, and greedy generation after training (each dp rank decodes
+    one prompt, in lockstep over the ep group) against HF `generate`; each rank holds half of
+    every experts tensor."""
     import sft_common as sft
 
     figures = scenario_result(*launches(2), scenario)
@@ -85,6 +87,7 @@ def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(laun
         for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (rank, key)
         assert ours["num_tokens"] == theirs["num_tokens"], rank
+        assert ours["generated"] == theirs["generated"], rank  # greedy, in lockstep over ep
         assert len(ours["held"]) == 4 and all(mine * 2 == whole for mine, whole in
                                               ours["held"].values()), ours["held"]
     gaps = {key: max(abs(a - b) / max(abs(b), 1e-12) for f in figures
@@ -95,7 +98,6 @@ def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(laun
 @pytest.mark.parametrize("fields,match", [
     ({"tp": 2, "sequence_parallel": True}, "sequence_parallel=True with expert parallelism"),
     ({"tp": 2, "tp_overlapping_level": 1}, "tp_overlapping_level=1 with expert parallelism"),
-    ({"text_generation": True}, "text_generation=True with expert parallelism"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size=True with expert parallelism"),
     ({"planned": True}, r"auto_parallel \(or plan\) with expert parallelism"),
 ])
@@ -127,6 +129,7 @@ def test_the_rules_accept_tensor_and_expert_parallelism_together():
     for zero in (1, 2, 3):
         assert refusal(Choices(ep=2, tp=2, zero_stage=zero)) is None
     assert refusal(Choices(ep=2, tp=1, sequence_parallel=True)) is None  # (no tp: nothing split)
+    assert refusal(Choices(ep=2, text_generation=True)) is None  # (decoded in lockstep)
 
 
 def test_a_scheduler_state_fits_another_number_of_parameter_groups():

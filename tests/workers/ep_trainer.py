@@ -28,6 +28,7 @@ import merak
 from merak.checkpoint.export import export_checkpoint
 from merak.data_parallel.shards import is_sharded
 from merak.expert_parallel import experts_modules
+from merak.generation.generate import new_tokens
 
 VOCAB, SEQ, STEPS, SAVE_STEP, MICRO_BATCH, MICROBATCHES, SEED = 128, 12, 4, 2, 2, 2, 1234
 DP = 2  # the rows of a step: MICRO_BATCH x MICROBATCHES x DP
@@ -167,8 +168,9 @@ SFT_RUNS = {"sft-qwen3_moe-dp2-ep2": {"router_aux_loss_coef": 0.0}}
 
 def sft_run(name: str, fields: dict) -> dict:
     """``class MerakSFTTrainer(MerakTrainer, SFTTrainer)`` on the tiny Qwen3-MoE of
-    `sft_common` (built under `init_empty_weights`) at dp2 ep2: its logged metrics and the
-    share of each experts tensor every rank holds."""
+    `sft_common` (built under `init_empty_weights`) at dp2 ep2: its logged metrics, the share
+    of each experts tensor every rank holds, and greedy `generate` of `sft_common.prompts`
+    after training."""
     import sft_common as sft
     import trl
 
@@ -185,12 +187,15 @@ def sft_run(name: str, fields: dict) -> dict:
     held = {name: [p.numel(), math.prod(p.ep_shard.full_shape)]
             for name, p in trainer.stage.named_parameters()
             if getattr(p, "ep_shard", None) is not None}
-    return {**sft.logged(trainer.state.log_history), "held": held}
+    # greedy, after training: each dp rank decodes one prompt, in lockstep over the ep group
+    generated = trainer.generate(sft.prompts(), max_new_tokens=sft.NEW_TOKENS)
+    return {**sft.logged(trainer.state.log_history), "held": held, "generated": generated}
 
 
 def sft_reference(fields: dict, out: Path) -> dict:
     """Plain single-process SFTTrainer on the same model and rows, its micro-batches the dp
-    ranks' micro-batches together (`sft_common.reference_order`); run by the test."""
+    ranks' micro-batches together (`sft_common.reference_order`), and HF greedy `generate` of
+    each prompt with the trained model; run by the test."""
     import sft_common as sft
     import trl
 
@@ -201,7 +206,13 @@ def sft_reference(fields: dict, out: Path) -> dict:
                              train_dataset=sft.dataset(sft.reference_order(2)),
                              processing_class=sft.tokenizer())
     trainer.train()
-    return sft.logged(trainer.state.log_history)
+    model = trainer.model.eval()
+    generated = []
+    for ids in sft.prompts():  # greedy, as MerakTrainer.generate
+        out = model.generate(torch.tensor([ids]), max_new_tokens=sft.NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)
+        generated.append(new_tokens(out[0, len(ids):], {model.generation_config.eos_token_id}))
+    return {**sft.logged(trainer.state.log_history), "generated": generated}
 
 
 def scenarios(world_size: int) -> dict:
