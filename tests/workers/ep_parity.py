@@ -190,8 +190,9 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     from the `save_pretrained` files of `_loaded` (Mixtral's: per-expert tensors, merged on
     load), then keeps its experts. `zero`: the ZeRO stage (1: the experts' optimizer state
     over the edp group, the rest over the replicas; 2, 3: FSDP2, the experts sharded over the
-    edp group, the rest over the replicas; gradients and parameters compared whole). `tp`: tensor parallelism too (the
-    family's plan; Qwen3-MoE's and Mixtral's split every expert's intermediate dim)."""
+    edp group, the rest over the replicas; gradients and parameters compared whole). `tp`:
+    tensor parallelism too (the family's plan; Qwen3-MoE's and Mixtral's split every expert's
+    intermediate dim)."""
     ctx = merak.init(dp=dp, tp=tp, pp=pp, ep=ep)
     rows_per = MICRO * ROWS_PER_MICRO
     checkpoint = None
@@ -211,7 +212,7 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     norms = []
     built.interpreter.hooks.append(_NormProbe(built.clipper, norms))
     stage = built.stage
-    snapshot = _WholeGrads(stage)
+    snapshot = GradSnapshot(stage)  # (ZeRO-2/3: gathered whole)
     built.interpreter.hooks.append(snapshot)
     losses = [built.interpreter.train_step(rows(step, ctx.dp_rank * rows_per, rows_per))
               for step in range(STEPS)]
@@ -275,16 +276,6 @@ def _zero_groups(stage) -> dict[str, list[int]]:
             kind = "experts" if getattr(param, "expert_parallel", False) else "dense"
             out.setdefault(kind, set()).add(size)
     return {k: sorted(v) for k, v in out.items()}
-
-
-class _WholeGrads(GradSnapshot):
-    """Every gradient before each optimizer step, whole (ZeRO-2/3's sharded ones gathered over
-    their group: every rank calls it for every parameter, in one order)."""
-
-    def on_instruction_begin(self, name, action):
-        if name == "optimizer_step":
-            self.grads.append({n: whole(p.grad).clone()
-                               for n, p in self.stage.named_parameters() if p.grad is not None})
 
 
 class _NormProbe(merak.InstructionHook):
