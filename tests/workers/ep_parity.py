@@ -353,9 +353,10 @@ def scenarios(world_size: int) -> dict:
         for family in MORE_FAMILIES:
             out[f"engine-{family}-dp2-ep2-sgd"] = lambda f=family: engine(f, 2, 1, "sgd")
         if FULL:  # ZeRO-3 for Mixtral, and for Llama-4's block (its experts called as a module)
-            for family in ("mixtral", "llama4_text"):
-                out[f"engine-{family}-dp2-ep2-adamw-zero3"] = lambda f=family: engine(
-                    f, 2, 1, "adamw", zero=3)
+            out["engine-mixtral-dp2-ep2-adamw-zero3"] = lambda: engine("mixtral", 2, 1, "adamw",
+                                                                       zero=3)
+            out["engine-llama4_text-dp2-ep2-sgd-zero3"] = lambda: engine("llama4_text", 2, 1,
+                                                                         "sgd", zero=3)
         # ZeRO-2/3: the experts sharded over edp groups of one rank, the rest over the 2
         for zero in (2, 3):
             out[f"engine-qwen3_moe-dp2-ep2-adamw-zero{zero}"] = lambda z=zero: engine(
