@@ -1,9 +1,9 @@
 """Generation with expert parallelism (pooled worker ep_generation.py): the ranks of an ep group
 decode their own prompts in lockstep (a rank done first, or with no prompt, keeps running
 forwards until every rank is done), so every MoE layer's all-to-all meets. At dp2 ep2 (ZeRO-3
-too), dp4 ep2 and dp2 ep2 pp2, every rank's result equals single-process HF `generate` on each
-dp rank's share of the prompts: greedy with an eos ending one rank's prompt early, one prompt
-for several dp ranks, and seeded sampling."""
+too) and dp2 ep2 pp2 (dp4 ep2 too with MERAK_TEST_MATRIX=full), every rank's result equals
+single-process HF `generate` on each dp rank's share of the prompts: greedy with an eos ending
+one rank's prompt early, one prompt for several dp ranks, and seeded sampling."""
 
 from __future__ import annotations
 
