@@ -193,3 +193,16 @@ def test_experts_split_over_ep_and_tp_are_pieces_of_the_whole_tensor(tp_dim, chu
             assert torch.equal(piece[mine], whole[at])
             covered[at] += 1
     assert torch.equal(covered, torch.ones_like(whole))
+
+
+def test_zero_refuses_a_module_holding_experts_and_other_parameters():
+    """ZeRO-2/3 shard an experts module over the edp group: a module holding both kinds of
+    parameter would put the others on the wrong group, so it is refused by name."""
+    from merak.data_parallel.zero import expert_units
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].weight.expert_parallel = True
+    with pytest.raises(ValueError, match=r"0 holds expert tensors \(weight\) and others \(bias\)"):
+        expert_units(model)
+    model[0].bias.expert_parallel = True
+    assert expert_units(model) == [model[0]]
