@@ -208,8 +208,6 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
     if c.ep == 1:
         return None
     for other, wrong, why, instead in (
-            ("zero_stage", c.zero_stage >= 2, "FSDP2 shards over all replicas, but expert "
-             "weights are reduced over the edp group", "use zero_stage 0 or 1"),
             ("sequence_parallel", c.sequence_parallel and c.tp > 1, "with sequence "
              "parallelism the tp ranks hold different tokens, which the experts' split over tp "
              "(moe_tp_experts) and the all-to-all over ep are untested with",
@@ -217,9 +215,6 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
             ("tp_overlapping_level", c.tp_overlapping_level > 0 and c.tp > 1, "TP overlap's "
              "sub-batches are untested with the experts' all-to-all",
              "use tp_overlapping_level=0 (tp and ep compose without it)"),
-            ("text_generation", c.text_generation, "a generation step's all-to-all would need "
-             "every rank of the ep group to decode in lockstep", "generate in a job with ep=1 "
-             "(a checkpoint resumes in any ep)"),
             ("auto_find_batch_size", c.auto_find_batch_size, "its memory probe is untested with "
              "the experts' all-to-all", "set per_device_train_batch_size yourself"),
             ("auto_parallel", c.planned, "the trainer's planned layouts are untested with "

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from dist_harness import assert_like_reference, check, scenario_result
-from ep_parity import COMMON, SELF_CHECKED, SEQ, scenario_names
+from ep_parity import COMMON, OPTIMIZERS, SELF_CHECKED, SEQ, scenario_names
 from torch import nn
 
 import merak
@@ -49,6 +49,7 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
     atol = ATOL_TP_ADAMW if "tp2" in scenario and "adamw" in scenario else ATOL
     assert assert_like_reference(figures, rtol=RTOL, atol=atol,
                                  grad_atol_of_max=GRAD_ATOL_OF_MAX) > 0
+    print(f"{scenario}: max abs diff {max(f['max_abs_diff'] for f in figures):.2g}")
     for rank, ours in enumerate(figures):
         counts = ours["expert_counts"]
         # (gate_up_proj, down_proj) x the rank's layers: 2, or 1 a stage at pp2; the coverage's
@@ -65,6 +66,13 @@ def test_expert_parallel_trains_like_the_model(launches, world_size, scenario):
         dense, experts = (sum(f["states"][i] for f in figures) for i in (0, 1))
         assert (dense, experts) == (figures[0]["params"][0], 2 * figures[0]["params"][1])
         assert all(0 < f["states"][1] < f["params"][1] for f in figures), figures
+    if "-zero2" in scenario or "-zero3" in scenario:  # FSDP2: experts over edp, rest over dp
+        replicas = int(scenario.split("-dp")[1].split("-")[0])
+        assert all(f["zero_groups"] == {"dense": [replicas], "experts": [replicas // 2]}
+                   for f in figures), [f["zero_groups"] for f in figures]
+        optimizer = next(part for part in scenario.split("-") if part in OPTIMIZERS)
+        assert {f["optimizer"] for f in figures} == {type(OPTIMIZERS[optimizer](
+            [nn.Parameter(torch.zeros(1))])).__name__}, figures
     if scenario.startswith("hf-"):  # every routed pair computed once (dropless), 2 layers
         pairs = 4 * SEQ * COMMON["num_experts_per_tok"]  # each rank's rows x top-k
         received = [f["received"] for f in figures]
@@ -129,15 +137,14 @@ def test_experts_ep_does_not_divide_are_refused():
 
 def test_engine_options_ep_does_not_combine_with_yet():
     """`build_engine` asks the rules with its options and the context's layout."""
-    ctx = SimpleNamespace(ep=2, tp=1, cp=1)
+    ctx = SimpleNamespace(ep=2, tp=2, cp=1)
+    with pytest.raises(NotSupportedYetError, match="EngineOptions.sequence_parallel=True with"):
+        build_engine(nn.Linear(2, 2), {}, ctx, EngineOptions(
+            tensor_parallel=TensorParallelOptions(sequence_parallel=True)))
     zero2 = EngineOptions(precision=PrecisionOptions(zero_stage=2))
-    with pytest.raises(NotSupportedYetError, match="EngineOptions.zero_stage=2 with expert"):
-        build_engine(nn.Linear(2, 2), {}, ctx, zero2)
-    with pytest.raises(NotSupportedYetError, match=r"sequence_parallel=True with expert"):
-        rules.check(EngineOptions(tensor_parallel=TensorParallelOptions(
-            sequence_parallel=True)).choices(SimpleNamespace(ep=2, tp=2, cp=1)))
-    assert rules.refusal(EngineOptions().choices(SimpleNamespace(ep=2, tp=2, cp=1))) is None
+    assert rules.refusal(zero2.choices(ctx)) is None  # ZeRO-2/3 shard the experts over edp
     assert rules.refusal(EngineOptions().choices(ctx)) is None
+    assert rules.refusal(EngineOptions().choices(SimpleNamespace(ep=2, tp=1, cp=1))) is None
     assert rules.refusal(zero2.choices(SimpleNamespace(ep=1, tp=1, cp=1))) is None
 
 
@@ -150,12 +157,12 @@ def test_merak_trainer_checks_the_rules_with_ep_before_building_anything(monkeyp
         **{**COMMON, "num_experts_per_tok": 1}, head_dim=8, num_experts=2,
         moe_intermediate_size=16))
     args = merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none",
-                                text_generation=True)
+                                auto_find_batch_size=True)
     context = SimpleNamespace(ep=2, tp=1, cp=1)
     monkeypatch.setattr(trainer_module, "get_context", lambda: context)
     monkeypatch.setattr(rules_module, "default_context", lambda: context)
     with pytest.raises(NotSupportedYetError,
-                       match=r"text_generation=True with expert parallelism \(ep=2\)"):
+                       match=r"auto_find_batch_size=True with expert parallelism \(ep=2\)"):
         merak.MerakTrainer(model=model, args=args)
 
 
@@ -186,3 +193,16 @@ def test_experts_split_over_ep_and_tp_are_pieces_of_the_whole_tensor(tp_dim, chu
             assert torch.equal(piece[mine], whole[at])
             covered[at] += 1
     assert torch.equal(covered, torch.ones_like(whole))
+
+
+def test_zero_refuses_a_module_holding_experts_and_other_parameters():
+    """ZeRO-2/3 shard an experts module over the edp group: a module holding both kinds of
+    parameter would put the others on the wrong group, so it is refused by name."""
+    from merak.data_parallel.zero import expert_units
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].weight.expert_parallel = True
+    with pytest.raises(ValueError, match=r"0 holds expert tensors \(weight\) and others \(bias\)"):
+        expert_units(model)
+    model[0].bias.expert_parallel = True
+    assert expert_units(model) == [model[0]]

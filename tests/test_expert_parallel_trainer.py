@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from dist_harness import scenario_result
-from ep_trainer import RUNS, SAVE_STEP, hub_tensors, reference
+from ep_trainer import RUNS, SAVE_STEP, SFT_RUNS, hub_tensors, reference, sft_reference
 
 import merak
 from merak.rules import Choices, NotSupportedYetError, refusal
@@ -101,6 +101,9 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
             ours["curve"]["grad_norm"][SAVE_STEP:], rel=NORM_RTOL)
         if ours["dps"][0] == ours["dps"][1]:  # (eval adds each dp rank's load-balancing loss)
             assert ours["resumed_eval_loss"] == pytest.approx(ours["eval_loss"], abs=LOSS_ATOL)
+    dp, _, ep, zero, _ = trained_layout  # ZeRO-2/3: experts over edp, the rest over dp
+    assert all(f["zero_groups"] == ({"dense": [dp], "experts": [dp // ep]} if zero >= 2 else
+                                    {"dense": [], "experts": []}) for f in figures), figures
     assert first["same_export"], "merak export of the last checkpoint differs from save_model"
     saved = hub_tensors(Path(first["saved"]))
     assert sorted(saved) == sorted(trained), sorted(set(saved) ^ set(trained))[:8]
@@ -111,11 +114,34 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
     _print_gaps(scenario, figures, theirs, f", saved weights {worst:.2g} from HF Trainer's")
 
 
+@pytest.mark.parametrize("scenario", list(SFT_RUNS))
+def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(launches, scenario,
+                                                                            tmp_path):
+    """``class MerakSFTTrainer(MerakTrainer, SFTTrainer)`` at dp2 ep2 against plain
+    SFTTrainer in one process: every step's loss, gradient norm, entropy, token accuracy and
+    token count, on both ranks, and greedy generation after training (each dp rank decodes
+    one prompt, in lockstep over the ep group) against HF `generate`; each rank holds half of
+    every experts tensor."""
+    import sft_common as sft
+
+    figures = scenario_result(*launches(2), scenario)
+    theirs = sft_reference(SFT_RUNS[scenario], tmp_path)
+    assert len(theirs["loss"]) == sft.STEPS and theirs["mean_token_accuracy"][-1] > 0.05
+    for rank, ours in enumerate(figures):
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (rank, key)
+        assert ours["num_tokens"] == theirs["num_tokens"], rank
+        assert ours["generated"] == theirs["generated"], rank  # greedy, in lockstep over ep
+        assert len(ours["held"]) == 4 and all(mine * 2 == whole for mine, whole in
+                                              ours["held"].values()), ours["held"]
+    gaps = {key: max(abs(a - b) / max(abs(b), 1e-12) for f in figures
+                     for a, b in zip(f[key], theirs[key])) for key in ("loss", "grad_norm")}
+    print(f"{scenario}: loss {gaps['loss']:.2g}, grad norm {gaps['grad_norm']:.2g} relative")
+
+
 @pytest.mark.parametrize("fields,match", [
-    ({"zero_stage": 2}, r"zero_stage=2 with expert parallelism \(ep=2\)"),
     ({"tp": 2, "sequence_parallel": True}, "sequence_parallel=True with expert parallelism"),
     ({"tp": 2, "tp_overlapping_level": 1}, "tp_overlapping_level=1 with expert parallelism"),
-    ({"text_generation": True}, "text_generation=True with expert parallelism"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size=True with expert parallelism"),
     ({"planned": True}, r"auto_parallel \(or plan\) with expert parallelism"),
 ])
@@ -129,17 +155,55 @@ def test_the_rules_refuse_what_expert_parallelism_does_not_combine_with_yet(fiel
 
 
 def test_merak_arguments_read_ep_from_the_last_init(monkeypatch):
-    """Made after merak.init(ep=2): a ZeRO stage is refused at once, before any build."""
+    """Made after merak.init(ep=2): what ep does not combine with is refused at once, before
+    any build; every ZeRO stage is accepted."""
     import merak.rules as rules_module
 
     monkeypatch.setattr(rules_module, "default_context",
                         lambda: type("Ctx", (), {"cp": 1, "tp": 1, "ep": 2})())
-    with pytest.raises(NotSupportedYetError, match="zero_stage=3 with expert parallelism"):
-        merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=3)
-    merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=1)
+    with pytest.raises(NotSupportedYetError, match="auto_find_batch_size=True with expert"):
+        merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none",
+                             auto_find_batch_size=True)
+    for zero in (1, 2, 3):
+        merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none", zero_stage=zero)
 
 
 def test_the_rules_accept_tensor_and_expert_parallelism_together():
     assert refusal(Choices(ep=2, tp=2)) is None
-    assert refusal(Choices(ep=2, tp=2, zero_stage=1)) is None
+    for zero in (1, 2, 3):
+        assert refusal(Choices(ep=2, tp=2, zero_stage=zero)) is None
     assert refusal(Choices(ep=2, tp=1, sequence_parallel=True)) is None  # (no tp: nothing split)
+    assert refusal(Choices(ep=2, text_generation=True)) is None  # (decoded in lockstep)
+
+
+def test_a_scheduler_state_fits_another_number_of_parameter_groups():
+    """ZeRO-2/3 with ep gives the experts' mesh parameter groups of its own (HF's
+    create_optimizer): a scheduler saved with 2 groups resumes with 3 and back, when every
+    group has the same schedule; different schedules are refused by name."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    from merak.checkpoint.files import CheckpointError
+    from merak.trainer.checkpointing import scheduler_state_for
+
+    def scheduler(groups: int, rates=None):
+        params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]
+        optimizer = torch.optim.SGD([{"params": [p], "lr": lr} for p, lr in
+                                     zip(params, rates or [0.1] * groups)], lr=0.1)
+        return optimizer, get_linear_schedule_with_warmup(optimizer, 0, 10)
+
+    _, saved = scheduler(2)
+    for _ in range(3):
+        saved.optimizer.step()
+        saved.step()
+    optimizer, resumed = scheduler(3)
+    resumed.load_state_dict(scheduler_state_for(saved.state_dict(), 3))
+    assert resumed.get_last_lr() == pytest.approx([saved.get_last_lr()[0]] * 3)
+    assert resumed.last_epoch == 3
+    resumed.step()
+    saved.step()
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.1 * 6 / 10] * 3)
+    assert scheduler_state_for(resumed.state_dict(), 2)["_last_lr"] == saved.get_last_lr()
+    _, different = scheduler(2, [0.1, 0.2])
+    with pytest.raises(CheckpointError, match="2 parameter groups with different base_lrs"):
+        scheduler_state_for(different.state_dict(), 3)

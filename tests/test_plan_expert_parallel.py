@@ -13,7 +13,7 @@ from merak.cli import main as merak_main
 from merak.rules import Choices, refusal
 from merak.strategy.candidate import Candidate
 from merak.strategy.cluster import cluster
-from merak.strategy.costs import analytic_costs
+from merak.strategy.costs import analytic_costs, state_bytes
 from merak.strategy.predict import Predictor
 from merak.strategy.search import candidates, read_strategy_plan
 from merak.strategy.shape import ModelShape
@@ -57,14 +57,13 @@ def test_ep_degrees_divide_the_replicas_and_the_experts():
     for c in found:
         assert (c.dp * c.cp) % c.ep == 0 and 8 % c.ep == 0
         if c.ep > 1:  # what the rules refuse with ep, the planner does not propose
-            assert c.zero < 2 and not (c.tp > 1 and c.sequence_parallel)
+            assert not (c.tp > 1 and c.sequence_parallel)
             assert refusal(Choices().with_candidate(c)) is None
     assert any(c.ep > 1 and c.tp > 1 for c in found)  # tp and ep compose
-    assert {c.ep for c in found if c.zero == 1} > {1}
+    assert all({c.ep for c in found if c.zero == z} > {1} for z in (1, 2, 3))  # ZeRO too
     assert {c.ep for c in candidates(dense, 8, 16, 128)} == {1}
     assert {c.ep for c in candidates(moe, 8, 16, 128, expert_parallel=(1,))} == {1}
-    zero = Candidate(4, 1, 2, 1, 4, zero=2, ep=2)
-    assert refusal(Choices().with_candidate(zero)).field == "zero_stage"
+    assert refusal(Choices().with_candidate(Candidate(4, 1, 2, 1, 4, zero=2, ep=2))) is None
     # the trainer's automatic plan (a job whose layout is planned) keeps ep = 1
     assert refusal(Choices(planned=True).with_candidate(Candidate(4, 1, 2, 1, 4, ep=2)))
 
@@ -87,6 +86,13 @@ def test_ep_divides_the_expert_memory_and_adds_the_token_exchange():
     zero1 = predictor.predict(Candidate(8, 1, 1, 1, 4, zero=1, ep=2))
     assert zero1.state_bytes[0] == pytest.approx((8 + 8 / 8) * outside / 16
                                                  + (8 + 8 / 4) * experts / 2 / 16)
+    # ZeRO-3: every state sharded over its own replicas (8, and 8 / ep for the experts), plus
+    # the largest block's gathered weights and gradients; its gathers add time over ZeRO-1
+    candidate = Candidate(8, 1, 1, 1, 4, zero=3, ep=2)
+    zero3, largest = predictor.predict(candidate), predictor._block_params(candidate)
+    assert zero3.state_bytes[0] == pytest.approx(
+        state_bytes(outside / 16, 3, 8, largest) + state_bytes(experts / 2 / 16, 3, 4, largest))
+    assert zero3.state_bytes[0] < zero1.state_bytes[0] and zero3.step_s > zero1.step_s
     # the same compute, plus the all-to-alls' time, which grows with the share sent away
     assert by_ep[1].pipeline_s < by_ep[2].pipeline_s < by_ep[8].pipeline_s
     uneven = Predictor(shape, costs, h100, memory_bytes=10**15, imbalance=1.5)

@@ -30,6 +30,15 @@ When parameters are gathered:
   computed is whole. Keeping units whole across the step's micro-batches would save those
   re-gathers, but that is exactly ZeRO-2's memory: the stage choice is the memory choice.
 
+Expert parallelism (ep > 1): the parameters `shard_experts` marked ``expert_parallel`` (an
+experts module's ``[E/ep, ...]`` tensors) are held by the dp x cp / ep replicas of the
+expert-data-parallel group only, so each experts module is its own unit, sharded over that
+group (``ctx.edp_group`` as a 1-D mesh) before its block is, which then holds the rest of the
+block over the replicas. An expert's gradient on a rank already holds its whole ep group's
+rows: FSDP's reduce-scatter sums it over edp and divides by the edp size (dp x cp / ep), and
+the unit's all-reduce hook divides by ep as well, so every expert gets the gradient of the mean
+of the replicas' losses, as the other parameters do (and as `StepTail` does without ZeRO).
+
 Outside a training step, an evaluation or a generation every unit is sharded: the step's
 reduce-scatter, the end of an evaluation (`reshard`) and `gathered` each leave it so, so
 checkpoints and exports always read the shards (DTensors).
@@ -38,11 +47,13 @@ checkpoints and exports always read the shards (DTensors).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from merak.distributed.parallel_context import ParallelContext
@@ -86,8 +97,14 @@ class ZeroSharding:
         attributes = _merak_attributes(stage)
         mesh = ctx.replica_mesh  # dp, or dp x cp (cp ranks hold the same weights)
         reshard = zero_stage == 3
+        ep = getattr(ctx, "ep", 1)
+        edp_mesh = expert_data_mesh(ctx) if ep > 1 else None
         self.roots: list[FSDPModule] = []
         for chunk in chunks:
+            for unit in expert_units(chunk) if edp_mesh is not None else ():
+                fully_shard(unit, mesh=edp_mesh, reshard_after_forward=reshard,
+                            mp_policy=policy)
+                unit.set_all_reduce_hook(functools.partial(_divide, by=ep))
             for name in block_names(chunk.split, chunk.stage_id):
                 block = chunk.get_submodule(name)
                 if any(p.requires_grad for p in block.parameters()):
@@ -162,6 +179,41 @@ class ZeroSharding:
             for root in self.roots:  # every unit was wrapped with this value
                 root.set_reshard_after_forward(self.zero_stage == 3)
             self.reshard()
+
+
+def expert_data_mesh(ctx: ParallelContext) -> DeviceMesh:
+    """The expert-data-parallel group (the replicas holding this rank's experts) as the 1-D
+    mesh FSDP2 shards the experts over (made from the existing group: no new process group)."""
+    return DeviceMesh.from_group(ctx.edp_group, ctx.device.type, mesh_dim_names=("edp",))
+
+
+def expert_units(module: nn.Module) -> list[nn.Module]:
+    """The modules of `module` holding expert-parallel parameters (marked ``expert_parallel``
+    by `merak.expert_parallel.shard_experts`): each is sharded over the edp group.
+
+    Raises:
+        ValueError: such a module also holds parameters of its own that are not per-expert
+            (they would be sharded over the wrong group).
+    """
+    units = []
+    for name, sub in module.named_modules():
+        own = dict(sub.named_parameters(recurse=False))
+        experts = [n for n, p in own.items() if getattr(p, "expert_parallel", False)]
+        if experts and len(experts) < len(own):
+            raise ValueError(
+                f"zero_stage 2/3 with expert parallelism: {name} holds expert tensors "
+                f"({', '.join(experts)}) and others ({', '.join(sorted(set(own) - set(experts)))})"
+                f"; the experts are sharded over the expert-data-parallel group, the rest over "
+                f"the replicas, so they must live in separate modules; use zero_stage=1")
+        if experts:
+            units.append(sub)
+    return units
+
+
+def _divide(gradient: torch.Tensor, by: int) -> None:
+    """An experts unit's reduce-scatter output (FSDP2's all-reduce hook): the edp average
+    divided by ep, i.e. the sum over edp divided by every replica."""
+    gradient.div_(by)
 
 
 def precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:

@@ -57,8 +57,14 @@ class Engine:
 
 
 def default_optimizer(stage: nn.Module) -> torch.optim.Optimizer:
-    """AdamW at lr 1e-4 over the stage: what a dry run steps when the job gives none."""
-    return torch.optim.AdamW(stage.parameters(), lr=1e-4)
+    """AdamW at lr 1e-4 over the stage: what a dry run steps when the job gives none. One
+    parameter group per device mesh (ZeRO-2/3 with ep shards the experts over another mesh
+    than the rest, and a foreach kernel cannot span two meshes), as HF's `create_optimizer`
+    groups them."""
+    groups: dict = {}
+    for param in stage.parameters():
+        groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return torch.optim.AdamW([{"params": params} for params in groups.values()], lr=1e-4)
 
 
 def build_engine(model: nn.Module, example: dict[str, torch.Tensor], ctx: ParallelContext,

@@ -33,12 +33,15 @@ def route_block(block: nn.Module, shard: ExpertShard) -> None:
     over its routed pairs only, by all-to-all."""
     block.experts.merak_ep = shard
     block.forward = types.MethodType(_routed_forward, block)
+    # called as a module, so what wraps it (ZeRO-2/3's FSDP2 unit: its experts gathered
+    # before, resharded after) sees the call
+    block.experts.forward = types.MethodType(_local_experts, block.experts)
 
 
 def _local_experts(experts: nn.Module, rows: torch.Tensor, local_ids: torch.Tensor
                    ) -> torch.Tensor:
     """This rank's experts (``gate_up_proj [E/ep, H, 2I]``, ``down_proj [E/ep, I, H]``) each
-    over the rows that arrived for it."""
+    over the rows that arrived for it: the experts module's forward under ep."""
     out = rows.new_zeros(rows.shape[0], experts.down_proj.shape[-1])
     for e in range(experts.gate_up_proj.shape[0]):
         picked = (local_ids == e).nonzero().squeeze(1)
@@ -54,7 +57,7 @@ def _routed_forward(self: nn.Module, hidden_states: torch.Tensor):
     scaled = hidden[:, None, :] * router_scores.gather(1, top)[..., None]  # [T, K, H]
     pairs = run_routed(self.experts.merak_ep, top.reshape(-1),
                        lambda order: scaled.reshape(-1, self.hidden_dim)[order],
-                       lambda rows, ids: _local_experts(self.experts, rows, ids))
+                       lambda rows, ids: self.experts(rows, ids))
     out = self.shared_expert(hidden)
     out.add_(pairs.view(*top.shape, -1).sum(dim=1))
     return out, router_logits

@@ -74,6 +74,10 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor,
                             top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                             ) -> torch.Tensor:
     shard: ExpertShard | None = getattr(module, "merak_ep", None)
+    if shard is None and hidden_states.is_meta:
+        # a layer another pipeline stage holds, run on meta for its shapes (generation's
+        # `StageView`): its output's shape, no exchange
+        return torch.empty_like(hidden_states)
     if shard is None:
         raise RuntimeError(f"{type(module).__name__} asks for the {IMPLEMENTATION!r} experts "
                            f"implementation but was not sharded: call "

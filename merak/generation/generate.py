@@ -6,6 +6,13 @@ shares); in each replica every rank runs HF ``model.generate`` on its share insi
 ``eos_token_id``) is HF's own code, each stage keeping the keys and values of its own blocks and
 a decode step sending one position per request from stage to stage. The results are gathered
 over dp, so every rank returns every prompt's new tokens.
+
+With expert parallelism (ep > 1) every MoE layer's forward is an all-to-all over the ep group,
+whose ranks decode different prompts: they must run the same number of forwards. So every rank
+decodes in lockstep (HF's ``synced_gpus``: each step all ranks say whether they are done, and a
+rank whose prompts are finished keeps running forwards, its results discarded, until every rank
+is), and a rank with no prompt of its own decodes a one-token placeholder that is finished at
+once (`_Finished`), so it takes part in every step's all-to-all.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from merak.distributed.host_objects import all_gather_objects
 from merak.distributed.parallel_context import ParallelContext, get_context
@@ -98,6 +106,13 @@ def new_tokens(row: torch.Tensor, eos: set[int]) -> list[int]:
     return out
 
 
+class _Finished(StoppingCriteria):
+    """Every row is done: a rank's placeholder prompt under lockstep decoding."""
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContext | None = None,
              max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
@@ -135,19 +150,24 @@ def generate(model: nn.Module, stage: nn.Module, prompts, *, ctx: ParallelContex
                                          getattr(config, "pad_token_id", None), *sorted(eos))
                              if t is not None), 0)
     mine = prompts[_share(len(prompts), ctx.dp, ctx.dp_rank)]
+    lockstep = getattr(ctx, "ep", 1) > 1  # every MoE layer an all-to-all over the ep group
     rows: list[list[int]] = []
-    if mine:
-        ids, mask = left_padded(mine, pad_token_id, ctx.device)
+    if mine or lockstep:
+        ids, mask = left_padded(mine or [[pad_token_id]], pad_token_id, ctx.device)
         options = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                    "pad_token_id": pad_token_id, "eos_token_id": eos_token_id}
         if do_sample:
             options.update(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0)
+        if lockstep:
+            options["synced_gpus"] = True
+            if not mine:  # a placeholder, finished after its first step
+                options["stopping_criteria"] = StoppingCriteriaList([_Finished()])
         devices = [ctx.device] if ctx.device.type == "cuda" else []
         with StageView(model, stage, ctx, prefix), \
                 torch.random.fork_rng(devices=devices, device_type=ctx.device.type):
             torch.manual_seed(seed)
             out = model.generate(input_ids=ids, attention_mask=mask, **options)
-        rows = [new_tokens(row, eos) for row in out[:, ids.shape[1]:].cpu()]
+        rows = [new_tokens(row, eos) for row in out[:, ids.shape[1]:].cpu()] if mine else []
     if ctx.dp == 1:
         return rows
     shares = all_gather_objects(rows, ctx.host_group("dp"))

@@ -127,9 +127,10 @@ class PipelineInterpreter(ForwardOnly, StepTail):
         self._tied = tied_parameter_groups(ctx, split, {i: r.stage for i, r in
                                                         self.runners.items()}, self.placement)
         # expert-parallel experts (merak.expert_parallel): their gradients already hold the
-        # whole ep group's tokens; summed over edp in the step's tail (`_reduce_grads`)
-        self._experts = [q for q in params
-                         if q.requires_grad and getattr(q, "expert_parallel", False)]
+        # whole ep group's tokens; summed over edp in the step's tail (`_reduce_grads`), or by
+        # ZeRO-2/3's reduce-scatter over edp where they are sharded
+        self._experts = [q for q in params if q.requires_grad and not is_sharded(q)
+                         and getattr(q, "expert_parallel", False)]
         self.grad_averager = GradientAverager(
             [q for q in params if not is_sharded(q) and not getattr(q, "expert_parallel", False)],
             ctx.replica_group, o.bucket_bytes,

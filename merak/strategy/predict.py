@@ -214,7 +214,7 @@ class Predictor:
         states = [0.0] * c.pp
         placement = placement_of(c.schedule, c.pp, c.chunks)
         for s, p in enumerate(params):
-            # experts' ZeRO-1 shards are over their own replicas (dp x cp / ep)
+            # experts' ZeRO shards are over their own replicas (dp x cp / ep)
             experts = counts[s] * self._block_experts(c)
             states[placement[s]] += state_bytes(p - experts, c.zero, c.replicas, largest) \
                 + state_bytes(experts, c.zero, c.replicas // c.ep, largest)
@@ -340,12 +340,15 @@ class Predictor:
             edp = dp // c.ep
             step = cost.optimizer_s_per_param * (
                 mine / dp + experts / edp if c.zero >= 1 else mine + experts)
-            if c.zero >= 2:
-                sync = cl.all_gather_s(grads, dp, c.tp)  # reduce-scatter
+            if c.zero >= 2:  # (the experts' units over their edp group)
+                sync = cl.all_gather_s(grads, dp, c.tp) \
+                    + cl.all_gather_s(4 * experts, edp, c.tp * c.ep)  # reduce-scatters
+                gathers = cl.all_gather_s(4 * mine, dp, c.tp) \
+                    + cl.all_gather_s(4 * experts, edp, c.tp * c.ep)
                 if c.zero == 3:  # every micro-batch gathers each block for forward and backward
-                    sync += 2 * c.microbatches * cl.all_gather_s(4 * mine, dp, c.tp)
+                    sync += 2 * c.microbatches * gathers
                 else:  # the weights gathered once per step, after the optimizer
-                    sync += cl.all_gather_s(4 * mine, dp, c.tp)
+                    sync += gathers
             else:
                 sync = cl.all_reduce_s(grads, dp, c.tp) \
                     + cl.all_reduce_s(4 * experts, edp, c.tp * c.ep)

@@ -8,6 +8,7 @@ checkpoint writer and reader are `_save_merak_checkpoint` / `_resume_merak_check
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from pathlib import Path
@@ -20,7 +21,7 @@ from transformers.trainer_utils import HubStrategy
 from merak import lora
 from merak.checkpoint import io as checkpoint
 from merak.checkpoint.export import gather_full_tensors, save_hf_directory
-from merak.checkpoint.files import check_trainer_state
+from merak.checkpoint.files import CheckpointError, check_trainer_state
 from merak.distributed import liveness
 from merak.materialize.meta import has_meta_parameters
 from merak.trainer.user_model import user_model
@@ -28,6 +29,33 @@ from merak.trainer.user_model import user_model
 # TrainerState fields a checkpoint keeps besides the step, epoch and log history
 _BEST_STATE = ("best_metric", "best_global_step", "best_model_checkpoint",
                "num_input_tokens_seen")
+
+
+def scheduler_state_for(state: dict, groups: int) -> dict:
+    """A learning-rate scheduler's saved `state` fitted to an optimizer of `groups` parameter
+    groups. The count depends on the layout: HF's `create_optimizer` gives each device mesh
+    groups of its own, so ZeRO-2/3 with expert parallelism (the experts sharded over the edp
+    group, the rest over the replicas) has more than ep=1 or ZeRO-0. When every saved group has
+    the same schedule (the same base rate, last rate and schedule function, as HF's schedulers
+    give them), each of the `groups` gets it.
+
+    Raises:
+        CheckpointError: the counts differ and the saved groups' schedules differ."""
+    saved = len(state.get("base_lrs", ()))
+    if not saved or saved == groups:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        if isinstance(value, list) and len(value) == saved:
+            if any(v != value[0] for v in value[1:]):
+                raise CheckpointError(
+                    f"the checkpoint's learning-rate scheduler has {saved} parameter groups "
+                    f"with different {key} ({value}) and this run's optimizer has {groups} "
+                    f"(each device mesh has groups of its own under ZeRO-2/3 with expert "
+                    f"parallelism); resume in the saving run's ZeRO stage and ep, or give "
+                    f"every parameter group the same schedule")
+            out[key] = [copy.deepcopy(value[0]) for _ in range(groups)]
+    return out
 
 
 class CheckpointMixin:
@@ -130,7 +158,8 @@ class CheckpointMixin:
             return
         saved = check_trainer_state(state, checkpoint.state_file_of(path, self.ctx, same_layout),
                                     checkpoint.read_layout(path).step)
-        self.lr_scheduler.load_state_dict(state["scheduler"])
+        self.lr_scheduler.load_state_dict(scheduler_state_for(
+            state["scheduler"], len(self.optimizer.param_groups)))
         if not args.no_load_optim:  # from any layout, ZeRO stage or schedule: resharded
             checkpoint.load_optimizer_state(path / checkpoint.OPTIMIZER_DIR, self.optimizer,
                                             self.stage)

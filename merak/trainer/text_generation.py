@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from merak.generation import generate
-from merak.rules import NotSupportedYetError
 
 _DEFAULT_PROMPTS = 4  # rows of the eval dataset prompted when no prompts are given
 
@@ -39,11 +38,6 @@ class TextGenerationMixin:
                 eos_token_id: as in `merak.generate`.
             seed: default ``args.seed``.
         """
-        if self.ctx.ep > 1:
-            raise NotSupportedYetError(
-                f"generate() with expert parallelism (ep={self.ctx.ep}) is not supported yet: "
-                f"a decode step's all-to-all would need every rank of the ep group to decode "
-                f"in lockstep; generate in a job with ep=1 (a checkpoint resumes in any ep)")
         token_lists = self._prompt_ids(prompts)
         if self.engine is None:  # not trained in this process: build for generation alone
             self._assemble(self._generation_example())

@@ -189,14 +189,18 @@ def assert_close_grad(actual: torch.Tensor, expected: torch.Tensor, what: str) -
 
 
 class GradSnapshot(merak.InstructionHook):
-    """Copies every gradient of `stage` just before each optimizer step: ``self.grads[step]``."""
+    """Copies every gradient of `stage` just before each optimizer step: ``self.grads[step]``;
+    ZeRO-2/3's sharded gradients gathered whole (a collective: every rank of their group takes
+    each, in one order)."""
 
     def __init__(self, stage):
         self.stage, self.grads = stage, []
 
     def on_instruction_begin(self, name, action):
+        from merak.data_parallel.shards import whole
+
         if name == "optimizer_step":
-            self.grads.append({n: p.grad.clone() for n, p in self.stage.named_parameters()
+            self.grads.append({n: whole(p.grad).clone() for n, p in self.stage.named_parameters()
                                if p.grad is not None})
 
 

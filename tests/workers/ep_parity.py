@@ -14,6 +14,8 @@ the single-process model trained on the mean of the same micro-batch losses; eac
 from __future__ import annotations
 
 import copy
+import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from common import Compared, GradSnapshot, out_dir
 import merak
 from merak.checkpoint.sharded import shard_spec
 from merak.coverage.shrink import small_config
+from merak.data_parallel.shards import is_sharded, local, whole
 from merak.data_parallel.zero1 import local_optimizer
 from merak.engine.assemble import build_engine
 from merak.engine.options import EngineOptions, HookOptions, PrecisionOptions
@@ -44,6 +47,7 @@ CONFIGS = {
 # group-limited routing; GPT-OSS's experts with biases), load-balancing loss on where they have
 # one; Llama-4: a block outside the experts interface (merak/expert_parallel/dense_moe.py)
 MORE_FAMILIES = ("olmoe", "deepseek_v3", "gpt_oss", "llama4_text")
+FULL = os.environ.get("MERAK_TEST_MATRIX") == "full"  # the wider grid
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
 
@@ -185,8 +189,10 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     `clip_grad_norm_` clips the single-process model's. `load`: the engine loads its stage
     from the `save_pretrained` files of `_loaded` (Mixtral's: per-expert tensors, merged on
     load), then keeps its experts. `zero`: the ZeRO stage (1: the experts' optimizer state
-    over the edp group, the rest over the replicas). `tp`: tensor parallelism too (the
-    family's plan; Qwen3-MoE's and Mixtral's split every expert's intermediate dim)."""
+    over the edp group, the rest over the replicas; 2, 3: FSDP2, the experts sharded over the
+    edp group, the rest over the replicas; gradients and parameters compared whole). `tp`:
+    tensor parallelism too (the family's plan; Qwen3-MoE's and Mixtral's split every expert's
+    intermediate dim)."""
     ctx = merak.init(dp=dp, tp=tp, pp=pp, ep=ep)
     rows_per = MICRO * ROWS_PER_MICRO
     checkpoint = None
@@ -206,7 +212,7 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
     norms = []
     built.interpreter.hooks.append(_NormProbe(built.clipper, norms))
     stage = built.stage
-    snapshot = GradSnapshot(stage)
+    snapshot = GradSnapshot(stage)  # (ZeRO-2/3: gathered whole)
     built.interpreter.hooks.append(snapshot)
     losses = [built.interpreter.train_step(rows(step, ctx.dp_rank * rows_per, rows_per))
               for step in range(STEPS)]
@@ -239,8 +245,9 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
         for name, grad in grads.items():
             compared.grad(f"step {step} grad of {name}", grad, mine(name, ref_grads[step][name]))
     final = dict(reference.named_parameters())
-    for name, param in stage.named_parameters():
-        compared.value(f"{name} after {STEPS} steps", param, mine(name, final[name]))
+    for name, param in stage.named_parameters():  # (ZeRO-2/3: gathered, every rank alike)
+        compared.value(f"{name} after {STEPS} steps", whole(param.detach()),
+                       mine(name, final[name]))
     params = list(stage.parameters())
     return compared.figures(max_abs_diff=_max_diff(compared), ep=ctx.ep, tp=ctx.tp,
                             optimizer=type(built.optimizer).__name__,
@@ -253,8 +260,22 @@ def engine(family: str, dp: int, pp: int, optimizer: str, clip: float = 0.0, ep:
                                     sum(getattr(p, "expert_parallel", False) for p in params)],
                             expert_counts=_expert_counts(stage, reference, experts),
                             experts_modules=sorted(experts),
+                            zero_groups=_zero_groups(stage),
                             params_without_grad=sorted(set(dict(stage.named_parameters()))
                                                        - set(snapshot.grads[0])))
+
+
+def _zero_groups(stage) -> dict[str, list[int]]:
+    """ZeRO-2/3: ``{"dense" | "experts": the sizes of the groups sharding them}``, after
+    checking this rank holds its 1/size of each such parameter (empty without ZeRO-2/3)."""
+    out: dict[str, set] = {}
+    for name, param in stage.named_parameters():
+        if is_sharded(param):
+            size, held = param.device_mesh.size(), local(param).numel()
+            assert held <= -(-param.shape[0] // size) * math.prod(param.shape[1:]), (name, held)
+            kind = "experts" if getattr(param, "expert_parallel", False) else "dense"
+            out.setdefault(kind, set()).add(size)
+    return {k: sorted(v) for k, v in out.items()}
 
 
 class _NormProbe(merak.InstructionHook):
@@ -285,19 +306,16 @@ def refusals() -> None:
     else:
         raise AssertionError("3 experts sharded over ep=2")
     assert [p.shape for p in model.parameters()] == before, "a refused shard changed the model"
-    try:
-        rules.check(EngineOptions(precision=PrecisionOptions(zero_stage=2)).choices(ctx))
-    except NotSupportedYetError as error:
-        assert "zero_stage=2" in str(error), error
-    else:
-        raise AssertionError("ep=2 with zero_stage=2 was not refused")
+    for zero in (2, 3):  # ZeRO-2/3 compose with ep (the experts sharded over edp)
+        assert rules.refusal(EngineOptions(precision=PrecisionOptions(
+            zero_stage=zero)).choices(ctx)) is None
     try:  # made after merak.init(ep=2): the rules read its ep
         merak.MerakArguments(output_dir=str(out_dir() / "trainer"), save_strategy="no",
-                             report_to=[], zero_stage=3)
+                             report_to=[], auto_find_batch_size=True)
     except NotSupportedYetError as error:
-        assert "zero_stage=3 with expert parallelism (ep=2)" in str(error), error
+        assert "auto_find_batch_size=True with expert parallelism (ep=2)" in str(error), error
     else:
-        raise AssertionError("MerakArguments took zero_stage=3 with ep=2")
+        raise AssertionError("MerakArguments took auto_find_batch_size=True with ep=2")
 
 
 def layout() -> None:
@@ -334,6 +352,15 @@ def scenarios(world_size: int) -> dict:
                 f, 2, 1, "sgd", load=True)
         for family in MORE_FAMILIES:
             out[f"engine-{family}-dp2-ep2-sgd"] = lambda f=family: engine(f, 2, 1, "sgd")
+        if FULL:  # ZeRO-3 for Mixtral, and for Llama-4's block (its experts called as a module)
+            out["engine-mixtral-dp2-ep2-adamw-zero3"] = lambda: engine("mixtral", 2, 1, "adamw",
+                                                                       zero=3)
+            out["engine-llama4_text-dp2-ep2-sgd-zero3"] = lambda: engine("llama4_text", 2, 1,
+                                                                         "sgd", zero=3)
+        # ZeRO-2/3: the experts sharded over edp groups of one rank, the rest over the 2
+        for zero in (2, 3):
+            out[f"engine-qwen3_moe-dp2-ep2-adamw-zero{zero}"] = lambda z=zero: engine(
+                "qwen3_moe", 2, 1, "adamw", zero=z)
         out["refusals"] = refusals
     if world_size == 4:
         out["engine-qwen3_moe-dp4-ep2-sgd"] = lambda: engine("qwen3_moe", 4, 1, "sgd")
@@ -344,6 +371,17 @@ def scenarios(world_size: int) -> dict:
         # ZeRO-1: the experts' AdamW state over edp groups of 2, the rest over the 4 replicas
         out["engine-qwen3_moe-dp4-ep2-adamw-zero1"] = lambda: engine("qwen3_moe", 4, 1, "adamw",
                                                                      zero=1)
+        # ZeRO-2/3: the experts sharded over edp groups of 2, the rest over the 4 replicas;
+        # the global norm counts each shard once
+        out["engine-qwen3_moe-dp4-ep2-adamw-zero2"] = lambda: engine("qwen3_moe", 4, 1, "adamw",
+                                                                     zero=2)
+        out["engine-qwen3_moe-dp4-ep2-sgd-clip-zero3"] = lambda: engine(
+            "qwen3_moe", 4, 1, "sgd", 0.5, zero=3)
+        if FULL:  # ZeRO-2/3 with tp too, and across the pipeline stages
+            out["engine-qwen3_moe-dp2-ep2-tp2-adamw-zero3"] = lambda: engine(
+                "qwen3_moe", 2, 1, "adamw", tp=2, zero=3)
+            out["engine-qwen3_moe-dp2-ep2-pp2-sgd-zero2"] = lambda: engine(
+                "qwen3_moe", 2, 2, "sgd", zero=2)
         # tp x ep: tp rank t of each replica exchanges tokens with tp rank t of the others;
         # Qwen3-MoE's and Mixtral's plans split each expert over tp too, GPT-OSS's inferred
         # plan keeps its experts (and their biases) whole on the tp ranks

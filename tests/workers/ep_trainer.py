@@ -31,7 +31,9 @@ from safetensors import safe_open
 import merak
 from merak.checkpoint.export import export_checkpoint
 from merak.coverage.shrink import small_config
+from merak.data_parallel.shards import is_sharded
 from merak.expert_parallel import experts_modules
+from merak.generation.generate import new_tokens
 from merak.materialize.safetensors import read_header
 
 VOCAB, SEQ, STEPS, SAVE_STEP, MICRO_BATCH, MICROBATCHES, SEED = 128, 12, 4, 2, 2, 2, 1234
@@ -48,12 +50,14 @@ FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_nor
 MORE = {"deepseek_v3": {"first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
         "olmoe": {}, "gpt_oss": {}}
 # scenario -> (family, (dp, pp, ep, zero_stage, tp) trained, the same resumed or None)
-RUNS = {2: {**{f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), (2, 1, 1, 0, 1))
-               for family in CONFIGS},
+# (ZeRO-3 at dp2 ep2: the experts sharded over edp groups of one rank, the rest over both
+# ranks, resumed at ep1 without ZeRO; tp2, resumed at dp4 ep2 under ZeRO-2: edp groups of 2)
+RUNS = {2: {"trainer-qwen3_moe-dp2-ep2-zero3": ("qwen3_moe", (2, 1, 2, 3, 1), (2, 1, 1, 0, 1)),
+            "trainer-mixtral-dp2-ep2": ("mixtral", (2, 1, 2, 0, 1), (2, 1, 1, 0, 1)),
             **{f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), None) for family in MORE}},
         4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0, 1), (4, 1, 2, 1, 1)),
             # each expert split over tp too (Qwen3-MoE's plan: moe_tp_experts)
-            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 0, 1))},
+            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 2, 1))},
         # one expert per rank over ep groups of 4 at pp=2, resumed at ep=2 under ZeRO-1
         8: {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}}
 if os.environ.get("MERAK_TEST_MATRIX") == "full":  # the three more at pp2 and at tp2 too
@@ -164,6 +168,10 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) 
             for mname, module in experts_modules(trainer.stage).items()
             for name, p in module.named_parameters(recurse=False)
             if getattr(p, "ep_shard", None) is not None}
+    # ZeRO-2/3: the sizes of the groups sharding the experts and the other parameters
+    zero_groups = {kind: sorted({p.device_mesh.size() for p in trainer.stage.parameters()
+                                 if is_sharded(p) and getattr(p, "expert_parallel", False) == e})
+                   for kind, e in (("dense", False), ("experts", True))}
     # bytes: of the hub's experts tensors read; of the whole experts tensors of the stage
     reads = {"experts": sum(n for name, n in read.items() if is_expert(name)),
              "stage_experts": sum(math.prod(p.ep_shard.full_shape) * p.element_size()
@@ -171,6 +179,7 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) 
              "twice": sorted(name for name, n in read.items() if n > sizes[name])}
     if resumed is None:
         return {"curve": curve, "held": held, "hub": str(hub), "reads": reads,
+                "zero_groups": zero_groups,
                 "ep": trainer.ctx.ep, "tp": trainer.ctx.tp, "pp_rank": trainer.ctx.pp_rank}
     trainer.save_model(str(root / "saved"))
     evaluated = trainer.evaluate()["eval_loss"]
@@ -186,7 +195,7 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) 
     again.train(resume_from_checkpoint=str(root / "merak" / f"checkpoint-{SAVE_STEP}"))
     return {"curve": curve, "resumed": logged(again), "eval_loss": evaluated,
             "resumed_eval_loss": again.evaluate()["eval_loss"], "held": held,
-            "dps": [trainer.ctx.dp, again.ctx.dp],
+            "dps": [trainer.ctx.dp, again.ctx.dp], "zero_groups": zero_groups,
             "optimizers": [type(t.optimizer).__name__ for t in (trainer, again)],
             "ep_rank": trainer.ctx.ep_rank if trainer.ctx.ep > 1 else 0, "reads": reads,
             "ep": trainer.ctx.ep, "tp": trainer.ctx.tp, "pp_rank": trainer.ctx.pp_rank,
@@ -210,8 +219,67 @@ def reference(hub: Path, out: Path, whole: bool = True
     return logged(trainer), trainer.evaluate()["eval_loss"], hub_tensors(out / "final")
 
 
+# TRL's SFTTrainer through MerakTrainer at dp2 ep2 (`sft_run`): scenario -> SFTConfig fields
+# (router_aux_loss_coef=0: TRL then turns the router logits off, so the single-process
+# reference's micro-batches, which hold both dp ranks' rows, give the same loss)
+SFT_RUNS = {"sft-qwen3_moe-dp2-ep2": {"router_aux_loss_coef": 0.0}}
+
+
+def sft_run(name: str, fields: dict) -> dict:
+    """``class MerakSFTTrainer(MerakTrainer, SFTTrainer)`` on the tiny Qwen3-MoE of
+    `sft_common` (built under `init_empty_weights`) at dp2 ep2: its logged metrics, the share
+    of each experts tensor every rank holds, and greedy `generate` of `sft_common.prompts`
+    after training."""
+    import sft_common as sft
+    import trl
+
+    Config, MerakSFTTrainer = sft.merak_classes(trl.SFTConfig, trl.SFTTrainer)
+    merak.init(dp=2, tp=1, pp=1, ep=2)
+    with merak.init_empty_weights():
+        model = sft.moe_model()
+    args = Config(output_dir=str(out_dir() / name),
+                  per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH // 2, **sft.FIELDS,
+                  **fields)
+    trainer = MerakSFTTrainer(model=model, args=args, train_dataset=sft.dataset(),
+                              processing_class=sft.tokenizer())
+    trainer.train()
+    held = {name: [p.numel(), math.prod(p.ep_shard.full_shape)]
+            for name, p in trainer.stage.named_parameters()
+            if getattr(p, "ep_shard", None) is not None}
+    # greedy, after training: each dp rank decodes one prompt, in lockstep over the ep group
+    generated = trainer.generate(sft.prompts(), max_new_tokens=sft.NEW_TOKENS)
+    return {**sft.logged(trainer.state.log_history), "held": held, "generated": generated}
+
+
+def sft_reference(fields: dict, out: Path) -> dict:
+    """Plain single-process SFTTrainer on the same model and rows, its micro-batches the dp
+    ranks' micro-batches together (`sft_common.reference_order`), and HF greedy `generate` of
+    each prompt with the trained model; run by the test."""
+    import sft_common as sft
+    import trl
+
+    args = trl.SFTConfig(output_dir=str(out),
+                         per_device_train_batch_size=sft.GLOBAL_MICRO_BATCH,
+                         **{**sft.FIELDS, **fields})
+    trainer = trl.SFTTrainer(model=sft.moe_model(), args=args,
+                             train_dataset=sft.dataset(sft.reference_order(2)),
+                             processing_class=sft.tokenizer())
+    trainer.train()
+    model = trainer.model.eval()
+    generated = []
+    for ids in sft.prompts():  # greedy, as MerakTrainer.generate
+        out = model.generate(torch.tensor([ids]), max_new_tokens=sft.NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)
+        generated.append(new_tokens(out[0, len(ids):], {model.generation_config.eos_token_id}))
+    return {**sft.logged(trainer.state.log_history), "generated": generated}
+
+
 def scenarios(world_size: int) -> dict:
-    return {name: (lambda spec=spec: run(*spec)) for name, spec in RUNS.get(world_size, {}).items()}
+    out = {name: (lambda spec=spec: run(*spec)) for name, spec in RUNS.get(world_size, {}).items()}
+    if world_size == 2:
+        out.update({name: (lambda name=name, fields=fields: sft_run(name, fields))
+                    for name, fields in SFT_RUNS.items()})
+    return out
 
 
 if __name__ == "__main__":

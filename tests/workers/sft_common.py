@@ -116,3 +116,14 @@ def merak_classes(config_cls: type, trainer_cls: type) -> tuple[type, type]:
 
     Trainer.__name__ = Trainer.__qualname__ = f"Merak{trainer_cls.__name__}"
     return Config, Trainer
+
+
+def moe_model():
+    """A tiny Qwen3-MoE of the tokenizer's vocabulary (4 experts, top-2): SFT with expert
+    parallelism (workers/ep_trainer.py)."""
+    torch.manual_seed(SEED)
+    return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
