@@ -164,10 +164,7 @@ def _fp8_refusal(c: Choices, owner: str) -> Refusal | None:
             ("tp_overlapping_level", c.tp_overlapping_level > 0, "TP overlap splits each "
              "matmul into sub-batches, which would each take their own dynamic scale, and its "
              "row-parallel path multiplies outside the float8 linear",
-             "use tp_overlapping_level=0 with fp8 (tp and sequence_parallel compose)"),
-            ("cp", c.cp > 1 and c.tp > 1, "float8 tensor-parallel linears over a split "
-             "sequence (amax reduced over tp, then cp) are untested",
-             "train fp8 with tp=1 or cp=1 (each composes with fp8 on its own)")):
+             "use tp_overlapping_level=0 with fp8 (tp and sequence_parallel compose)")):
         if wrong:
             shown = f"{other}={getattr(c, other)!r}"
             return Refusal("fp8", f"{name} with {shown} is not supported yet ({why}); {instead}")

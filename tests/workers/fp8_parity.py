@@ -1,10 +1,11 @@
 """fp8 (torchao float8 linears, emulated on CPU) through `build_engine` at (dp1 pp2) and
-(dp2 pp1), with tp, under ZeRO-2/3 (FSDP2; shards gathered whole to compare) and with peft's
-LoRA adapters: every step's loss, every gradient and the final weights against a single-process
-model converted the same way (`merak.engine.fp8.convert_`) and trained on the same
-micro-batches (fp8's dynamic scales are per matmul, so the reference runs each micro-batch on
-its own, accumulating gradients, as the pipeline does). The scenarios return their figures
-(`trained_like`), which test_fp8 compares."""
+(dp2 pp1), with tp, under ZeRO-2/3 (FSDP2; shards gathered whole to compare), with peft's
+LoRA adapters and with context parallelism (pp2 cp2, tp2 cp2: each rank trains on its share of
+every row, the reference on the whole rows): every step's loss, every gradient and the final
+weights against a single-process model converted the same way (`merak.engine.fp8.convert_`)
+and trained on the same micro-batches (fp8's dynamic scales are per matmul, so the reference
+runs each micro-batch on its own, accumulating gradients, as the pipeline does). The scenarios
+return their figures (`trained_like`), which test_fp8 compares."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 import merak
 from merak import lora
 from merak.context_parallel import enable_context_parallel, split_batch
+from merak.context_parallel.split import IGNORE_INDEX, shift_labels
 from merak.engine.assemble import build_engine
 from merak.engine.fp8 import ADAPTER, apply_fp8, convert_
 from merak.engine.options import CompileOptions, EngineOptions, PrecisionOptions
@@ -93,6 +95,8 @@ def _engine(recipe: str | None, ctx, microbatch: dict, make_optimizer, autocast=
     torch.manual_seed(SEED)
     with merak.init_empty_weights():
         model = make_llama()
+    if ctx.cp > 1:  # attention across the cp ranks' shares of each row, as MerakTrainer does
+        enable_context_parallel(model, ctx.cp_group, "ring")
     if adapters:
         model = lora.wrap(model, lora_config())
     options = EngineOptions(pipeline=RuntimeOptions(num_microbatches=MICROBATCHES,
@@ -120,21 +124,35 @@ def _this_rank(stage, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return {n: t if spec[n] is None else spec[n].take(t) for n, t in tensors.items()}
 
 
+def _cp_share(microbatch: dict, ctx) -> dict:
+    """cp rank's load-balanced share of a micro-batch of whole rows (`split_batch`), its loss
+    divided by the micro-batch's whole target count (HF's ``num_items_in_batch``), as
+    MerakTrainer cuts it: the cp ranks' losses sum to the whole rows' loss."""
+    shifted = shift_labels(microbatch["labels"])
+    return {**split_batch({**microbatch, "shift_labels": shifted}, ctx.cp, ctx.cp_rank),
+            "num_items_in_batch": (shifted != IGNORE_INDEX).sum()}
+
+
 def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype | None = None,
                             recompute: float = 0.0, tp: int = 1,
                             sequence_parallel: bool = False, zero: int = 0,
-                            adapters: bool = False, compile_backend: str | None = None) -> dict:
-    ctx = merak.init(dp=dp, tp=tp, pp=pp)
+                            adapters: bool = False, compile_backend: str | None = None,
+                            cp: int = 1) -> dict:
+    """`cp` > 1: each rank trains on its cp share of every micro-batch's rows (ring attention
+    across the cp ranks), the reference on the whole rows."""
+    ctx = merak.init(dp=dp, tp=tp, pp=pp, cp=cp)
     global_rows = ROWS * MICROBATCHES * dp
     batches = [rows(step, global_rows) for step in range(STEPS)]
     mine = [cut(b, dp)[ctx.dp_rank] for b in batches]  # this dp rank's rows
+    if cp > 1:  # the micro-batches themselves, each cut to this cp rank's share
+        mine = [[_cp_share(mb, ctx) for mb in cut(b, MICROBATCHES)] for b in mine]
     snapshots = []
 
     def snapshot(stage):
         snapshots.append(GradSnapshot(stage))
         return snapshots
 
-    engine = _engine(recipe, ctx, cut(mine[0], MICROBATCHES)[0],
+    engine = _engine(recipe, ctx, mine[0][0] if cp > 1 else cut(mine[0], MICROBATCHES)[0],
                      lambda s: torch.optim.SGD([p for p in s.parameters() if p.requires_grad],
                                                lr=LR),
                      autocast, recompute, sequence_parallel, snapshot, zero, adapters,
@@ -144,9 +162,9 @@ def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype
                if n in engine.fp8.converted)
     assert all(not n.endswith("lm_head") for n in engine.fp8.converted), engine.fp8.converted
     assert ("lm_head" in engine.fp8.kept) == ctx.is_last_pp_rank, engine.fp8.kept
+    kinds = {type(m).__name__ for n, m in engine.stage.named_modules()
+             if n in engine.fp8.converted}
     if tp > 1:  # Merak's column- and row-parallel linears, in float8
-        kinds = {type(m).__name__ for n, m in engine.stage.named_modules()
-                 if n in engine.fp8.converted}
         assert kinds == {"Float8ColumnParallelLinear", "Float8RowParallelLinear"}, kinds
     if recompute:
         assert any(engine.interpreter.segments), engine.interpreter.segments  # blocks recomputed
@@ -171,6 +189,12 @@ def trains_like_one_process(recipe: str, dp: int, pp: int, autocast: torch.dtype
     snapshots[0].grads = [_whole(g) for g in snapshots[0].grads]
     figures = trained_like(losses, snapshots[0], _Whole(engine.stage), ref_losses, ref_grads,
                            _this_rank(engine.stage, ref_final))
+    figures["float8_classes"] = sorted(kinds)
+    if cp > 1:  # the casts that MAX-reduce their amax over the cp group
+        figures["cp_casts"] = sorted({cast for n, m in engine.stage.named_modules()
+                                      if n in engine.fp8.converted
+                                      for cast, groups in m.fp8_tp_groups.items()
+                                      if any(g is ctx.cp_group for g in groups)})
     if zero:
         figures["checkpoint"] = _checkpoint_round_trip(engine.stage, ctx, ref_final,
                                                        f"{recipe}-zero{zero}-pp{pp}")
@@ -279,7 +303,8 @@ def scenario_names(world_size: int) -> list[str]:
 def scenarios(world_size: int) -> dict:
     """At 2 ranks (dp1 pp2), (dp2 pp1), (tp2), dp2 under ZeRO-3 and pp2 with LoRA with each
     recipe, pp2 under bf16 autocast and with recomputation, tp2 with sequence parallelism, dp2
-    under ZeRO-2 (tensorwise); at 4 ranks (dp2 pp2), (tp2 pp2) and dp2 pp2 under ZeRO-3;
+    under ZeRO-2 (tensorwise); at 4 ranks (dp2 pp2), (tp2 pp2) and dp2 pp2 under ZeRO-3, and
+    (pp2 cp2) and (tp2 cp2) through build_engine (tensorwise);
     at 8 (dp2 tp2 pp2); and at each tp layout, 20 steps in fp32 and fp8."""
     assert world_size in (2, 4, 8), f"fp8_parity runs on 2, 4 or 8 ranks, not {world_size}"
     table = {}
@@ -296,6 +321,13 @@ def scenarios(world_size: int) -> dict:
                 r, 1, 2, tp=2)
             table[f"llama-dp2-pp2-zero3-{recipe}"] = lambda r=recipe: trains_like_one_process(
                 r, 2, 2, zero=3)
+        # context parallelism through build_engine (ring attention; the token casts' amax
+        # reduced over cp by apply_fp8) with a pipeline: whole rows in the reference
+        table["llama-pp2-cp2-tensorwise"] = lambda: trains_like_one_process(
+            "tensorwise", 1, 2, cp=2)
+        # tp x cp: the column- and row-parallel float8 linears reduce over tp, then cp
+        table["llama-tp2-cp2-tensorwise"] = lambda: trains_like_one_process(
+            "tensorwise", 1, 1, tp=2, cp=2)
         table["llama-tp2-pp2-twenty-steps"] = lambda: twenty_steps(1, 2, 2)
         return table
     for recipe in RECIPES:
