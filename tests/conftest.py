@@ -3,7 +3,9 @@
 fixture, ``launches(world_size, backend) -> (results, output)``. All pooled workers of one
 world size and backend run in one torchrun launch (see dist_harness.WorkerPool)."""
 
+import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -24,19 +26,11 @@ from dist_harness import WorkerPool  # noqa: E402
 _NEEDED = pytest.StashKey[dict]()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Which pooled workers the selected tests need, at which world sizes and backends (a test
-    parametrized by ``backend`` names its own; the rest run on the NCCL contract).
-
-    Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``) each test also gets
-    the group of tests that must run in the same process: every module with pooled tests one
-    group (each pool is launched once, by the process that runs them), the users of
-    `two_ranks` one, and every other module its own (its module-scoped fixtures are built
-    once)."""
+    parametrized by ``backend`` names its own; the rest run on the NCCL contract)."""
     needed: dict[tuple[int, str], list[str]] = {}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
         worker = getattr(item.module, "WORKER", None)
         if worker is None or "launches" not in getattr(item, "fixturenames", ()):
             continue
@@ -49,12 +43,33 @@ def pytest_collection_modifyitems(config, items):
     config.stash[_NEEDED] = needed
 
 
-def _group(item) -> str:
-    if hasattr(item.module, "WORLD_SIZES"):  # a module with pooled tests, whole
-        return "pooled"
-    if item.module.__name__ in ("test_trainer", "test_trainer_fields"):  # `two_ranks`' users
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadscope``) the tests that
+    must run in one process go to one worker together: every module with pooled tests (each
+    pool is launched once, by the process that runs them), the users of `two_ranks`, and each
+    other module whole (its module-scoped fixtures are built once). (xdist's own
+    ``xdist_group`` marks do not group under pytest 9, whose node ids xdist cannot rename.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None  # xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByProcessGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0])
+
+    return ByProcessGroup(config, log)
+
+
+@functools.cache
+def _group(path: str) -> str:
+    """The worker group of a test file (a path relative to the repository)."""
+    name = Path(path).name
+    if name in ("test_trainer.py", "test_trainer_fields.py"):  # `two_ranks`' users
         return "two-ranks"
-    return item.module.__name__
+    text = (Path(__file__).parent.parent / path).read_text(encoding="utf-8")
+    if re.search(r"^(WORKER, )?WORLD_SIZES\b", text, re.MULTILINE):  # a pooled module
+        return "pooled"
+    return path
 
 
 @pytest.fixture(scope="session")
