@@ -145,10 +145,10 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
     """
     if ctx.ep == 1:
         return {}
-    done = {name: (m.merak_ep.first, m.merak_ep.local)
-            for name, m in experts_modules(model).items()
+    found = experts_modules(model)
+    done = {name: (m.merak_ep.first, m.merak_ep.local) for name, m in found.items()
             if getattr(m, "merak_ep", None) is not None}
-    modules = {n: m for n, m in experts_modules(model).items() if n not in done}
+    modules = {n: m for n, m in found.items() if n not in done}
     check_divisible(modules, ctx.ep)
     _check_tp_cuts(modules)
     register()

@@ -216,7 +216,7 @@ def _copy_into(tensor: torch.Tensor, full: torch.Tensor, name: str, where: str,
 def _read_into(f, data_start: int, info: dict, tensor: torch.Tensor, name: str,
                file: Path) -> None:
     shape = tuple(info["shape"])
-    spec = shard_of(tensor)  # a tensor-parallel shard: read whole, keep a slice
+    spec = shard_of(tensor)  # a TP shard: read whole, keep a slice; an ep slice: its rows
     if shape != tuple(spec.full_shape if spec else tensor.shape):
         raise ValueError(f"{name}: the checkpoint {file} stores shape {list(shape)}, the model "
                          f"has {list(spec.full_shape if spec else tensor.shape)}")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from merak.recompute.stage_aware import stage_segments
 from merak.schedule.actions import Action, ActionKind, Placement, Schedule
+from merak.schedule.reference import runs_reference
 from merak.schedule.registry import forward_schedule, make_schedule
 from merak.schedule.validate import validate_schedule
 from merak.stages.split import PipelineSplit
@@ -43,7 +44,7 @@ def training_schedule(spec: str | Schedule, split: PipelineSplit, pp: int,
         raise ValueError(f"the schedule places the stages on ranks {list(schedule.placement)}, "
                          f"the stages were built for {list(placement)}")
     validate_schedule(schedule)
-    if any(a.kind is ActionKind.REFERENCE_FORWARD for p in schedule.programs for a in p):
+    if runs_reference(schedule):
         raise ValueError("the schedule runs a reference model's forwards in the step "
                          "(reference_forward, merak.schedule.reference): the planners count "
                          "them, the interpreter does not run them yet; DPO's and KTO's "

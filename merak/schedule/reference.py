@@ -38,6 +38,11 @@ def check_reference_mode(mode: str) -> str:
     return mode
 
 
+def runs_reference(schedule: Schedule) -> bool:
+    """Whether `schedule` runs a reference model's forward (``reference_forward``) anywhere."""
+    return any(a.kind is K.REFERENCE_FORWARD for program in schedule.programs for a in program)
+
+
 def with_reference(schedule: Schedule) -> Schedule:
     """`schedule` with a ``reference_forward`` of each (stage, micro-batch) right before the
     policy's ``forward`` of it: after the receive that brings both models' activations, before

@@ -240,8 +240,9 @@ class Predictor:
         result.peak_bytes = max(peaks)
         result.pipeline_s = makespan
         result.tail_s = self._tail(c, params, cost, counts)
-        result.reference_s = self.reference.before_training_s(
-            c, self._times(c, cost, counts, [0] * len(counts)), placement)
+        if self.reference.mode == "before":  # (its forward times: only for that pass)
+            result.reference_s = self.reference.before_training_s(
+                c, self._times(c, cost, counts, [0] * len(counts)), placement)
         result.step_s = result.pipeline_s + result.tail_s \
             + result.reference_s / self.reference.epochs
         if result.peak_bytes > self.memory_bytes:

@@ -43,6 +43,7 @@ from merak.energy.profiling.gpu import (
 )
 from merak.energy.training.deploy import ClockPlanHook
 from merak.schedule.actions import ActionKind, Schedule
+from merak.schedule.reference import runs_reference
 from merak.schedule.registry import SCHEDULES, make_schedule
 
 STEPS_FILE = "energy_steps.csv"
@@ -81,7 +82,7 @@ def plan_arguments(schedule: Schedule) -> list[str]:
     if schedule.stages_per_rank > 1:
         args += ["--interleave", str(schedule.stages_per_rank)]
     # a reference model's forward in every step (merak.schedule.reference)
-    reference = any(a.kind is ActionKind.REFERENCE_FORWARD for p in schedule.programs for a in p)
+    reference = runs_reference(schedule)
     if reference:
         args += ["--reference", "per_step"]
     flags = [any(a.kind is ActionKind.RECOMPUTE for a in schedule.stage_actions(s))
