@@ -4,8 +4,10 @@ fixture, ``launches(world_size, backend) -> (results, output)``. All pooled work
 world size and backend run in one torchrun launch (see dist_harness.WorkerPool)."""
 
 import functools
+import json
 import os
-import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,57 +26,105 @@ import nccl_contract  # noqa: E402 - installs itself unless MERAK_TEST_BACKEND=g
 from dist_harness import WorkerPool  # noqa: E402
 
 _NEEDED = pytest.StashKey[dict]()
+_SHARED = pytest.StashKey[Path]()  # the xdist controller's directory for its processes
+_GROUPS = "groups.json"  # (in it) nodeid -> process group, written by the workers' collection
+
+
+def pytest_configure(config):
+    """Under pytest-xdist the controller makes one directory its processes share: the pools
+    (launched once per run by whichever process asks first) and the groups its scheduler
+    reads."""
+    if not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no":
+        config.stash[_SHARED] = Path(tempfile.mkdtemp(prefix="merak-suite-"))
+
+
+def pytest_unconfigure(config):
+    if _SHARED in config.stash:
+        shutil.rmtree(config.stash[_SHARED], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # (an xdist hook, run by the controller per process)
+    node.workerinput["merak_shared"] = str(node.config.stash[_SHARED])
+
+
+def _shared_dir(config) -> Path | None:
+    shared = getattr(config, "workerinput", {}).get("merak_shared")
+    return Path(shared) if shared else None
 
 
 def pytest_collection_modifyitems(config, items):
     """Which pooled workers the selected tests need, at which world sizes and backends (a test
-    parametrized by ``backend`` names its own; the rest run on the NCCL contract)."""
+    parametrized by ``backend`` names its own; the rest run on the NCCL contract), and which
+    process group each test belongs to (see `pytest_xdist_make_scheduler`)."""
     needed: dict[tuple[int, str], list[str]] = {}
+    groups: dict[str, str] = {}
     for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        groups[item.nodeid] = _module_group(path)
         worker = getattr(item.module, "WORKER", None)
         if worker is None or "launches" not in getattr(item, "fixturenames", ()):
             continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         sizes = [params["world_size"]] if "world_size" in params else item.module.WORLD_SIZES
+        if len(sizes) != 1:
+            raise pytest.UsageError(
+                f"{item.nodeid} takes `launches` in a module of several WORLD_SIZES "
+                f"{tuple(sizes)}: parametrize it with the one it launches "
+                f"(@pytest.mark.parametrize('world_size', [N]), then launches(world_size))")
         backend = params.get("backend", nccl_contract.default_backend())
-        for size in sizes:
-            if worker not in needed.setdefault((size, backend), []):
-                needed[(size, backend)].append(worker)
+        groups[item.nodeid] = f"pool-{sizes[0]}-{backend}"
+        if worker not in needed.setdefault((sizes[0], backend), []):
+            needed[(sizes[0], backend)].append(worker)
     config.stash[_NEEDED] = needed
+    shared = _shared_dir(config)
+    if shared is not None:  # every process collects the same tests: the first one writes
+        target = shared / _GROUPS
+        if not target.exists():
+            part = shared / f"{_GROUPS}.{os.getpid()}"
+            part.write_text(json.dumps(groups))
+            part.replace(target)
 
 
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadscope``) the tests that
-    must run in one process go to one worker together: every module with pooled tests (each
-    pool is launched once, by the process that runs them), the users of `two_ranks`, and each
-    other module whole (its module-scoped fixtures are built once). (xdist's own
-    ``xdist_group`` marks do not group under pytest 9, whose node ids xdist cannot rename.)"""
+    must run in one process go to one process together: the tests of each pool (one world size
+    and backend: its launch runs once and serves them all), the users of `two_ranks`, and each
+    other module whole (its module-scoped fixtures are built once). Pools of different sizes
+    may run in different processes at once. (xdist's own ``xdist_group`` marks do not group
+    under pytest 9, whose node ids xdist cannot rename.)"""
     if config.getvalue("dist") != "loadscope":
         return None  # xdist's own
     from xdist.scheduler import LoadScopeScheduling
 
+    shared = config.stash[_SHARED]
+
     class ByProcessGroup(LoadScopeScheduling):
+        @functools.cached_property
+        def groups(self) -> dict[str, str]:  # (read once every process has collected)
+            return json.loads((shared / _GROUPS).read_text())
+
         def _split_scope(self, nodeid: str) -> str:
-            return _group(nodeid.split("::", 1)[0])
+            return self.groups.get(nodeid) or _module_group(nodeid.split("::", 1)[0])
 
     return ByProcessGroup(config, log)
 
 
 @functools.cache
-def _group(path: str) -> str:
-    """The worker group of a test file (a path relative to the repository)."""
-    name = Path(path).name
-    if name in ("test_trainer.py", "test_trainer_fields.py"):  # `two_ranks`' users
-        return "two-ranks"
-    text = (Path(__file__).parent.parent / path).read_text(encoding="utf-8")
-    if re.search(r"^(WORKER, )?WORLD_SIZES\b", text, re.MULTILINE):  # a pooled module
-        return "pooled"
-    return path
+def _module_group(path: str) -> str:
+    """The process group of a test file's tests that take no pool (a path relative to the
+    repository)."""
+    return "two-ranks" if Path(path).name in ("test_trainer.py", "test_trainer_fields.py") \
+        else path
 
 
 @pytest.fixture(scope="session")
 def worker_pool(request, tmp_path_factory):
-    return WorkerPool(tmp_path_factory.mktemp("pool"), request.config.stash.get(_NEEDED, {}))
+    """The session's pools: under xdist in the directory its processes share (each pool is
+    launched once per run, by the first process that asks)."""
+    shared = _shared_dir(request.config)
+    root = shared / "pools" if shared is not None else tmp_path_factory.mktemp("pool")
+    return WorkerPool(root, request.config.stash.get(_NEEDED, {}))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ conftest.py); the rest `launch` once.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -85,6 +86,10 @@ class WorkerPool:
     worker files (each with ``scenarios(world_size)``) the collected tests ask for; `get`
     launches all of them at the first request for that pair (`workers/run_many.py`). The
     backend is "nccl-contract" (every test's default) or "gloo" (plain gloo).
+
+    `root` may be shared by the suite's processes (pytest-xdist): a launch runs under a file
+    lock and leaves ``launched.json`` (its output) beside its results, so a process asking for
+    a pool another one launched waits for it and reads its results instead of launching again.
     """
 
     def __init__(self, root: Path, needed: dict[tuple[int, str], list[str]],
@@ -101,15 +106,28 @@ class WorkerPool:
         backend = backend or nccl_contract.default_backend()
         key = (world_size, backend)
         if key not in self._launched:
-            workers = list(dict.fromkeys([*self.needed.get(key, []), worker]))
-            self._launched[key] = launch_together(workers, world_size,
-                                                  self._dir(world_size, backend),
-                                                  self.timeout_s, backend)
+            self._launched[key] = self._launch_once(world_size, backend, worker)
         by_worker, output = self._launched[key]
         if worker not in by_worker:  # asked for by a test the collection did not see
             return launch(worker, world_size, self.root / f"{Path(worker).stem}-{world_size}",
                           backend=backend)
         return by_worker[worker], output
+
+    def _launch_once(self, world_size: int, backend: str, worker: str,
+                     ) -> tuple[dict[str, dict[str, list[str]]], str]:
+        workers = list(dict.fromkeys([*self.needed.get((world_size, backend), []), worker]))
+        out_dir = self._dir(world_size, backend)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(out_dir.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held by the launching process until it is done
+            done = out_dir / "launched.json"
+            if done.exists():
+                record = json.loads(done.read_text())
+                return ({w: read_results(out_dir / Path(w).stem, world_size)
+                         for w in record["workers"]}, record["output"])
+            found = launch_together(workers, world_size, out_dir, self.timeout_s, backend)
+            done.write_text(json.dumps({"workers": workers, "output": found[1]}))
+            return found
 
     def out_dir(self, worker: str, world_size: int, backend: str | None = None) -> Path:
         """Where `worker`'s scenarios wrote their files (`common.out_dir()`) in that launch."""

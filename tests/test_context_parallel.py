@@ -33,24 +33,27 @@ def test_context_parallel_trains_like_the_model(launches, world_size, scenario):
         assert ours["attention_calls"] == 2 * ours["layers"], f"rank {rank}: {ours}"
 
 
-def test_ring_attention_refuses_a_sliding_window_the_split_cuts(launches):
-    for rank, ours in enumerate(scenario_result(*launches(2), RING_WINDOW)):
+@pytest.mark.parametrize("world_size", [2])
+def test_ring_attention_refuses_a_sliding_window_the_split_cuts(world_size, launches):
+    for rank, ours in enumerate(scenario_result(*launches(world_size), RING_WINDOW)):
         refusal = ours["refusal"]
         assert refusal is not None, f"rank {rank}: ring attention ran a sliding window"
         assert "mistral" in refusal and "sliding-window" in refusal, f"rank {rank}: {refusal}"
 
 
-def test_ulysses_refuses_query_heads_cp_does_not_divide(launches):
-    for rank, ours in enumerate(scenario_result(*launches(4), ULYSSES_HEADS)):
+@pytest.mark.parametrize("world_size", [4])
+def test_ulysses_refuses_query_heads_cp_does_not_divide(world_size, launches):
+    for rank, ours in enumerate(scenario_result(*launches(world_size), ULYSSES_HEADS)):
         refusal = ours["refusal"]
         assert refusal is not None, f"rank {rank}: Ulysses ran 6 query heads at cp=4"
         assert "llama" in refusal and "6 query heads" in refusal, f"rank {rank}: {refusal}"
 
 
-def test_the_pp_dp_cp_tp_rank_layout(launches):
+@pytest.mark.parametrize("world_size", [4])
+def test_the_pp_dp_cp_tp_rank_layout(world_size, launches):
     """tp innermost, then cp, dp, pp; cp ranks share their dp rank (the same rows) and
     gradients are reduced over dp x cp; with cp = 1 the (pp, dp, tp) layout as before."""
-    for rank, seen in enumerate(scenario_result(*launches(4), LAYOUT)):
+    for rank, seen in enumerate(scenario_result(*launches(world_size), LAYOUT)):
         assert seen["rank"] == rank
         dp_cp, tp_cp, dp_tp = seen["dp2cp2"], seen["tp2cp2"], seen["dp2tp2"]
         assert (dp_cp["dp_rank"], dp_cp["cp_rank"]) == divmod(rank, 2), dp_cp["describe"]

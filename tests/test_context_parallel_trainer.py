@@ -61,12 +61,14 @@ def test_context_parallel_trains_like_hf_trainer(launches, worker_pool, referenc
             n: p.shape for n, p in build("llama-deep").named_parameters()}
 
 
+@pytest.mark.parametrize("world_size", [4])
 @pytest.mark.parametrize("scenario", list(RESUMES[4]))
-def test_a_cp_checkpoint_resumes(launches, worker_pool, reference, scenario):
+def test_a_cp_checkpoint_resumes(world_size, launches, worker_pool, reference, scenario):
     """The (1,1,2,2) ring run's step-3 checkpoint, resumed in its layout and at cp=1 (dp2 x
     pp2, the optimizer state resharded): steps 4 and 5 and the eval loss are HF Trainer's."""
-    check(*launches(4), scenario)
-    ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
+    check(*launches(world_size), scenario)
+    found = worker_pool.out_dir(WORKER, world_size) / f"merak-{scenario}.json"
+    ours = json.loads(found.read_text())
     assert len(ours["loss"]) == len(reference["loss"])  # (steps 1-3: the checkpoint's history)
     for key in ("loss", "grad_norm", "learning_rate"):
         steps = slice(SAVED, None)

@@ -114,9 +114,10 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
     _print_gaps(scenario, figures, theirs, f", saved weights {worst:.2g} from HF Trainer's")
 
 
+@pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("scenario", list(SFT_RUNS))
-def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(launches, scenario,
-                                                                            tmp_path):
+def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(world_size, launches,
+                                                                            scenario, tmp_path):
     """``class MerakSFTTrainer(MerakTrainer, SFTTrainer)`` at dp2 ep2 against plain
     SFTTrainer in one process: every step's loss, gradient norm, entropy, token accuracy and
     token count, on both ranks, and greedy generation after training (each dp rank decodes
@@ -124,7 +125,7 @@ def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(laun
     every experts tensor."""
     import sft_common as sft
 
-    figures = scenario_result(*launches(2), scenario)
+    figures = scenario_result(*launches(world_size), scenario)
     theirs = sft_reference(SFT_RUNS[scenario], tmp_path)
     assert len(theirs["loss"]) == sft.STEPS and theirs["mean_token_accuracy"][-1] > 0.05
     for rank, ours in enumerate(figures):

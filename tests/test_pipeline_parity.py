@@ -69,10 +69,11 @@ def test_a_step_after_the_first_reads_only_its_loss(launches, world_size, scenar
             assert reads == {"item": 1}, f"rank {rank}, step {step}: host reads {reads}"
 
 
-def test_init_takes_dp_tp_pp_in_order(launches):
+@pytest.mark.parametrize("world_size", [4])
+def test_init_takes_dp_tp_pp_in_order(world_size, launches):
     """``merak.init(2, 1, 2)`` is dp=2, tp=1, pp=2 (Merak's README order), ranks pp-major; a
     backend other than the running one, and sizes the world does not divide, are refused."""
-    for rank, seen in enumerate(scenario_result(*launches(4), "context-positional-order")):
+    for rank, seen in enumerate(scenario_result(*launches(world_size), "context-positional-order")):
         where = f"rank {rank}: {seen}"
         assert seen["sizes"] == [2, 1, 2], where
         assert seen["rank"] == seen["world_rank"] == rank, where

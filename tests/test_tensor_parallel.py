@@ -78,21 +78,23 @@ def test_pipelined_generation_matches_hf_generate(launches, world_size, scenario
         assert ours["ranks_sampled_alike"], f"rank {rank}: ranks sampled differently"
 
 
-def test_tp_dropout_draws_agree_on_replicated_activations_only(launches):
+@pytest.mark.parametrize("world_size", [2])
+def test_tp_dropout_draws_agree_on_replicated_activations_only(world_size, launches):
     """Draws on replicated activations (GPT-2's dropout after the row-parallel projection, and
     after the attention block) are alike on every TP rank; draws inside a column-parallel layer
     differ between them."""
-    for rank, seen in enumerate(scenario_result(*launches(2), DROPOUT)):
+    for rank, seen in enumerate(scenario_result(*launches(world_size), DROPOUT)):
         assert seen["replicated_alike"], f"rank {rank}: replicated draws differ between TP ranks"
         assert seen["outside_alike"], f"rank {rank}: draws after the block differ between ranks"
         assert not seen["inside_alike"], \
             f"rank {rank}: draws between column- and row-parallel layers are alike on TP ranks"
 
 
-def test_planted_wrong_plans_are_refused_naming_the_module(launches):
+@pytest.mark.parametrize("world_size", [2])
+def test_planted_wrong_plans_are_refused_naming_the_module(world_size, launches):
     """BioGPT's row-parallel fc2 marked column and OpenAI-GPT's fused q/k/v split as one part:
     inferred plans (to be proven) refused by merak.parallelize and by the proof alone."""
-    for rank, families in enumerate(scenario_result(*launches(2), WRONG_PLANS)):
+    for rank, families in enumerate(scenario_result(*launches(world_size), WRONG_PLANS)):
         assert sorted(families) == ["biogpt", "openai-gpt"], f"rank {rank}: {families}"
         for name, seen in families.items():
             where = f"rank {rank}, {name}"
