@@ -10,8 +10,7 @@ replica over the training (and evaluation) rows before the first step, micro-bat
 micro-batch, on the pass `merak.trainer.reference_logps` runs for precomputed references
 (``reference_forward`` instructions: `merak.schedule.reference`, mode ``"before"``); the
 replica is freed after it, so training holds no second copy. A reference that follows the
-policy (``sync_ref_model``) would need the replica in every step: refused
-(`merak.trainer.subclasses.check_dpo`).
+policy (``sync_ref_model``) keeps the replica through training (`merak.trainer.reference_sync`).
 """
 
 from __future__ import annotations
