@@ -6,6 +6,8 @@ group: the schedules and costs are data."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import transformers as tf
 
@@ -130,6 +132,11 @@ def test_the_strategy_planner_charges_the_reference(schedule):
             held[before_placement(c)[s]] += REPLICA_BYTES_PER_PARAM * p
         assert [a - b for a, b in zip(replica.state_bytes, base.state_bytes)] == \
             pytest.approx(held, rel=1e-12)
+        # under ZeRO-3 the replica is sharded over the replicas as the policy's weights
+        sharded = dataclasses.replace(c, zero=3)
+        added = [a - b for a, b in zip(_predictor("replica").predict(sharded).state_bytes,
+                                       none.predict(sharded).state_bytes)]
+        assert added == pytest.approx([h / c.replicas for h in held], rel=1e-12)
 
 
 def before_placement(c: Candidate):

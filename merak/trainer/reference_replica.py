@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from merak import lora
 from merak.engine.assemble import Engine, build_engine
@@ -55,9 +56,10 @@ def build_replica(trainer, reference: nn.Module) -> Engine:
             f"{[p.module for p in theirs.pieces]}); give a reference of the policy's "
             f"architecture")
     replica.stage.requires_grad_(False)
-    # what the replica holds on this rank (docs/trainer.md)
-    trainer.reference_replica_bytes = sum(p.numel() * p.element_size()
-                                          for p in replica.stage.parameters())
+    # what the replica holds on this rank (docs/trainer.md): under ZeRO-2/3 its dp shards
+    trainer.reference_replica_bytes = sum(
+        t.numel() * t.element_size() for t in (p.to_local() if isinstance(p, DTensor) else p
+                                               for p in replica.stage.parameters()))
     replica.interpreter.attach_loss(trainer.loss_choice.stage_loss)
     return replica
 

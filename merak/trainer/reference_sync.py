@@ -59,6 +59,8 @@ class SyncedReference(TrainerCallback):
 
         with trainer.loss_choice.stage_loss.collecting(compute) as results, user_model(trainer):
             self.replica.interpreter.eval_step(batch, num_microbatches=m)
+        if self.replica.zero is not None:  # ZeRO-2 kept the replica's units whole: the mix
+            self.replica.zero.reshard()  # updates the shards, which the next pass gathers
         if not results:
             return batch
         # (KTO without its KL term computes no KL values)
