@@ -46,7 +46,7 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
         (out_dir() / f"merak-{name}.json").write_text(json.dumps(logged))
 
 
-def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
+def run_dpo(name: str, layout: tuple[int, int, int] | None, lora: bool = False, fields=None,
             pretrained: bool = False, evaluate: bool = False, reference: bool = False) -> None:
     """MerakDPOTrainer on a model built on the meta device (with `pretrained`, loaded with
     from_pretrained inside init_empty_weights): the reference log-probabilities are a pipelined
@@ -56,13 +56,15 @@ def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
     import trl
 
     Config, MerakDPOTrainer = sft.merak_classes(trl.DPOConfig, trl.DPOTrainer)
-    dp, tp, pp = layout
-    merak.init(dp=dp, tp=tp, pp=pp)
+    # no layout (auto_parallel): from pure data parallelism, a step's global batch given whole,
+    # the rows in order (a DPO step's loss and metrics are means over its equal micro-batches)
+    dp, tp, pp = layout or (1, 1, 1)
+    merak.init() if layout is None else merak.init(dp=dp, tp=tp, pp=pp)
     args = Config(output_dir=str(out_dir() / name),
                   per_device_train_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
                   per_device_eval_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
                   **{**dpo.FIELDS, **(fields or {})})
-    order = None if dp == 2 else dpo.reference_order(2)
+    order = None if dp == 2 or layout is None else dpo.reference_order(2)
     path, reference_path = out_dir() / "dpo-policy", out_dir() / "dpo-reference"
     if pretrained and dist.get_rank() == 0 and not path.exists():
         dpo.save_policy(path)
@@ -148,6 +150,8 @@ def scenarios(world_size: int) -> dict:
                        for name, variant in dpo.EVALUATED.items()})
     preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v, reference=True))
                        for name, variant in dpo.REFERENCED.items()})
+    preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v, reference=True))
+                       for name, variant in dpo.PLANNED.items()})
     preference.update({name: (lambda name=name, run=run: run_kto(name, *run))
                        for name, run in kto.RUNS.items()})
     preference.update({name: (lambda name=name, run=run: run_kto(name, *run, evaluate=True))
