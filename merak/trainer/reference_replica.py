@@ -56,7 +56,7 @@ def build_replica(trainer, reference: nn.Module) -> Engine:
             f"{[p.module for p in theirs.pieces]}); give a reference of the policy's "
             f"architecture")
     replica.stage.requires_grad_(False)
-    # what the replica holds on this rank (docs/trainer.md): under ZeRO-2/3 its dp shards
+    # what the replica holds on this rank (docs/preference-tuning.md): under ZeRO-2/3 its dp shards
     trainer.reference_replica_bytes = sum(
         t.numel() * t.element_size() for t in (p.to_local() if isinstance(p, DTensor) else p
                                                for p in replica.stage.parameters()))
