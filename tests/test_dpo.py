@@ -216,14 +216,16 @@ def test_what_of_dpo_evaluation_a_pipeline_cannot_run_is_refused_by_name():
         build(10).evaluate()
 
 
-def test_the_trainer_hands_the_planner_where_it_runs_the_reference():
+def test_the_trainer_hands_the_planner_where_it_runs_the_reference(monkeypatch):
     """What auto_parallel asks the strategy planner with (merak/trainer/auto_plan.py), one
     process, each setup's trainer made (nothing built): the pass before training for
     precomputed references, DPOConfig's defaults, LoRA and an explicit ref_model (its replica
     is freed before the first step); the replica in every step with sync_ref_model; KTO's as
     DPO's; nothing for a trainer without a reference. The epochs: max_steps global batches over
-    the training rows."""
-    from merak.trainer.auto_plan import reference_costs
+    the training rows. With auto_parallel, apply_strategy_plan hands it to the online planner.
+    """
+    import merak.dryrun.online as online
+    from merak.trainer.auto_plan import apply_strategy_plan, reference_costs
 
     merak.init(dp=1, tp=1, pp=1)
     configs = {}
@@ -237,6 +239,18 @@ def test_the_trainer_hands_the_planner_where_it_runs_the_reference():
                           processing_class=sft.tokenizer(), ref_model=ref_model,
                           peft_config=peft)
         costs = reference_costs(trainer)
+        if args.auto_parallel:  # what apply_strategy_plan asks the online planner with
+            asked = {}
+
+            def plan_online(*_, **keywords):
+                asked.update(keywords)
+                raise InterruptedError  # (the plan itself: tests/workers' dpo-sync-auto)
+
+            monkeypatch.setattr(online, "plan_online", plan_online)
+            with pytest.raises(InterruptedError):
+                apply_strategy_plan(trainer, trainer._example(trainer.train_dataset, 1))
+            assert (asked["reference"].mode, asked["reference"].epochs) == \
+                (costs.mode, costs.epochs)
         return costs.mode, costs.epochs
 
     epochs = dpo.STEPS * 4 * dpo.MICROBATCHES / dpo.ROWS
@@ -246,7 +260,9 @@ def test_the_trainer_hands_the_planner_where_it_runs_the_reference():
             ({}, "before"), (per_step, "before"),
             ({**per_step, "peft": sft.peft_config("all-linear")}, "before"),
             ({**per_step, "ref_model": sft.model()}, "before"),
-            ({**per_step, "ref_model": sft.model(), "sync_ref_model": True}, "replica")]:
+            ({**per_step, "ref_model": sft.model(), "sync_ref_model": True}, "replica"),
+            ({**per_step, "ref_model": sft.model(), "sync_ref_model": True,
+              "auto_parallel": True}, "replica")]:
         assert made(trl.DPOTrainer, trl.DPOConfig, dpo_rows, **setup) == (expected, epochs), \
             setup
     assert made(trl.KTOTrainer, trl.KTOConfig, kto_rows, **per_step,
