@@ -4,12 +4,12 @@ A receiver sizes its buffers before it posts a receive (`merak.runtime.p2p`). Wh
 depend on is the step's batch-shape key (`batch_shape_key`): the input shapes of every
 micro-batch on every rank of the pipeline that loads any (under ZeRO-3 on every rank of the job:
 its forwards gather over the replicas, which must run the same ones), and whether gradients
-are on. For a
-key not seen before, each shape class (micro-batches of equal input shapes on every rank: all of
-them when the batch was cut into equal parts, several for padding-free micro-batches of
-different flattened lengths) has its first micro-batch's forward run once without gradients,
-its messages carrying only shapes (`discover_shapes`). A packed dataset brings new shapes at
-almost every step, and then costs one such forward per micro-batch of each step.
+are on. For a key not seen before, each shape class (micro-batches of equal input shapes on
+every rank: all of them when the batch was cut into equal parts, several for padding-free
+micro-batches of different flattened lengths) has its first micro-batch's forward run once
+without gradients, its messages carrying only shapes (`discover_shapes`). A packed dataset
+brings new shapes at almost every step, and then costs one such forward per micro-batch of each
+step.
 """
 
 from __future__ import annotations
