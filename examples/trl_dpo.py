@@ -15,10 +15,11 @@ three setups, `--setup`:
   to `<output_dir>/initial-policy`), where TRL would load a second, frozen copy as the reference;
   Merak computes the same reference log-probabilities by the pass above instead.
 
-A separate `ref_model` is refused with the reason (docs/trainer.md). The degrees come from DP,
-TP and PP (default 1 x 1 x 2). Preference rows made from examples/data/train.txt (prompt: a
-sentence's first words; chosen: its rest; rejected: the second half of a sentence further on),
-4 CPU ranks at dp=1 x tp=2 x pp=2:
+A separate `ref_model` (run as a frozen replica split as the policy, with or without
+`sync_ref_model`) is not one of this script's setups (docs/preference-tuning.md). The degrees
+come from DP, TP and PP (default 1 x 1 x 2). Preference rows made from examples/data/train.txt
+(prompt: a sentence's first words; chosen: its rest; rejected: the second half of a sentence
+further on), 4 CPU ranks at dp=1 x tp=2 x pp=2:
 
     DP=1 TP=2 PP=2 .venv/bin/python -m torch.distributed.run --nproc_per_node 4 \\
         examples/trl_dpo.py --setup lora --output_dir runs/trl_dpo --max_steps 10 \\

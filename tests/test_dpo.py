@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 import dpo_common as dpo
+import kto_common as kto
 import pytest
 import sft_common as sft
 from dist_harness import check
@@ -93,6 +94,16 @@ def test_dpo_with_an_explicit_ref_model_matches_single_process_dpo(launches, wor
     results, output = launches(4)
     check(results, output, scenario)
     ours = json.loads((worker_pool.out_dir(WORKER, 4) / f"merak-{scenario}.json").read_text())
+    compare_with_reference(scenario, ours, reference)
+    # rank 0's replica: its stage's tp shard, fp32, under the whole reference's weights
+    whole = sum(p.numel() * 4 for p in sft.model().parameters())
+    print(f"{scenario} replica on rank 0: {ours['replica_bytes']} bytes of {whole}")
+    assert 0 < ours["replica_bytes"] < whole
+
+
+def compare_with_reference(scenario: str, ours: dict, reference: dict) -> None:
+    """Every figure an explicit ref_model's run logs, ours against single-process
+    DPOTrainer's: 1e-5 relative (the rewards within 1e-5 of the log-probability sums)."""
     assert len(ours["loss"]) == len(reference["loss"]) == dpo.STEPS
     # the reference is not the initial policy: the rewards differ from 0 from the first step
     assert abs(reference["rewards/margins"][0]) > 0.01
@@ -107,10 +118,53 @@ def test_dpo_with_an_explicit_ref_model_matches_single_process_dpo(launches, wor
     print(f"{scenario} loss: merak {ours['loss']} reference {reference['loss']}")
     print(f"{scenario} largest relative gaps: "
           + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
-    # rank 0's replica: its stage's tp shard, fp32, under the whole reference's weights
-    whole = sum(p.numel() * 4 for p in sft.model().parameters())
-    print(f"{scenario} replica on rank 0: {ours['replica_bytes']} bytes of {whole}")
-    assert 0 < ours["replica_bytes"] < whole
+
+
+@pytest.mark.parametrize("scenario", list(dpo.PLANNED))
+def test_dpo_with_auto_parallel_plans_with_its_reference(launches, worker_pool, scenario,
+                                                          tmp_path):
+    """auto_parallel on a DPOTrainer with sync_ref_model: the trainer asks the strategy
+    planner with its reference mode ("replica": the replica's forwards in every step, its
+    weights on every rank), so every prediction of its plan is the one `merak plan --reference
+    replica` makes from the same measured costs (and costs more time and memory than the plain
+    one); the chosen layout trains at parity with single-process DPOTrainer."""
+    import dataclasses
+
+    from merak.strategy.candidate import Candidate
+    from merak.strategy.cluster import Cluster
+    from merak.strategy.costs import BlockCosts
+    from merak.strategy.predict import Predictor
+    from merak.strategy.reference import ReferenceCosts
+    from merak.strategy.shape import ModelShape
+
+    _, lora, fields, _ = dpo.PLANNED[scenario]
+    reference = dpo.single_process(lora, None, reference=dpo.save_reference(tmp_path / "ref"),
+                                   **fields)
+    results, output = launches(4)
+    check(results, output, scenario)
+    out = worker_pool.out_dir(WORKER, 4)
+    compare_with_reference(scenario, json.loads((out / f"merak-{scenario}.json").read_text()),
+                           reference)
+    plan = json.loads((out / scenario / "plan.json").read_text())
+    costs = {int(m): BlockCosts(**c) for m, c in plan["costs"].items()}
+    made = (ModelShape.from_config(sft.model().config), costs,
+            Cluster.from_json(plan["cluster"]), plan["memory_bytes"])
+    epochs = dpo.STEPS * dpo.GLOBAL_MICRO_BATCH * dpo.MICROBATCHES / dpo.ROWS  # 1.25
+    offline = Predictor(*made, reference=ReferenceCosts("replica", epochs))
+    plain = Predictor(*made)
+    names = [f.name for f in dataclasses.fields(Candidate)]
+    assert plan["ranked"] and plan["chosen"]
+    for entry in plan["ranked"]:
+        candidate = Candidate(**{n: entry[n] for n in names})
+        ours, alone = offline.predict(candidate), plain.predict(candidate)
+        assert entry["step_s"] == pytest.approx(ours.step_s, rel=1e-9), entry["label"]
+        assert entry["peak_bytes"] == pytest.approx(ours.peak_bytes, rel=1e-9), entry["label"]
+        assert entry["step_s"] > alone.step_s and entry["peak_bytes"] > alone.peak_bytes
+    chosen = next(e for e in plan["ranked"] if e["label"] == Candidate(**plan["chosen"]).label)
+    alone = plain.predict(Candidate(**plan["chosen"]))
+    print(f"{scenario}: chosen {chosen['label']}, predicted step {chosen['step_s']:.4g} s and "
+          f"peak {chosen['peak_bytes']:.4g} B with the replica, {alone.step_s:.4g} s and "
+          f"{alone.peak_bytes:.4g} B without; measured {plan['measured']}")
 
 
 def test_what_of_dpo_a_pipeline_cannot_run_is_refused_by_name():
@@ -160,3 +214,60 @@ def test_what_of_dpo_evaluation_a_pipeline_cannot_run_is_refused_by_name():
     with pytest.raises(NotSupportedYetError, match="10 items do not fill whole evaluation "
                                                    "steps of 4.*multiple of 4"):
         build(10).evaluate()
+
+
+def test_the_trainer_hands_the_planner_where_it_runs_the_reference(monkeypatch):
+    """What auto_parallel asks the strategy planner with (merak/trainer/auto_plan.py), one
+    process, each setup's trainer made (nothing built): the pass before training for
+    precomputed references, DPOConfig's defaults, LoRA and an explicit ref_model (its replica
+    is freed before the first step); the replica in every step with sync_ref_model; KTO's as
+    DPO's; nothing for a trainer without a reference. The epochs: max_steps global batches over
+    the training rows. With auto_parallel, apply_strategy_plan hands it to the online planner.
+    """
+    import merak.dryrun.online as online
+    from merak.trainer.auto_plan import apply_strategy_plan, reference_costs
+
+    merak.init(dp=1, tp=1, pp=1)
+    configs = {}
+
+    def made(trainer_cls, config_cls, rows, ref_model=None, peft=None, **fields):
+        if trainer_cls not in configs:
+            configs[trainer_cls] = sft.merak_classes(config_cls, trainer_cls)
+        Config, Trainer = configs[trainer_cls]
+        args = Config("out", per_device_train_batch_size=4, **{**dpo.FIELDS, **fields})
+        trainer = Trainer(model=sft.model(), args=args, train_dataset=rows,
+                          processing_class=sft.tokenizer(), ref_model=ref_model,
+                          peft_config=peft)
+        costs = reference_costs(trainer)
+        if args.auto_parallel:  # what apply_strategy_plan asks the online planner with
+            asked = {}
+
+            def plan_online(*_, **keywords):
+                asked.update(keywords)
+                raise InterruptedError  # (the plan itself: tests/workers' dpo-sync-auto)
+
+            monkeypatch.setattr(online, "plan_online", plan_online)
+            with pytest.raises(InterruptedError):
+                apply_strategy_plan(trainer, trainer._example(trainer.train_dataset, 1))
+            assert (asked["reference"].mode, asked["reference"].epochs) == \
+                (costs.mode, costs.epochs)
+        return costs.mode, costs.epochs
+
+    epochs = dpo.STEPS * 4 * dpo.MICROBATCHES / dpo.ROWS
+    dpo_rows, kto_rows = dpo.dataset(), kto.dataset()
+    per_step = {"precompute_ref_log_probs": False}
+    for setup, expected in [
+            ({}, "before"), (per_step, "before"),
+            ({**per_step, "peft": sft.peft_config("all-linear")}, "before"),
+            ({**per_step, "ref_model": sft.model()}, "before"),
+            ({**per_step, "ref_model": sft.model(), "sync_ref_model": True}, "replica"),
+            ({**per_step, "ref_model": sft.model(), "sync_ref_model": True,
+              "auto_parallel": True}, "replica")]:
+        assert made(trl.DPOTrainer, trl.DPOConfig, dpo_rows, **setup) == (expected, epochs), \
+            setup
+    assert made(trl.KTOTrainer, trl.KTOConfig, kto_rows, **per_step,
+                ref_model=sft.model(), sync_ref_model=True) == ("replica", epochs)
+    Config, Trainer = sft.merak_classes(trl.SFTConfig, trl.SFTTrainer)
+    plain = Trainer(model=sft.model(), args=Config("out", **sft.FIELDS),
+                    train_dataset=sft.dataset(), processing_class=sft.tokenizer())
+    assert reference_costs(plain) is None

@@ -6,6 +6,8 @@ group: the schedules and costs are data."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import transformers as tf
 
@@ -130,6 +132,28 @@ def test_the_strategy_planner_charges_the_reference(schedule):
             held[before_placement(c)[s]] += REPLICA_BYTES_PER_PARAM * p
         assert [a - b for a, b in zip(replica.state_bytes, base.state_bytes)] == \
             pytest.approx(held, rel=1e-12)
+        # under ZeRO-3 the replica is sharded over the replicas as the policy's weights
+        sharded = dataclasses.replace(c, zero=3)
+        added = [a - b for a, b in zip(_predictor("replica").predict(sharded).state_bytes,
+                                       none.predict(sharded).state_bytes)]
+        assert added == pytest.approx([h / c.replicas for h in held], rel=1e-12)
+
+
+def test_a_dry_run_gets_the_references_predicted_share():
+    """Online planning (auto_parallel) dry-runs the policy's step alone: its measured time and
+    peak get what the reference adds to the candidate's prediction (merak/dryrun/online.py),
+    nothing without a reference."""
+    from merak.dryrun.online import _reference_share
+
+    c = Candidate(dp=2, tp=1, pp=2, micro_batch=2, microbatches=8)
+    plain = _predictor().predict(c)
+    for mode, epochs in (("before", 2.0), ("replica", 1.0)):
+        charged = _predictor(mode, epochs).predict(c)
+        seconds, held = _reference_share(charged, _predictor())
+        assert seconds == pytest.approx(charged.step_s - plain.step_s, rel=1e-12) and seconds > 0
+        assert held == pytest.approx(charged.peak_bytes - plain.peak_bytes, rel=1e-12)
+        assert (held > 0) == (mode == "replica")  # the pass before training holds no copy
+    assert _reference_share(plain, None) == (0.0, 0.0)
 
 
 def before_placement(c: Candidate):

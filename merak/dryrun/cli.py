@@ -137,7 +137,8 @@ def _plan(args: argparse.Namespace) -> int:
                            dry_runs=args.dry_runs, steps=args.dry_run_steps,
                            parallel_vocab=args.parallel_vocab,
                            sequence_parallel=sequence_parallel, context_parallel=degrees,
-                           expert_parallel=experts, imbalance=args.expert_imbalance)
+                           expert_parallel=experts, imbalance=args.expert_imbalance,
+                           reference=ReferenceCosts(args.reference, args.epochs))
         if plan is None:  # not rank 0
             return 0
     print(plan.table(args.top))

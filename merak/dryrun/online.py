@@ -30,6 +30,8 @@ from merak.rules import Choices
 from merak.strategy.candidate import Prediction
 from merak.strategy.cluster import measure_links
 from merak.strategy.costs import BlockCosts, measure_costs
+from merak.strategy.predict import Predictor
+from merak.strategy.reference import ReferenceCosts
 from merak.strategy.search import StrategyPlan, search, sequence_parallel_choices
 from merak.strategy.shape import ModelShape
 
@@ -82,8 +84,8 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
                 sequence_parallel: tuple[bool, ...] | None = None,
                 options: EngineOptions | None = None, job: Choices | None = None,
                 context_parallel: tuple[int, ...] = (1,),
-                expert_parallel: tuple[int, ...] | None = (1,), imbalance: float = 1.0
-                ) -> StrategyPlan:
+                expert_parallel: tuple[int, ...] | None = (1,), imbalance: float = 1.0,
+                reference: ReferenceCosts | None = None) -> StrategyPlan:
     """The plan for `config` on this job (every rank calls it; every rank gets the plan);
     `parallel_vocab` as the job will build its TP model; `sequence_parallel`: the settings
     to try where tp > 1 (default: `sequence_parallel_choices` of the config). `options`: the
@@ -94,14 +96,17 @@ def plan_online(config, global_batch: int, seq: int, memory_bytes: float | None 
     be unpadded for cp, which the planner cannot see); a cp candidate's dry run splits its
     rows as `MerakTrainer` does. `expert_parallel`: the ep degrees to search for an MoE model
     (None: every one that divides; `merak.strategy.search.candidates`), `imbalance`: its
-    routing's (`merak.strategy.predict.Predictor`)."""
+    routing's (`merak.strategy.predict.Predictor`). `reference`: a preference trainer's
+    reference forwards (`merak.strategy.reference.ReferenceCosts`), charged to every prediction
+    as `merak plan --reference` charges them; a dry run runs the policy's step only, so its
+    measured time and peak get the reference's predicted share (`_reference_share`)."""
     options = options or EngineOptions.for_dry_runs(dtype, parallel_vocab)
     start = time.perf_counter()
     with transient_process_groups():  # (the measuring layout's groups too)
         plan, best, memory = _plan_and_dry_run(config, global_batch, seq, memory_bytes,
                                                micro_batch_sizes, dry_runs, steps, options,
                                                sequence_parallel, job, context_parallel,
-                                               expert_parallel, imbalance)
+                                               expert_parallel, imbalance, reference)
     if best is None:
         label = min(plan.measured_memory, key=plan.measured_memory.get)
         raise ValueError(f"every dry run went over the memory limit of {memory / 2**30:.3g} "
@@ -125,7 +130,8 @@ def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float |
                       micro_batch_sizes, dry_runs: int, steps: int, options: EngineOptions,
                       sequence_parallel: tuple[bool, ...] | None, job: Choices | None,
                       context_parallel: tuple[int, ...] = (1,),
-                      expert_parallel: tuple[int, ...] | None = (1,), imbalance: float = 1.0
+                      expert_parallel: tuple[int, ...] | None = (1,), imbalance: float = 1.0,
+                      reference: ReferenceCosts | None = None
                       ) -> tuple[StrategyPlan, Prediction | None, float]:
     """`plan_online`'s measurements, search and dry runs: the plan, the fastest measured
     prediction within the memory limit (None when none is) and that limit."""
@@ -144,16 +150,31 @@ def _plan_and_dry_run(config, global_batch: int, seq: int, memory_bytes: float |
                   options.tensor_parallel.parallel_vocab, micro_batch_sizes=sizes,
                   sequence_parallel=sequence_parallel, job=job,
                   context_parallel=context_parallel, expert_parallel=expert_parallel,
-                  imbalance=imbalance)
+                  imbalance=imbalance, reference=reference)
+    # the same predictions without the reference: what a dry run (the policy's step) measures
+    plain = None if reference is None or reference.mode == "none" else Predictor(
+        shape, costs, cluster, memory, options.tensor_parallel.parallel_vocab, imbalance)
     best = None
     for prediction in _distinct(plan.ranked, dry_runs):
         c = prediction.candidate
         run = dry_run(c, config, seq, steps,
                       prediction.recompute_ratios if c.recompute == "budget" else None,
                       options=options)
-        plan.measured[c.label] = run.step_s
-        plan.measured_memory[c.label] = run.peak_bytes
-        if run.peak_bytes <= memory and (best is None or
-                                         run.step_s < plan.measured[best.candidate.label]):
+        extra_s, extra_bytes = _reference_share(prediction, plain)
+        plan.measured[c.label] = run.step_s + extra_s
+        plan.measured_memory[c.label] = run.peak_bytes + extra_bytes
+        if plan.measured_memory[c.label] <= memory and (
+                best is None or plan.measured[c.label] < plan.measured[best.candidate.label]):
             best = prediction
     return plan, best, memory
+
+
+def _reference_share(prediction: Prediction, plain: Predictor | None) -> tuple[float, float]:
+    """The seconds and peak bytes the reference adds to `prediction` (its candidate predicted
+    with the reference, less without: the pass before training over the epochs, or the
+    reference forwards inside the step and a replica's weights); (0, 0) without a reference.
+    A dry run measures the policy's step alone, so this is added to its figures."""
+    if plain is None:
+        return 0.0, 0.0
+    alone = plain.predict(prediction.candidate)
+    return prediction.step_s - alone.step_s, max(0.0, prediction.peak_bytes - alone.peak_bytes)

@@ -2,12 +2,14 @@
 
 A receiver sizes its buffers before it posts a receive (`merak.runtime.p2p`). What the shapes
 depend on is the step's batch-shape key (`batch_shape_key`): the input shapes of every
-micro-batch on every rank of the pipeline that loads any, and whether gradients are on. For a
-key not seen before, each shape class (micro-batches of equal input shapes on every rank: all of
-them when the batch was cut into equal parts, several for padding-free micro-batches of
-different flattened lengths) has its first micro-batch's forward run once without gradients,
-its messages carrying only shapes (`discover_shapes`). A packed dataset brings new shapes at
-almost every step, and then costs one such forward per micro-batch of each step.
+micro-batch on every rank of the pipeline that loads any (under ZeRO-3 on every rank of the job:
+its forwards gather over the replicas, which must run the same ones), and whether gradients
+are on. For a key not seen before, each shape class (micro-batches of equal input shapes on
+every rank: all of them when the batch was cut into equal parts, several for padding-free
+micro-batches of different flattened lengths) has its first micro-batch's forward run once
+without gradients, its messages carrying only shapes (`discover_shapes`). A packed dataset
+brings new shapes at almost every step, and then costs one such forward per micro-batch of each
+step.
 """
 
 from __future__ import annotations
@@ -31,12 +33,18 @@ def batch_shape_key(engine, parts: Sequence[Batch], used: int) -> tuple[tuple, l
     ctx = engine.ctx
     local = [shape_code(parts[mb] if mb < len(parts) else {}) for mb in range(used)]
     codes = torch.tensor(local, dtype=torch.int64)
-    if ctx.pp > 1:
-        gathered = torch.zeros(ctx.pp * used, dtype=torch.int64)
+    # ZeRO-3 all-gathers each unit in every forward, a discovery's too, over the replicas,
+    # whose micro-batches differ (rows padded to their own length): every rank must then run
+    # the same discovery forwards, so every rank's codes make the key, not only the pipeline's
+    zero = getattr(engine, "zero", None)
+    dim, ranks = ("world", ctx.world_size) if zero is not None and zero.zero_stage == 3 \
+        else ("pp", ctx.pp)
+    if ranks > 1:
+        gathered = torch.zeros(ranks * used, dtype=torch.int64)
         engine.transfers.wait_collective(
-            all_gather_single(gathered, codes, group=ctx.host_group("pp"), async_op=True),
-            "the batch-shape exchange that starts every step (an all-gather over the "
-            "pipeline ranks)")
+            all_gather_single(gathered, codes, group=ctx.host_group(dim), async_op=True),
+            f"the batch-shape exchange that starts every step (an all-gather over the "
+            f"{'ranks' if dim == 'world' else 'pipeline ranks'})")
         codes = gathered
     table = codes.view(-1, used).numpy().tolist()  # host memory: no device read
     return (torch.is_grad_enabled(), *(c for row in table for c in row)), shape_classes(table)

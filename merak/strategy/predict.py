@@ -218,8 +218,9 @@ class Predictor:
             experts = counts[s] * self._block_experts(c)
             states[placement[s]] += state_bytes(p - experts, c.zero, c.replicas, largest) \
                 + state_bytes(experts, c.zero, c.replicas // c.ep, largest)
-        states = [a + b for a, b in zip(states, self.reference.replica_bytes(params, placement,
-                                                                             c.pp))]
+        replica = self.reference.replica_bytes(params, placement, c.pp,
+                                               c.replicas if c.zero >= 2 else 1)
+        states = [a + b for a, b in zip(states, replica)]
         if max(states) > self.memory_bytes:  # no activation can fit: nothing to replay
             rank = states.index(max(states))
             result.peak_bytes = max(states)

@@ -7,7 +7,8 @@ each training row once, so a step is charged its time divided by the epochs trai
 ``"per_step"`` and ``"replica"``: the training schedule itself carries the reference's forwards
 (``make_schedule(..., reference=True)``), so the replay times them where they run, bubbles
 included; a ``"replica"`` also holds a frozen copy of its stage's weights on every rank
-(`replica_bytes`), which no optimizer, gradient or ZeRO shard touches.
+(`replica_bytes`), which no optimizer or gradient touches; under ZeRO-2/3 it is sharded over
+the replicas as the policy's weights are.
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ class ReferenceCosts:
         """Whether the training schedule runs the reference (``make_schedule(reference=)``)."""
         return self.mode in PER_STEP_MODES
 
-    def replica_bytes(self, params: list[float], placement, pp: int) -> list[float]:
-        """Per pipeline rank, the bytes of its stages' frozen replica (``"replica"``; else 0)."""
+    def replica_bytes(self, params: list[float], placement, pp: int,
+                      shards: int = 1) -> list[float]:
+        """Per pipeline rank, the bytes of its stages' frozen replica (``"replica"``; else 0).
+        `shards`: the ranks its weights are sharded over (ZeRO-2/3 shard the replica over the
+        replicas as the policy, `merak.trainer.reference_replica`; its pass gathers them unit
+        by unit, or whole under ZeRO-2 before the policy's step gathers its own)."""
         held = [0.0] * pp
         if self.mode == "replica":
             for s, p in enumerate(params):
-                held[placement[s]] += REPLICA_BYTES_PER_PARAM * p
+                held[placement[s]] += REPLICA_BYTES_PER_PARAM * p / shards
         return held
 
     def before_training_s(self, c, costs: CostModel, placement) -> float:

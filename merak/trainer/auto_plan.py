@@ -10,12 +10,35 @@ from pathlib import Path
 from merak import lora, rules
 from merak.distributed.parallel_context import ParallelContext, init
 from merak.strategy.candidate import Candidate
+from merak.strategy.reference import ReferenceCosts
 from merak.strategy.search import read_strategy_plan
+from merak.trainer.subclasses import reference_trainer
 
 
 def global_batch(args) -> int:
     """The sequences of one optimizer step under a plan: what one process would step on."""
     return args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+
+def reference_costs(trainer) -> ReferenceCosts | None:
+    """Where the trainer runs a preference trainer's reference forwards (TRL's DPOTrainer and
+    KTOTrainer; None for other trainers), for the strategy planner as `merak plan --reference`
+    takes them: ``"replica"`` with ``sync_ref_model`` (the explicit reference's replica runs
+    before every step and is held through training, `merak.trainer.reference_sync`), else
+    ``"before"``: precomputed references, the config's defaults, LoRA with its adapters off and
+    an explicit ``ref_model`` all run one forward-only pass over the training rows before the
+    first step (`merak.trainer.reference_logps`; an explicit reference's replica is freed
+    after it, before any gradient or optimizer state exists). The epochs are those the
+    trainer will train (``max_steps`` global batches over the training set, else
+    ``num_train_epochs``)."""
+    if reference_trainer(type(trainer)) is None:
+        return None
+    args = trainer.args
+    mode = "replica" if getattr(args, "sync_ref_model", False) else "before"
+    epochs = args.num_train_epochs
+    if args.max_steps > 0 and trainer.train_dataset is not None:
+        epochs = args.max_steps * global_batch(args) / len(trainer.train_dataset)
+    return ReferenceCosts(mode, epochs)
 
 
 def sequence_parallel_settings(args, config, ctx) -> tuple[bool, ...]:
@@ -58,7 +81,7 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
                            args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
                            dry_runs=args.plan_dry_runs,
                            sequence_parallel=sequence_parallel_settings(args, config, ctx),
-                           options=options, job=job)
+                           options=options, job=job, reference=reference_costs(trainer))
         if ctx.rank == 0:
             print(plan.table(), f"\nchosen: {plan.chosen.label}\n{plan.why}", flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)

@@ -33,9 +33,7 @@ import numpy as np
 from merak import lora
 from merak.distributed.host_objects import all_gather_objects
 from merak.trainer.reference_replica import build_replica, explicit_reference
-from merak.trainer.reference_sync import COLUMNS as SYNC_COLUMNS
-from merak.trainer.reference_sync import SyncedReference
-from merak.trainer.subclasses import is_kto
+from merak.trainer.reference_sync import SyncedReference, reference_columns
 from merak.trainer.user_model import user_model
 
 
@@ -60,8 +58,7 @@ class ReferenceLogpsMixin:
         if getattr(self.args, "sync_ref_model", False):  # the reference in every step
             self._start_synced_reference()
         pending, self._pending_reference = self._pending_reference or {}, None
-        columns = ("ref_logps", "ref_KL_logps") if is_kto(type(self)) \
-            else ("ref_chosen_logps", "ref_rejected_logps")
+        columns = reference_columns(type(self))
         reference = explicit_reference(self) if pending else None
         # an explicit ref_model: its frozen replica, split as the policy, for this pass only
         engine = self.engine if reference is None else build_replica(self, reference)
@@ -92,7 +89,8 @@ class ReferenceLogpsMixin:
         self.callback_handler.remove_callback(SyncRefModelCallback)
         self.callback_handler.add_callback(synced)
         stage_loss = self.loss_choice.stage_loss
-        stage_loss.input_names = list(dict.fromkeys([*stage_loss.input_names, *SYNC_COLUMNS]))
+        stage_loss.input_names = list(dict.fromkeys([*stage_loss.input_names,
+                                                        *synced.columns]))
         self.engine.interpreter.attach_loss(stage_loss)
 
     def _reference_dataset(self, name: str, dataset=None):

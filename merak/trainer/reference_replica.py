@@ -10,14 +10,14 @@ replica over the training (and evaluation) rows before the first step, micro-bat
 micro-batch, on the pass `merak.trainer.reference_logps` runs for precomputed references
 (``reference_forward`` instructions: `merak.schedule.reference`, mode ``"before"``); the
 replica is freed after it, so training holds no second copy. A reference that follows the
-policy (``sync_ref_model``) would need the replica in every step: refused
-(`merak.trainer.subclasses.check_dpo`).
+policy (``sync_ref_model``) keeps the replica through training (`merak.trainer.reference_sync`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from merak import lora
 from merak.engine.assemble import Engine, build_engine
@@ -56,9 +56,10 @@ def build_replica(trainer, reference: nn.Module) -> Engine:
             f"{[p.module for p in theirs.pieces]}); give a reference of the policy's "
             f"architecture")
     replica.stage.requires_grad_(False)
-    # what the replica holds on this rank (docs/trainer.md)
-    trainer.reference_replica_bytes = sum(p.numel() * p.element_size()
-                                          for p in replica.stage.parameters())
+    # what the replica holds on this rank (docs/preference-tuning.md): under ZeRO-2/3 its dp shards
+    trainer.reference_replica_bytes = sum(
+        t.numel() * t.element_size() for t in (p.to_local() if isinstance(p, DTensor) else p
+                                               for p in replica.stage.parameters()))
     replica.interpreter.attach_loss(trainer.loss_choice.stage_loss)
     return replica
 

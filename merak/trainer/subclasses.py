@@ -110,12 +110,6 @@ def check_dpo(cls: type, args, model, keywords: dict) -> None:
     if not (is_dpo(cls) or is_kto(cls)):
         return
     name = cls.__name__
-    if is_kto(cls) and keywords.get("ref_model") is not None:
-        raise NotSupportedYetError(
-            f"{name} was given a ref_model: MerakTrainer runs an explicit reference's replica "
-            f"for DPOTrainer, and has not checked KTO's (its KL rows) against TRL yet; leave "
-            f"ref_model out (the reference is then the initial policy, run through the "
-            f"pipeline before training)")
     if getattr(args, "sync_ref_model", False) and keywords.get("ref_model") is None:
         raise NotSupportedYetError(
             f"{name} with sync_ref_model=True and no ref_model: MerakTrainer keeps a replica of "

@@ -9,6 +9,8 @@ rejected rows), 5 steps: one epoch and a step of the next."""
 
 from __future__ import annotations
 
+import os
+
 import sft_common as sft
 
 ROWS, STEPS, MICROBATCHES, GLOBAL_MICRO_BATCH = 32, 5, 2, 4
@@ -35,6 +37,9 @@ EVALUATED = {
     "dpo-eval-dp1tp2pp2": ((1, 2, 2), False, {}, False),
     "dpo-eval-lora-defaults-dp2tp1pp2": ((2, 1, 2), True, {"precompute_ref_log_probs": False},
                                          False)}
+# sync_ref_model under ZeRO (dp2 pp2): ZeRO-3 in the suite (its forwards gather over the dp
+# ranks), ZeRO-2 too with MERAK_TEST_MATRIX=full
+ZERO_STAGES = (2, 3) if os.environ.get("MERAK_TEST_MATRIX") == "full" else (3,)
 # an explicit ref_model (a second model: the policy's architecture, other weights, as an SFT'd
 # checkpoint), loaded with from_pretrained inside init_empty_weights: its frozen replica split as
 # the policy's runs the pass before training; with sync_ref_model it runs before every step and
@@ -43,7 +48,21 @@ REFERENCED = {
     "dpo-refmodel-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False}, False),
     "dpo-sync-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False,
                                               "sync_ref_model": True, "ref_model_sync_steps": 2,
-                                              "ref_model_mixup_alpha": 0.5}, False)}
+                                              "ref_model_mixup_alpha": 0.5}, False),
+    # ZeRO-2 / ZeRO-3 (FSDP2 over dp): the replica sharded as the policy, mixed shard by shard
+    **{f"dpo-sync-zero{z}-dp2tp1pp2": ((2, 1, 2), False, {
+        "precompute_ref_log_probs": False, "sync_ref_model": True, "ref_model_sync_steps": 2,
+        "ref_model_mixup_alpha": 0.5, "zero_stage": z}, False) for z in ZERO_STAGES}}
+# auto_parallel (from 4 data-parallel ranks): the trainer plans with its reference mode
+# (sync_ref_model: "replica", its forwards in every step and its weights on every rank) and trains
+# the chosen layout; about 45 s (the planner measures 4 micro-batch sizes), so with
+# MERAK_TEST_MATRIX=full only. name -> as VARIANTS (no layout: the plan's)
+PLANNED = {"dpo-sync-auto": (None, False, {
+    "precompute_ref_log_probs": False, "sync_ref_model": True, "ref_model_sync_steps": 2,
+    "ref_model_mixup_alpha": 0.5, "auto_parallel": True, "plan_dry_runs": 1}, False)} \
+    if os.environ.get("MERAK_TEST_MATRIX") == "full" else {}
+# fields of MerakArguments only: the single process has none
+MERAK_ONLY = ("zero_stage", "auto_parallel", "plan_dry_runs")
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
           "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -113,6 +132,7 @@ def single_process(lora: bool = False, pretrained: str | None = None, evaluate: 
     import transformers as tf
     import trl
 
+    fields = {k: v for k, v in fields.items() if k not in MERAK_ONLY}
     trainer = trl.DPOTrainer(
         model=policy(pretrained), processing_class=sft.tokenizer(),
         ref_model=tf.AutoModelForCausalLM.from_pretrained(reference) if reference else None,

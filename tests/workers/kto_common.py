@@ -28,6 +28,15 @@ RUNS = {
 # evaluate() after training on EVAL_ROWS held-out rows (2 steps of MICRO_BATCH): name -> as RUNS
 EVAL_ROWS = 8
 EVALUATED = {"kto-eval-dp1tp2pp2": ((1, 2, 2), False, {}, False)}
+# an explicit ref_model (dpo_common.save_reference's: the policy's architecture, other weights),
+# meta-built: its frozen replica split as the policy's runs the pass before training; with
+# sync_ref_model before every step, mixed with the policy after steps 2 and 4 (no evaluation
+# set: refused with sync). name -> as RUNS
+REFERENCED = {
+    "kto-refmodel-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False}, False),
+    "kto-sync-dp1tp2pp2": ((1, 2, 2), False, {"precompute_ref_log_probs": False,
+                                              "sync_ref_model": True, "ref_model_sync_steps": 2,
+                                              "ref_model_mixup_alpha": 0.5}, False)}
 LOGGED = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen",
           "logps/rejected", "logits/chosen", "logits/rejected", "rewards/margins", "entropy",
           "num_tokens")
@@ -51,14 +60,16 @@ def eval_dataset():
 
 
 def single_process(lora: bool = False, pretrained: str | None = None, evaluate: bool = False,
-                   **fields) -> dict:
+                   reference: str | None = None, **fields) -> dict:
     """Plain single-process KTOTrainer (with `lora`, LoRA adapters through its peft_config;
-    `fields` over FIELDS; the policy loaded from `pretrained`): what it logs (with `evaluate`,
-    and what evaluate() returns after training, under "eval")."""
+    `fields` over FIELDS; the policy loaded from `pretrained`; the ref_model loaded from
+    `reference`): what it logs (with `evaluate`, and what evaluate() returns after training,
+    under "eval")."""
     import trl
 
     trainer = trl.KTOTrainer(
         model=dpo.policy(pretrained), processing_class=sft.tokenizer(),
+        ref_model=dpo.policy(reference) if reference else None,
         train_dataset=dataset(), eval_dataset=eval_dataset() if evaluate else None,
         peft_config=sft.peft_config(LORA_TARGETS) if lora else None,
         args=trl.KTOConfig(output_dir="out", per_device_train_batch_size=MICRO_BATCH,

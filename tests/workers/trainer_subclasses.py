@@ -46,7 +46,7 @@ def run(name: str, layout: tuple[int, int, int], peft_config=None, **fields) -> 
         (out_dir() / f"merak-{name}.json").write_text(json.dumps(logged))
 
 
-def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
+def run_dpo(name: str, layout: tuple[int, int, int] | None, lora: bool = False, fields=None,
             pretrained: bool = False, evaluate: bool = False, reference: bool = False) -> None:
     """MerakDPOTrainer on a model built on the meta device (with `pretrained`, loaded with
     from_pretrained inside init_empty_weights): the reference log-probabilities are a pipelined
@@ -56,13 +56,15 @@ def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
     import trl
 
     Config, MerakDPOTrainer = sft.merak_classes(trl.DPOConfig, trl.DPOTrainer)
-    dp, tp, pp = layout
-    merak.init(dp=dp, tp=tp, pp=pp)
+    # no layout (auto_parallel): from pure data parallelism, a step's global batch given whole,
+    # the rows in order (a DPO step's loss and metrics are means over its equal micro-batches)
+    dp, tp, pp = layout or (1, 1, 1)
+    merak.init() if layout is None else merak.init(dp=dp, tp=tp, pp=pp)
     args = Config(output_dir=str(out_dir() / name),
                   per_device_train_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
                   per_device_eval_batch_size=dpo.GLOBAL_MICRO_BATCH // dp,
                   **{**dpo.FIELDS, **(fields or {})})
-    order = None if dp == 2 else dpo.reference_order(2)
+    order = None if dp == 2 or layout is None else dpo.reference_order(2)
     path, reference_path = out_dir() / "dpo-policy", out_dir() / "dpo-reference"
     if pretrained and dist.get_rank() == 0 and not path.exists():
         dpo.save_policy(path)
@@ -88,11 +90,12 @@ def run_dpo(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
 
 
 def run_kto(name: str, layout: tuple[int, int, int], lora: bool = False, fields=None,
-            pretrained: bool = False, evaluate: bool = False) -> None:
+            pretrained: bool = False, evaluate: bool = False, reference: bool = False) -> None:
     """MerakKTOTrainer on a model built on the meta device (with `pretrained`, loaded with
     from_pretrained inside init_empty_weights): each micro-batch's completions and mismatched KL
     completions run as rows of one pipeline forward; the reference log-probabilities of both are
-    a pipelined evaluation pass before training (with `lora`, its adapters off)."""
+    a pipelined evaluation pass before training (with `lora`, its adapters off; with
+    `reference`, an explicit ref_model's replica, dpo_common.save_reference's, meta-built)."""
     import trl
 
     Config, MerakKTOTrainer = sft.merak_classes(trl.KTOConfig, trl.KTOTrainer)
@@ -102,13 +105,18 @@ def run_kto(name: str, layout: tuple[int, int, int], lora: bool = False, fields=
                   per_device_train_batch_size=kto.MICRO_BATCH // dp,
                   per_device_eval_batch_size=kto.MICRO_BATCH // dp,
                   **{**kto.FIELDS, **(fields or {})})
-    path = out_dir() / "dpo-policy"  # (the policy DPO's runs save)
+    # (the policy and reference DPO's runs save)
+    path, reference_path = out_dir() / "dpo-policy", out_dir() / "dpo-reference"
     if pretrained and dist.get_rank() == 0 and not path.exists():
         dpo.save_policy(path)
+    if reference and dist.get_rank() == 0 and not reference_path.exists():
+        dpo.save_reference(reference_path)
     dist.barrier()
     with merak.init_empty_weights():
         model = dpo.policy(str(path) if pretrained else None)
+        ref_model = dpo.policy(str(reference_path)) if reference else None
     trainer = MerakKTOTrainer(model=model, args=args, train_dataset=kto.dataset(),
+                              ref_model=ref_model,
                               eval_dataset=kto.eval_dataset() if evaluate else None,
                               processing_class=sft.tokenizer(),
                               peft_config=sft.peft_config(kto.LORA_TARGETS) if lora else None)
@@ -142,10 +150,14 @@ def scenarios(world_size: int) -> dict:
                        for name, variant in dpo.EVALUATED.items()})
     preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v, reference=True))
                        for name, variant in dpo.REFERENCED.items()})
+    preference.update({name: (lambda name=name, v=variant: run_dpo(name, *v, reference=True))
+                       for name, variant in dpo.PLANNED.items()})
     preference.update({name: (lambda name=name, run=run: run_kto(name, *run))
                        for name, run in kto.RUNS.items()})
     preference.update({name: (lambda name=name, run=run: run_kto(name, *run, evaluate=True))
                        for name, run in kto.EVALUATED.items()})
+    preference.update({name: (lambda name=name, run=run: run_kto(name, *run, reference=True))
+                       for name, run in kto.REFERENCED.items()})
     variants = {name: (lambda name=name, layout=layout, fields=fields: run(name, layout, **fields))
                 for name, (layout, fields) in sft.LOSS_TYPES.items()}  # loss_type="dft"
     return {**plain, **adapted, **preference, **variants, **configured}
