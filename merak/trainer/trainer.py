@@ -28,6 +28,7 @@ from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
 from merak.distributed.timeouts import use_trainer_timeout
 from merak.engine.assemble import Engine, build_engine
+from merak.expert_parallel.shard import refuse_expert_adapters
 from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
 from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.memory_probe import fits_in_memory
@@ -103,6 +104,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if self.model is not None:
             model = self.model  # as the subclass left it (peft-wrapped)
             check_adapters_recorded(model)
+            refuse_expert_adapters(model, self.ctx.ep)  # ep > 1: none on expert weights
         # (peft config, adapter name): saves write the adapter as peft does
         self._lora = (model.peft_config[args.adapter_name], args.adapter_name) \
             if lora.is_peft_model(model) and args.adapter_name in model.peft_config else None
