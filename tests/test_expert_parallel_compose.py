@@ -28,10 +28,16 @@ RTOL, ATOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-5, 1e-4  # fp32, as test_expert_parallel
 BF16_RTOL, BF16_ATOL, BF16_GRAD_ATOL_OF_MAX = 2e-2, 1e-3, 2e-2
 
 
-def _exchanges_per_step(scenario: str, moe_layers: int) -> int:
+# Merak's schedules that never recompute on the last pipeline stage
+NO_RERUN_ON_LAST = ("last_no_recompute_1f1b", "shifted_critical_path")
+
+
+def _exchanges_per_step(scenario: str, figures: dict) -> int:
     """Each micro-batch's MoE layer exchanges twice forward (tokens out, results back) and
     twice backward, twice more where its forward is rerun (recomputation)."""
-    return MICRO * moe_layers * (6 if "recompute" in scenario else 4)
+    reruns = "recompute" in scenario and not (
+        any(name in scenario for name in NO_RERUN_ON_LAST) and figures["last_stage"])
+    return MICRO * len(figures["experts_modules"]) * (6 if reruns else 4)
 
 
 def assert_exchanges_match(figures: list[dict], scenario: str) -> None:
@@ -41,7 +47,7 @@ def assert_exchanges_match(figures: list[dict], scenario: str) -> None:
         group = f["ep_group"]
         calls = {r: figures[r]["exchanges"] for r in group}
         # the last step's (the first step's holds the runtime's shape discovery forwards too)
-        expected = _exchanges_per_step(scenario, len(f["experts_modules"]))
+        expected = _exchanges_per_step(scenario, f)
         assert [figures[r]["exchanges_per_step"][-1] for r in group] == [expected] * 2, \
             (scenario, [figures[r]["exchanges_per_step"] for r in group])
         for a_index, a in enumerate(group):
@@ -77,11 +83,15 @@ def test_expert_parallel_composes_like_the_model(launches, world_size, scenario)
         layers = sorted(m for f in figures for m in f["experts_modules"])
         assert layers == sorted(f"model.layers.{i}.mlp.experts" for i in range(4) for _ in "dp")
     if bf16:  # ep=2 computes what ep=1 does under autocast, to fp32 rounding
-        assert_like_ep1(figures, scenario_result(*launches(world_size),
-                                                 scenario.replace("-ep2-", "-ep1-")))
+        gap = assert_like_ep1(figures, scenario_result(*launches(world_size),
+                                                       scenario.replace("-ep2-", "-ep1-")))
+        print(f"{scenario}: max abs diff from ep=1 {gap:.2g}")
 
 
-def assert_like_ep1(ep2: list[dict], ep1: list[dict]) -> None:
+def assert_like_ep1(ep2: list[dict], ep1: list[dict]) -> float:
+    """Every loss, gradient and parameter of ep=2 is ep=1's (its experts: this ep rank's half)
+    to fp32 rounding; returns the largest difference."""
+    gap = 0.0
     for rank, (ours, theirs) in enumerate(zip(ep2, ep1)):
         torch.testing.assert_close(torch.tensor(ours["floats"]["losses"][0]),
                                    torch.tensor(theirs["floats"]["losses"][0]),
@@ -94,6 +104,8 @@ def assert_like_ep1(ep2: list[dict], ep1: list[dict]) -> None:
                     other = other.chunk(2)[ours["ep_rank"]]
                 torch.testing.assert_close(actual, other, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, w=what, r=rank: f"rank {r}: {w}: {m}")
+                gap = max(gap, (actual - other).abs().max().item())
+    return gap
 
 
 @pytest.mark.parametrize("targets", [{"target_parameters": ["experts.gate_up_proj"]},

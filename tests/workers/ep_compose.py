@@ -138,6 +138,7 @@ def composed(pp: int, schedule: str = "1f1b", chunks: int = 1, recompute: float 
     own = dict(stage.named_parameters())
     return compared.figures(
         max_abs_diff=_max_diff(compared), rank=ctx.rank, ep_rank=ctx.ep_rank,
+        last_stage=ctx.pp_rank == ctx.pp - 1,
         expert_counts=_expert_counts(stage, reference, experts),
         experts_modules=sorted(experts), exchanges=exchanges.calls,
         exchanges_per_step=per_step,
