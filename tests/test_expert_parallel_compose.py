@@ -123,3 +123,21 @@ def test_adapters_on_expert_weights_are_refused_before_the_build(targets):
                        r"parallelism \(ep=2\).*target the attention"):
         merak.parallelize(model, {}, SimpleNamespace(ep=2))
     refuse_expert_adapters(model, 1)  # ep=1: peft's own
+
+
+def test_merak_trainer_refuses_adapters_on_expert_weights_with_ep(monkeypatch):
+    """`MerakTrainer` with ``lora_config`` targeting experts tensors at ep=2: refused once its
+    adapters are made, before any engine is built."""
+    import merak.rules as rules_module
+    import merak.trainer.trainer as trainer_module
+
+    with merak.init_empty_weights():
+        model = ep_compose_model(2)
+    context = SimpleNamespace(ep=2, tp=1, cp=1)
+    monkeypatch.setattr(trainer_module, "get_context", lambda: context)
+    monkeypatch.setattr(rules_module, "default_context", lambda: context)
+    args = merak.MerakArguments(output_dir="out", use_cpu=True, report_to="none",
+                                lora_config='{"r": 2, "target_modules": ["q_proj"], '
+                                            '"target_parameters": ["experts.gate_up_proj"]}')
+    with pytest.raises(NotSupportedYetError, match=r"LoRA adapters on expert weights.*ep=2"):
+        merak.MerakTrainer(model=model, args=args)
