@@ -23,7 +23,7 @@ from torch import nn
 
 from merak import lora
 from merak.distributed.parallel_context import ParallelContext, get_context
-from merak.expert_parallel.shard import shard_experts
+from merak.expert_parallel.shard import refuse_expert_adapters, shard_experts
 from merak.materialize.conversion import CheckpointLayout
 from merak.materialize.meta import materialize_
 from merak.materialize.safetensors import load_safetensors_, pretrained_checkpoint
@@ -105,6 +105,7 @@ def parallelize(model: nn.Module, example_inputs: dict[str, torch.Tensor],
     if checkpoint is None:
         checkpoint = pretrained_checkpoint(model)
     adapters = any(lora.is_lora_layer(m) for m in model.modules())
+    refuse_expert_adapters(model, ctx.ep)  # (before tensor parallelism changes anything)
     aliases = tied_aliases(model)
     # transformers' conversions for this model class (a Mixtral's per-expert checkpoint
     # tensors), read off the whole model before tensor parallelism replaces its modules

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -65,9 +66,10 @@ def _inner_forward(module: nn.Module, name: str):
     # decorated class may sit under a tensor-parallel wrapper class (moe_tp_experts)
     decorated = next(c.__dict__["forward"] for c in type(module).__mro__
                      if hasattr(c.__dict__.get("forward"), "__wrapped__"))
-    original = decorated.__wrapped__.__get__(module)
     chosen = None if name in (None, "eager") else ALL_EXPERTS_FUNCTIONS.get_interface(name, None)
-    return original if chosen is None else chosen.__get__(module)
+    # bound by `partial`, not `__get__`: dynamo (torch.compile of the blocks) traces a partial,
+    # but reads a function's `__get__(module)` as an attribute of the module
+    return partial(decorated.__wrapped__ if chosen is None else chosen, module)
 
 
 def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor,

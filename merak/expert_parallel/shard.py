@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from merak import lora
 from merak.distributed.parallel_context import ParallelContext
 from merak.expert_parallel.dense_moe import dense_moe_blocks, route_block
 from merak.expert_parallel.dispatch import IMPLEMENTATION, ExpertShard, register
@@ -116,6 +117,30 @@ def check_divisible(modules: dict[str, nn.Module], ep: int) -> None:
                 f"that divides {module.num_experts} (merak.init(ep=))")
 
 
+def refuse_expert_adapters(model: nn.Module, ep: int) -> None:
+    """Refuse LoRA adapters on expert weights with ep > 1 (peft's ``target_parameters`` on an
+    experts module, or any adapter layer inside one): one adapter over all of a layer's experts
+    would hold every expert's rows on each rank, which `shard_experts` does not split.
+    Adapters elsewhere (attention, shared experts, the router) compose with ep."""
+    if ep == 1:
+        return
+    from merak.rules import NotSupportedYetError
+
+    experts = set(experts_modules(model))
+    for name, module in model.named_modules():
+        if not lora.is_lora_layer(module):
+            continue
+        base = lora.base_layer(module)
+        inside = any(name == e or name.startswith(e + ".") for e in experts)
+        if inside or is_experts_module(base):
+            raise NotSupportedYetError(
+                f"LoRA adapters on expert weights ({name}, {type(module).__name__}) with expert "
+                f"parallelism (ep={ep}) are not supported yet: an adapter over a layer's "
+                f"experts is not split over the ep ranks; target the attention and other "
+                f"non-expert linears (leave the experts out of target_modules and "
+                f"target_parameters), or use ep=1")
+
+
 def _check_tp_cuts(modules: dict[str, nn.Module]) -> None:
     """A per-expert tensor tensor parallelism split along the expert dim (dim 0) cannot be
     split over ep as well."""
@@ -150,6 +175,7 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int
             if getattr(m, "merak_ep", None) is not None}
     modules = {n: m for n, m in found.items() if n not in done}
     check_divisible(modules, ctx.ep)
+    refuse_expert_adapters(model, ctx.ep)
     _check_tp_cuts(modules)
     register()
     inner_of: dict[int, str | None] = {}  # per config object: the implementation it had

@@ -28,6 +28,7 @@ from merak.distributed import liveness
 from merak.distributed.parallel_context import get_context
 from merak.distributed.timeouts import use_trainer_timeout
 from merak.engine.assemble import Engine, build_engine
+from merak.expert_parallel.shard import refuse_expert_adapters
 from merak.materialize.adapters import adapters_join_record, check_adapters_recorded
 from merak.materialize.safetensors import pretrained_checkpoint
 from merak.runtime.memory_probe import fits_in_memory
@@ -91,6 +92,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if args.lora_config is not None:  # peft's LoRA layers, before anything is built,
             # made as single-process peft makes them right after set_seed(args.seed)
             model = lora.wrap(model, args.lora_config, args.adapter_name, seed=args.seed)
+        refuse_expert_adapters(model, self.ctx.ep)  # ep > 1: no adapter on expert weights
         # by name: a Trainer subclass may take other parameters second (DPOTrainer: ref_model);
         # adapters it adds (TRL's peft_config) join the meta model's init record
         # (a DPOTrainer's reference: merak.trainer.dpo_setup)
@@ -103,6 +105,7 @@ class MerakTrainer(LossSetupMixin, ContextParallelMixin, ReferenceLogpsMixin, Ch
         if self.model is not None:
             model = self.model  # as the subclass left it (peft-wrapped)
             check_adapters_recorded(model)
+            refuse_expert_adapters(model, self.ctx.ep)  # (and none a subclass added)
         # (peft config, adapter name): saves write the adapter as peft does
         self._lora = (model.peft_config[args.adapter_name], args.adapter_name) \
             if lora.is_peft_model(model) and args.adapter_name in model.peft_config else None
