@@ -140,10 +140,11 @@ def online_plan_dry_runs_ep() -> dict:
         left.append(live_process_groups() - before)
     costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
     try:
-        before = live_process_groups()
-        only_ep = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(2,),
-                              dry_runs=1, steps=1, expert_parallel=(2,))
-        left.append(live_process_groups() - before)
+        for degrees in ((1,), (2,)):  # (a plan leaves its final default layout's groups)
+            before = live_process_groups()
+            only_ep = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(2,),
+                                  dry_runs=1, steps=1, expert_parallel=degrees)
+            left.append(live_process_groups() - before)
     finally:
         costs.MIN_SAMPLE_S = sample_s
     return {"losses": losses, "groups_left": left, "only_ep_measured": only_ep.measured,
