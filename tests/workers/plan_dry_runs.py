@@ -42,6 +42,18 @@ def tiny_llama() -> tf.LlamaConfig:
                           tie_word_embeddings=True)
 
 
+def step_rows(config, rows: int, steps: int, seed: int):
+    """`batches(k)` for a dry run: step k's `rows` random token rows (a warm-up step more)."""
+    ids = torch.randint(0, config.vocab_size, ((steps + 1) * rows, SEQ),
+                        generator=torch.Generator().manual_seed(seed))
+
+    def batch(k):
+        part = ids[k * rows:(k + 1) * rows]
+        return {"input_ids": part, "labels": part}
+
+    return batch
+
+
 def dry_runs_free_their_groups() -> dict:
     ctx = merak.init(dp=1, tp=1, pp=2)
     before = live_process_groups()
@@ -91,12 +103,7 @@ def online_plan_dry_runs_cp() -> dict:
     merak.init(dp=1, tp=1, pp=2)
     config = tiny_llama()
     mbs, m, steps = 2, 2, 2
-    ids = torch.randint(0, config.vocab_size, ((steps + 1) * mbs * m, SEQ),
-                        generator=torch.Generator().manual_seed(3))
-
-    def rows(k):
-        part = ids[k * mbs * m:(k + 1) * mbs * m]
-        return {"input_ids": part, "labels": part}
+    rows = step_rows(config, mbs * m, steps, 3)
 
     losses = {}
     for c in (Candidate(1, 1, 2, mbs, m), Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ring"),
@@ -126,12 +133,7 @@ def online_plan_dry_runs_ep() -> dict:
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                num_experts=4, num_experts_per_tok=2)
     mbs, m, steps = 2, 2, 2
-    ids = torch.randint(0, config.vocab_size, ((steps + 1) * mbs * m, SEQ),
-                        generator=torch.Generator().manual_seed(5))
-
-    def rows(k):
-        part = ids[k * mbs * m:(k + 1) * mbs * m]
-        return {"input_ids": part, "labels": part}
+    rows = step_rows(config, mbs * m, steps, 5)
 
     losses, left = {}, []
     for c in (Candidate(2, 1, 1, mbs, m), Candidate(2, 1, 1, mbs, m, ep=2)):
