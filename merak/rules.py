@@ -212,14 +212,14 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
             ("tp_overlapping_level", c.tp_overlapping_level > 0 and c.tp > 1, "TP overlap's "
              "sub-batches are untested with the experts' all-to-all",
              "use tp_overlapping_level=0 (tp and ep compose without it)"),
-            ("auto_find_batch_size", c.auto_find_batch_size, "its memory probe is untested with "
-             "the experts' all-to-all", "set per_device_train_batch_size yourself"),
-            ("auto_parallel", c.planned, "the trainer's planned layouts are untested with "
-             "ep > 1",
-             "give the layout to merak.init(dp=, tp=, pp=, ep=)")):
+            ("auto_find_batch_size", c.auto_find_batch_size, "its memory probe runs each "
+             "rank's share of a step alone so that an out-of-memory error is that rank's answer; "
+             "with ep every MoE layer's all-to-all is a collective over the ep group, so a rank "
+             "out of memory there would leave its ep peers waiting (a hang), and the experts' "
+             "memory depends on how the other ranks' tokens route",
+             "set per_device_train_batch_size yourself")):
         if wrong:
-            shown = f"{owner}.auto_parallel (or plan)" if other == "auto_parallel" else \
-                f"{owner}.{other}={getattr(c, other)!r}"
+            shown = f"{owner}.{other}={getattr(c, other)!r}"
             return Refusal(other, f"{shown} with expert parallelism (ep={c.ep}) is not "
                            f"supported yet ({why}); {instead}, or ep=1")
     return None

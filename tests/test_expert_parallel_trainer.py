@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from dist_harness import scenario_result
-from ep_trainer import RUNS, SAVE_STEP, SFT_RUNS, hub_tensors, reference, sft_reference
+from ep_trainer import PLANNED, RUNS, SAVE_STEP, SFT_RUNS, hub_tensors, reference, sft_reference
 
 import merak
 from merak.rules import Choices, NotSupportedYetError, refusal
@@ -115,6 +115,23 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
 
 
 @pytest.mark.parametrize("world_size", [2])
+def test_merak_trainer_applies_a_planned_layout_with_expert_parallelism(launches, world_size,
+                                                                        tmp_path):
+    """A plan file (as `merak plan` or auto_parallel writes it) choosing dp2 ep2 for a job
+    made at dp2 ep1: the trainer re-initializes at ep2, each rank holds half of every experts
+    tensor, and every step's loss and gradient norm are HF Trainer's."""
+    figures = scenario_result(*launches(world_size), PLANNED)
+    theirs, _, _ = reference(Path(figures[0]["hub"]), tmp_path, whole=False)
+    for rank, ours in enumerate(figures):
+        assert ours["layout"] == [2, 2, 1, 1], (rank, ours["layout"])
+        assert len(ours["held"]) == 4 and all(mine * 2 == whole
+                                              for mine, whole in ours["held"]), ours["held"]
+        assert ours["curve"]["loss"] == pytest.approx(theirs["loss"], abs=LOSS_ATOL), rank
+        assert ours["curve"]["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL)
+    _print_gaps(PLANNED, figures, theirs)
+
+
+@pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("scenario", list(SFT_RUNS))
 def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(world_size, launches,
                                                                             scenario, tmp_path):
@@ -144,7 +161,6 @@ def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(worl
     ({"tp": 2, "sequence_parallel": True}, "sequence_parallel=True with expert parallelism"),
     ({"tp": 2, "tp_overlapping_level": 1}, "tp_overlapping_level=1 with expert parallelism"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size=True with expert parallelism"),
-    ({"planned": True}, r"auto_parallel \(or plan\) with expert parallelism"),
 ])
 def test_the_rules_refuse_what_expert_parallelism_does_not_combine_with_yet(fields, match):
     found = refusal(Choices(ep=2, **fields))

@@ -107,6 +107,23 @@ def test_online_plans_search_context_parallelism_and_its_dry_runs_train_like_cp1
         assert ours["only_cp_chosen_cp"] == 2, ours
 
 
+def test_online_plans_dry_run_expert_parallel_layouts_like_ep1_and_free_their_groups(
+        launches):
+    """ep in the online planner (what auto_parallel runs): a dp2 ep2 dry run of an MoE model
+    steps the losses of dp2 ep1 on the same rows and, like the plan, leaves no group behind."""
+    for ours in _figures(launches, "online-plan-dry-runs-ep"):
+        (ep1, first), (ep2, second) = ours["losses"].items()
+        assert " ep2" in ep2 and " ep2" not in ep1 and len(first) == 3, ours["losses"]
+        torch.testing.assert_close(torch.tensor(second), torch.tensor(first), rtol=1e-5,
+                                   atol=1e-6)
+        # each dry run none; the ep plan as many as the same plan at ep1 (its final layout's)
+        assert ours["groups_left"][:2] == [0, 0] and len(set(ours["groups_left"][2:])) == 1, ours
+        measured = ours["only_ep_measured"]
+        assert len(measured) == 1 and all(" ep2" in label and seconds > 0
+                                          for label, seconds in measured.items()), measured
+        assert ours["only_ep_chosen_ep"] == 2, ours
+
+
 def test_a_dry_run_on_cuda_counts_the_memory_outside_the_caching_allocator(monkeypatch):
     """NCCL's communicators and the CUDA context take device memory the allocator never sees;
     a candidate is judged by its peak reservation plus that."""

@@ -24,6 +24,7 @@ allocator, and the later candidates would be judged in less memory than training
 
 from __future__ import annotations
 
+import copy
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -115,7 +116,9 @@ def _run(c: Candidate, config, seq: int, steps: int, options: EngineOptions,
     cuda = ctx.device.type == "cuda"
     torch.manual_seed(0)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
+        # a copy: sharding the experts (ep > 1) sets the config's experts implementation,
+        # which must not reach the caller's config (the trainer's model) or the next candidate
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     if ctx.cp > 1:  # attention across the cp ranks' shares of each row
         enable_context_parallel(model, ctx.cp_group, c.cp_mode)
 

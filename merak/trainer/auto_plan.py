@@ -81,7 +81,8 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
                            args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
                            dry_runs=args.plan_dry_runs,
                            sequence_parallel=sequence_parallel_settings(args, config, ctx),
-                           options=options, job=job, reference=reference_costs(trainer))
+                           options=options, job=job, expert_parallel=None,
+                           reference=reference_costs(trainer))
         if ctx.rank == 0:
             print(plan.table(), f"\nchosen: {plan.chosen.label}\n{plan.why}", flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ experts."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -202,6 +204,38 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) 
             "saved": str(root / "saved"), "hub": str(hub), "same_export": same_export}
 
 
+# MerakArguments(plan=...) choosing dp2 ep2 from merak.init's dp2 ep1 (`planned_run`)
+PLANNED = "trainer-qwen3_moe-planned-dp2-ep2"
+
+
+def planned_run() -> dict:
+    """The tiny Qwen3-MoE from a job made at dp2 (ep1), trained by a plan file (what `merak
+    plan` or auto_parallel writes) whose chosen layout is dp2 ep2: the trainer re-initializes
+    at ep2; its curve and the share of each experts tensor it holds."""
+    from merak.strategy.candidate import Candidate
+
+    root = out_dir() / PLANNED
+    hub, plan = root / "hub", root / "plan.json"
+    chosen = Candidate(DP, 1, 1, MICRO_BATCH, MICROBATCHES, ep=2)
+    if dist.get_rank() == 0:
+        save_hub("qwen3_moe", hub)
+        plan.write_text(json.dumps({"chosen": dataclasses.asdict(chosen),
+                                    "global_batch": DP * MICRO_BATCH * MICROBATCHES}))
+    dist.barrier()
+    merak.init(dp=DP, tp=1, pp=1)
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_pretrained(hub)
+    fields = {**FIELDS, "per_device_train_batch_size": DP * MICRO_BATCH * MICROBATCHES}
+    args = merak.MerakArguments(output_dir=str(root / "merak"), max_steps=STEPS,
+                                save_strategy="no", plan=str(plan), **fields)
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer.train()
+    held = [[p.numel(), math.prod(p.ep_shard.full_shape)] for p in trainer.stage.parameters()
+            if getattr(p, "ep_shard", None) is not None]
+    return {"curve": logged(trainer), "hub": str(hub), "held": held,
+            "layout": [trainer.ctx.dp, trainer.ctx.ep, trainer.ctx.tp, trainer.ctx.pp]}
+
+
 def reference(hub: Path, out: Path, whole: bool = True
               ) -> tuple[dict[str, list[float]], float | None, dict | None]:
     """Single-process HF Trainer from `hub` on the same rows, a Merak rank's micro-batch each
@@ -279,6 +313,7 @@ def scenarios(world_size: int) -> dict:
     if world_size == 2:
         out.update({name: (lambda name=name, fields=fields: sft_run(name, fields))
                     for name, fields in SFT_RUNS.items()})
+        out[PLANNED] = planned_run
     return out
 
 

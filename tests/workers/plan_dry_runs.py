@@ -9,6 +9,8 @@ test_plan_memory):
 - online-plan-dry-runs-cp: the step losses of a pp=2 and of cp=2 dry runs (ring, Ulysses) on
   the same rows; the cp degrees an online plan searched, and what a cp-only plan measured and
   chose.
+- online-plan-dry-runs-ep: the step losses of dp2 ep1 and dp2 ep2 dry runs of a tiny Qwen3-MoE on
+  the same rows, the groups each left, and what an ep-only online plan measured and chose.
 - zero1-pending-state-is-the-shard: the optimizer state the batch-size probe sets aside under
   ZeRO-1 on this rank, its shard's size and the ranks' sum.
 - dry-run-trains-as-the-trainer: MerakTrainer's step losses and a dry run's built from the
@@ -38,6 +40,18 @@ def tiny_llama() -> tf.LlamaConfig:
     return tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           tie_word_embeddings=True)
+
+
+def step_rows(config, rows: int, steps: int, seed: int):
+    """`batches(k)` for a dry run: step k's `rows` random token rows (a warm-up step more)."""
+    ids = torch.randint(0, config.vocab_size, ((steps + 1) * rows, SEQ),
+                        generator=torch.Generator().manual_seed(seed))
+
+    def batch(k):
+        part = ids[k * rows:(k + 1) * rows]
+        return {"input_ids": part, "labels": part}
+
+    return batch
 
 
 def dry_runs_free_their_groups() -> dict:
@@ -89,12 +103,7 @@ def online_plan_dry_runs_cp() -> dict:
     merak.init(dp=1, tp=1, pp=2)
     config = tiny_llama()
     mbs, m, steps = 2, 2, 2
-    ids = torch.randint(0, config.vocab_size, ((steps + 1) * mbs * m, SEQ),
-                        generator=torch.Generator().manual_seed(3))
-
-    def rows(k):
-        part = ids[k * mbs * m:(k + 1) * mbs * m]
-        return {"input_ids": part, "labels": part}
+    rows = step_rows(config, mbs * m, steps, 3)
 
     losses = {}
     for c in (Candidate(1, 1, 2, mbs, m), Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ring"),
@@ -111,6 +120,37 @@ def online_plan_dry_runs_cp() -> dict:
     return {"losses": {label: list(values) for label, values in losses.items()},
             "searched_cp": sorted({p.candidate.cp for p in searched.ranked}),
             "only_cp_measured": only_cp.measured, "only_cp_chosen_cp": only_cp.chosen.cp}
+
+
+def online_plan_dry_runs_ep() -> dict:
+    """Dry runs of a tiny Qwen3-MoE at dp2 ep1 and dp2 ep2 on the same rows (their losses), the
+    process groups left after each, and what an ep-only online plan measured and chose."""
+    from merak.dryrun.online import plan_online
+
+    merak.init(dp=2, tp=1, pp=1)
+    config = tf.Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                               moe_intermediate_size=16, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               num_experts=4, num_experts_per_tok=2)
+    mbs, m, steps = 2, 2, 2
+    rows = step_rows(config, mbs * m, steps, 5)
+
+    losses, left = {}, []
+    for c in (Candidate(2, 1, 1, mbs, m), Candidate(2, 1, 1, mbs, m, ep=2)):
+        before = live_process_groups()
+        losses[c.label] = list(dry_run.dry_run(c, config, SEQ, steps=steps, batches=rows).losses)
+        left.append(live_process_groups() - before)
+    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
+    try:
+        for degrees in ((1,), (2,)):  # (a plan leaves its final default layout's groups)
+            before = live_process_groups()
+            only_ep = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(2,),
+                                  dry_runs=1, steps=1, expert_parallel=degrees)
+            left.append(live_process_groups() - before)
+    finally:
+        costs.MIN_SAMPLE_S = sample_s
+    return {"losses": losses, "groups_left": left, "only_ep_measured": only_ep.measured,
+            "only_ep_chosen_ep": only_ep.chosen.ep}
 
 
 def zero1_pending_state_is_the_shard() -> dict:
@@ -175,6 +215,7 @@ SCENARIOS = {"dry-run-trains-as-the-trainer": dry_run_trains_as_the_trainer,
              "dry-runs-free-their-groups": dry_runs_free_their_groups,
              "online-plan-frees-its-groups": online_plan_frees_its_groups,
              "online-plan-dry-runs-cp": online_plan_dry_runs_cp,
+             "online-plan-dry-runs-ep": online_plan_dry_runs_ep,
              "zero1-pending-state-is-the-shard": zero1_pending_state_is_the_shard}
 
 
