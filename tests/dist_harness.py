@@ -85,7 +85,9 @@ class WorkerPool:
     module and world size paid it a dozen times. `needed` maps (world size, backend) to the
     worker files (each with ``scenarios(world_size)``) the collected tests ask for; `get`
     launches all of them at the first request for that pair (`workers/run_many.py`). The
-    backend is "nccl-contract" (every test's default) or "gloo" (plain gloo).
+    backend is "nccl-contract" (every test's default) or "gloo" (plain gloo). A launch may take
+    `timeout_s`: with the 2- and 4-rank pools side by side on 2 cores, a busy machine took 28
+    minutes for the 4-rank one.
 
     `root` may be shared by the suite's processes (pytest-xdist): a launch runs under a file
     lock and leaves ``launched.json`` (its output) beside its results, so a process asking for
@@ -93,7 +95,7 @@ class WorkerPool:
     """
 
     def __init__(self, root: Path, needed: dict[tuple[int, str], list[str]],
-                 timeout_s: int = 1800):
+                 timeout_s: int = 2700):
         self.root, self.needed, self.timeout_s = root, needed, timeout_s
         self._launched: dict[tuple[int, str], tuple[dict, str]] = {}
 
