@@ -1,7 +1,7 @@
 """Expert parallelism composed with the engine's other options, against the single-process
 model (see test_expert_parallel_compose): a tiny 4-layer Qwen3-MoE (ep_parity's config, 4
 experts, top-2, load-balancing loss on) at dp2 ep2, each replica reading its own padded rows,
-3 SGD steps of 2 micro-batches through `build_engine`:
+2 SGD steps (STEPS) of 2 micro-batches through `build_engine`:
 
 - every pipeline schedule at pp2 (4 ranks): interleaved 1F1B over 2 chunks a rank, ZB-V and
   DualPipeV (2 stages a rank in a V, the backward split into input and weight halves), ZB-H1
