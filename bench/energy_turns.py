@@ -11,6 +11,7 @@ the minimum over the measured steps of each, which drops the steps a slow spell 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ def measure_in_turns(engine, gpu, plans: dict, step: Callable[[], None], rounds:
     hooks = {name: ClockPlanHook(gpu, frequencies, engine.ctx.pp_rank)
              for name, frequencies in plans.items()}
     measured = {name: [] for name in plans}
+    ran: dict[str, Counter] = {name: Counter() for name in plans}
     for round_ in range(rounds + 1):
         for name, hook in hooks.items():
             engine.hooks = [hook]
@@ -77,8 +79,10 @@ def measure_in_turns(engine, gpu, plans: dict, step: Callable[[], None], rounds:
                 gpu.reset_clock()         # GPU's own (max), not the plan's last one
             dist.barrier()
             start, energy = time.perf_counter(), gpu.energy_j()
+            before = Counter(getattr(gpu, "ran", {}))
             step()
             dist.barrier()
+            ran[name] += Counter(getattr(gpu, "ran", {})) - before
             if round_:  # the first is a warm-up
                 measured[name].append([time.perf_counter() - start, gpu.energy_j() - energy])
     engine.hooks = []
@@ -89,7 +93,8 @@ def measure_in_turns(engine, gpu, plans: dict, step: Callable[[], None], rounds:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         dist.all_reduce(energies)
         result[name] = [times.min().item(), energies.min().item()]
-    return result, hooks
+    return result, hooks, {name: sorted([*key, count] for key, count in counts.items())
+                           for name, counts in ran.items()}
 
 
 def profile_plan_measure(engine, gpu, ctx, step: Callable[[], None], *, rounds: int,
@@ -107,7 +112,7 @@ def profile_plan_measure(engine, gpu, ctx, step: Callable[[], None], *, rounds: 
     planned = time.perf_counter()
     mine = check_clock_plan(plan["schedules"], ctx.world_size, lambda r: r, schedule,
                             gpu.supported_clocks())[ctx.rank]
-    measured, hooks = measure_in_turns(engine, gpu, {"all-max": None, "plan": mine}, step,
+    measured, hooks, ran = measure_in_turns(engine, gpu, {"all-max": None, "plan": mine}, step,
                                        rounds)
     base_energy, plan_energy = plan["predicted_base"][1], plan["predicted_plan"][1]
     report = {"chunks": schedule.stages_per_rank,
@@ -120,5 +125,6 @@ def profile_plan_measure(engine, gpu, ctx, step: Callable[[], None], *, rounds: 
               "predicted_base": plan["predicted_base"], "measured_base": measured["all-max"],
               "predicted_plan": plan["predicted_plan"], "measured_plan": measured["plan"],
               "planned_saving": 1 - plan_energy / base_energy,
-              "measured_saving": 1 - measured["plan"][1] / measured["all-max"][1]}
+              "measured_saving": 1 - measured["plan"][1] / measured["all-max"][1],
+              "clocks_ran": ran}
     return Turns(rows, mine, hooks, report)
