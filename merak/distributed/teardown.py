@@ -6,7 +6,15 @@ keeps each until it is destroyed. An NCCL communicator holds device memory outsi
 allocator (its buffers, its channels' FIFOs), so a planner that dry-runs candidate after
 candidate, each under a new mesh, fills the GPU with the dead candidates' communicators and
 judges the later candidates in less memory than training will have. `transient_process_groups`
-destroys, at the end of such a piece of work, exactly the groups it created.
+destroys, at the end of such a piece of work, exactly the groups it created. (On CPU, each live
+gloo group holds two native threads and a TCP loop that wakes every 10 ms.)
+
+Destroying groups is not enough on its own. A `DeviceMesh` compares equal to (and hashes like)
+any other mesh of the same ranks and dimension names, and DTensor caches what it decides per
+mesh: the sharding propagation (in Python and in its C++ fast path), the tensor metadata, the
+redistribution plans. A later mesh of the same layout would be handed the destroyed mesh's
+entries, and its collectives would run on groups that no longer exist ("Could not resolve the
+process group"). `release_process_groups` therefore clears those caches with the groups.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
@@ -40,10 +49,39 @@ def transient_process_groups() -> Iterator[None]:
                    if group not in before and group is not dist.GroupMember.WORLD]
         if dist.is_initialized():
             dist.barrier()  # no peer still uses them (every rank: some may have made none)
-        for group in reversed(created):  # (ncclCommAbort was collective in some NCCL versions)
-            dist.destroy_process_group(group)
+        release_process_groups(created)
     finally:
         parallel_context.restore_default_context(previous)
+
+
+def release_process_groups(groups: list) -> None:
+    """Destroy `groups` (this rank's, none of them the world), newest last in the list, destroyed
+    newest first, then forget what DTensor cached about meshes: see the module docstring. Every
+    peer must be done with them (after a barrier): destroying a group is local."""
+    for group in reversed(groups):  # (ncclCommAbort was collective in some NCCL versions)
+        dist.destroy_process_group(group)
+    if groups:
+        clear_dtensor_caches()
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's per-mesh caches (they only cost recomputation): the sharding propagation
+    in Python (this thread's) and in the C++ fast path, the tensor metadata propagation, the
+    redistribution transforms and planners, and the mesh topology of the collective cost model.
+    Private torch names, each looked up defensively: a torch without one has nothing to clear
+    there."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (getattr(propagator, "propagate_op_sharding", None),
+                   getattr(propagator, "_propagate_tensor_meta_cached", None),
+                   getattr(_redistribute, "_gen_transform_infos", None),
+                   getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh",
+                           None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()
 
 
 def live_process_groups() -> int:

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import json
 import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
 
 import merak
+from merak.distributed import parallel_context
+from merak.distributed.teardown import release_process_groups
 from merak.partition.trace_cache import process_trace_cache
 
 # A scenario raises on a failure; a parity scenario returns its figures instead (`Compared`),
@@ -73,9 +78,30 @@ def run_workers() -> None:
             scenarios = importlib.import_module(stem).scenarios(world)
         except Exception:  # noqa: BLE001 - reported as the worker's failure
             scenarios = {f"{stem}-import": _raise(traceback.format_exc())}
-        merak.init(dp=1, tp=1, pp=world)  # each worker starts from the default layout
-        _run(scenarios, Path(args.out) / stem, rank, only)
+        with _own_groups():  # (what a worker's scenarios kept, see `keeps_groups`)
+            merak.init(dp=1, tp=1, pp=world)  # each worker starts from the default layout
+            _run(scenarios, Path(args.out) / stem, rank, only)
+        del scenarios
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _own_groups(keep: bool = False) -> Iterator[None]:
+    """Destroy the process groups made inside (every `merak.init` makes a mesh of them) on
+    leaving, unless `keep`, and hand back the default context from before. Each live gloo group
+    holds two native threads and a TCP loop that wakes every 10 ms: a launch that ran a few
+    hundred scenarios without this held over a thousand threads per rank and spent half the
+    machine's CPU time in the kernel. Leave it only when every rank is out of the work (after a
+    barrier): destroying a group is local, a peer still inside would find it gone."""
+    before, previous = set(_world.pg_map), parallel_context.default_context()
+    try:
+        yield
+    finally:
+        if not keep:  # (with DTensor's caches of their meshes: see merak.distributed.teardown)
+            release_process_groups([g for g in _world.pg_map if g not in before
+                                    and g is not dist.GroupMember.WORLD])
+            parallel_context.restore_default_context(previous)
+            gc.collect()  # its threads end with the last reference (builds hold cycles)
 
 
 def _raise(text: str) -> Scenario:
@@ -88,8 +114,8 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
     """Each rank writes ``{scenario: {"error": traceback or null, "figures": what the scenario
     returned (a JSON object) or null}}`` to ``<out>/rank<r>.json``."""
     results: dict[str, dict] = {}
-    # rank 0's wall time, exports (trace-cache misses) and threads after each scenario:
-    # rank0-seconds.json (each live gloo group holds native threads)
+    # rank 0's wall time, exports (trace-cache misses) and threads left after each scenario:
+    # rank0-seconds.json
     seconds: dict[str, list[float]] = {}
     cache = process_trace_cache()
     path = out / f"rank{rank}.json"
@@ -101,31 +127,33 @@ def _run(scenarios: dict[str, Scenario], out: Path, rank: int, only: set[str] | 
     for name, scenario in scenarios.items():
         if only and name not in only:
             continue
-        profiler, start = cProfile.Profile() if profile_dir else None, time.perf_counter()
-        misses = cache.misses
-        _SCENARIO.append(name)
-        try:
-            figures = profiler.runcall(scenario) if profiler else scenario()
-            if not isinstance(figures, dict):  # figures are a dict; other returns are not
-                figures = None
-            json.dumps(figures)  # (a scenario's figures must be JSON)
-            results[name] = {"error": None, "figures": figures}
-        except Exception:  # noqa: BLE001 - every failure is reported to pytest
-            # the innermost frames: where it failed (TB_LIMIT of them)
-            error = traceback.format_exc(limit=-int(os.environ.get("TB_LIMIT", 12)))
-            results[name] = {"error": error, "figures": None}
-        finally:
-            _SCENARIO.pop()
-        if profiler:
-            profiler.dump_stats(Path(profile_dir) / f"{name}.prof")
-            print(f"[profile] {name}: {time.perf_counter() - start:.1f} s", flush=True)
-        path.write_text(json.dumps(results, indent=1))
+        # the groups it made end with it (unless the worker keeps them, `keeps_groups`)
+        with _own_groups(keep=getattr(scenario, "keeps_groups", False)):
+            profiler, start = cProfile.Profile() if profile_dir else None, time.perf_counter()
+            misses = cache.misses
+            _SCENARIO.append(name)
+            try:
+                figures = profiler.runcall(scenario) if profiler else scenario()
+                if not isinstance(figures, dict):  # figures are a dict; other returns are not
+                    figures = None
+                json.dumps(figures)  # (a scenario's figures must be JSON)
+                results[name] = {"error": None, "figures": figures}
+            except Exception:  # noqa: BLE001 - every failure is reported to pytest
+                # the innermost frames: where it failed (TB_LIMIT of them)
+                error = traceback.format_exc(limit=-int(os.environ.get("TB_LIMIT", 12)))
+                results[name] = {"error": error, "figures": None}
+            finally:
+                _SCENARIO.pop()
+            if profiler:
+                profiler.dump_stats(Path(profile_dir) / f"{name}.prof")
+                print(f"[profile] {name}: {time.perf_counter() - start:.1f} s", flush=True)
+            path.write_text(json.dumps(results, indent=1))
+            seconds[name] = [round(time.perf_counter() - start, 2), cache.misses - misses]
+            dist.barrier()  # (every rank is out of it)
         if rank == 0:  # with the threads this process holds after it (gloo's among them)
-            seconds[name] = [round(time.perf_counter() - start, 2), cache.misses - misses,
-                             len(list(_TASKS.iterdir())) if _TASKS.exists()
-                             else threading.active_count()]
+            seconds[name].append(threading.active_count() if not _TASKS.exists()
+                                 else len(list(_TASKS.iterdir())))
             (out / "rank0-seconds.json").write_text(json.dumps(seconds, indent=1))
-        dist.barrier()
     _OUT.pop()
 
 
@@ -140,9 +168,16 @@ def family_scenarios(build: Callable[[str], Any], families: Iterable[str],
             if family not in built:
                 built[family] = build(family)
             return built[family].check(variant)
-        return run
+        return keeps_groups(run)
 
     return {f"{f}-pp{world_size}-{v}": scenario(f, v) for f in families for v in variants}
+
+
+def keeps_groups(scenario: Scenario) -> Scenario:
+    """Mark `scenario` as leaving builds later scenarios use (their process groups live until
+    the worker ends, not the scenario)."""
+    scenario.keeps_groups = True
+    return scenario
 
 
 class Compared:

@@ -19,6 +19,7 @@ import transformers as tf
 from common import (
     Compared,
     GradSnapshot,
+    keeps_groups,
     run_scenarios,
     train_reference,
     trained_like,
@@ -171,7 +172,7 @@ def scenarios(world: int) -> dict:
             if variant == EVAL:
                 return built[key].check_eval()
             return built[key].check(variant)
-        return run
+        return keeps_groups(run)  # (later variants reuse its build)
 
     return {f"{family}-pp{world}-{variant}": scenario(family, variant)
             for family, variant in _order(world)}
