@@ -20,7 +20,16 @@ from pathlib import Path
 
 import pytest
 from dist_harness import scenario_result
-from ep_trainer import PLANNED, RUNS, SAVE_STEP, SFT_RUNS, hub_tensors, reference, sft_reference
+from ep_trainer import (
+    AUTO,
+    PLANNED,
+    RUNS,
+    SAVE_STEP,
+    SFT_RUNS,
+    hub_tensors,
+    reference,
+    sft_reference,
+)
 
 import merak
 from merak.rules import Choices, NotSupportedYetError, refusal
@@ -129,6 +138,41 @@ def test_merak_trainer_applies_a_planned_layout_with_expert_parallelism(launches
         assert ours["curve"]["loss"] == pytest.approx(theirs["loss"], abs=LOSS_ATOL), rank
         assert ours["curve"]["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL)
     _print_gaps(PLANNED, figures, theirs)
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_merak_trainer_plans_a_layout_with_expert_parallelism_and_trains_like_hf(
+        launches, world_size, tmp_path):
+    """``MerakTrainer(auto_parallel=True)`` on 4 ranks from ``merak.init(ep=2)``: the planner
+    ranks only ep2 layouts, dry-runs 2 of them and keeps the fastest measured, which plan.json
+    records; the trainer re-initializes at it, each rank holds 1/ep of every experts tensor of
+    its stage (1/(ep x tp) at tp2) and every step's loss and gradient norm are single-process
+    HF Trainer's at the chosen micro-batch size."""
+    from merak.strategy.candidate import Candidate
+
+    figures = scenario_result(*launches(world_size), AUTO)
+    plan = figures[0]["plan"]
+    chosen = Candidate(**plan["chosen"])
+    assert chosen.ep == 2 and chosen.dp % 2 == 0, chosen
+    assert chosen.dp * chosen.tp * chosen.pp == world_size, chosen
+    assert plan["ranked"] and all(p["ep"] == 2 for p in plan["ranked"]), plan["ranked"][:3]
+    measured = plan["measured"]
+    assert len(measured) == 2 and all(" ep2 " in label for label in measured), measured
+    assert measured[chosen.label] == min(measured.values()), (chosen.label, measured)
+    theirs, _, _ = reference(Path(figures[0]["hub"]), tmp_path, whole=False,
+                             micro_batch=chosen.micro_batch)
+    for rank, ours in enumerate(figures):
+        layout = ours["layout"]
+        assert (layout["dp"], layout["ep"], layout["tp"], layout["pp"], layout["micro_batch"],
+                layout["microbatches"]) == (chosen.dp, chosen.ep, chosen.tp, chosen.pp,
+                                            chosen.micro_batch, chosen.microbatches), rank
+        layers = 2 // chosen.pp  # (gate_up_proj, down_proj) of each MoE layer of the stage
+        assert len(ours["held"]) == 2 * layers, (rank, ours["held"])
+        assert all(mine * chosen.ep * chosen.tp == whole for mine, whole in ours["held"]), \
+            (rank, ours["held"])
+        assert ours["curve"]["loss"] == pytest.approx(theirs["loss"], abs=LOSS_ATOL), rank
+        assert ours["curve"]["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL)
+    _print_gaps(AUTO, figures, theirs, f"; chosen {chosen.label}")
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -118,3 +118,25 @@ def test_offline_plan_for_an_moe_prints_and_writes_ep(tmp_path, capsys):
     assert merak_main([*args[:-2], "--out", str(out), "--no-expert-parallel"]) == 0
     assert read_strategy_plan(out)[0].ep == 1
     assert " ep2 " not in capsys.readouterr().out
+
+
+def test_auto_parallel_keeps_the_ep_merak_init_gave():
+    """`MerakArguments(auto_parallel=True)` after ``merak.init(ep=2)`` searches ep2 only (every
+    degree that divides after ``merak.init()``); a dense model with ep > 1 is refused by name
+    before the planner measures anything."""
+    from types import SimpleNamespace
+
+    from merak.trainer.auto_plan import expert_parallel_degrees
+
+    moe = tf.Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, moe_intermediate_size=32)
+    assert expert_parallel_degrees(moe, SimpleNamespace(ep=1)) is None
+    assert expert_parallel_degrees(moe, SimpleNamespace(ep=2)) == (2,)
+    shape = ModelShape.from_config(moe)
+    searched = {c.ep for c in candidates(shape, 4, 8, 16, micro_batch_sizes=(2,),
+                                         expert_parallel=(2,))}
+    assert searched == {2}
+    dense = tf.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"merak.init\(ep=2\) with auto_parallel: .*"
+                                         r"LlamaConfig\) names no experts"):
+        expert_parallel_degrees(dense, SimpleNamespace(ep=2))

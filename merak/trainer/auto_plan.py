@@ -50,6 +50,21 @@ def sequence_parallel_settings(args, config, ctx) -> tuple[bool, ...]:
     return sequence_parallel_choices(config, args.tp_plan or registered_plan(ctx))
 
 
+def expert_parallel_degrees(config, ctx) -> tuple[int, ...] | None:
+    """The ep degrees auto_parallel may choose: the one ``merak.init(ep=)`` gave when it is
+    above 1 (the layouts searched are then those whose dp divides by it), else every degree
+    that divides a layout's dp and the experts (None)."""
+    if ctx.ep == 1:
+        return None
+    from merak.strategy.shape import ModelShape
+
+    if not ModelShape.from_config(config).experts:
+        raise ValueError(f"merak.init(ep={ctx.ep}) with auto_parallel: the model's config "
+                         f"({type(config).__name__}) names no experts, so there is nothing to "
+                         f"split over ep; call merak.init() without ep for a dense model")
+    return (ctx.ep,)
+
+
 def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
     """Plan (auto_parallel) or read the plan file, set the trainer's arguments to it and
     re-initialize the parallel context with its degrees; returns the new context."""
@@ -74,6 +89,7 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
                              f"hold {sorted(example_rows)} (plan offline with `merak plan` and "
                              f"give MerakArguments(plan=...), or give merak.init the degrees)")
         seq = example_rows["input_ids"].shape[-1]
+        expert_parallel = expert_parallel_degrees(config, ctx)  # (before measuring anything)
         # the dry runs build the trainer's engine: its options, with each candidate's choices
         options = args.engine_options(pp=1, dp=ctx.world_size,
                                       leaf_modules=trainer.leaf_modules)
@@ -81,7 +97,7 @@ def apply_strategy_plan(trainer, example_rows: dict) -> ParallelContext:
                            args.plan_memory_gib * 2**30 if args.plan_memory_gib else None,
                            dry_runs=args.plan_dry_runs,
                            sequence_parallel=sequence_parallel_settings(args, config, ctx),
-                           options=options, job=job, expert_parallel=None,
+                           options=options, job=job, expert_parallel=expert_parallel,
                            reference=reference_costs(trainer))
         if ctx.rank == 0:
             print(plan.table(), f"\nchosen: {plan.chosen.label}\n{plan.why}", flush=True)

@@ -236,14 +236,53 @@ def planned_run() -> dict:
             "layout": [trainer.ctx.dp, trainer.ctx.ep, trainer.ctx.tp, trainer.ctx.pp]}
 
 
-def reference(hub: Path, out: Path, whole: bool = True
+# MerakTrainer(auto_parallel=True) on 4 ranks from merak.init(ep=2): the planner measures the
+# model, dry-runs its best ep2 candidates and trains the fastest measured (`auto_run`)
+AUTO = "trainer-qwen3_moe-auto-ep2"
+
+
+def auto_run() -> dict:
+    """The tiny Qwen3-MoE from a job made by ``merak.init(ep=2)`` (every rank data-parallel,
+    the ep degree the planner keeps), planned by ``auto_parallel`` with 2 dry runs: its
+    curve, the layout the trainer re-initialized at, the plan.json it wrote and the share of
+    each experts tensor every rank holds."""
+    root = out_dir() / AUTO
+    hub = root / "hub"
+    if dist.get_rank() == 0:
+        save_hub("qwen3_moe", hub)
+    dist.barrier()
+    merak.init(ep=2)
+    with merak.init_empty_weights():
+        model = tf.AutoModelForCausalLM.from_pretrained(hub)
+    fields = {**FIELDS, "per_device_train_batch_size": DP * MICRO_BATCH * MICROBATCHES}
+    args = merak.MerakArguments(output_dir=str(root / "merak"), max_steps=STEPS,
+                                save_strategy="no", auto_parallel=True, plan_dry_runs=2,
+                                **fields)
+    trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
+    trainer.train()
+    held = [[p.numel(), math.prod(p.ep_shard.full_shape)] for p in trainer.stage.parameters()
+            if getattr(p, "ep_shard", None) is not None]
+    written = json.loads((root / "merak" / "plan.json").read_text())
+    ctx = trainer.ctx
+    return {"curve": logged(trainer), "hub": str(hub), "held": held,
+            "plan": {key: written[key] for key in ("chosen", "measured", "ranked")},
+            "layout": {"dp": ctx.dp, "ep": ctx.ep, "tp": ctx.tp, "pp": ctx.pp,
+                       "micro_batch": args.per_device_train_batch_size,
+                       "microbatches": args.gradient_accumulation_steps,
+                       "pp_rank": ctx.pp_rank}}
+
+
+def reference(hub: Path, out: Path, whole: bool = True, micro_batch: int = MICRO_BATCH
               ) -> tuple[dict[str, list[float]], float | None, dict | None]:
     """Single-process HF Trainer from `hub` on the same rows, a Merak rank's micro-batch each
-    (the load-balancing loss is per micro-batch), DP x MICROBATCHES of them a step: its logged
-    losses and gradient norms, its eval loss and what its `save_model` writes. Run by the
-    test, outside torchrun (under it, HF Trainer would join the job's process group)."""
+    (`micro_batch` rows: the load-balancing loss is per micro-batch), as many as make a step's
+    DP x MICRO_BATCH x MICROBATCHES rows: its logged losses and gradient norms, its eval loss
+    and what its `save_model` writes. Run by the test, outside torchrun (under it, HF
+    Trainer would join the job's process group)."""
     args = tf.TrainingArguments(output_dir=str(out), max_steps=STEPS, save_strategy="no",
-                                gradient_accumulation_steps=MICROBATCHES * DP, **FIELDS)
+                                gradient_accumulation_steps=DP * MICRO_BATCH * MICROBATCHES
+                                // micro_batch,
+                                **{**FIELDS, "per_device_train_batch_size": micro_batch})
     trainer = tf.Trainer(model=tf.AutoModelForCausalLM.from_pretrained(hub), args=args,
                          train_dataset=train_set(), eval_dataset=eval_set())
     trainer.train()
@@ -314,6 +353,8 @@ def scenarios(world_size: int) -> dict:
         out.update({name: (lambda name=name, fields=fields: sft_run(name, fields))
                     for name, fields in SFT_RUNS.items()})
         out[PLANNED] = planned_run
+    if world_size == 4:
+        out[AUTO] = auto_run
     return out
 
 
