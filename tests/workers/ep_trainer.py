@@ -12,7 +12,8 @@ docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) 
 directory and rows and compares. DeepSeek-V3, OLMoE and GPT-OSS (`MORE`) train only, at dp2 ep2
 (2 ranks; with MERAK_TEST_MATRIX=full also dp2 ep2 pp2 and dp2 ep2 tp2 on 4). Every run counts
 the bytes its rank's loader reads from the hub's files (`ep_reads`): 1/ep of its stage's
-experts."""
+experts. On 4 ranks, `auto_run`: MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans
+the same Qwen3-MoE, writes plan.json and trains the ep2 layout it chose."""
 
 from __future__ import annotations
 
@@ -237,13 +238,13 @@ def planned_run() -> dict:
 
 
 # MerakTrainer(auto_parallel=True) on 4 ranks from merak.init(ep=2): the planner measures the
-# model, dry-runs its best ep2 candidates and trains the fastest measured (`auto_run`)
+# model, dry-runs its best predicted ep2 candidate and trains it (`auto_run`)
 AUTO = "trainer-qwen3_moe-auto-ep2"
 
 
 def auto_run() -> dict:
     """The tiny Qwen3-MoE from a job made by ``merak.init(ep=2)`` (every rank data-parallel,
-    the ep degree the planner keeps), planned by ``auto_parallel`` with 2 dry runs: its
+    the ep degree the planner keeps), planned by ``auto_parallel`` with 1 dry run: its
     curve, the layout the trainer re-initialized at, the plan.json it wrote and the share of
     each experts tensor every rank holds."""
     root = out_dir() / AUTO
@@ -256,7 +257,7 @@ def auto_run() -> dict:
         model = tf.AutoModelForCausalLM.from_pretrained(hub)
     fields = {**FIELDS, "per_device_train_batch_size": DP * MICRO_BATCH * MICROBATCHES}
     args = merak.MerakArguments(output_dir=str(root / "merak"), max_steps=STEPS,
-                                save_strategy="no", auto_parallel=True, plan_dry_runs=2,
+                                save_strategy="no", auto_parallel=True, plan_dry_runs=1,
                                 **fields)
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
     trainer.train()
