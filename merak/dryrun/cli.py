@@ -123,8 +123,9 @@ def _plan(args: argparse.Namespace) -> int:
                       context_parallel=degrees, recompute_choices=(*RECOMPUTE_CHOICES, BLOCK),
                       expert_parallel=experts, imbalance=args.expert_imbalance,
                       reference=ReferenceCosts(args.reference, args.epochs))
-        moe = (f" ({shape.experts} experts of {shape.expert_params * shape.layers / 1e9:.2f} B "
-               f"per block set, {shape.experts_per_token} per token)" if shape.experts else "")
+        moe = (f" ({shape.experts} experts a block, {shape.expert_params * shape.layers / 1e9:.2f}"
+               f" B of them in the experts, {shape.experts_per_token} per token)"
+               if shape.experts else "")
         print(f"{shape.name}: {shape.params / 1e9:.2f} B parameters{moe} on "
               f"{described.world_size} x {described.name}")
     else:
