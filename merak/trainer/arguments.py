@@ -44,8 +44,9 @@ class MerakArguments(ArgumentChecks, JobView, TrainingArguments):
 
     # ---- automatic strategy (merak.strategy)
     auto_parallel: bool = field(default=False, metadata=_help("auto",
-        "plan dp x tp x pp, micro-batching, schedule, recomputation and ZeRO at train() "
-        "(measured, predicted, dry-run; merak.init() without degrees); the optimizer step's "
+        "plan dp x tp x pp (and ep for a mixture of experts; merak.init(ep=N) keeps it at N), "
+        "micro-batching, schedule, recomputation and ZeRO at train() (measured, predicted, "
+        "dry-run; merak.init() without degrees); the optimizer step's "
         "global batch is per_device_train_batch_size x gradient_accumulation_steps"))
     plan: str | None = field(default=None, metadata=_help("auto",
         "a `merak plan` file (plan.json) to train with: its layout, micro-batching, schedule, "

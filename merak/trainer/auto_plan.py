@@ -1,4 +1,5 @@
-"""`MerakArguments(auto_parallel=True)` and `MerakArguments(plan=...)`: the layout, micro-batching,
+"""`MerakArguments(auto_parallel=True)` and `MerakArguments(plan=...)`: the layout (ep
+included: kept at the one `merak.init(ep=)` gave, `expert_parallel_degrees`), micro-batching,
 schedule, recomputation and ZeRO stage come from `merak.strategy`, applied before the model is
 built (every rank reaches the same plan: the planner's measurements are shared and its dry runs
 are collectives)."""
