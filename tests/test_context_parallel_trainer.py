@@ -1,7 +1,9 @@
-"""Context parallelism through MerakTrainer: (dp, tp, pp, cp) = (1,1,2,2) and
-(1,2,1,2) in the 4-rank launch, (2,1,2,2) (Ulysses, and ring under ZeRO-2) in the 8-rank one
-(pooled worker cp_trainer.py); every step's loss, grad norm and learning rate over 5 steps, and
-the eval loss, equal single-process HF Trainer's on the same rows. Plus the refusals."""
+"""Context parallelism through MerakTrainer: (dp, tp, pp, cp) = (1,1,2,2), (1,2,1,2) (Ulysses
+repeating the one key/value head of each TP rank, ring with sequence parallelism) and (2,1,1,2)
+(Ulysses with recomputation, ring under ZeRO-2: gradients reduced over dp x cp) in the 4-rank
+launch (pooled worker cp_trainer.py; MERAK_TEST_MATRIX=full adds the 8-rank (2,1,2,2) and
+(1,4,1,2) runs); every step's loss, grad norm and learning rate over 5 steps, and the eval loss,
+equal single-process HF Trainer's on the same rows. Plus the refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import pytest
 import torch
 import transformers as tf
-from cp_trainer import CP_RUNS, RESUMES, SAVED, reference_fields
+from cp_trainer import CP_RUNS, RESUMES, SAVED, build_model, family, reference_fields
 from dist_harness import check
 from trainer_common import DP, MICRO_BATCH, build, eval_set, train_set
 
@@ -24,15 +26,25 @@ WORLD_SIZES = tuple(CP_RUNS)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Single-process HF Trainer on the same rows, init and fields."""
+    """``reference(family)``: single-process HF Trainer on the same rows, init and fields."""
+    made = {}
+
+    def of(family: str) -> dict:
+        if family not in made:
+            made[family] = _hf_run(family, tmp_path_factory.mktemp(f"cp-reference-{family}"))
+        return made[family]
+    return of
+
+
+def _hf_run(family: str, output_dir) -> dict:
     torch.set_num_threads(1)
-    args = tf.TrainingArguments(output_dir=str(tmp_path_factory.mktemp("cp-reference")),
+    args = tf.TrainingArguments(output_dir=str(output_dir),
                                 per_device_train_batch_size=MICRO_BATCH * DP,
                                 per_device_eval_batch_size=MICRO_BATCH * DP,
                                 save_strategy="no", **reference_fields())
     eval_rows = [{**row, "attention_mask": torch.ones_like(row["input_ids"])}
                  for row in eval_set()]
-    trainer = tf.Trainer(model=build("llama-deep"), args=args, train_dataset=train_set(),
+    trainer = tf.Trainer(model=build_model(family), args=args, train_dataset=train_set(),
                          eval_dataset=eval_rows)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -46,6 +58,7 @@ def reference(tmp_path_factory):
 def test_context_parallel_trains_like_hf_trainer(launches, worker_pool, reference, world_size,
                                                  scenario):
     check(*launches(world_size), scenario)
+    reference = reference(family(scenario))
     ours = json.loads((worker_pool.out_dir(WORKER, world_size)
                        / f"merak-{scenario}.json").read_text())
     assert len(ours["loss"]) == len(reference["loss"]) == 5
@@ -67,6 +80,7 @@ def test_a_cp_checkpoint_resumes(world_size, launches, worker_pool, reference, s
     """The (1,1,2,2) ring run's step-3 checkpoint, resumed in its layout and at cp=1 (dp2 x
     pp2, the optimizer state resharded): steps 4 and 5 and the eval loss are HF Trainer's."""
     check(*launches(world_size), scenario)
+    reference = reference("llama-deep")
     found = worker_pool.out_dir(WORKER, world_size) / f"merak-{scenario}.json"
     ours = json.loads(found.read_text())
     assert len(ours["loss"]) == len(reference["loss"])  # (steps 1-3: the checkpoint's history)

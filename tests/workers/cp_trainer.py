@@ -1,16 +1,28 @@
 """Context parallelism through MerakTrainer (see test_context_parallel_trainer): a 4-layer Llama
-(8 heads, 4 key/value heads) on full rows of 12 tokens at (dp, tp, pp, cp) = (1,1,2,2) and
-(1,2,1,2) on 4 ranks and (2,1,2,2) on 8, 5 steps of HF Trainer's global batch, then evaluate();
-each run writes its logged losses, grad norms, learning rates and eval loss to
-``merak-<scenario>.json`` for the test to compare with single-process HF Trainer."""
+(8 heads, 4 key/value heads; 2 key/value heads in the kv-repeated run) on full rows of 12 tokens
+at (dp, tp, pp, cp) = (1,1,2,2), (1,2,1,2) and (2,1,1,2) on 4 ranks ((2,1,2,2) and (1,4,1,2) on 8
+with MERAK_TEST_MATRIX=full), 5 steps of HF Trainer's global batch, then evaluate(); each run
+writes its logged losses, grad norms, learning rates and eval loss to ``merak-<scenario>.json``
+for the test to compare with single-process HF Trainer."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import torch
 import torch.distributed as dist
 from common import out_dir, run_scenarios
-from trainer_common import COMMON, DP, MICRO_BATCH, MICROBATCHES, build, eval_set, train_set
+from trainer_common import (
+    COMMON,
+    DP,
+    MICRO_BATCH,
+    MICROBATCHES,
+    SEED,
+    build,
+    eval_set,
+    train_set,
+)
 
 import merak
 
@@ -25,7 +37,9 @@ CP_RUNS = {
     # (saves its step-3 checkpoint: the weight files of a cp=1 job, cp recorded)
     4: {"cp-dp1tp1pp2cp2-ring": ((1, 1, 2, 2), "ring", {"save_strategy": "steps",
                                                       "save_steps": SAVED}),
-        "cp-dp1tp2pp1cp2-ulysses": ((1, 2, 1, 2), "ulysses", {}),
+        # 2 key/value heads over tp=2 leave each TP rank 1, which cp=2 does not divide: Ulysses
+        # repeats each twice (the query heads keep their key heads)
+        "cp-dp1tp2pp1cp2-ulysses-kv-repeated": ((1, 2, 1, 2), "ulysses", {}),
         "cp-dp1tp2pp1cp2-ring-sp": ((1, 2, 1, 2), "ring", {"sequence_parallel": True}),
         # the split backward of zero-bubble schedules; model chunks of interleaved 1F1B
         "cp-dp1tp1pp2cp2-ulysses-zero-bubble": ((1, 1, 2, 2), "ulysses",
@@ -34,15 +48,40 @@ CP_RUNS = {
             "train_schedule": "interleaved_1f1b", "num_model_chunks": 2}),
         # every block rerun inside the backward (the ring's collectives with it)
         "cp-dp1tp1pp2cp2-ring-recompute-in-backward": ((1, 1, 2, 2), "ring", {
-            "activation_checkpointing": True, "recompute_in_backward": True})},
-    # (the stage's recomputation action reruns the blocks, their all-to-alls with them)
-    8: {"cp-dp2tp1pp2cp2-ulysses-recompute": ((2, 1, 2, 2), "ulysses",
+            "activation_checkpointing": True, "recompute_in_backward": True}),
+        # gradients reduced over dp x cp (each dp rank's cp pair holds half a row's tokens):
+        # Ulysses with the stage's recomputation action rerunning the blocks (their all-to-alls
+        # with them), and ring with ZeRO-2 sharding the gradients over dp
+        "cp-dp2tp1pp1cp2-ulysses-recompute": ((2, 1, 1, 2), "ulysses",
+                                              {"activation_checkpointing": True}),
+        "cp-dp2tp1pp1cp2-ring-zero2": ((2, 1, 1, 2), "ring", {"zero_stage": 2})},
+}
+if os.environ.get("MERAK_TEST_MATRIX") == "full":  # the same with pp2, and tp4 (8 ranks)
+    CP_RUNS[8] = {
+        "cp-dp2tp1pp2cp2-ulysses-recompute": ((2, 1, 2, 2), "ulysses",
                                               {"activation_checkpointing": True}),
         "cp-dp2tp1pp2cp2-ring-zero2": ((2, 1, 2, 2), "ring", {"zero_stage": 2}),
-        # 4 key/value heads over tp=4 leave each TP rank 1, which cp=2 does not divide: Ulysses
-        # repeats each twice (the query heads keep their key heads)
-        "cp-dp1tp4pp1cp2-ulysses-kv-repeated": ((1, 4, 1, 2), "ulysses", {})},
-}
+        # 4 key/value heads over tp=4: one per TP rank, repeated for cp=2
+        "cp-dp1tp4pp1cp2-ulysses-kv-repeated": ((1, 4, 1, 2), "ulysses", {})}
+# the model of each scenario that is not llama-deep's: one key/value head per TP rank at tp=2
+FAMILIES = {"cp-dp1tp2pp1cp2-ulysses-kv-repeated": "llama-deep-kv2"}
+
+
+def family(scenario: str) -> str:
+    return FAMILIES.get(scenario, "llama-deep")
+
+
+def build_model(family: str):
+    """`trainer_common.build`'s model, or ``llama-deep-kv2``: llama-deep with 2 key/value
+    heads."""
+    if family != "llama-deep-kv2":
+        return build(family)
+    import transformers as tf
+    from tp_models import ATTN
+
+    torch.manual_seed(SEED)
+    return tf.AutoModelForCausalLM.from_config(
+        tf.LlamaConfig(**{**ATTN, "num_hidden_layers": 4, "num_key_value_heads": 2}))
 
 
 def reference_fields() -> dict:
@@ -55,7 +94,7 @@ def run(name: str, layout: tuple[int, int, int, int], mode: str, extra: dict,
     dp, tp, pp, cp = layout
     merak.init(dp=dp, tp=tp, pp=pp, cp=cp)
     with merak.init_empty_weights():
-        model = build("llama-deep")
+        model = build_model(family(name))
     fields = reference_fields()
     rows = MICRO_BATCH * DP * MICROBATCHES  # the reference's global batch
     args = merak.MerakArguments(
@@ -91,6 +130,4 @@ def scenarios(world_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    import os
-
     run_scenarios(scenarios(int(os.environ["WORLD_SIZE"])))
