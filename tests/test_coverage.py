@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from merak.coverage import NO_PLAN
 from merak.coverage.cli import failures, summarize
 from merak.coverage.shrink import LAYERS, TooLargeError, _representative, build_small, small_config
-from merak.coverage.worker import NO_PLAN
 
 # an MoE family (router logits leave its blocks for the auxiliary loss) and OLMo2 (its
 # base_model_tp_plan gathers q/k/v for a full-width q_norm); tests/test_tensor_parallel.py runs

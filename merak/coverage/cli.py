@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from merak.coverage.worker import HF_CANNOT_LOAD, NO_PLAN
+from merak.coverage import HF_CANNOT_LOAD, NO_PLAN
 from merak.inputs import InputError, positive_float, positive_int
 
 CHECKS = ("build", "single", "pp", "tp", "load", "ep")

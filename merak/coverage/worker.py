@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from merak.coverage import HF_CANNOT_LOAD, NO_PLAN
 from merak.coverage.checks import (
     compare,
     has_tp_plan,
@@ -72,9 +73,6 @@ def _check(name: str, fn, timeout_s: float) -> tuple[bool, str]:
     return _agree(ok, reason)
 
 
-NO_PLAN = "no plan"  # a row's prefix: not even plan inference places a layer of the family
-
-
 def plan_row(small, tp: int) -> dict:
     """Where the family's tp plan comes from (``tp_plan_source``: table, base_model_tp_plan,
     inferred), and for an inferred one its table (``inferred_plan``, as `merak tp-plan` prints
@@ -96,9 +94,6 @@ def plan_row(small, tp: int) -> dict:
         row.update(inferred_plan=format_plan(plan, small.config),
                    tp_sharded=len(plan.column) + len(plan.row), tp_replicated=len(plan.notes))
     return row
-
-
-HF_CANNOT_LOAD = "HF's from_pretrained fails"  # a load row's prefix: not Merak's result
 
 
 def load_check(small, family: str, scratch: Path, stages: int, tp: int, timeout_s: float,

@@ -15,8 +15,6 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-
 from merak.inputs import non_negative_float, non_negative_int, positive_float, positive_int
 
 
@@ -76,6 +74,8 @@ def load_for_generation(checkpoint: str | Path, ctx):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
     if merak_checkpoint and (checkpoint / lora.ADAPTER_CONFIG).exists():
         model = lora.wrap(model, checkpoint)
+    import torch
+
     ids = torch.zeros((2, 16), dtype=torch.long)
     example = {"input_ids": ids, "labels": ids.clone()}
     if merak_checkpoint:

@@ -58,16 +58,19 @@ def save_png(events: Sequence[TimelineEvent], path: str | Path, title: str = "",
     scale = {"s": 1.0, "ms": 1e3}[time_unit]
     rows = sorted({e.row for e in events})
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.6))
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (row, colour) -> spans
     for e in events:
         width = (e.end - e.start) * scale
         if width <= 0:
             continue
         y = rows.index(e.row)
-        ax.broken_barh([(e.start * scale, width)], (y - 0.4, 0.8),
-                       facecolors=_COLORS.get(e.name, "#cccccc"), edgecolor="white", linewidth=0.3)
+        bars.setdefault((y, _COLORS.get(e.name, "#cccccc")), []).append((e.start * scale, width))
         if e.name in ("forward", "backward") and e.microbatch_id is not None:
             ax.text(e.start * scale + width / 2, y, str(e.microbatch_id), ha="center",
                     va="center", fontsize=7, color="white")
+    for (y, colour), spans in bars.items():  # one collection per row and colour (drawn fast)
+        ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolor="white",
+                       linewidth=0.3)
     ax.set_yticks(range(len(rows)), [f"{row_label} {r}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({time_unit})")
