@@ -1,20 +1,21 @@
 """MerakTrainer with expert parallelism (pooled worker ep_trainer.py): a Qwen3-MoE and a Mixtral
-written by `save_pretrained` and loaded under `init_empty_weights`, trained at dp2 ep2 (2 ranks),
-dp2 ep2 pp2 and dp2 ep2 tp2 (4 ranks) on padded rows of varying length, against single-process
-HF Trainer on the same directory and rows: every step's loss and gradient norm (load-balancing
-loss included), the `save_model` directory (the Hub's layout, every expert) against HF's trained
-model, `merak export` of the last checkpoint against `save_model`, each rank holding 1/ep of
-every experts tensor (1/(ep x tp) at tp2: each expert split over tp too), and the checkpoint of
-step 2 resumed in another layout (dp2 ep1; dp4 ep2 pp1 under ZeRO-1; dp4 ep2 tp1 from tp2)
-continuing the same curve (and at the same dp evaluating to the same loss). DeepSeek-V3 (sigmoid
-routing limited to one of two groups, a shared expert, its first layer dense), OLMoE and GPT-OSS
-(expert biases, its own router), loaded the same way, at dp2 ep2 (and with
-MERAK_TEST_MATRIX=full at dp2 ep2 pp2 and dp2 ep2 tp2): every step's loss and gradient norm. In
-every run each rank holds 1/ep of each experts tensor of its stage and read exactly 1/ep of
-their bytes from the files. On 4 ranks, ``auto_parallel`` from ``merak.init(ep=2)``: the
-plan it writes chooses an ep2 layout, which trains at HF Trainer's loss and gradient norm with
-1/ep of each experts tensor per rank. In one process: the rules refusing what ep does not
-combine with yet, before any build."""
+written by `save_pretrained` and loaded under `init_empty_weights`, trained (both at dp2 ep2 on 2
+ranks; the Qwen3-MoE also at dp2 ep2 pp2 and dp2 ep2 tp2 on 4, dp4 ep4 pp2 on 8) on padded rows of
+varying length, against single-process HF Trainer on the same directory and rows: every step's loss
+and gradient norm (load-balancing loss included), the `save_model` directory (the Hub's layout,
+every expert) against HF's trained model, `merak export` of the last checkpoint against
+`save_model`, each rank holding 1/ep of every experts tensor (1/(ep x tp) at tp2: each expert split
+over tp too), and the checkpoint of step 2 resumed in another layout (dp2 ep1; dp4 ep2 pp1 under
+ZeRO-1; dp4 ep2 tp1 from tp2; dp4 ep2 pp2 under ZeRO-1 from dp4 ep4 pp2) continuing the same curve
+(and at the same dp evaluating to the same loss). DeepSeek-V3 (sigmoid routing limited to one of
+two groups, a shared expert, its first layer dense), OLMoE and GPT-OSS (expert biases, its own
+router), loaded the same way, at dp2 ep2, and with MERAK_TEST_MATRIX=full these three and Mixtral
+at dp2 ep2 pp2, dp2 ep2 tp2 and dp4 ep4 pp2 (8 ranks, one expert a rank): every step's loss and
+gradient norm. In every run each rank holds 1/ep of each experts tensor of its stage and read
+exactly 1/ep of their bytes from the files. On 4 ranks, ``auto_parallel`` from
+``merak.init(ep=2)``: the plan it writes chooses an ep2 layout, which trains at HF Trainer's loss
+and gradient norm with 1/ep of each experts tensor per rank. In one process: the rules refusing
+what ep does not combine with yet, before any build."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def _check_experts_held_and_read(figures: list[dict], scenario: str) -> None:
                                                  if RUNS[w][s][2] is None])
 def test_merak_trainer_with_expert_parallelism_trains_more_families_like_hf(
         launches, world_size, scenario, tmp_path):
-    """DeepSeek-V3, OLMoE and GPT-OSS: every step's loss and gradient norm."""
+    """DeepSeek-V3, OLMoE and GPT-OSS (and, with MERAK_TEST_MATRIX=full, Mixtral at the
+    layouts it does not save and resume at): every step's loss and gradient norm."""
     figures = scenario_result(*launches(world_size), scenario)
     theirs, _, _ = reference(Path(figures[0]["hub"]), tmp_path, whole=False)
     for rank, ours in enumerate(figures):

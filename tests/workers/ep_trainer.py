@@ -10,7 +10,8 @@ and trains steps 3 and 4 again, and both runs evaluate their final weights (the 
 same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
 directory and rows and compares. DeepSeek-V3, OLMoE and GPT-OSS (`MORE`) train only, at dp2 ep2
-(2 ranks; with MERAK_TEST_MATRIX=full also dp2 ep2 pp2 and dp2 ep2 tp2 on 4). Every run counts
+(2 ranks); with MERAK_TEST_MATRIX=full they and Mixtral also train only at dp2 ep2 pp2 and dp2
+ep2 tp2 (4 ranks) and dp4 ep4 pp2 (8; every config has 4 experts). Every run counts
 the bytes its rank's loader reads from the hub's files (`ep_reads`): 1/ep of its stage's
 experts. On 4 ranks, `auto_run`: MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans
 the same Qwen3-MoE, writes plan.json and trains the ep2 layout it chose."""
@@ -64,10 +65,15 @@ RUNS = {2: {"trainer-qwen3_moe-dp2-ep2-zero3": ("qwen3_moe", (2, 1, 2, 3, 1), (2
             "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 2, 1))},
         # one expert per rank over ep groups of 4 at pp=2, resumed at ep=2 under ZeRO-1
         8: {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}}
-if os.environ.get("MERAK_TEST_MATRIX") == "full":  # the three more at pp2 and at tp2 too
+if os.environ.get("MERAK_TEST_MATRIX") == "full":
+    # Mixtral and the three more, trained only: at pp2 and at tp2 (4 ranks), and at dp4 ep4
+    # pp2 (8 ranks: one of the 4 experts a rank; DeepSeek-V3's 2 groups of 2 experts then
+    # span 2 ranks each, its dense first layer the first stage's)
     RUNS[4].update({f"trainer-{family}-dp2-ep2-{kind}": (family, layout, None)
-                    for family in MORE for kind, layout in (("pp2", (2, 2, 2, 0, 1)),
-                                                            ("tp2", (2, 1, 2, 0, 2)))})
+                    for family in ("mixtral", *MORE)
+                    for kind, layout in (("pp2", (2, 2, 2, 0, 1)), ("tp2", (2, 1, 2, 0, 2)))})
+    RUNS[8].update({f"trainer-{family}-dp4-ep4-pp2": (family, (4, 2, 4, 0, 1), None)
+                    for family in ("mixtral", *MORE)})
 
 
 def config(family: str):
