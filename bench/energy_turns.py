@@ -113,7 +113,7 @@ def profile_plan_measure(engine, gpu, ctx, step: Callable[[], None], *, rounds: 
     mine = check_clock_plan(plan["schedules"], ctx.world_size, lambda r: r, schedule,
                             gpu.supported_clocks())[ctx.rank]
     measured, hooks, ran = measure_in_turns(engine, gpu, {"all-max": None, "plan": mine}, step,
-                                       rounds)
+                                            rounds)
     base_energy, plan_energy = plan["predicted_base"][1], plan["predicted_plan"][1]
     report = {"chunks": schedule.stages_per_rank,
               "instructions": [len(expected_instructions(schedule, r))
