@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import transformers as tf
-from cp_trainer import CP_RUNS, RESUMES, SAVED, build_model, family, reference_fields
+from cp_trainer import CP_RUNS, RESUMES, SAVED, family, reference_fields
 from dist_harness import check
 from trainer_common import DP, MICRO_BATCH, build, eval_set, train_set
 
@@ -44,7 +44,7 @@ def _hf_run(family: str, output_dir) -> dict:
                                 save_strategy="no", **reference_fields())
     eval_rows = [{**row, "attention_mask": torch.ones_like(row["input_ids"])}
                  for row in eval_set()]
-    trainer = tf.Trainer(model=build_model(family), args=args, train_dataset=train_set(),
+    trainer = tf.Trainer(model=build(family), args=args, train_dataset=train_set(),
                          eval_dataset=eval_rows)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]

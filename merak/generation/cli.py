@@ -55,6 +55,7 @@ def _tokenizer(args: argparse.Namespace):
 def load_for_generation(checkpoint: str | Path, ctx):
     """(the model given to `parallelize`, this rank's stage) from a Merak checkpoint or an HF
     directory, each rank holding only its own stage."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from merak import lora
@@ -74,8 +75,6 @@ def load_for_generation(checkpoint: str | Path, ctx):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
     if merak_checkpoint and (checkpoint / lora.ADAPTER_CONFIG).exists():
         model = lora.wrap(model, checkpoint)
-    import torch
-
     ids = torch.zeros((2, 16), dtype=torch.long)
     example = {"input_ids": ids, "labels": ids.clone()}
     if merak_checkpoint:

@@ -104,6 +104,20 @@ def _own_groups(keep: bool = False) -> Iterator[None]:
             gc.collect()  # its threads end with the last reference (builds hold cycles)
 
 
+@contextlib.contextmanager
+def one_call_block_samples() -> Iterator[None]:
+    """The planner's block-cost samples one call each inside (``merak.strategy.costs
+    .MIN_SAMPLE_S`` 0, restored after): for scenarios where the timings' quality is not the
+    point, each sample otherwise lasting about 0.1 s."""
+    from merak.strategy import costs
+
+    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S
+    try:
+        yield
+    finally:
+        costs.MIN_SAMPLE_S = sample_s
+
+
 def _raise(text: str) -> Scenario:
     def scenario() -> None:
         raise RuntimeError(text)

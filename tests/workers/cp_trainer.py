@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 import torch.distributed as dist
 from common import out_dir, run_scenarios
 from trainer_common import (
@@ -18,7 +17,6 @@ from trainer_common import (
     DP,
     MICRO_BATCH,
     MICROBATCHES,
-    SEED,
     build,
     eval_set,
     train_set,
@@ -71,19 +69,6 @@ def family(scenario: str) -> str:
     return FAMILIES.get(scenario, "llama-deep")
 
 
-def build_model(family: str):
-    """`trainer_common.build`'s model, or ``llama-deep-kv2``: llama-deep with 2 key/value
-    heads."""
-    if family != "llama-deep-kv2":
-        return build(family)
-    import transformers as tf
-    from tp_models import ATTN
-
-    torch.manual_seed(SEED)
-    return tf.AutoModelForCausalLM.from_config(
-        tf.LlamaConfig(**{**ATTN, "num_hidden_layers": 4, "num_key_value_heads": 2}))
-
-
 def reference_fields() -> dict:
     """HF Trainer's fields (both trainers): COMMON for 5 steps."""
     return {**COMMON, "max_steps": STEPS}
@@ -94,7 +79,7 @@ def run(name: str, layout: tuple[int, int, int, int], mode: str, extra: dict,
     dp, tp, pp, cp = layout
     merak.init(dp=dp, tp=tp, pp=pp, cp=cp)
     with merak.init_empty_weights():
-        model = build_model(family(name))
+        model = build(family(name))
     fields = reference_fields()
     rows = MICRO_BATCH * DP * MICROBATCHES  # the reference's global batch
     args = merak.MerakArguments(

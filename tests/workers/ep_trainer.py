@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers as tf
-from common import out_dir, run_scenarios
+from common import one_call_block_samples, out_dir, run_scenarios
 from ep_parity import CONFIGS  # the tiny Qwen3-MoE and Mixtral (of this VOCAB)
 from ep_reads import bytes_per_tensor, counting_reads, is_expert
 from safetensors import safe_open
@@ -39,7 +39,6 @@ from merak.data_parallel.shards import is_sharded
 from merak.expert_parallel import experts_modules
 from merak.generation.generate import new_tokens
 from merak.materialize.safetensors import read_header
-from merak.strategy import costs
 
 VOCAB, SEQ, STEPS, SAVE_STEP, MICRO_BATCH, MICROBATCHES, SEED = 128, 12, 4, 2, 2, 2, 1234
 DP = 2  # the rows of a step: MICRO_BATCH x MICROBATCHES x DP
@@ -269,11 +268,8 @@ def auto_run() -> dict:
     trainer = merak.MerakTrainer(model=model, args=args, train_dataset=train_set())
     # one call a block-cost sample (of about 0.1 s each: most of the plan's minute on 2 shared
     # cores); which ep2 layout wins is not the point, the test takes any
-    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S
-    try:
+    with one_call_block_samples():
         trainer.train()
-    finally:
-        costs.MIN_SAMPLE_S = sample_s
     held = [[p.numel(), math.prod(p.ep_shard.full_shape)] for p in trainer.stage.parameters()
             if getattr(p, "ep_shard", None) is not None]
     written = json.loads((root / "merak" / "plan.json").read_text())

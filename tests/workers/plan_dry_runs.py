@@ -25,12 +25,11 @@ import os
 
 import torch
 import transformers as tf
-from common import run_scenarios
+from common import one_call_block_samples, run_scenarios
 
 import merak
 from merak.distributed.teardown import live_process_groups
 from merak.dryrun import run as dry_run
-from merak.strategy import costs
 from merak.strategy.candidate import Candidate
 
 SEQ = 16
@@ -83,8 +82,7 @@ def online_plan_frees_its_groups() -> dict:
     from merak.dryrun.online import plan_online
 
     merak.init(dp=1, tp=1, pp=2)
-    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
-    try:
+    with one_call_block_samples():
         left, measured = [], []
         for count in (1, 2):
             before = live_process_groups()
@@ -92,8 +90,6 @@ def online_plan_frees_its_groups() -> dict:
                                dry_runs=count, steps=1)
             measured.append(len(plan.measured))
             left.append(live_process_groups() - before)
-    finally:
-        costs.MIN_SAMPLE_S = sample_s
     return {"dry_runs": [1, 2], "measured": measured, "groups_left": left}
 
 
@@ -109,14 +105,11 @@ def online_plan_dry_runs_cp() -> dict:
     for c in (Candidate(1, 1, 2, mbs, m), Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ring"),
               Candidate(1, 1, 1, mbs, m, cp=2, cp_mode="ulysses")):
         losses[c.label] = dry_run.dry_run(c, config, SEQ, steps=steps, batches=rows).losses
-    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
-    try:
+    with one_call_block_samples():
         searched = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(1,),
                                dry_runs=1, steps=1, context_parallel=(1, 2))
         only_cp = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(1,),
                               dry_runs=2, steps=1, context_parallel=(2,))
-    finally:
-        costs.MIN_SAMPLE_S = sample_s
     return {"losses": {label: list(values) for label, values in losses.items()},
             "searched_cp": sorted({p.candidate.cp for p in searched.ranked}),
             "only_cp_measured": only_cp.measured, "only_cp_chosen_cp": only_cp.chosen.cp}
@@ -140,15 +133,12 @@ def online_plan_dry_runs_ep() -> dict:
         before = live_process_groups()
         losses[c.label] = list(dry_run.dry_run(c, config, SEQ, steps=steps, batches=rows).losses)
         left.append(live_process_groups() - before)
-    costs.MIN_SAMPLE_S, sample_s = 0.0, costs.MIN_SAMPLE_S  # (timing quality is not the point)
-    try:
+    with one_call_block_samples():
         for degrees in ((1,), (2,)):  # (a plan leaves its final default layout's groups)
             before = live_process_groups()
             only_ep = plan_online(config, 4, SEQ, memory_bytes=2**40, micro_batch_sizes=(2,),
                                   dry_runs=1, steps=1, expert_parallel=degrees)
             left.append(live_process_groups() - before)
-    finally:
-        costs.MIN_SAMPLE_S = sample_s
     return {"losses": losses, "groups_left": left, "only_ep_measured": only_ep.measured,
             "only_ep_chosen_ep": only_ep.chosen.ep}
 

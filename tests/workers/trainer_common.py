@@ -236,11 +236,14 @@ def eval_set():
 
 def build(family: str):
     """A model of `family` (``llama-deep``: `build_deep_llama`; ``llama-deep8``: 8 layers;
-    ``mixtral-deep``, ``mixtral-deep8``: a small Mixtral of 4 and 8 layers)."""
+    ``llama-deep-kv2``: 2 key/value heads; ``mixtral-deep``, ``mixtral-deep8``: a small Mixtral
+    of 4 and 8 layers)."""
     if family == "llama-deep":
         return build_deep_llama()
     if family == "llama-deep8":
         return build_deep_llama(8)
+    if family == "llama-deep-kv2":
+        return build_deep_llama(key_value_heads=2)
     if family.startswith("mixtral-deep"):
         torch.manual_seed(SEED)
         return moe_model("mixtral", 8 if family.endswith("8") else 4)
@@ -252,15 +255,16 @@ def build(family: str):
     return model
 
 
-def build_deep_llama(layers: int = 4):
+def build_deep_llama(layers: int = 4, key_value_heads: int | None = None):
     """4 layers, so the checkpoint can be resharded onto 4 pipeline stages (8: 2 model chunks
-    on each of 4 pipeline ranks)."""
+    on each of 4 pipeline ranks); `key_value_heads` in place of ATTN's."""
     import transformers as tf
     from tp_models import ATTN
 
     torch.manual_seed(SEED)
+    kv = {"num_key_value_heads": key_value_heads} if key_value_heads else {}
     return tf.AutoModelForCausalLM.from_config(
-        tf.LlamaConfig(**{**ATTN, "num_hidden_layers": layers}))
+        tf.LlamaConfig(**{**ATTN, "num_hidden_layers": layers, **kv}))
 
 
 
