@@ -205,10 +205,6 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
     if c.ep == 1:
         return None
     for other, wrong, why, instead in (
-            ("sequence_parallel", c.sequence_parallel and c.tp > 1, "with sequence "
-             "parallelism the tp ranks hold different tokens, which the experts' split over tp "
-             "(moe_tp_experts) and the all-to-all over ep are untested with",
-             "set sequence_parallel=False (tp and ep compose without it)"),
             ("tp_overlapping_level", c.tp_overlapping_level > 0 and c.tp > 1, "TP overlap's "
              "sub-batches are untested with the experts' all-to-all",
              "use tp_overlapping_level=0 (tp and ep compose without it)"),
