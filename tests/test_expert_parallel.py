@@ -138,9 +138,12 @@ def test_experts_ep_does_not_divide_are_refused():
 def test_engine_options_ep_does_not_combine_with_yet():
     """`build_engine` asks the rules with its options and the context's layout."""
     ctx = SimpleNamespace(ep=2, tp=2, cp=1)
-    with pytest.raises(NotSupportedYetError, match="EngineOptions.sequence_parallel=True with"):
+    with pytest.raises(NotSupportedYetError, match="EngineOptions.tp_overlapping_level=2 with"):
         build_engine(nn.Linear(2, 2), {}, ctx, EngineOptions(
-            tensor_parallel=TensorParallelOptions(sequence_parallel=True)))
+            tensor_parallel=TensorParallelOptions(overlap_level=2)))
+    for tp in (TensorParallelOptions(sequence_parallel=True), TensorParallelOptions(
+            overlap_level=1)):  # (the MoE layers run whole on the tp ranks' sequences; once)
+        assert rules.refusal(EngineOptions(tensor_parallel=tp).choices(ctx)) is None
     zero2 = EngineOptions(precision=PrecisionOptions(zero_stage=2))
     assert rules.refusal(zero2.choices(ctx)) is None  # ZeRO-2/3 shard the experts over edp
     assert rules.refusal(EngineOptions().choices(ctx)) is None

@@ -215,7 +215,7 @@ def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(worl
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"tp": 2, "tp_overlapping_level": 1}, "tp_overlapping_level=1 with expert parallelism"),
+    ({"tp": 2, "tp_overlapping_level": 2}, "tp_overlapping_level=2 with expert parallelism"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size=True with expert parallelism"),
 ])
 def test_the_rules_refuse_what_expert_parallelism_does_not_combine_with_yet(fields, match):
@@ -248,6 +248,9 @@ def test_the_rules_accept_tensor_and_expert_parallelism_together():
     assert refusal(Choices(ep=2, tp=1, sequence_parallel=True)) is None  # (no tp: nothing split)
     # the MoE layers run whole on every tp rank's sequences (trainer-qwen3_moe-dp2-ep2-tp2-sp)
     assert refusal(Choices(ep=2, tp=2, sequence_parallel=True)) is None
+    # level 1 sub-pipelines the attention's TP layers; each MoE layer runs once per micro-batch
+    # (trainer-qwen3_moe-dp2-ep2-tp2-overlap1, MERAK_TEST_MATRIX=full)
+    assert refusal(Choices(ep=2, tp=2, tp_overlapping_level=1)) is None
     assert refusal(Choices(ep=2, text_generation=True)) is None  # (decoded in lockstep)
 
 
