@@ -209,3 +209,29 @@ def test_zero_refuses_a_module_holding_experts_and_other_parameters():
         expert_units(model)
     model[0].bias.expert_parallel = True
     assert expert_units(model) == [model[0]]
+
+
+def test_sequence_parallelism_runs_the_moe_blocks_whole_and_refuses_a_split_inside_one():
+    """Qwen3-MoE's transformers plan gathers its attention's and MLP's input (Mixtral's none:
+    refused at build); an MLP holding the experts summed over TP runs whole, and a layer inside
+    it that would reduce-scatter the sequence is refused by name."""
+    from merak.tensor_parallel.layers.sequence import enable_sequence_parallel, whole_modules
+    from merak.tensor_parallel.plans.hf_styles import plan_fields_from_hf
+
+    assert plan_fields_from_hf(tf.Qwen3MoeConfig.base_model_tp_plan, "qwen3_moe")[
+        "sp_gather"] == ("self_attn", "mlp")
+    assert plan_fields_from_hf(tf.MixtralConfig.base_model_tp_plan, "mixtral")["sp_gather"] is None
+
+    def block() -> nn.Module:
+        made = nn.Module()
+        made.self_attn, made.mlp = nn.Linear(4, 4), nn.Module()
+        made.mlp.experts, made.mlp.down = nn.Linear(4, 4), nn.Linear(4, 4)
+        return made
+
+    model, blocks = nn.Module(), ["layers.0", "layers.1"]
+    model.layers = nn.ModuleList([block(), block()])
+    whole = whole_modules(model, blocks, ("self_attn", "mlp"), {"layers.1.mlp.experts"})
+    assert whole == ["layers.1.mlp"]
+    model.layers[1].mlp.down.sequence_parallel = True
+    with pytest.raises(ValueError, match=r"runs layers.1.mlp whole .*\['layers.1.mlp.down'\]"):
+        enable_sequence_parallel(model, blocks, ("self_attn", "mlp"), None, 1, tuple(whole))

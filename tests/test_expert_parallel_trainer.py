@@ -1,6 +1,8 @@
 """MerakTrainer with expert parallelism (pooled worker ep_trainer.py): a Qwen3-MoE and a Mixtral
 written by `save_pretrained` and loaded under `init_empty_weights`, trained (both at dp2 ep2 on 2
-ranks; the Qwen3-MoE also at dp2 ep2 pp2 and dp2 ep2 tp2 on 4, dp4 ep4 pp2 on 8) on padded rows of
+ranks; the Qwen3-MoE also at dp2 ep2 pp2, dp2 ep2 tp2 and, trained only, dp2 ep2 tp2 with
+sequence parallelism (and TP overlap level 1 with MERAK_TEST_MATRIX=full) on 4, dp4 ep4 pp2 on
+8) on padded rows of
 varying length, against single-process HF Trainer on the same directory and rows: every step's loss
 and gradient norm (load-balancing loss included), the `save_model` directory (the Hub's layout,
 every expert) against HF's trained model, `merak export` of the last checkpoint against
