@@ -206,10 +206,10 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
         return None
     for other, wrong, why, instead in (
             ("tp_overlapping_level", c.tp_overlapping_level > 1 and c.tp > 1, "level 2 runs "
-             "each block once per sub-batch, as coroutines interleaved at the TP all-reduces: "
-             "every MoE layer would exchange each sub-batch's tokens over ep from the "
-             "interleaver's threads and its router's logits, which the load-balancing loss "
-             "reads per micro-batch, would come per sub-batch; untested",
+             "each block once per sub-batch, as coroutines interleaved at the TP all-reduces, "
+             "so every MoE layer routes and exchanges its tokens over ep per sub-batch, while "
+             "the load-balancing loss reads the micro-batch's router logits (a Qwen3-MoE at dp2 "
+             "ep2 tp2 fails: one sub-batch's 12 rows against the micro-batch's 24)",
              "use tp_overlapping_level=1 (the attention's TP layers overlap per sub-batch, "
              "each MoE layer runs once on the micro-batch) or 0"),
             ("auto_find_batch_size", c.auto_find_batch_size, "its memory probe runs each "
