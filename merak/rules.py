@@ -205,13 +205,13 @@ def _expert_parallel_refusal(c: Choices, owner: str) -> Refusal | None:
     if c.ep == 1:
         return None
     for other, wrong, why, instead in (
-            ("sequence_parallel", c.sequence_parallel and c.tp > 1, "with sequence "
-             "parallelism the tp ranks hold different tokens, which the experts' split over tp "
-             "(moe_tp_experts) and the all-to-all over ep are untested with",
-             "set sequence_parallel=False (tp and ep compose without it)"),
-            ("tp_overlapping_level", c.tp_overlapping_level > 0 and c.tp > 1, "TP overlap's "
-             "sub-batches are untested with the experts' all-to-all",
-             "use tp_overlapping_level=0 (tp and ep compose without it)"),
+            ("tp_overlapping_level", c.tp_overlapping_level > 1 and c.tp > 1, "level 2 runs "
+             "each block once per sub-batch, as coroutines interleaved at the TP all-reduces, "
+             "so every MoE layer routes and exchanges its tokens over ep per sub-batch, while "
+             "the load-balancing loss reads the micro-batch's router logits (a Qwen3-MoE at dp2 "
+             "ep2 tp2 fails: one sub-batch's 12 rows against the micro-batch's 24)",
+             "use tp_overlapping_level=1 (the attention's TP layers overlap per sub-batch, "
+             "each MoE layer runs once on the micro-batch) or 0"),
             ("auto_find_batch_size", c.auto_find_batch_size, "its memory probe runs each "
              "rank's share of a step alone so that an out-of-memory error is that rank's answer; "
              "with ep every MoE layer's all-to-all is a collective over the ep group, so a rank "

@@ -138,9 +138,12 @@ def test_experts_ep_does_not_divide_are_refused():
 def test_engine_options_ep_does_not_combine_with_yet():
     """`build_engine` asks the rules with its options and the context's layout."""
     ctx = SimpleNamespace(ep=2, tp=2, cp=1)
-    with pytest.raises(NotSupportedYetError, match="EngineOptions.sequence_parallel=True with"):
+    with pytest.raises(NotSupportedYetError, match="EngineOptions.tp_overlapping_level=2 with"):
         build_engine(nn.Linear(2, 2), {}, ctx, EngineOptions(
-            tensor_parallel=TensorParallelOptions(sequence_parallel=True)))
+            tensor_parallel=TensorParallelOptions(overlap_level=2)))
+    for tp in (TensorParallelOptions(sequence_parallel=True), TensorParallelOptions(
+            overlap_level=1)):  # (the MoE layers run whole on the tp ranks' sequences; once)
+        assert rules.refusal(EngineOptions(tensor_parallel=tp).choices(ctx)) is None
     zero2 = EngineOptions(precision=PrecisionOptions(zero_stage=2))
     assert rules.refusal(zero2.choices(ctx)) is None  # ZeRO-2/3 shard the experts over edp
     assert rules.refusal(EngineOptions().choices(ctx)) is None
@@ -206,3 +209,29 @@ def test_zero_refuses_a_module_holding_experts_and_other_parameters():
         expert_units(model)
     model[0].bias.expert_parallel = True
     assert expert_units(model) == [model[0]]
+
+
+def test_sequence_parallelism_runs_the_moe_blocks_whole_and_refuses_a_split_inside_one():
+    """Qwen3-MoE's transformers plan gathers its attention's and MLP's input (Mixtral's none:
+    refused at build); an MLP holding the experts summed over TP runs whole, and a layer inside
+    it that would reduce-scatter the sequence is refused by name."""
+    from merak.tensor_parallel.layers.sequence import enable_sequence_parallel, whole_modules
+    from merak.tensor_parallel.plans.hf_styles import plan_fields_from_hf
+
+    assert plan_fields_from_hf(tf.Qwen3MoeConfig.base_model_tp_plan, "qwen3_moe")[
+        "sp_gather"] == ("self_attn", "mlp")
+    assert plan_fields_from_hf(tf.MixtralConfig.base_model_tp_plan, "mixtral")["sp_gather"] is None
+
+    def block() -> nn.Module:
+        made = nn.Module()
+        made.self_attn, made.mlp = nn.Linear(4, 4), nn.Module()
+        made.mlp.experts, made.mlp.down = nn.Linear(4, 4), nn.Linear(4, 4)
+        return made
+
+    model, blocks = nn.Module(), ["layers.0", "layers.1"]
+    model.layers = nn.ModuleList([block(), block()])
+    whole = whole_modules(model, blocks, ("self_attn", "mlp"), {"layers.1.mlp.experts"})
+    assert whole == ["layers.1.mlp"]
+    model.layers[1].mlp.down.sequence_parallel = True
+    with pytest.raises(ValueError, match=r"runs layers.1.mlp whole .*\['layers.1.mlp.down'\]"):
+        enable_sequence_parallel(model, blocks, ("self_attn", "mlp"), None, 1, tuple(whole))

@@ -1,6 +1,8 @@
 """MerakTrainer with expert parallelism (pooled worker ep_trainer.py): a Qwen3-MoE and a Mixtral
 written by `save_pretrained` and loaded under `init_empty_weights`, trained (both at dp2 ep2 on 2
-ranks; the Qwen3-MoE also at dp2 ep2 pp2 and dp2 ep2 tp2 on 4, dp4 ep4 pp2 on 8) on padded rows of
+ranks; the Qwen3-MoE also at dp2 ep2 pp2, dp2 ep2 tp2 and, trained only, dp2 ep2 tp2 with
+sequence parallelism (and TP overlap level 1 with MERAK_TEST_MATRIX=full) on 4, dp4 ep4 pp2 on
+8) on padded rows of
 varying length, against single-process HF Trainer on the same directory and rows: every step's loss
 and gradient norm (load-balancing loss included), the `save_model` directory (the Hub's layout,
 every expert) against HF's trained model, `merak export` of the last checkpoint against
@@ -25,10 +27,14 @@ import pytest
 from dist_harness import scenario_result
 from ep_trainer import (
     AUTO,
+    MICRO_BATCH,
+    OVERLAP_RUN,
     PLANNED,
     RUNS,
     SAVE_STEP,
+    SEQ,
     SFT_RUNS,
+    SP_RUN,
     hub_tensors,
     reference,
     sft_reference,
@@ -82,6 +88,12 @@ def test_merak_trainer_with_expert_parallelism_trains_more_families_like_hf(
     for rank, ours in enumerate(figures):
         assert ours["curve"]["loss"] == pytest.approx(theirs["loss"], abs=LOSS_ATOL), rank
         assert ours["curve"]["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL)
+        if scenario == SP_RUN:  # the residual stream split over tp, each MoE layer run whole:
+            # its router saw the micro-batch's full sequences on every rank
+            assert ours["sequence_parallel_blocks"] == 2, (rank, ours)
+            assert ours["routed_rows"] == [MICRO_BATCH * SEQ], (rank, ours["routed_rows"])
+        if scenario == OVERLAP_RUN:  # q, k, v and o_proj of both layers sub-pipelined
+            assert ours["overlapped_layers"] == 8, (rank, ours)
     _check_experts_held_and_read(figures, scenario)
     _print_gaps(scenario, figures, theirs)
 
@@ -99,7 +111,7 @@ def test_merak_trainer_with_expert_parallelism_trains_saves_and_resumes_like_hf(
         launches, world_size, scenario, tmp_path):
     figures = scenario_result(*launches(world_size), scenario)
     first = figures[0]
-    _, trained_layout, resumed_layout = RUNS[world_size][scenario]
+    _, trained_layout, resumed_layout = RUNS[world_size][scenario][:3]
     assert first["optimizers"] == ["ExpertZero1" if layout[3] == 1 and layout[2] > 1 else "AdamW"
                                    for layout in (trained_layout, resumed_layout)], first
     theirs, _, trained = reference(Path(first["hub"]), tmp_path)
@@ -205,8 +217,7 @@ def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(worl
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"tp": 2, "sequence_parallel": True}, "sequence_parallel=True with expert parallelism"),
-    ({"tp": 2, "tp_overlapping_level": 1}, "tp_overlapping_level=1 with expert parallelism"),
+    ({"tp": 2, "tp_overlapping_level": 2}, "tp_overlapping_level=2 with expert parallelism"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size=True with expert parallelism"),
 ])
 def test_the_rules_refuse_what_expert_parallelism_does_not_combine_with_yet(fields, match):
@@ -237,6 +248,11 @@ def test_the_rules_accept_tensor_and_expert_parallelism_together():
     for zero in (1, 2, 3):
         assert refusal(Choices(ep=2, tp=2, zero_stage=zero)) is None
     assert refusal(Choices(ep=2, tp=1, sequence_parallel=True)) is None  # (no tp: nothing split)
+    # the MoE layers run whole on every tp rank's sequences (trainer-qwen3_moe-dp2-ep2-tp2-sp)
+    assert refusal(Choices(ep=2, tp=2, sequence_parallel=True)) is None
+    # level 1 sub-pipelines the attention's TP layers; each MoE layer runs once per micro-batch
+    # (trainer-qwen3_moe-dp2-ep2-tp2-overlap1, MERAK_TEST_MATRIX=full)
+    assert refusal(Choices(ep=2, tp=2, tp_overlapping_level=1)) is None
     assert refusal(Choices(ep=2, text_generation=True)) is None  # (decoded in lockstep)
 
 

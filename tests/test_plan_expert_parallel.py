@@ -57,9 +57,9 @@ def test_ep_degrees_divide_the_replicas_and_the_experts():
     for c in found:
         assert (c.dp * c.cp) % c.ep == 0 and 8 % c.ep == 0
         if c.ep > 1:  # what the rules refuse with ep, the planner does not propose
-            assert not (c.tp > 1 and c.sequence_parallel)
             assert refusal(Choices().with_candidate(c)) is None
     assert any(c.ep > 1 and c.tp > 1 for c in found)  # tp and ep compose
+    assert any(c.ep > 1 and c.tp > 1 and c.sequence_parallel for c in found)  # with sp too
     assert all({c.ep for c in found if c.zero == z} > {1} for z in (1, 2, 3))  # ZeRO too
     assert {c.ep for c in candidates(dense, 8, 16, 128)} == {1}
     assert {c.ep for c in candidates(moe, 8, 16, 128, expert_parallel=(1,))} == {1}

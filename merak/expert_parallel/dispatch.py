@@ -19,10 +19,12 @@ For one layer's routed tokens (hidden ``[T, H]``, top-k indices and weights ``[T
 Dropless: every pair is computed, however unbalanced the routing. The router, shared experts
 and load-balancing loss run unchanged around it, on this rank's own rows.
 
-With tensor parallelism (no sequence parallelism) every tp rank of a replica holds the same
-tokens and routing; tp rank t exchanges them with tp rank t of the other replicas of its ep
-group, so each rank computes its tp slice of its experts (the ``moe_tp_experts`` style splits
-them along the intermediate dim) and the style's sum over the tp ranks completes the output.
+With tensor parallelism every tp rank of a replica holds the same tokens and routing (with
+sequence parallelism too: the MoE block runs whole on the gathered sequences,
+`merak.tensor_parallel.layers.sequence`); tp rank t exchanges them with tp rank t of the other
+replicas of its ep group, so each rank computes its tp slice of its experts (the
+``moe_tp_experts`` style splits them along the intermediate dim) and the style's sum over the tp
+ranks completes the output.
 """
 
 from __future__ import annotations

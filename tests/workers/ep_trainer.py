@@ -2,7 +2,8 @@
 Mixtral (2 layers, 4 experts, top-2, load-balancing loss on) written by `save_pretrained` (the
 Hub's layout) and loaded under `init_empty_weights` train 4 steps at dp2 ep2 (2 ranks), dp2 ep2
 pp2 or dp2 ep2 tp2 (4 ranks) on right-padded rows of lengths 5..12, saving a
-checkpoint every 2 steps; `save_model` writes the Hub layout with every expert and `merak
+checkpoint every 2 steps (and, trained only, dp2 ep2 tp2 with sequence parallelism, counting the
+rows each router call saw); `save_model` writes the Hub layout with every expert and `merak
 export` of the last checkpoint writes the same tensors. Then the checkpoint of step 2 resumes in
 another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1 on 4; dp4 ep4 pp2 on
 8 resumes at dp4 ep2 pp2 under ZeRO-1), optimizer state included,
@@ -53,7 +54,10 @@ FIELDS = {"learning_rate": 1e-2, "logging_steps": 1, "seed": SEED, "max_grad_nor
 # GPT-OSS's experts with per-expert biases and its own router
 MORE = {"deepseek_v3": {"first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
         "olmoe": {}, "gpt_oss": {}}
-# scenario -> (family, (dp, pp, ep, zero_stage, tp) trained, the same resumed or None)
+SP_RUN = "trainer-qwen3_moe-dp2-ep2-tp2-sp"
+OVERLAP_RUN = "trainer-qwen3_moe-dp2-ep2-tp2-overlap1"  # (MERAK_TEST_MATRIX=full)
+# scenario -> (family, (dp, pp, ep, zero_stage, tp) trained, the same resumed or None[, more
+# MerakArguments fields])
 # (ZeRO-3 at dp2 ep2: the experts sharded over edp groups of one rank, the rest over both
 # ranks, resumed at ep1 without ZeRO; tp2, resumed at dp4 ep2 under ZeRO-2: edp groups of 2)
 RUNS = {2: {"trainer-qwen3_moe-dp2-ep2-zero3": ("qwen3_moe", (2, 1, 2, 3, 1), (2, 1, 1, 0, 1)),
@@ -61,7 +65,9 @@ RUNS = {2: {"trainer-qwen3_moe-dp2-ep2-zero3": ("qwen3_moe", (2, 1, 2, 3, 1), (2
             **{f"trainer-{family}-dp2-ep2": (family, (2, 1, 2, 0, 1), None) for family in MORE}},
         4: {"trainer-qwen3_moe-dp2-ep2-pp2": ("qwen3_moe", (2, 2, 2, 0, 1), (4, 1, 2, 1, 1)),
             # each expert split over tp too (Qwen3-MoE's plan: moe_tp_experts)
-            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 2, 1))},
+            "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 2, 1)),
+            # with sequence parallelism: the MoE blocks run whole on the tp ranks' sequences
+            SP_RUN: ("qwen3_moe", (2, 1, 2, 0, 2), None, {"sequence_parallel": True})},
         # one expert per rank over ep groups of 4 at pp=2, resumed at ep=2 under ZeRO-1
         8: {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}}
 if os.environ.get("MERAK_TEST_MATRIX") == "full":
@@ -73,6 +79,8 @@ if os.environ.get("MERAK_TEST_MATRIX") == "full":
                     for kind, layout in (("pp2", (2, 2, 2, 0, 1)), ("tp2", (2, 1, 2, 0, 2)))})
     RUNS[8].update({f"trainer-{family}-dp4-ep4-pp2": (family, (4, 2, 4, 0, 1), None)
                     for family in ("mixtral", *MORE)})
+    # TP overlap level 1: the attention's TP layers all-reduce per sub-batch of rows
+    RUNS[4][OVERLAP_RUN] = ("qwen3_moe", (2, 1, 2, 0, 2), None, {"tp_overlapping_level": 1})
 
 
 def config(family: str):
@@ -158,16 +166,26 @@ def _trainer(hub: Path, output: Path, layout: tuple[int, int, int, int], **field
                               eval_dataset=eval_set())
 
 
-def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) -> dict:
-    root = out_dir() / f"trainer-{family}-{'-'.join(map(str, trained))}"
+def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None,
+        fields: dict | None = None) -> dict:
+    name = "-".join(map(str, trained)) + "".join(f"-{key}" for key in fields or ())
+    root = out_dir() / f"trainer-{family}-{name}"
     hub = root / "hub"
     if dist.get_rank() == 0:
         save_hub(family, hub)
     dist.barrier()
+    routed: list[int] = []  # the rows each router call of the rank's MoE layers saw
+
+    def count_rows(module, args):
+        if type(module).__name__.endswith("TopKRouter") and type(args[0]) is torch.Tensor:
+            routed.append(int(args[0].shape[0]))  # (not the split's traces on fake tensors)
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_rows)
     with counting_reads() as log:  # what this rank's stage read from the hub's files
         trainer = _trainer(hub, root / "merak", trained, save_strategy="no" if resumed is None
-                           else "steps", save_steps=SAVE_STEP)
+                           else "steps", save_steps=SAVE_STEP, **fields or {})
         trainer.train()
+    hook.remove()
     read, sizes = bytes_per_tensor(log), hub_sizes(hub)
     curve = logged(trainer)
     experts = [p for module in experts_modules(trainer.stage).values()
@@ -188,7 +206,11 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None) 
              "twice": sorted(name for name, n in read.items() if n > sizes[name])}
     if resumed is None:
         return {"curve": curve, "held": held, "hub": str(hub), "reads": reads,
-                "zero_groups": zero_groups,
+                "zero_groups": zero_groups, "routed_rows": sorted(set(routed)),
+                "sequence_parallel_blocks": sum(type(m).__name__.startswith("SequenceParallel")
+                                                for m in trainer.stage.modules()),
+                "overlapped_layers": sum("tp_overlap" in vars(m)
+                                         for m in trainer.stage.modules()),
                 "ep": trainer.ctx.ep, "tp": trainer.ctx.tp, "pp_rank": trainer.ctx.pp_rank}
     trainer.save_model(str(root / "saved"))
     evaluated = trainer.evaluate()["eval_loss"]

@@ -18,7 +18,7 @@ from merak import lora
 from merak.stages.blocks import find_blocks, within
 from merak.tensor_parallel.layers import lora_adapters, megatron, wrappers
 from merak.tensor_parallel.layers.rng import install_tp_rng
-from merak.tensor_parallel.layers.sequence import enable_sequence_parallel
+from merak.tensor_parallel.layers.sequence import enable_sequence_parallel, whole_modules
 from merak.tensor_parallel.overlap.levels import set_tp_overlap
 from merak.tensor_parallel.plans.hf_styles import STYLE_MEANINGS
 from merak.tensor_parallel.plans.tp_plan import HEAD_ATTRS, TPPlan, matches
@@ -101,14 +101,18 @@ def convert(model: nn.Module, ctx, plan: TPPlan, *, parallel_vocab: bool = False
                 " sliced per rank"
     if parallel_vocab:
         converted += _split_vocabulary(model, plan, group, rank, tp, cache)
-    _mark_partial_grads(model, plan, sequence_parallel, in_block)
+    # sequence parallelism runs the blocks' MoE layers whole on every rank (see `sequence`)
+    whole = tuple(whole_modules(model, blocks, plan.sp_gather,
+                                {n for n in converted if _any(n, plan.partial_sum)})) \
+        if sequence_parallel else ()
+    _mark_partial_grads(model, plan, sequence_parallel, in_block, whole)
     tp_modules = {name: lora.base_layer(m) for name, m in named if name in converted}
     install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, megatron.ColumnParallel)
                            and not m.gather_output],
                    [m for m in tp_modules.values() if isinstance(m, megatron.RowParallel)],
                    [model.get_submodule(b) for b in blocks], rank, sequence_parallel)
     if sequence_parallel:
-        enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim)
+        enable_sequence_parallel(model, blocks, plan.sp_gather, group, sequence_dim, whole)
     model.merak_tp = TPInfo(tp, rank, plan, tuple(converted), parallel_vocab, sequence_parallel,
                             styles, examples)
     if overlap_level:
@@ -300,9 +304,11 @@ def _split_vocabulary(model: nn.Module, plan: TPPlan, group, rank: int, tp: int,
 
 
 def _mark_partial_grads(model: nn.Module, plan: TPPlan, sequence_parallel: bool,
-                        in_block) -> None:
+                        in_block, whole: tuple[str, ...] = ()) -> None:
     """Flag replicated parameters whose gradient is a per-rank part (``tp_partial_grad``): the
-    pipeline interpreter sums those over the TP group before the optimizer step."""
+    pipeline interpreter sums those over the TP group before the optimizer step. With
+    sequence parallelism, those in the blocks outside the modules run `whole` (an MoE layer's
+    router sees the full sequences on every rank: its gradient is already complete)."""
     parents = _sharded_parents(list(model.named_modules()), plan)
     for name, param in model.named_parameters():
         if getattr(param, "tp_shard", None) is not None:
@@ -312,5 +318,6 @@ def _mark_partial_grads(model: nn.Module, plan: TPPlan, sequence_parallel: bool,
         # whose output stays sharded; after a gathered projection it sees everything
         holder = module_name.rpartition(".")[0]
         if (_any(module_name, plan.partial_grad) and any(within(p, holder) for p in parents)) \
-                or (sequence_parallel and in_block(name)):
+                or (sequence_parallel and in_block(name)
+                    and not any(within(name, w) for w in whole)):
             param.tp_partial_grad = True

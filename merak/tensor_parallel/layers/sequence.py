@@ -6,6 +6,15 @@ and pipeline boundaries carry 1/tp of the hidden state. Each `sp_gather` module 
 MLP) all-gathers its input sequence, and its row-parallel output layer reduce-scatters back
 to sequence shards. The first block scatters its input, the last gathers its output, so the
 glue around the blocks (embedding, final norm, LM head, loss) sees full sequences.
+
+An `sp_gather` module holding a module whose output is summed over TP (`partial_sum`: the
+experts of an MoE block, `moe_tp_experts`) runs whole on every TP rank instead: its input is
+all-gathered with a backward that keeps this rank's slice, its output sliced to this rank's
+shard with a backward that all-gathers. Inside it every TP rank then holds the same full
+sequences, so the router, its load-balancing statistics and an expert-parallel all-to-all (tp
+rank t with tp rank t of the other replicas) see the same tokens as without sequence
+parallelism, and its inputs' and parameters' gradients are complete on every rank (the experts'
+own all-reduces make them so), not per-rank parts.
 """
 
 from __future__ import annotations
@@ -57,8 +66,39 @@ def _scatter_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x if tracing() else scatter_to_tp(x, dim, group)
 
 
+def _keep_whole(module: nn.Module, name: str, group, dim: int) -> None:
+    """`module` runs on the full sequences on every TP rank (see the module docstring)."""
+    stray = [f"{name}.{n}" for n, m in module.named_modules()
+             if getattr(m, "sequence_parallel", False)]
+    if stray:
+        raise ValueError(f"sequence parallelism runs {name} whole on every TP rank (it holds "
+                         f"experts summed over TP), but {stray} reduce-scatter the sequence "
+                         f"inside it; set sequence_parallel=False")
+    module.register_forward_pre_hook(
+        lambda mod, args, kwargs: _with_first_tensor(
+            args, kwargs, lambda x: x if tracing() else gather_from_tp(x, dim, group)),
+        with_kwargs=True)
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return x if tracing() else scatter_to_tp(x, dim, group)
+
+    module.register_forward_hook(
+        lambda mod, args, out: shard(out) if isinstance(out, torch.Tensor)
+        else (shard(out[0]), *out[1:]))
+
+
+def whole_modules(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...],
+                  partial_sum: set[str]) -> list[str]:
+    """The `sp_gather` modules in `blocks` that hold one of the modules `partial_sum` (summed
+    over TP): sequence parallelism runs them whole on every TP rank."""
+    return [name for name, _ in model.named_modules()
+            if any(name.startswith(b + ".") for b in blocks)
+            and any(matches(name, p) for p in sp_gather)
+            and any(s == name or s.startswith(name + ".") for s in partial_sum)]
+
+
 def enable_sequence_parallel(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...],
-                             group, sequence_dim: int) -> None:
+                             group, sequence_dim: int, whole: tuple[str, ...] = ()) -> None:
     lists: dict[str, list[str]] = {}
     for name in blocks:
         lists.setdefault(name.rsplit(".", 1)[0], []).append(name)
@@ -77,12 +117,15 @@ def enable_sequence_parallel(model: nn.Module, blocks: list[str], sp_gather: tup
     for name, module in model.named_modules():
         if any(name.startswith(b + ".") for b in blocks) and any(matches(name, p)
                                                                  for p in sp_gather):
+            gathered += 1
+            if name in whole:
+                _keep_whole(module, name, group, sequence_dim)
+                continue
             module.register_forward_pre_hook(
                 lambda mod, args, kwargs: _with_first_tensor(
                     args, kwargs, lambda x: x if tracing() else
                     gather_sequence(x, sequence_dim, group)),
                 with_kwargs=True)
-            gathered += 1
     if not gathered:
         raise ValueError(f"sequence parallelism found none of the modules {list(sp_gather)} in "
                          f"the blocks")

@@ -101,6 +101,11 @@ PLAN_FIXES: dict[str, dict[str, str]] = {
        for family in ("inkling", "inkling_text", "inkling2", "inkling2_text")},
 }
 
+# families whose transformers plan runs with sequence parallelism (`sp_gather`: the modules
+# whose input is gathered along the sequence), each proven at single-process parity; an MoE
+# block among them runs whole on every TP rank (`merak.tensor_parallel.layers.sequence`)
+SEQUENCE_PARALLEL: dict[str, tuple[str, ...]] = {"qwen3_moe": ("self_attn", "mlp")}
+
 
 def _pattern(key: str) -> str:
     """A plan key (``layers.*.self_attn.q_proj``, relative to the base model) as a Merak pattern
@@ -162,7 +167,7 @@ def plan_fields_from_hf(table: Mapping[str, str], family: str) -> dict | None:
         partial_sum=tuple(partial_sum), scaled_identity=tuple(identity), rope_grad=tuple(rope),
         vocab_parallel=tuple(vocab), embedding_dim=tuple(emb_dim), partial_grad=tuple(partial_grad),
         embeddings=tuple(embeddings) or (() if "embed_tokens" in replicated else ("embed_tokens",)),
-        lm_head=("lm_head",),
+        lm_head=("lm_head",), sp_gather=SEQUENCE_PARALLEL.get(family),
         divide_heads=True, divisible=MOE_DIVISIBLE if partial_sum else (),
         unsupported=(lambda config: reason) if reason else None,
         hf_styles=tuple((_pattern(k), v) for k, v in table.items()),
