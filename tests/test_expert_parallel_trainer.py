@@ -1,14 +1,15 @@
 """MerakTrainer with expert parallelism (pooled worker ep_trainer.py): a Qwen3-MoE and a Mixtral
 written by `save_pretrained` and loaded under `init_empty_weights`, trained (both at dp2 ep2 on 2
 ranks; the Qwen3-MoE also at dp2 ep2 pp2, dp2 ep2 tp2 and, trained only, dp2 ep2 tp2 with
-sequence parallelism (and TP overlap level 1 with MERAK_TEST_MATRIX=full) on 4, dp4 ep4 pp2 on
-8) on padded rows of
-varying length, against single-process HF Trainer on the same directory and rows: every step's loss
+sequence parallelism (and TP overlap level 1 with MERAK_TEST_MATRIX=full) and dp4 ep4 (one
+expert a rank) on 4; dp4 ep4 pp2 on 8 with MERAK_TEST_MATRIX=full) on padded rows of varying
+length, against single-process HF Trainer on the same directory and rows: every step's loss
 and gradient norm (load-balancing loss included), the `save_model` directory (the Hub's layout,
 every expert) against HF's trained model, `merak export` of the last checkpoint against
 `save_model`, each rank holding 1/ep of every experts tensor (1/(ep x tp) at tp2: each expert split
 over tp too), and the checkpoint of step 2 resumed in another layout (dp2 ep1; dp4 ep2 pp1 under
-ZeRO-1; dp4 ep2 tp1 from tp2; dp4 ep2 pp2 under ZeRO-1 from dp4 ep4 pp2) continuing the same curve
+ZeRO-1; dp4 ep2 tp1 from tp2; dp2 ep2 pp2 under ZeRO-1 from dp4 ep4; dp4 ep2 pp2 under ZeRO-1 from
+dp4 ep4 pp2) continuing the same curve
 (and at the same dp evaluating to the same loss). DeepSeek-V3 (sigmoid routing limited to one of
 two groups, a shared expert, its first layer dense), OLMoE and GPT-OSS (expert biases, its own
 router), loaded the same way, at dp2 ep2, and with MERAK_TEST_MATRIX=full these three and Mixtral

@@ -67,10 +67,12 @@ RUNS = {2: {"trainer-qwen3_moe-dp2-ep2-zero3": ("qwen3_moe", (2, 1, 2, 3, 1), (2
             # each expert split over tp too (Qwen3-MoE's plan: moe_tp_experts)
             "trainer-qwen3_moe-dp2-ep2-tp2": ("qwen3_moe", (2, 1, 2, 0, 2), (4, 1, 2, 2, 1)),
             # with sequence parallelism: the MoE blocks run whole on the tp ranks' sequences
-            SP_RUN: ("qwen3_moe", (2, 1, 2, 0, 2), None, {"sequence_parallel": True})},
-        # one expert per rank over ep groups of 4 at pp=2, resumed at ep=2 under ZeRO-1
-        8: {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}}
+            SP_RUN: ("qwen3_moe", (2, 1, 2, 0, 2), None, {"sequence_parallel": True}),
+            # one expert per rank over an ep group of 4, resumed at dp2 ep2 pp2 under ZeRO-1
+            "trainer-qwen3_moe-dp4-ep4": ("qwen3_moe", (4, 1, 4, 0, 1), (2, 2, 2, 1, 1))}}
 if os.environ.get("MERAK_TEST_MATRIX") == "full":
+    # the same at pp=2 over 8 ranks, resumed at ep=2 under ZeRO-1
+    RUNS[8] = {"trainer-qwen3_moe-dp4-ep4-pp2": ("qwen3_moe", (4, 2, 4, 0, 1), (4, 2, 2, 1, 1))}
     # Mixtral and the three more, trained only: at pp2 and at tp2 (4 ranks), and at dp4 ep4
     # pp2 (8 ranks: one of the 4 experts a rank; DeepSeek-V3's 2 groups of 2 experts then
     # span 2 ranks each, its dense first layer the first stage's)
