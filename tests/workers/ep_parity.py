@@ -347,12 +347,19 @@ def scenarios(world_size: int) -> dict:
             for opt in OPTIMIZERS:
                 out[f"engine-{family}-dp2-ep2-{opt}"] = lambda f=family, o=opt: engine(f, 2, 1, o)
         out["engine-qwen3_moe-dp2-ep2-sgd-clip"] = lambda: engine("qwen3_moe", 2, 1, "sgd", 0.5)
-        for family in CONFIGS:
-            out[f"engine-{family}-dp2-ep2-sgd-loaded"] = lambda f=family: engine(
-                f, 2, 1, "sgd", load=True)
-        for family in MORE_FAMILIES:
-            out[f"engine-{family}-dp2-ep2-sgd"] = lambda f=family: engine(f, 2, 1, "sgd")
-        if FULL:  # ZeRO-3 for Mixtral, and for Llama-4's block (its experts called as a module)
+        # loaded from save_pretrained: Qwen3-MoE; Llama-4's block (its experts called as a
+        # module), which no trainer run covers; the families the ep trainer runs load and
+        # train at dp2 ep2 there (tests/workers/ep_trainer.py), their engine runs here
+        # with the full matrix
+        out["engine-qwen3_moe-dp2-ep2-sgd-loaded"] = lambda: engine(
+            "qwen3_moe", 2, 1, "sgd", load=True)
+        out["engine-llama4_text-dp2-ep2-sgd"] = lambda: engine("llama4_text", 2, 1, "sgd")
+        if FULL:
+            out["engine-mixtral-dp2-ep2-sgd-loaded"] = lambda: engine(
+                "mixtral", 2, 1, "sgd", load=True)
+            for family in MORE_FAMILIES[:-1]:
+                out[f"engine-{family}-dp2-ep2-sgd"] = lambda f=family: engine(f, 2, 1, "sgd")
+            # ZeRO-3 for Mixtral, and for Llama-4's block (its experts called as a module)
             out["engine-mixtral-dp2-ep2-adamw-zero3"] = lambda: engine("mixtral", 2, 1, "adamw",
                                                                        zero=3)
             out["engine-llama4_text-dp2-ep2-sgd-zero3"] = lambda: engine("llama4_text", 2, 1,
