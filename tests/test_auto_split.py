@@ -7,12 +7,15 @@ import contextlib
 
 import pytest
 import torch
+import transformers as tf
 from auto_split_parity import scenario_names
 from dist_harness import assert_like_reference, scenario_result
 from hf_models import FAMILIES, CustomMLP, batch
 
 import merak
+from merak.partition import capture
 from merak.partition.auto import auto_split
+from merak.partition.taps import recorded_submodules
 from merak.stages import assign
 
 WORKER = "auto_split_parity.py"  # pooled: launches(world_size), see conftest.py
@@ -210,6 +213,39 @@ def test_recorded_router_outputs_and_mixed_layer_types_split_at_parity():
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     actual = split(**inputs)
+    actual.backward()
+    torch.testing.assert_close(actual, expected)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], msg=name)
+
+
+@pytest.mark.parametrize("router_logits", [True, False])
+def test_an_moe_recording_its_router_logits_is_exported_once(monkeypatch, router_logits):
+    """transformers' recorder hooks collect the routers' logits for the load-balancing loss:
+    the first export already marks the routers (`taps.recorded_submodules`), so an MoE is
+    exported once, as a dense model is, and its split computes the model's loss (auxiliary
+    loss included) and gradients; the hand-written model above, which declares nothing,
+    still takes the second export."""
+    exports = []
+    real = capture._export
+    monkeypatch.setattr(capture, "_export", lambda *a: exports.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=router_logits, router_aux_loss_coef=0.5))
+    blocks = ["model.layers.0", "model.layers.1"]
+    assert recorded_submodules(model, blocks) == (
+        ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"] if router_logits else [])
+    ids = torch.randint(0, 64, (2, 8))
+    split = auto_split(model, {"input_ids": ids, "labels": ids}, 2, trace_cache=False)
+    assert len(exports) == 1
+    expected = model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    actual = split(input_ids=ids, labels=ids)
+    actual = actual["loss"] if isinstance(actual, dict) else actual.loss
     actual.backward()
     torch.testing.assert_close(actual, expected)
     for name, param in model.named_parameters():

@@ -36,7 +36,7 @@ from merak.partition.graph_rewrite import (
     spec_paths,
     stack_paths,
 )
-from merak.partition.taps import drop_marks, escaping_modules, marking
+from merak.partition.taps import drop_marks, escaping_modules, marking, recorded_submodules
 
 
 class CaptureError(RuntimeError):
@@ -68,11 +68,16 @@ def capture_export(model: nn.Module, example_inputs: dict, blocks: list[str],
                    restore: Callable[[], None] | None = None) -> Capture:
     """torch.export (non-strict, or strict = TorchDynamo) with block signatures preserved."""
     kwargs = prepare_inputs(model, example_inputs)
-    ep = _export(model, kwargs, [*blocks, *leaf_modules], dynamic_batch, strict)
+    # the submodules whose values leave the blocks get their outputs marked (`taps`); those
+    # transformers' recorder hooks will collect are marked in the first export already, and
+    # the export is made again only when the graph shows another set
+    marked = recorded_submodules(model, blocks)
+    with marking(model, marked):
+        ep = _export(model, kwargs, [*blocks, *leaf_modules], dynamic_batch, strict)
     gm = ep.module()
     cleanup(gm.graph)
     tapped = _tapped_submodules(model, gm.graph, blocks, ep.module_call_graph)
-    if tapped:  # again, marking the outputs of the submodules whose values leave the blocks
+    if sorted(tapped) != sorted(marked):
         with marking(model, tapped):
             ep = _export(model, kwargs, [*blocks, *leaf_modules], dynamic_batch, strict)
         gm = ep.module()

@@ -142,3 +142,36 @@ def drop_marks(g: fx.Graph) -> None:
         if is_mark(n):
             n.replace_all_uses_with(n.args[0])
             g.erase_node(n)
+
+
+# outputs every layer can record (`output_hidden_states`, `output_attentions`): the model
+# returns them, so they never escape a block through a hook
+_RETURNED = ("hidden_states", "attentions")
+
+
+def recorded_submodules(model: nn.Module, blocks: list[str]) -> list[str]:
+    """The submodules of `blocks` whose outputs transformers' `OutputRecorder` hooks will
+    collect for the model to read after the blocks (the router logits of an MoE block with
+    ``output_router_logits``): the `_can_record_outputs` entries the config asks for, other
+    than the returned hidden states and attentions, matched by class as transformers matches
+    them. A prediction of what `escaping_modules` finds in an export, so that the first
+    export can already carry the marks; the caller checks it against the exported graph."""
+    found = []
+    for prefix, owner in model.named_modules():
+        recorders = getattr(type(owner), "_can_record_outputs", None)
+        config = getattr(owner, "config", None)
+        if not isinstance(recorders, dict) or config is None:
+            continue
+        for key, spec in recorders.items():
+            if key in _RETURNED or not getattr(config, f"output_{key}", False):
+                continue
+            target = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+            layer = getattr(spec, "layer_name", None)
+            if target is None:
+                return []  # matched by name only: leave it to the export
+            for name, module in owner.named_modules(prefix=prefix):
+                if isinstance(module, target) and name not in found \
+                        and (layer is None or f".{layer.strip('.')}." in name + ".") \
+                        and any(name.startswith(b + ".") for b in blocks):
+                    found.append(name)
+    return found
