@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers as tf
 from hf_models import FAMILIES, CustomMLP, batch
 
 import merak
@@ -81,6 +82,25 @@ def test_meta_built_models_reuse_the_trace_with_their_own_meta_parameters():
     assert held <= _tensor_ids(second) and not held & _tensor_ids(first)
     assert all(p.is_meta for p in split.container.parameters())
     assert [len(keys) for keys in split.transfers.values()] == [1]
+
+
+def test_models_loaded_from_pretrained_files_reuse_the_trace(tmp_path):
+    """`from_pretrained` leaves its conversion mapping on the model (`_weight_conversions`,
+    which no forward reads): two loads of the same files, under `init_empty_weights` as the
+    trainer loads them, share one capture."""
+    tf.MixtralForCausalLM(tf.MixtralConfig(  # per-expert tensors merged on load
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True)).save_pretrained(tmp_path)
+    cache, ids = TraceCache(), torch.randint(0, 64, (2, 8))
+    inputs = {"input_ids": ids, "labels": ids}
+    with merak.init_empty_weights():
+        first, second = (tf.AutoModelForCausalLM.from_pretrained(tmp_path) for _ in range(2))
+    assert first._weight_conversions
+    auto_split(first, inputs, 2, trace_cache=cache)
+    split = auto_split(second, inputs, 2, trace_cache=cache)
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert _tensor_ids(split.container) <= _tensor_ids(second)
 
 
 class ConstantGlue(CustomMLP):

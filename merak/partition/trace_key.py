@@ -26,10 +26,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 _MAX_DEPTH = 8
-# nn.Module bookkeeping read separately (tensors, children) or irrelevant to a trace
+# nn.Module bookkeeping read separately (tensors, children) or irrelevant to a trace; and
+# `_weight_conversions`, how transformers' `from_pretrained` renamed and merged the file's
+# tensors (read again by `save_pretrained`, never by a forward)
 _MODULE_SKIP = {"_parameters", "_buffers", "_modules", "_state_dict_hooks",
                 "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                "_load_state_dict_post_hooks"}
+                "_load_state_dict_post_hooks", "_weight_conversions"}
 # fields of `merak.tensor_parallel.apply.convert.TPInfo` that the capture never reads (the unsharded
 # examples a plan is proven on after the split): left out, since they hold modules and tensors
 _SKIP_FIELDS = {"TPInfo": {"examples"}}
