@@ -81,6 +81,11 @@ if os.environ.get("MERAK_TEST_MATRIX") == "full":
                     for family in ("mixtral", *MORE)})
     # TP overlap level 1: the attention's TP layers all-reduce per sub-batch of rows
     RUNS[4][OVERLAP_RUN] = ("qwen3_moe", (2, 1, 2, 0, 2), None, {"tp_overlapping_level": 1})
+    # sequence parallelism: each family's MoE blocks (and DeepSeek-V3's unsplit attention) run
+    # whole on the tp ranks' sequences, the rest on sequence shards (OLMoE and GPT-OSS refused)
+    RUNS[4].update({f"trainer-{family}-dp2-ep2-tp2-sp": (family, (2, 1, 2, 0, 2), None,
+                                                          {"sequence_parallel": True})
+                    for family in ("mixtral", "deepseek_v3")})
 
 
 def config(family: str):
@@ -177,8 +182,9 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None,
     routed: list[int] = []  # the rows each router call of the rank's MoE layers saw
 
     def count_rows(module, args):
-        if type(module).__name__.endswith("TopKRouter") and type(args[0]) is torch.Tensor:
-            routed.append(int(args[0].shape[0]))  # (not the split's traces on fake tensors)
+        if type(module).__name__.lower().endswith("topkrouter") and type(args[0]) is torch.Tensor:
+            # (tokens: DeepSeek-V3's router takes [batch, seq, hidden]; not the split's traces)
+            routed.append(args[0].numel() // args[0].shape[-1])
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(count_rows)
     with counting_reads() as log:  # what this rank's stage read from the hub's files

@@ -88,13 +88,16 @@ def _keep_whole(module: nn.Module, name: str, group, dim: int) -> None:
 
 
 def whole_modules(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...],
-                  partial_sum: set[str]) -> list[str]:
+                  partial_sum: set[str], split: set[str] | None = None) -> list[str]:
     """The `sp_gather` modules in `blocks` that hold one of the modules `partial_sum` (summed
-    over TP): sequence parallelism runs them whole on every TP rank."""
+    over TP), or none of the modules `split` (TP left them replicated: nothing in them would
+    reduce-scatter their output): sequence parallelism runs them whole on every TP rank."""
+    def holds(name: str, names: set[str]) -> bool:
+        return any(s == name or s.startswith(name + ".") for s in names)
     return [name for name, _ in model.named_modules()
             if any(name.startswith(b + ".") for b in blocks)
             and any(matches(name, p) for p in sp_gather)
-            and any(s == name or s.startswith(name + ".") for s in partial_sum)]
+            and (holds(name, partial_sum) or (split is not None and not holds(name, split)))]
 
 
 def enable_sequence_parallel(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...],
