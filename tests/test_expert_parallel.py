@@ -212,20 +212,19 @@ def test_zero_refuses_a_module_holding_experts_and_other_parameters():
 
 
 def test_sequence_parallelism_runs_the_moe_blocks_whole_and_refuses_a_split_inside_one():
-    """Qwen3-MoE's, Mixtral's and DeepSeek-V3's transformers plans gather their attention's and
-    MLP's input (OLMoE's none, GPT-OSS's plan is inferred: refused at build); an MLP holding the
-    experts summed over TP runs whole, as does one TP leaves unsplit, and a layer inside one
+    """Qwen3-MoE's, Mixtral's, OLMoE's and DeepSeek-V3's transformers plans gather their
+    attention's and MLP's input (GPT-OSS's plan is inferred: refused at build); an MLP holding
+    the experts summed over TP runs whole, as does one TP leaves unsplit, and a layer inside one
     that would reduce-scatter the sequence is refused by name."""
     from merak.tensor_parallel.layers.sequence import enable_sequence_parallel, whole_modules
     from merak.tensor_parallel.plans.hf_styles import plan_fields_from_hf
 
     for config, family in ((tf.Qwen3MoeConfig, "qwen3_moe"), (tf.MixtralConfig, "mixtral"),
-                           (tf.DeepseekV3Config, "deepseek_v3")):
+                           (tf.OlmoeConfig, "olmoe"), (tf.DeepseekV3Config, "deepseek_v3")):
         assert plan_fields_from_hf(config.base_model_tp_plan, family)["sp_gather"] == (
             "self_attn", "mlp"), family
     # (GPT-OSS's transformers plan splits nothing: its TP plan is inferred, with no sp_gather)
     assert plan_fields_from_hf(tf.GptOssConfig.base_model_tp_plan, "gpt_oss") is None
-    assert plan_fields_from_hf(tf.OlmoeConfig.base_model_tp_plan, "olmoe")["sp_gather"] is None
 
     def block() -> nn.Module:
         made = nn.Module()

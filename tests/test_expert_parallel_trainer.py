@@ -12,8 +12,9 @@ ZeRO-1; dp4 ep2 tp1 from tp2; dp4 ep2 pp2 under ZeRO-1 from dp4 ep4 pp2) continu
 (and at the same dp evaluating to the same loss). DeepSeek-V3 (sigmoid routing limited to one of
 two groups, a shared expert, its first layer dense), OLMoE and GPT-OSS (expert biases, its own
 router), loaded the same way, at dp2 ep2, and with MERAK_TEST_MATRIX=full these three and Mixtral
-at dp2 ep2 pp2, dp2 ep2 tp2 and dp4 ep4 pp2 (8 ranks, one expert a rank): every step's loss and
-gradient norm. In every run each rank holds 1/ep of each experts tensor of its stage and read
+at dp2 ep2 pp2, dp2 ep2 tp2 (and, but GPT-OSS, with sequence parallelism) and dp4 ep4 pp2 (8
+ranks, one expert a rank): every step's loss and gradient norm. In every run each rank holds
+1/ep of each experts tensor of its stage and read
 exactly 1/ep of their bytes from the files. On 4 ranks, ``auto_parallel`` from
 ``merak.init(ep=2)``: the plan it writes chooses an ep2 layout, which trains at HF Trainer's loss
 and gradient norm with 1/ep of each experts tensor per rank. In one process: the rules refusing

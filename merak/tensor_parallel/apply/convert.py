@@ -104,9 +104,11 @@ def convert(model: nn.Module, ctx, plan: TPPlan, *, parallel_vocab: bool = False
                 " sliced per rank"
     if parallel_vocab:
         converted += _split_vocabulary(model, plan, group, rank, tp, cache)
-    # sequence parallelism runs the blocks' MoE layers whole on every rank (see `sequence`)
+    # sequence parallelism runs the blocks' MoE layers whole on every rank (see `sequence`), and
+    # modules whose split is gathered back inside them (OLMoE's attention) or that are not split
     whole = tuple(whole_modules(model, blocks, plan.sp_gather,
-                                {n for n in converted if _any(n, plan.partial_sum)},
+                                {n for n in converted if _any(n, plan.partial_sum)
+                                 or _any(n, plan.gather_output)},
                                 set(converted))) if sequence_parallel else ()
     for name in whole:  # (e.g. DeepSeek-V3's shared experts) all-reduce on the full sequences
         for module in model.get_submodule(name).modules():
