@@ -12,11 +12,11 @@ same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
 directory and rows and compares. DeepSeek-V3, OLMoE and GPT-OSS (`MORE`) train only, at dp2 ep2
 (2 ranks); with MERAK_TEST_MATRIX=full they and Mixtral also train only at dp2 ep2 pp2 and dp2
-ep2 tp2 (4 ranks; Mixtral, DeepSeek-V3 and OLMoE with sequence parallelism too) and dp4 ep4
-pp2 (8; every config has 4 experts). Every run counts
-the bytes its rank's loader reads from the hub's files (`ep_reads`): 1/ep of its stage's
-experts. On 4 ranks, `auto_run`: MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans
-the same Qwen3-MoE, writes plan.json and trains the ep2 layout it chose."""
+ep2 tp2 (4 ranks; but GPT-OSS, with sequence parallelism too) and dp4 ep4 pp2 (8; every
+config has 4 experts). Every run counts the bytes its rank's loader reads from the hub's files
+(`ep_reads`): 1/ep of its stage's experts. On 4 ranks, `auto_run`:
+MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans the same Qwen3-MoE, writes
+plan.json and trains the ep2 layout it chose."""
 
 from __future__ import annotations
 
@@ -82,12 +82,9 @@ if os.environ.get("MERAK_TEST_MATRIX") == "full":
                     for family in ("mixtral", *MORE)})
     # TP overlap level 1: the attention's TP layers all-reduce per sub-batch of rows
     RUNS[4][OVERLAP_RUN] = ("qwen3_moe", (2, 1, 2, 0, 2), None, {"tp_overlapping_level": 1})
-    # sequence parallelism: each family's MoE blocks (and DeepSeek-V3's unsplit attention) run
-    # whole on the tp ranks' sequences, as does OLMoE's attention (its q, k, v gathered), the
-    # rest on sequence shards (GPT-OSS: refused, its inferred TP plan names no sp_gather)
-    RUNS[4].update({f"trainer-{family}-dp2-ep2-tp2-sp": (family, (2, 1, 2, 0, 2), None,
-                                                          {"sequence_parallel": True})
-                    for family in ("mixtral", "deepseek_v3", "olmoe")})
+    # sequence parallelism (GPT-OSS's inferred TP plan has none: refused)
+    RUNS[4].update({f"trainer-{f}-dp2-ep2-tp2-sp": (f, (2, 1, 2, 0, 2), None, {
+        "sequence_parallel": True}) for f in ("mixtral", "deepseek_v3", "olmoe")})
 
 
 def config(family: str):
