@@ -212,15 +212,19 @@ def test_zero_refuses_a_module_holding_experts_and_other_parameters():
 
 
 def test_sequence_parallelism_runs_the_moe_blocks_whole_and_refuses_a_split_inside_one():
-    """Qwen3-MoE's transformers plan gathers its attention's and MLP's input (Mixtral's none:
-    refused at build); an MLP holding the experts summed over TP runs whole, and a layer inside
-    it that would reduce-scatter the sequence is refused by name."""
+    """Qwen3-MoE's, Mixtral's, OLMoE's and DeepSeek-V3's transformers plans gather their
+    attention's and MLP's input (GPT-OSS's plan is inferred: refused at build); an MLP holding
+    the experts summed over TP runs whole, as does one TP leaves unsplit, and a layer inside one
+    that would reduce-scatter the sequence is refused by name."""
     from merak.tensor_parallel.layers.sequence import enable_sequence_parallel, whole_modules
     from merak.tensor_parallel.plans.hf_styles import plan_fields_from_hf
 
-    assert plan_fields_from_hf(tf.Qwen3MoeConfig.base_model_tp_plan, "qwen3_moe")[
-        "sp_gather"] == ("self_attn", "mlp")
-    assert plan_fields_from_hf(tf.MixtralConfig.base_model_tp_plan, "mixtral")["sp_gather"] is None
+    for config, family in ((tf.Qwen3MoeConfig, "qwen3_moe"), (tf.MixtralConfig, "mixtral"),
+                           (tf.OlmoeConfig, "olmoe"), (tf.DeepseekV3Config, "deepseek_v3")):
+        assert plan_fields_from_hf(config.base_model_tp_plan, family)["sp_gather"] == (
+            "self_attn", "mlp"), family
+    # (GPT-OSS's transformers plan splits nothing: its TP plan is inferred, with no sp_gather)
+    assert plan_fields_from_hf(tf.GptOssConfig.base_model_tp_plan, "gpt_oss") is None
 
     def block() -> nn.Module:
         made = nn.Module()
@@ -232,6 +236,26 @@ def test_sequence_parallelism_runs_the_moe_blocks_whole_and_refuses_a_split_insi
     model.layers = nn.ModuleList([block(), block()])
     whole = whole_modules(model, blocks, ("self_attn", "mlp"), {"layers.1.mlp.experts"})
     assert whole == ["layers.1.mlp"]
+    # (DeepSeek-V3's attention: its plan splits nothing in it, so nothing would reduce-scatter)
+    assert whole_modules(model, blocks, ("self_attn", "mlp"), {"layers.1.mlp.experts"},
+                         {"layers.0.mlp.down", "layers.1.mlp.experts", "layers.1.self_attn"}
+                         ) == ["layers.0.self_attn", "layers.1.mlp"]
     model.layers[1].mlp.down.sequence_parallel = True
     with pytest.raises(ValueError, match=r"runs layers.1.mlp whole .*\['layers.1.mlp.down'\]"):
         enable_sequence_parallel(model, blocks, ("self_attn", "mlp"), None, 1, tuple(whole))
+
+
+def test_sequence_parallelism_without_an_entry_is_refused_naming_the_fix():
+    """A transformers plan whose family has no SEQUENCE_PARALLEL entry (PhiMoE's) is refused
+    before anything is split or any TP group used, naming the fix."""
+    from merak.tensor_parallel.apply.convert import convert
+    from merak.tensor_parallel.plans.hf_styles import plan_fields_from_hf
+    from merak.tensor_parallel.plans.tp_plan import TPPlan
+
+    plan = TPPlan(**plan_fields_from_hf(tf.PhimoeConfig.base_model_tp_plan, "phimoe"))
+    model = nn.Sequential(nn.Linear(2, 2))
+    ctx = SimpleNamespace(tp=2, tp_rank=0, tp_group=None)  # no group: none may be used
+    with pytest.raises(ValueError, match=r"Sequential .*base_model_tp_plan.*SEQUENCE_PARALLEL "
+                       r"of merak/tensor_parallel/plans/hf_styles.py.*sequence_parallel=False"):
+        convert(model, ctx, plan, sequence_parallel=True)
+    assert [type(m) for m in model.modules()] == [nn.Sequential, nn.Linear]  # untouched

@@ -12,10 +12,11 @@ same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
 directory and rows and compares. DeepSeek-V3, OLMoE and GPT-OSS (`MORE`) train only, at dp2 ep2
 (2 ranks); with MERAK_TEST_MATRIX=full they and Mixtral also train only at dp2 ep2 pp2 and dp2
-ep2 tp2 (4 ranks) and dp4 ep4 pp2 (8; every config has 4 experts). Every run counts
-the bytes its rank's loader reads from the hub's files (`ep_reads`): 1/ep of its stage's
-experts. On 4 ranks, `auto_run`: MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans
-the same Qwen3-MoE, writes plan.json and trains the ep2 layout it chose."""
+ep2 tp2 (4 ranks; but GPT-OSS, with sequence parallelism too) and dp4 ep4 pp2 (8; every
+config has 4 experts). Every run counts the bytes its rank's loader reads from the hub's files
+(`ep_reads`): 1/ep of its stage's experts. On 4 ranks, `auto_run`:
+MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans the same Qwen3-MoE, writes
+plan.json and trains the ep2 layout it chose."""
 
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ if os.environ.get("MERAK_TEST_MATRIX") == "full":
                     for family in ("mixtral", *MORE)})
     # TP overlap level 1: the attention's TP layers all-reduce per sub-batch of rows
     RUNS[4][OVERLAP_RUN] = ("qwen3_moe", (2, 1, 2, 0, 2), None, {"tp_overlapping_level": 1})
+    # sequence parallelism (GPT-OSS's inferred TP plan has none: refused)
+    RUNS[4].update({f"trainer-{f}-dp2-ep2-tp2-sp": (f, (2, 1, 2, 0, 2), None, {
+        "sequence_parallel": True}) for f in ("mixtral", "deepseek_v3", "olmoe")})
 
 
 def config(family: str):
@@ -179,8 +183,9 @@ def run(family: str, trained: tuple[int, ...], resumed: tuple[int, ...] | None,
     routed: list[int] = []  # the rows each router call of the rank's MoE layers saw
 
     def count_rows(module, args):
-        if type(module).__name__.endswith("TopKRouter") and type(args[0]) is torch.Tensor:
-            routed.append(int(args[0].shape[0]))  # (not the split's traces on fake tensors)
+        if type(module).__name__.lower().endswith("topkrouter") and type(args[0]) is torch.Tensor:
+            # (tokens: DeepSeek-V3's router takes [batch, seq, hidden]; not the split's traces)
+            routed.append(args[0].numel() // args[0].shape[-1])
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(count_rows)
     with counting_reads() as log:  # what this rank's stage read from the hub's files

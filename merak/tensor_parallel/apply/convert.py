@@ -69,7 +69,10 @@ def convert(model: nn.Module, ctx, plan: TPPlan, *, parallel_vocab: bool = False
     config = getattr(model, "config", None)
     if sequence_parallel and plan.sp_gather is None:
         raise ValueError(f"sequence_parallel is not supported yet for {type(model).__name__} "
-                         f"(its TP plan has no sp_gather modules); set sequence_parallel=False")
+                         f"(its TP plan, {plan.source}, has no sp_gather modules: a transformers "
+                         f"plan needs its family's attention and MLP names in SEQUENCE_PARALLEL "
+                         f"of merak/tensor_parallel/plans/hf_styles.py and a parity run; an "
+                         f"inferred plan has none); set sequence_parallel=False")
     blocks = find_blocks(model)
     examples = tuple(proof.collect(model, blocks, getattr(ctx, "device", "cpu"))) \
         if plan.check and blocks else ()
@@ -101,10 +104,16 @@ def convert(model: nn.Module, ctx, plan: TPPlan, *, parallel_vocab: bool = False
                 " sliced per rank"
     if parallel_vocab:
         converted += _split_vocabulary(model, plan, group, rank, tp, cache)
-    # sequence parallelism runs the blocks' MoE layers whole on every rank (see `sequence`)
+    # sequence parallelism runs the blocks' MoE layers whole on every rank (see `sequence`), and
+    # modules whose split is gathered back inside them (OLMoE's attention) or that are not split
     whole = tuple(whole_modules(model, blocks, plan.sp_gather,
-                                {n for n in converted if _any(n, plan.partial_sum)})) \
-        if sequence_parallel else ()
+                                {n for n in converted if _any(n, plan.partial_sum)
+                                 or _any(n, plan.gather_output)},
+                                set(converted))) if sequence_parallel else ()
+    for name in whole:  # (e.g. DeepSeek-V3's shared experts) all-reduce on the full sequences
+        for module in model.get_submodule(name).modules():
+            if megatron.is_tensor_parallel(module):
+                module.sequence_parallel = False
     _mark_partial_grads(model, plan, sequence_parallel, in_block, whole)
     tp_modules = {name: lora.base_layer(m) for name, m in named if name in converted}
     install_tp_rng(model, [m for m in tp_modules.values() if isinstance(m, megatron.ColumnParallel)

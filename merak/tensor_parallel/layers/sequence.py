@@ -8,7 +8,9 @@ to sequence shards. The first block scatters its input, the last gathers its out
 glue around the blocks (embedding, final norm, LM head, loss) sees full sequences.
 
 An `sp_gather` module holding a module whose output is summed over TP (`partial_sum`: the
-experts of an MoE block, `moe_tp_experts`) runs whole on every TP rank instead: its input is
+experts of an MoE block, `moe_tp_experts`), or all-gathered (OLMoE's attention, whose q, k, v
+are gathered for its norms), or no split module (DeepSeek-V3's attention), runs whole on every
+TP rank instead (the TP layers inside it all-reduce, as without sequence parallelism): its input is
 all-gathered with a backward that keeps this rank's slice, its output sliced to this rank's
 shard with a backward that all-gathers. Inside it every TP rank then holds the same full
 sequences, so the router, its load-balancing statistics and an expert-parallel all-to-all (tp
@@ -88,13 +90,17 @@ def _keep_whole(module: nn.Module, name: str, group, dim: int) -> None:
 
 
 def whole_modules(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...],
-                  partial_sum: set[str]) -> list[str]:
+                  partial_sum: set[str], split: set[str] | None = None) -> list[str]:
     """The `sp_gather` modules in `blocks` that hold one of the modules `partial_sum` (summed
-    over TP): sequence parallelism runs them whole on every TP rank."""
+    over TP, or all-gathering their output: a split undone inside the module), or none of the
+    modules `split` (TP left them replicated: nothing in them would reduce-scatter their
+    output): sequence parallelism runs them whole on every TP rank."""
+    def holds(name: str, names: set[str]) -> bool:
+        return any(s == name or s.startswith(name + ".") for s in names)
     return [name for name, _ in model.named_modules()
             if any(name.startswith(b + ".") for b in blocks)
             and any(matches(name, p) for p in sp_gather)
-            and any(s == name or s.startswith(name + ".") for s in partial_sum)]
+            and (holds(name, partial_sum) or (split is not None and not holds(name, split)))]
 
 
 def enable_sequence_parallel(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...],

@@ -103,8 +103,11 @@ PLAN_FIXES: dict[str, dict[str, str]] = {
 
 # families whose transformers plan runs with sequence parallelism (`sp_gather`: the modules
 # whose input is gathered along the sequence), each proven at single-process parity; an MoE
-# block among them runs whole on every TP rank (`merak.tensor_parallel.layers.sequence`)
-SEQUENCE_PARALLEL: dict[str, tuple[str, ...]] = {"qwen3_moe": ("self_attn", "mlp")}
+# block among them runs whole on every TP rank (`merak.tensor_parallel.layers.sequence`), as
+# does one whose split is gathered back inside it (OLMoE's attention) or not split at all
+# (DeepSeek-V3's attention)
+SEQUENCE_PARALLEL: dict[str, tuple[str, ...]] = {
+    family: ("self_attn", "mlp") for family in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")}
 
 
 def _pattern(key: str) -> str:
