@@ -190,6 +190,45 @@ def test_merak_trainer_plans_a_layout_with_expert_parallelism_and_trains_like_hf
     _print_gaps(AUTO, figures, theirs, f"; chosen {chosen.label}")
 
 
+# fp16 autocast: ep2 runs each expert on the rows its ep group routed to it, HF Trainer on the
+# whole micro-batch's (float16 rounding of other matmul shapes)
+FP16_LOSS_ATOL, FP16_NORM_RTOL = 1e-3, 1e-3
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_fp16_loss_scaling_with_expert_parallelism_skips_an_expert_overflow_everywhere(
+        launches, world_size, tmp_path):
+    """fp16 with dynamic loss scaling at dp2 ep2 pp2 against single-process HF Trainer on
+    accelerate's fp16 path (float16 autocast, torch's GradScaler): every step's loss and finite
+    gradient norm. An inf in one rank's expert gradient at step 3 (its edp group is itself, so
+    only the scaler's world-wide check reaches the others): every rank skips that step (its
+    parameters unchanged) and halves the scale, as HF's GradScaler does, and step 4 trains."""
+    from ep_fp16 import FP16_RUN, POISONED_STEP, POWER
+    from ep_fp16 import reference as fp16_reference
+
+    figures = scenario_result(*launches(world_size), FP16_RUN)
+    theirs = fp16_reference(Path(figures[0]["hub"]), tmp_path)
+    scales = [2.0 ** POWER] * (POISONED_STEP - 1) + [2.0 ** (POWER - 1)] * 2
+    assert theirs["scales"] == scales and theirs["changed"] == [True, True, False, True], theirs
+    assert [f["poisoned"] for f in figures].count(True) == 1, figures
+    finite = [i for i in range(4) if i != POISONED_STEP - 1]
+    for rank, ours in enumerate(figures):
+        assert ours["edp_size"] == 1, (rank, ours["edp_size"])
+        assert ours["scales"] == ours["logged_scales"] == scales, (rank, ours)
+        assert ours["changed"] == theirs["changed"], (rank, ours["changed"])
+        assert ours["skipped_steps"] == [0, 0, 1, 1], (rank, ours["skipped_steps"])
+        assert ours["curve"]["loss"] == pytest.approx(theirs["curve"]["loss"],
+                                                      abs=FP16_LOSS_ATOL), rank
+        assert [ours["curve"]["grad_norm"][i] for i in finite] == pytest.approx(
+            [theirs["curve"]["grad_norm"][i] for i in finite], rel=FP16_NORM_RTOL), rank
+    loss_gap = max(abs(a - b) for f in figures
+                   for a, b in zip(f["curve"]["loss"], theirs["curve"]["loss"]))
+    norm_gap = max(abs(f["curve"]["grad_norm"][i] / theirs["curve"]["grad_norm"][i] - 1)
+                   for f in figures for i in finite)
+    print(f"{FP16_RUN}: loss {loss_gap:.2g}, grad norm {norm_gap:.2g} relative (steps "
+          f"{[i + 1 for i in finite]}), scales {scales}")
+
+
 @pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("scenario", list(SFT_RUNS))
 def test_trl_sft_trainer_with_expert_parallelism_matches_single_process_sft(world_size, launches,

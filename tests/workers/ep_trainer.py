@@ -386,7 +386,9 @@ def scenarios(world_size: int) -> dict:
                     for name, fields in SFT_RUNS.items()})
         out[PLANNED] = planned_run
     if world_size == 4:
-        out[AUTO] = auto_run
+        from ep_fp16 import FP16_RUN, fp16_run  # (it imports this module)
+
+        out[AUTO], out[FP16_RUN] = auto_run, fp16_run
     return out
 
 
