@@ -190,9 +190,9 @@ def test_merak_trainer_plans_a_layout_with_expert_parallelism_and_trains_like_hf
     _print_gaps(AUTO, figures, theirs, f"; chosen {chosen.label}")
 
 
-# fp16 autocast: ep2 runs each expert on the rows its ep group routed to it, HF Trainer on the
-# whole micro-batch's (float16 rounding of other matmul shapes)
-FP16_LOSS_ATOL, FP16_NORM_RTOL = 1e-3, 1e-3
+# fp16 autocast: measured 6e-7 and 8.6e-6 from HF Trainer's fp16 path; the same HF run in fp32
+# is 2.8e-5 (loss) and 8.7e-5 (grad norm) from it at step 1, 1.4e-4 and 1.2e-3 at step 2
+FP16_LOSS_ATOL, FP16_NORM_RTOL = 1e-5, 5e-5
 
 
 @pytest.mark.parametrize("world_size", [4])
