@@ -16,7 +16,9 @@ at dp2 ep2 pp2, dp2 ep2 tp2 and dp4 ep4 pp2 (8 ranks, one expert a rank): every 
 gradient norm. In every run each rank holds 1/ep of each experts tensor of its stage and read
 exactly 1/ep of their bytes from the files. On 4 ranks, ``auto_parallel`` from
 ``merak.init(ep=2)``: the plan it writes chooses an ep2 layout, which trains at HF Trainer's loss
-and gradient norm with 1/ep of each experts tensor per rank. In one process: the rules refusing
+and gradient norm with 1/ep of each experts tensor per rank. fp16 loss scaling at dp2 ep2 pp2
+(ep_fp16.py) against HF Trainer's fp16 path, an inf in one rank's expert gradient skipped
+everywhere. In one process: the rules refusing
 what ep does not combine with yet, before any build."""
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ directory and rows and compares. DeepSeek-V3, OLMoE and GPT-OSS (`MORE`) train o
 ep2 tp2 (4 ranks) and dp4 ep4 pp2 (8; every config has 4 experts). Every run counts
 the bytes its rank's loader reads from the hub's files (`ep_reads`): 1/ep of its stage's
 experts. On 4 ranks, `auto_run`: MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans
-the same Qwen3-MoE, writes plan.json and trains the ep2 layout it chose."""
+the same Qwen3-MoE, writes plan.json and trains the ep2 layout it chose; and ep_fp16's run:
+fp16 loss scaling at dp2 ep2 pp2 with an inf in one rank's expert gradient."""
 
 from __future__ import annotations
 
