@@ -223,6 +223,11 @@ def test_fp16_loss_scaling_with_expert_parallelism_skips_an_expert_overflow_ever
                                                       abs=FP16_LOSS_ATOL), rank
         assert [ours["curve"]["grad_norm"][i] for i in finite] == pytest.approx(
             [theirs["curve"]["grad_norm"][i] for i in finite], rel=FP16_NORM_RTOL), rank
+        # the skipped step leaves the learning-rate schedule alone (step 4 runs at step 3's
+        # rate; the reference, accelerate's fp16 path forced on CPU, logs the next rate there)
+        rates = ours["curve"]["learning_rate"]
+        assert rates[:3] == pytest.approx(theirs["curve"]["learning_rate"][:3]), (rank, rates)
+        assert rates[3] == rates[2], (rank, rates)
     loss_gap = max(abs(a - b) for f in figures
                    for a, b in zip(f["curve"]["loss"], theirs["curve"]["loss"]))
     norm_gap = max(abs(f["curve"]["grad_norm"][i] / theirs["curve"]["grad_norm"][i] - 1)

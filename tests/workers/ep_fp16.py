@@ -64,7 +64,7 @@ def _poison(param: torch.nn.Parameter, at: dict) -> None:
 
 def _curve(trainer) -> dict[str, list[float]]:
     steps = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
-    return {"loss": [h["loss"] for h in steps], "grad_norm": [h["grad_norm"] for h in steps]}
+    return {key: [h[key] for h in steps] for key in ("loss", "grad_norm", "learning_rate")}
 
 
 def fp16_run() -> dict:
