@@ -5,8 +5,9 @@ pp2 or dp2 ep2 tp2 (4 ranks) on right-padded rows of lengths 5..12, saving a
 checkpoint every 2 steps (and, trained only, dp2 ep2 tp2 with sequence parallelism, counting the
 rows each router call saw); `save_model` writes the Hub layout with every expert and `merak
 export` of the last checkpoint writes the same tensors. Then the checkpoint of step 2 resumes in
-another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1 on 4; dp4 ep4 pp2 on
-8 resumes at dp4 ep2 pp2 under ZeRO-1), optimizer state included,
+another layout (dp2 ep1 on 2 ranks; dp4 ep2 pp1 under ZeRO-1, dp4 ep2 tp1, and dp2 ep2 pp2
+under ZeRO-1 from dp4 ep4, on 4; with MERAK_TEST_MATRIX=full dp4 ep4 pp2 on 8 resumes at dp4
+ep2 pp2 under ZeRO-1), optimizer state included,
 and trains steps 3 and 4 again, and both runs evaluate their final weights (the same loss at the
 same dp: a step's eval loss holds each dp rank's load-balancing loss, see
 docs/expert-parallel.md). The test runs single-process HF Trainer (`reference`) on the same
@@ -16,7 +17,8 @@ ep2 tp2 (4 ranks; but GPT-OSS, with sequence parallelism too) and dp4 ep4 pp2 (8
 config has 4 experts). Every run counts the bytes its rank's loader reads from the hub's files
 (`ep_reads`): 1/ep of its stage's experts. On 4 ranks, `auto_run`:
 MerakTrainer(auto_parallel=True) from merak.init(ep=2) plans the same Qwen3-MoE, writes
-plan.json and trains the ep2 layout it chose."""
+plan.json and trains the ep2 layout it chose; and ep_fp16's run: fp16 loss scaling at dp2 ep2
+pp2 with an inf in one rank's expert gradient."""
 
 from __future__ import annotations
 
@@ -393,7 +395,9 @@ def scenarios(world_size: int) -> dict:
                     for name, fields in SFT_RUNS.items()})
         out[PLANNED] = planned_run
     if world_size == 4:
-        out[AUTO] = auto_run
+        from ep_fp16 import FP16_RUN, fp16_run  # (it imports this module)
+
+        out[AUTO], out[FP16_RUN] = auto_run, fp16_run
     return out
 
 
