@@ -73,9 +73,9 @@ def _keep_whole(module: nn.Module, name: str, group, dim: int) -> None:
     stray = [f"{name}.{n}" for n, m in module.named_modules()
              if getattr(m, "sequence_parallel", False)]
     if stray:
-        raise ValueError(f"sequence parallelism runs {name} whole on every TP rank (it holds "
-                         f"experts summed over TP), but {stray} reduce-scatter the sequence "
-                         f"inside it; set sequence_parallel=False")
+        raise ValueError(f"sequence parallelism runs {name} whole on every TP rank (its TP "
+                         f"split is summed or gathered inside it, or it has none), but {stray} "
+                         f"reduce-scatter the sequence inside it; set sequence_parallel=False")
     module.register_forward_pre_hook(
         lambda mod, args, kwargs: _with_first_tensor(
             args, kwargs, lambda x: x if tracing() else gather_from_tp(x, dim, group)),
