@@ -20,7 +20,17 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from common import out_dir
-from ep_trainer import DP, FIELDS, MICRO_BATCH, MICROBATCHES, STEPS, _trainer, save_hub, train_set
+from ep_trainer import (
+    DP,
+    FIELDS,
+    MICRO_BATCH,
+    MICROBATCHES,
+    STEPS,
+    _trainer,
+    logged,
+    save_hub,
+    train_set,
+)
 
 from merak.expert_parallel import experts_modules
 
@@ -63,8 +73,7 @@ def _poison(param: torch.nn.Parameter, at: dict) -> None:
 
 
 def _curve(trainer) -> dict[str, list[float]]:
-    steps = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
-    return {key: [h[key] for h in steps] for key in ("loss", "grad_norm", "learning_rate")}
+    return logged(trainer, ("loss", "grad_norm", "learning_rate"))
 
 
 def fp16_run() -> dict:

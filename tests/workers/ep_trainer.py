@@ -157,9 +157,9 @@ def hub_sizes(path: Path) -> dict[str, int]:
     return sizes
 
 
-def logged(trainer) -> dict[str, list[float]]:
+def logged(trainer, keys: tuple[str, ...] = ("loss", "grad_norm")) -> dict[str, list[float]]:
     steps = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
-    return {"loss": [h["loss"] for h in steps], "grad_norm": [h["grad_norm"] for h in steps]}
+    return {key: [h[key] for h in steps] for key in keys}
 
 
 def _trainer(hub: Path, output: Path, layout: tuple[int, int, int, int], **fields):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from merak.stages.blocks import within
 from merak.tensor_parallel.layers.collectives import (
     gather_from_tp,
     gather_sequence,
@@ -96,7 +97,7 @@ def whole_modules(model: nn.Module, blocks: list[str], sp_gather: tuple[str, ...
     modules `split` (TP left them replicated: nothing in them would reduce-scatter their
     output): sequence parallelism runs them whole on every TP rank."""
     def holds(name: str, names: set[str]) -> bool:
-        return any(s == name or s.startswith(name + ".") for s in names)
+        return any(within(s, name) for s in names)
     return [name for name, _ in model.named_modules()
             if any(name.startswith(b + ".") for b in blocks)
             and any(matches(name, p) for p in sp_gather)
